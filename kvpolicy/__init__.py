@@ -1,0 +1,60 @@
+"""kvpolicy: KV-cache eviction policies for LLM inference.
+
+The backend-agnostic core: :class:`EvictionPolicy`, the built-in policies (BUZZ, H2O,
+StreamingLLM, local window, full cache), the registry and budgets. Imports neither torch nor
+transformers; backends live in ``kvpolicy_numpy`` (exact reference) and ``kvpolicy_torch``.
+
+Example:
+    >>> import kvpolicy
+    >>> p = kvpolicy.make_policy("buzz", budget=0.3, context_length=4096)
+    >>> p.capacity <= 4096
+    True
+"""
+
+from .budget import PolicyPlan, make_policy, plan_policy, realised_budget, simulate_sizes
+from .policies import (
+    BUZZ,
+    H2O,
+    FullCache,
+    LocalWindow,
+    StreamingLLM,
+    estimate_threshold,
+    fixed_point_middle,
+    threshold_ratio,
+)
+from .policy import CacheView, EvictionPolicy, LogNScaling
+from .registry import (
+    ENTRY_POINT_GROUP,
+    Preset,
+    available_policies,
+    create_policy,
+    get_policy,
+    register_policy,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BUZZ",
+    "CacheView",
+    "ENTRY_POINT_GROUP",
+    "EvictionPolicy",
+    "FullCache",
+    "H2O",
+    "LocalWindow",
+    "LogNScaling",
+    "PolicyPlan",
+    "Preset",
+    "StreamingLLM",
+    "available_policies",
+    "create_policy",
+    "estimate_threshold",
+    "fixed_point_middle",
+    "get_policy",
+    "make_policy",
+    "plan_policy",
+    "realised_budget",
+    "register_policy",
+    "simulate_sizes",
+    "threshold_ratio",
+]

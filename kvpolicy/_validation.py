@@ -1,0 +1,46 @@
+"""Parameter checks shared by every policy: one ``ValueError`` format, naming the parameter and its range."""
+
+from __future__ import annotations
+
+import numbers
+
+__all__ = ["check_int", "check_float", "check_choice"]
+
+
+def check_int(name: str, value: object, *, minimum: int = 1, maximum: int | None = None) -> int:
+    """Return ``value`` as an int, or raise ``ValueError`` naming ``name`` and the allowed range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    value = int(value)
+    if value < minimum or (maximum is not None and value > maximum):
+        upper = f" and <= {maximum}" if maximum is not None else ""
+        raise ValueError(f"{name} must be >= {minimum}{upper}, got {value}")
+    return value
+
+
+def check_float(
+    name: str,
+    value: object,
+    *,
+    low: float,
+    high: float,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    """Return ``value`` as a float inside the interval, or raise ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    ok_low = value > low if low_open else value >= low
+    ok_high = value < high if high_open else value <= high
+    if not (ok_low and ok_high) or value != value:
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{name} must be in {interval}, got {value}")
+    return value
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    """Return ``value`` if it is one of ``choices``, else raise ``ValueError`` listing them."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value  # type: ignore[return-value]

@@ -1,0 +1,205 @@
+"""Budgets: turn "keep 30% of the cache" into policy parameters, and measure what a run realises.
+
+Budget means what the BUZZ paper means: the policy's *average* cache size over a run divided by
+the full cache's average size over the same run. Here a run is ``context_length`` tokens of
+which the first ``prompt_length`` are one prefill; the average is taken over the decode steps
+(every token when ``prompt_length`` is 0), and the size of a step is the number of keys its query
+attends to (the new token included). Cache sizes of the built-in policies depend on counts only,
+never on scores, so the plan replays the real policy code on placeholder scores and is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._validation import check_float, check_int
+from .policy import CacheView, EvictionPolicy
+from .registry import Preset, get_policy
+
+__all__ = ["PolicyPlan", "make_policy", "plan_policy", "simulate_sizes", "realised_budget"]
+
+
+def simulate_sizes(policy: EvictionPolicy, context_length: int, prompt_length: int = 0) -> np.ndarray:
+    """Cache size at every decode step of a run (keys attended, the new one included).
+
+    Example:
+        >>> from kvpolicy import StreamingLLM
+        >>> simulate_sizes(StreamingLLM(sink=1, window=2), 6).tolist()
+        [1, 2, 3, 4, 4, 4]
+    """
+    context_length = check_int("context_length", context_length, minimum=1)
+    prompt_length = check_int("prompt_length", prompt_length, minimum=0, maximum=context_length)
+    state = policy.init_state()
+    positions = np.zeros((1, 1, 0), dtype=np.int64)
+    sizes = []
+
+    def evict_until_stable(phase: str) -> None:
+        nonlocal positions
+        while True:
+            view = CacheView(positions, np.zeros(positions.shape), n_seen, state, phase)  # type: ignore[arg-type]
+            keep = policy.evict(view)
+            if keep is None:
+                return
+            positions = np.take_along_axis(positions, np.asarray(keep), axis=-1)
+
+    n_seen = 0
+    if prompt_length:
+        n_seen = prompt_length
+        positions = np.arange(prompt_length, dtype=np.int64)[None, None, :]
+        evict_until_stable("prefill")
+    for t in range(prompt_length, context_length):
+        n_seen = t + 1
+        positions = np.concatenate([positions, np.full((1, 1, 1), t, dtype=np.int64)], axis=-1)
+        sizes.append(positions.shape[-1])
+        evict_until_stable("decode")
+    return np.asarray(sizes, dtype=np.int64)
+
+
+def realised_budget(sizes: np.ndarray, context_length: int, prompt_length: int = 0) -> float:
+    """Average of ``sizes`` over the full cache's average on the same decode steps."""
+    full = np.arange(prompt_length + 1, context_length + 1, dtype=np.float64)
+    return float(np.mean(sizes) / np.mean(full))
+
+
+@dataclass(frozen=True)
+class PolicyPlan:
+    """A policy resolved from a budget, with what it realises on the planned run."""
+
+    policy: EvictionPolicy
+    requested_budget: float
+    realised_budget: float
+    context_length: int
+    prompt_length: int
+    average_size: float
+    full_average_size: float
+
+    @property
+    def capacity(self) -> int | None:
+        return self.policy.capacity
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy.name,
+            "params": self.policy.params(),
+            "requested_budget": self.requested_budget,
+            "realised_budget": self.realised_budget,
+            "context_length": self.context_length,
+            "prompt_length": self.prompt_length,
+            "capacity": self.capacity,
+            "average_size": self.average_size,
+            "full_average_size": self.full_average_size,
+        }
+
+    def __str__(self) -> str:
+        params = ", ".join(f"{k}={v}" for k, v in self.policy.params().items()) or "-"
+        cap = "unbounded" if self.capacity is None else str(self.capacity)
+        return (
+            f"policy            {self.policy.name}\n"
+            f"parameters        {params}\n"
+            f"capacity          {cap} tokens per head and layer\n"
+            f"run               {self.context_length} tokens"
+            + (f" ({self.prompt_length} prefilled)" if self.prompt_length else "")
+            + "\n"
+            f"average size      {self.average_size:.1f} (full cache: {self.full_average_size:.1f})\n"
+            f"budget            requested {self.requested_budget:.1%}, realised {self.realised_budget:.1%}"
+        )
+
+
+def plan_policy(
+    name: str | type[EvictionPolicy] | Preset,
+    budget: float = 0.4,
+    *,
+    context_length: int,
+    prompt_length: int = 0,
+    **overrides: Any,
+) -> PolicyPlan:
+    """Resolve a policy's parameters so its realised budget is as close as possible to ``budget``.
+
+    ``overrides`` fix parameters (e.g. ``stride=4``, ``sink=1``); the remaining size knob is
+    searched (bisection over the policy's ``from_size``) against an exact size simulation.
+
+    Example:
+        >>> plan = plan_policy("buzz", 0.3, context_length=2048)
+        >>> abs(plan.realised_budget - 0.3) < 0.05
+        True
+    """
+    budget = check_float("budget", budget, low=0.0, high=1.0, low_open=True)
+    context_length = check_int("context_length", context_length, minimum=1)
+    prompt_length = check_int("prompt_length", prompt_length, minimum=0, maximum=context_length - 1)
+    entry = get_policy(name) if isinstance(name, str) else name
+    full_avg = float(np.mean(np.arange(prompt_length + 1, context_length + 1)))
+
+    def build(size: int) -> EvictionPolicy:
+        return entry.from_size(size, **dict(overrides))
+
+    memo: dict[int, tuple[EvictionPolicy, float, float]] = {}
+
+    def evaluate(size: int) -> tuple[EvictionPolicy, float, float]:
+        if size not in memo:
+            policy = build(size)
+            sizes = simulate_sizes(policy, context_length, prompt_length)
+            memo[size] = (policy, float(np.mean(sizes)) / full_avg, float(np.mean(sizes)))
+        return memo[size]
+
+    cls = entry.cls if isinstance(entry, Preset) else entry
+    if cls.name == "full":
+        if budget != 1.0:
+            raise ValueError(f"budget for the full cache must be 1.0 (it keeps every token), got {budget}")
+        policy = entry(**overrides)
+        return PolicyPlan(policy, 1.0, 1.0, context_length, prompt_length, full_avg, full_avg)
+
+    lo, hi = entry.min_size, max(entry.min_size, context_length)
+    if evaluate(lo)[1] > budget + 0.05:
+        raise ValueError(
+            f"budget {budget} is below the smallest {cls.name} reaches on a {context_length}-token run "
+            f"({evaluate(lo)[1]:.3f}); allowed range: [{evaluate(lo)[1]:.3f}, 1]"
+        )
+    # Find the smallest size whose realised budget reaches the request. The realised budget is
+    # close to linear in size, so probe by interpolation inside the bracket (a few simulations
+    # instead of a full bisection), falling back to the midpoint when interpolation stalls.
+    if evaluate(hi)[1] < budget:
+        lo = hi
+    bisect = False
+    while lo < hi:
+        if bisect:
+            mid = (lo + hi) // 2
+        else:
+            r_lo, r_hi = evaluate(lo)[1], evaluate(hi)[1]
+            guess = lo + round((budget - r_lo) / max(r_hi - r_lo, 1e-12) * (hi - lo))
+            mid = min(max(guess, lo), hi - 1)
+        width = hi - lo
+        if evaluate(mid)[1] >= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+        bisect = (hi - lo) * 2 > width  # interpolation stalled: halve next time
+    candidates = [evaluate(lo)] + ([evaluate(lo - 1)] if lo > entry.min_size else [])
+    policy, realised, avg = min(candidates, key=lambda c: abs(c[1] - budget))
+    return PolicyPlan(policy, budget, realised, context_length, prompt_length, avg, full_avg)
+
+
+def make_policy(
+    name: str | type[EvictionPolicy] | Preset,
+    budget: float = 0.4,
+    *,
+    context_length: int,
+    prompt_length: int = 0,
+    **overrides: Any,
+) -> EvictionPolicy:
+    """A policy whose realised budget on the described run is closest to ``budget``.
+
+    For BUZZ the threshold comes from the parameter-estimation theorem
+    (:func:`kvpolicy.estimate_threshold`) unless overridden. Use :func:`plan_policy` to also get
+    the realised budget and average size.
+
+    Example:
+        >>> from kvpolicy import make_policy
+        >>> make_policy("h2o", 0.25, context_length=1024)
+        H2O(heavy=64, recent=64)
+    """
+    return plan_policy(
+        name, budget, context_length=context_length, prompt_length=prompt_length, **overrides
+    ).policy

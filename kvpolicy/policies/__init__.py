@@ -1,0 +1,22 @@
+"""Built-in policies, one per module."""
+
+from ..registry import register_policy
+from .buzz import BUZZ, estimate_threshold, fixed_point_middle, small_stride, threshold_ratio
+from .full import FullCache
+from .h2o import H2O
+from .local import LocalWindow
+from .streaming import StreamingLLM
+
+register_policy(BUZZ, name="buzz_logn", preset={"log_n": True}, doc="BUZZ with log n attention scaling")
+
+__all__ = [
+    "BUZZ",
+    "FullCache",
+    "H2O",
+    "LocalWindow",
+    "StreamingLLM",
+    "estimate_threshold",
+    "fixed_point_middle",
+    "small_stride",
+    "threshold_ratio",
+]

@@ -1,0 +1,222 @@
+"""BUZZ (Zhao et al., 2024, "BUZZ: Beehive-structured Sparse KV Cache with Segmented Heavy
+Hitters for Efficient LLM Inference"), Algorithms 1 and 2, and its parameter-estimation rule.
+
+The cache of one head is ``sink | old | new | window``: the first ``sink`` positions, the middle,
+and the last ``window`` positions. ``old`` are middle tokens that survived the last eviction,
+``new`` the middle tokens that arrived since. Whenever the middle holds ``threshold`` tokens or
+more, one eviction runs:
+
+* old tokens are interval-sampled with ``s_hat = floor((s + 1) / 2)``: of each group of
+  ``s_hat`` consecutive old tokens, the first is kept (``interval_keep="last"`` keeps the last);
+* new tokens are split from their start into segments of ``stride`` (the last, partial segment
+  included) and each segment keeps its highest-score token (ties: the earliest position);
+* the survivors become the old tokens.
+
+After a prefill the rule repeats (survivors are then all old) until the middle is below the
+threshold, so a head never holds more than ``sink + window + threshold`` tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from .._validation import check_choice, check_int
+from ..policy import Array, CacheView, EvictionPolicy, LogNScaling, Selection
+from ..registry import register_policy
+
+__all__ = ["BUZZ", "estimate_threshold", "threshold_ratio", "small_stride", "fixed_point_middle"]
+
+
+def small_stride(stride: int) -> int:
+    """``s_hat = floor((s + 1) / 2)``, the interval at which old tokens are sampled."""
+    return (stride + 1) // 2
+
+
+def threshold_ratio(stride: int) -> float:
+    """The parameter-estimation theorem's optimal ``T / w`` for stride ``s``.
+
+    Between evictions the middle grows from its post-eviction size ``a`` to ``T``; one eviction
+    maps ``a -> a / s_hat + (T - a) / s`` (old tokens thinned by ``s_hat``, the ``T - a`` new ones
+    by ``s``). Its fixed point is ``a* = T / (s - s / s_hat + 1)``. Setting ``a* = w`` (as many
+    sampled middle tokens as window tokens) gives ``T / w = s - s / s_hat + 1``:
+    ``(s^2 + 1) / (s + 1)`` for odd ``s`` (``s_hat = (s + 1) / 2``) and ``s - 1`` for even ``s``
+    (``s_hat = s / 2``).
+
+    Example:
+        >>> round(threshold_ratio(5), 4)
+        4.3333
+        >>> threshold_ratio(6)
+        5.0
+    """
+    s = check_int("stride", stride, minimum=3)
+    return s - s / small_stride(s) + 1
+
+
+def fixed_point_middle(stride: int, threshold: int) -> float:
+    """Long-run post-eviction middle size ``a*`` of the recurrence (before rounding)."""
+    return threshold / threshold_ratio(stride)
+
+
+def estimate_threshold(stride: int, window: int) -> int:
+    """The threshold ``T`` the theorem recommends for ``stride`` and ``window`` (rounded).
+
+    Example:
+        >>> estimate_threshold(5, 30)
+        130
+    """
+    window = check_int("window", window, minimum=1)
+    return max(_min_threshold(stride), round(threshold_ratio(stride) * window))
+
+
+def _shrinks(stride: int, threshold: int) -> bool:
+    """Whether every eviction leaves fewer than ``threshold`` middle tokens.
+
+    In decode the middle reaches exactly ``threshold`` with ``a`` old tokens (``0 <= a < T``);
+    one eviction keeps ``ceil(a / s_hat) + ceil((T - a) / s)``.
+    """
+    s_hat = small_stride(stride)
+    return all(
+        -(-a // s_hat) + -(-(threshold - a) // stride) < threshold for a in range(threshold)
+    ) and -(-threshold // s_hat) < threshold
+
+
+def _min_threshold(stride: int) -> int:
+    t = 1
+    while not _shrinks(stride, t):
+        t += 1
+    return t
+
+
+@register_policy
+class BUZZ(EvictionPolicy):
+    """BUZZ: sink, beehive-sampled middle, sliding window.
+
+    Parameters:
+        sink: first positions kept forever (>= 1; the paper uses 1 to 5).
+        window: last positions always kept (>= 1).
+        stride: segment length ``s`` for new tokens (>= 3; old tokens use ``s_hat = (s+1)//2``,
+            and ``s_hat = 1`` would never thin them, leaving the cache unbounded).
+        threshold: middle size ``T`` that triggers an eviction (at least the smallest value for
+            which an eviction shrinks the middle, 3 for every stride). See
+            :func:`estimate_threshold` for the theorem's choice.
+        log_n: scale attention logits by ``log_base(n)`` ("BUZZ with log n").
+        log_base: the base of that logarithm (the paper: 512).
+        log_floor: lower bound of the scale, i.e. how contexts shorter than ``log_base`` are
+            treated (1.0: ordinary attention; 0.0: the literal formula, softer attention).
+        interval_keep: which token of each ``s_hat`` group of old tokens survives (``"first"``).
+        selection: ``"per_head"`` (default) or ``"shared"`` across KV heads.
+
+    Example:
+        >>> from kvpolicy import BUZZ
+        >>> p = BUZZ(sink=4, window=30, stride=5, threshold=130)
+        >>> p.capacity
+        164
+    """
+
+    name = "buzz"
+
+    def __init__(
+        self,
+        sink: int = 4,
+        window: int = 64,
+        stride: int = 5,
+        threshold: int | None = None,
+        *,
+        log_n: bool = False,
+        log_base: float = 512.0,
+        log_floor: float = 1.0,
+        interval_keep: Literal["first", "last"] = "first",
+        selection: Selection = "per_head",
+    ) -> None:
+        super().__init__(selection=selection)
+        self.sink = check_int("sink", sink, minimum=1)
+        self.window = check_int("window", window, minimum=1)
+        self.stride = check_int("stride", stride, minimum=3)
+        if threshold is None:
+            threshold = estimate_threshold(self.stride, self.window)
+        t_min = _min_threshold(self.stride)
+        self.threshold = check_int("threshold", threshold, minimum=t_min)
+        self.s_hat = small_stride(self.stride)
+        self.interval_keep = check_choice("interval_keep", interval_keep, ("first", "last"))
+        self.log_n = LogNScaling(log_base, log_floor) if log_n else None
+        self._log_args = (bool(log_n), float(log_base), float(log_floor))
+
+    @property
+    def capacity(self) -> int:
+        return self.sink + self.window + self.threshold
+
+    def init_state(self) -> dict[str, int]:
+        return {"n_old": 0}
+
+    def select(self, view: CacheView) -> Array | None:
+        n = view.n_cached
+        middle = n - self.sink - self.window
+        if middle < self.threshold:
+            return None
+        xp = view.xp
+        n_old = view.state.get("n_old", 0)
+        n_new = middle - n_old
+        start_old = self.sink
+        start_new = self.sink + n_old
+
+        # Old tokens: interval sampling, pure index arithmetic.
+        first = view.arange(start_old, start_new, self.s_hat)
+        if self.interval_keep == "first":
+            old_slots = first
+        else:
+            old_slots = xp.clip(first + (self.s_hat - 1), max=start_new - 1)
+
+        # New tokens: one argmax per stride segment over a -inf padded [.., segments, stride] view.
+        n_seg = -(-n_new // self.stride)
+        parts = [view.arange(self.sink), old_slots]
+        if n_seg:
+            scores = view.scores[..., start_new : start_new + n_new]
+            pad = n_seg * self.stride - n_new
+            if pad:
+                filler = xp.full(
+                    (*scores.shape[:-1], pad), -xp.inf, dtype=scores.dtype, device=_device(scores)
+                )
+                scores = xp.concat([scores, filler], axis=-1)
+            segments = xp.reshape(scores, (*scores.shape[:-1], n_seg, self.stride))
+            winner = xp.argmax(segments, axis=-1)  # first maximum: ties go to the earliest
+            parts.append(start_new + view.arange(0, n_seg * self.stride, self.stride) + winner)
+        parts.append(view.arange(n - self.window, n))
+        view.state["n_old"] = int(old_slots.shape[0]) + n_seg
+        return view.keep(*parts)
+
+    def params(self) -> dict[str, Any]:
+        p: dict[str, Any] = {
+            "sink": self.sink,
+            "window": self.window,
+            "stride": self.stride,
+            "threshold": self.threshold,
+        }
+        log_n, base, floor = self._log_args
+        if log_n:
+            p.update(log_n=True, log_base=base, log_floor=floor)
+        if self.interval_keep != "first":
+            p["interval_keep"] = self.interval_keep
+        return p
+
+    min_size = 6
+
+    @classmethod
+    def from_size(cls, size: int, **overrides: Any) -> "BUZZ":
+        """BUZZ whose steady average cache size is about ``size``, threshold from the theorem.
+
+        Between evictions the middle moves from about ``w`` to ``T = r w``, so the average cache
+        is about ``sink + w + (w + T) / 2``; ``window`` is solved from that.
+        """
+        sink = overrides.pop("sink", 4)
+        stride = overrides.pop("stride", 5)
+        ratio = threshold_ratio(stride)
+        window = overrides.pop("window", max(1, round((size - sink) / (1 + (1 + ratio) / 2))))
+        threshold = overrides.pop("threshold", estimate_threshold(stride, window))
+        return cls(sink=sink, window=window, stride=stride, threshold=threshold, **overrides)
+
+
+def _device(x: Array) -> Any:
+    from array_api_compat import device
+
+    return device(x)
+

@@ -1,0 +1,37 @@
+"""Full cache: the reference every policy approximates (no eviction)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..policy import Array, CacheView, EvictionPolicy
+from ..registry import register_policy
+
+
+@register_policy
+class FullCache(EvictionPolicy):
+    """Keep every token: dense attention, the paper's upper bound.
+
+    Parameters: none. ``capacity`` is ``None`` (unbounded); backends grow the cache as needed.
+
+    Example:
+        >>> from kvpolicy import FullCache
+        >>> FullCache().capacity is None
+        True
+    """
+
+    name = "full"
+    uses_scores = False
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def capacity(self) -> int | None:
+        return None
+
+    def select(self, view: CacheView) -> Array | None:
+        return None
+
+    def params(self) -> dict[str, Any]:
+        return {}

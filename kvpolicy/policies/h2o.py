@@ -1,0 +1,65 @@
+"""H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._validation import check_int
+from ..policy import Array, CacheView, EvictionPolicy, Selection
+from ..registry import register_policy
+
+
+@register_policy
+class H2O(EvictionPolicy):
+    """Heavy hitters plus a recent window.
+
+    While the cache holds more than ``heavy + recent`` tokens, evict the token with the lowest
+    accumulated score outside the last ``recent`` positions (ties: the earliest position goes
+    first). Evicting one at a time or all at once is the same here, since scores do not change
+    between evictions of one step: the decision is one stable argsort.
+
+    Parameters:
+        heavy: heavy-hitter tokens kept outside the recent window (>= 1).
+        recent: most recent tokens always kept (>= 1).
+        selection: ``"per_head"`` (default) or ``"shared"`` across KV heads.
+
+    Example:
+        >>> from kvpolicy import H2O
+        >>> H2O(heavy=32, recent=32).capacity
+        65
+    """
+
+    name = "h2o"
+
+    def __init__(self, heavy: int, recent: int, *, selection: Selection = "per_head") -> None:
+        super().__init__(selection=selection)
+        self.heavy = check_int("heavy", heavy, minimum=1)
+        self.recent = check_int("recent", recent, minimum=1)
+
+    @property
+    def capacity(self) -> int:
+        return self.heavy + self.recent + 1
+
+    def select(self, view: CacheView) -> Array | None:
+        n = view.n_cached
+        if n <= self.heavy + self.recent:
+            return None
+        xp = view.xp
+        candidates = n - self.recent
+        n_evict = n - self.heavy - self.recent
+        # Stable ascending sort: equal scores keep slot (= position) order, so the earliest
+        # of a tie is evicted first.
+        order = xp.argsort(view.scores[..., :candidates], axis=-1, stable=True)
+        heavy_slots = xp.sort(order[..., n_evict:], axis=-1)
+        return view.keep(heavy_slots, view.arange(candidates, n))
+
+    def params(self) -> dict[str, Any]:
+        return {"heavy": self.heavy, "recent": self.recent}
+
+    min_size = 2
+
+    @classmethod
+    def from_size(cls, size: int, **overrides: Any) -> "H2O":
+        # The H2O paper splits the budget evenly between heavy hitters and recent tokens.
+        heavy = overrides.pop("heavy", max(1, size // 2))
+        return cls(heavy=heavy, recent=overrides.pop("recent", max(1, size - heavy)), **overrides)

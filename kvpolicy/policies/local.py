@@ -1,0 +1,47 @@
+"""Local window: only the most recent tokens (the paper's "Local" baseline)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._validation import check_int
+from ..policy import Array, CacheView, EvictionPolicy
+from ..registry import register_policy
+
+
+@register_policy
+class LocalWindow(EvictionPolicy):
+    """Keep the last ``window`` positions after every step.
+
+    Parameters:
+        window: tokens kept after eviction (>= 1). The next query attends to ``window + 1``.
+
+    Example:
+        >>> from kvpolicy import LocalWindow
+        >>> LocalWindow(window=8).capacity
+        9
+    """
+
+    name = "local"
+    uses_scores = False
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.window = check_int("window", window, minimum=1)
+
+    @property
+    def capacity(self) -> int:
+        return self.window + 1
+
+    def select(self, view: CacheView) -> Array | None:
+        n = view.n_cached
+        if n <= self.window:
+            return None
+        return view.keep(view.arange(n - self.window, n))
+
+    def params(self) -> dict[str, Any]:
+        return {"window": self.window}
+
+    @classmethod
+    def from_size(cls, size: int, **overrides: Any) -> "LocalWindow":
+        return cls(window=overrides.pop("window", size), **overrides)

@@ -1,0 +1,56 @@
+"""StreamingLLM (Xiao et al., 2023, "Efficient Streaming Language Models with Attention Sinks")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._validation import check_int
+from ..policy import Array, CacheView, EvictionPolicy
+from ..registry import register_policy
+
+
+@register_policy
+class StreamingLLM(EvictionPolicy):
+    """Keep the first ``sink`` positions (attention sinks) and the last ``window`` positions.
+
+    Parameters:
+        sink: initial tokens kept forever (>= 1; the StreamingLLM paper uses 4).
+        window: most recent tokens kept after eviction (>= 1).
+
+    Its HF default is ``positions="cache"`` (the paper's pos-shift: keys are re-rotated to their
+    slot in the cache), since StreamingLLM was designed and evaluated that way.
+
+    Example:
+        >>> from kvpolicy import StreamingLLM
+        >>> StreamingLLM(sink=4, window=60).capacity
+        65
+    """
+
+    name = "streaming_llm"
+    uses_scores = False
+    default_positions = "cache"
+
+    def __init__(self, sink: int = 4, window: int = 252) -> None:
+        super().__init__()
+        self.sink = check_int("sink", sink, minimum=1)
+        self.window = check_int("window", window, minimum=1)
+
+    @property
+    def capacity(self) -> int:
+        return self.sink + self.window + 1
+
+    def select(self, view: CacheView) -> Array | None:
+        n = view.n_cached
+        if n <= self.sink + self.window:
+            return None
+        return view.keep(view.arange(self.sink), view.arange(n - self.window, n))
+
+    def params(self) -> dict[str, Any]:
+        return {"sink": self.sink, "window": self.window}
+
+    min_size = 2
+
+    @classmethod
+    def from_size(cls, size: int, **overrides: Any) -> "StreamingLLM":
+        sink = overrides.pop("sink", min(4, max(1, size // 2)))
+        return cls(sink=sink, window=overrides.pop("window", max(1, size - sink)), **overrides)

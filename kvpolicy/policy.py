@@ -1,0 +1,249 @@
+"""The abstract eviction policy and the read-only cache view it decides on.
+
+A policy never touches keys or values. A backend (``kvpolicy_numpy``, ``kvpolicy_torch``, the
+transformers cache) keeps, per layer, the cached tokens' original positions and accumulated
+attention scores, shows them to the policy as a :class:`CacheView`, and applies the slots the
+policy returns with one gather. The decision is written once against the array namespace of
+the view (``view.xp``, from ``array-api-compat``), so the same code runs on NumPy and Torch.
+
+Shapes follow the backends: ``[batch, kv_heads, n]`` for positions and scores, where ``n`` is
+the number of cached tokens of that layer (equal for every row and head).
+
+Two rules keep decisions cheap and free of host-device syncs on accelerators:
+
+* *whether* to evict depends only on host integers (``view.n_cached``, ``view.n_seen``,
+  ``view.state``), never on tensor values;
+* *which* slots to keep is computed with array operations, never with ``.item()``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable, ClassVar, Literal
+
+from ._validation import check_choice, check_float
+
+__all__ = ["CacheView", "EvictionPolicy", "LogNScaling", "Selection"]
+
+Array = Any  # a NumPy ndarray or a torch.Tensor; anything array-api-compat understands
+Selection = Literal["per_head", "shared"]
+
+
+def array_namespace(x: Array) -> Any:
+    """The array-api-compat namespace of ``x`` (NumPy or Torch)."""
+    from array_api_compat import array_namespace as _ns
+
+    return _ns(x)
+
+
+@dataclass
+class CacheView:
+    """What a policy sees of one layer's cache, at one eviction opportunity.
+
+    Attributes:
+        positions: ``[batch, kv_heads, n]`` integer original positions of the cached tokens,
+            ascending along the last axis (slot order is position order).
+        scores: ``[batch, kv_heads, n]`` accumulated attention each cached token has received
+            (summed over the query heads of its KV head, over all queries so far).
+        n_seen: tokens processed so far in this sequence, the ones just appended included.
+        state: the policy's own per-layer state: a small dict of host ints the policy may update
+            when it evicts (e.g. BUZZ's count of "old" middle tokens).
+        phase: ``"prefill"`` right after a prompt (or chunk) was appended, else ``"decode"``.
+
+    The view is read-only for the policy except ``state``.
+    """
+
+    positions: Array
+    scores: Array
+    n_seen: int
+    state: dict[str, int] = field(default_factory=dict)
+    phase: Literal["prefill", "decode"] = "decode"
+
+    @property
+    def n_cached(self) -> int:
+        """Number of cached tokens (slots) per head."""
+        return int(self.positions.shape[-1])
+
+    @property
+    def batch(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def heads(self) -> int:
+        return int(self.positions.shape[1])
+
+    @cached_property
+    def xp(self) -> Any:
+        """Array namespace of the view's arrays (``array_api_compat.numpy`` or ``.torch``)."""
+        return array_namespace(self.scores)
+
+    def arange(self, start: int, stop: int | None = None, step: int = 1) -> Array:
+        """A 1-D int64 slot range on the view's device."""
+        from array_api_compat import device
+
+        xp = self.xp
+        if stop is None:
+            start, stop = 0, start
+        return xp.arange(start, stop, step, dtype=xp.int64, device=device(self.scores))
+
+    def keep(self, *parts: Array) -> Array:
+        """Concatenate slot indices into a ``[batch, heads, k]`` keep array.
+
+        Each part is either 1-D (the same slots for every row and head) or ``[batch, heads, m]``.
+        Parts must already be in ascending slot order and disjoint, in order.
+        """
+        xp = self.xp
+        shaped = []
+        for part in parts:
+            if part.ndim == 1:
+                part = xp.broadcast_to(part[None, None, :], (self.batch, self.heads, part.shape[0]))
+            shaped.append(xp.astype(part, xp.int64))
+        return xp.concat(shaped, axis=-1)
+
+
+@dataclass(frozen=True)
+class LogNScaling:
+    """BUZZ's "log n" attention: logits of a query that has seen ``n`` tokens are multiplied by
+    ``max(log_base(n), floor)``.
+
+    ``floor`` says how contexts shorter than ``base`` are treated: with the default ``1.0`` they
+    keep ordinary attention (the paper's intent that n = base "degrades to the traditional
+    formula", applied below it too); ``floor=0.0`` follows the formula literally and *softens*
+    attention for n < base.
+    """
+
+    base: float = 512.0
+    floor: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_float("log_base", self.base, low=1.0, high=math.inf, low_open=True, high_open=True)
+        check_float("log_floor", self.floor, low=0.0, high=math.inf, high_open=True)
+
+    def scale(self, n_seen: int) -> float:
+        """Scale for one query that has seen ``n_seen >= 1`` tokens (itself included)."""
+        return max(math.log(max(n_seen, 1)) / math.log(self.base), self.floor)
+
+    def scales(self, n_seen: Array) -> Array:
+        """Vectorised :meth:`scale` for an array of counts (NumPy or Torch)."""
+        xp = array_namespace(n_seen)
+        s = xp.log(xp.astype(n_seen, xp.float64)) / math.log(self.base)
+        return xp.clip(s, min=self.floor)
+
+
+class EvictionPolicy(ABC):
+    """Base class of every KV-cache eviction policy.
+
+    Subclasses set :attr:`name`, implement :attr:`capacity` and :meth:`select`, and may override
+    :meth:`init_state`, :meth:`params` and :meth:`from_size`. Backends call :meth:`evict`, which
+    handles the per-head / shared selection choice, after every append, repeatedly until it
+    returns ``None``.
+
+    Args:
+        selection: ``"per_head"`` (default) lets every KV head keep its own tokens;
+            ``"shared"`` sums the scores over heads and keeps the same tokens on all of them.
+
+    Example:
+        >>> from kvpolicy import StreamingLLM
+        >>> p = StreamingLLM(sink=4, window=60)
+        >>> p.capacity
+        65
+    """
+
+    #: Registry name, e.g. ``"buzz"``; also the CLI name.
+    name: ClassVar[str] = ""
+    #: Whether the policy reads scores at all (lets backends skip score capture for e.g. local).
+    uses_scores: ClassVar[bool] = True
+    #: Positions mode the HF integration uses unless told otherwise: ``"original"`` keeps the
+    #: RoPE position a key was computed at, ``"cache"`` re-rotates keys to their slot index.
+    default_positions: ClassVar[Literal["original", "cache"]] = "original"
+
+    #: Optional log-n logit scaling (BUZZ with log n); ``None`` means plain attention.
+    log_n: LogNScaling | None = None
+
+    def __init__(self, *, selection: Selection = "per_head") -> None:
+        self.selection: Selection = check_choice("selection", selection, ("per_head", "shared"))  # type: ignore[assignment]
+
+    # ----------------------------------------------------------------- the contract
+    @property
+    @abstractmethod
+    def capacity(self) -> int | None:
+        """Most tokens one layer's cache ever holds per head, during a decode step's attention
+        included (``None``: unbounded). A prefill chunk adds its own length transiently."""
+
+    @abstractmethod
+    def select(self, view: CacheView) -> Array | None:
+        """Slots to keep, ``[batch, heads, k]`` int64 ascending, or ``None`` to keep everything.
+
+        Must return ``None`` once the cache satisfies the policy, since backends call it
+        repeatedly after each append until it does. Must decide *whether* to evict from host
+        integers only (``view.n_cached``, ``view.n_seen``, ``view.state``).
+        """
+
+    def init_state(self) -> dict[str, int]:
+        """Fresh per-layer state (host ints). Default: none."""
+        return {}
+
+    def params(self) -> dict[str, Any]:
+        """The policy's parameters, as passed to its constructor."""
+        return {}
+
+    @classmethod
+    def from_size(cls, size: int, **overrides: Any) -> "EvictionPolicy":
+        """Build the policy whose steady cache size grows with ``size`` (used by budgets).
+
+        Subclasses that support budgets override this; ``size`` is about the number of tokens kept.
+        """
+        raise ValueError(f"policy {cls.name!r} has no size knob, so budgets cannot be planned for it")
+
+    #: Smallest ``size`` :meth:`from_size` accepts.
+    min_size: ClassVar[int] = 1
+
+    # ----------------------------------------------------------------- backend entry point
+    def evict(
+        self,
+        view: CacheView,
+        reduce_scores: Callable[[Array], Array] | None = None,
+    ) -> Array | None:
+        """Run one eviction decision; backends call this, not :meth:`select`.
+
+        With ``selection="shared"`` the scores are summed over heads (then passed through
+        ``reduce_scores``, e.g. an all-reduce across tensor-parallel ranks) and the chosen slots
+        are broadcast to every head.
+        """
+        if self.selection == "per_head":
+            return self.select(view)
+        xp = view.xp
+        summed = xp.sum(view.scores, axis=1, keepdims=True)
+        if reduce_scores is not None:
+            summed = reduce_scores(summed)
+        shared = CacheView(
+            positions=view.positions[:, :1, :],
+            scores=summed,
+            n_seen=view.n_seen,
+            state=view.state,
+            phase=view.phase,
+        )
+        keep = self.select(shared)
+        if keep is None:
+            return None
+        return xp.broadcast_to(keep, (view.batch, view.heads, keep.shape[-1]))
+
+    # ----------------------------------------------------------------- niceties
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        if self.selection != "per_head":
+            args = f"{args}, selection={self.selection!r}" if args else f"selection={self.selection!r}"
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            type(self) is type(other)
+            and self.params() == other.params()  # type: ignore[attr-defined]
+            and self.selection == other.selection  # type: ignore[attr-defined]
+        )
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, tuple(sorted(self.params().items())), self.selection))

@@ -1,0 +1,167 @@
+"""Policy registry: built-ins, presets, and third-party policies from the ``kvpolicy.policies``
+entry-point group.
+
+A third-party package registers its policy either by decorating the class with
+:func:`register_policy` (when its module is imported) or, to be found without an import, by
+declaring an entry point::
+
+    [project.entry-points."kvpolicy.policies"]
+    every_kth = "my_package.policies:EveryKth"
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from .policy import EvictionPolicy
+
+__all__ = ["register_policy", "get_policy", "create_policy", "available_policies", "Preset", "ENTRY_POINT_GROUP"]
+
+ENTRY_POINT_GROUP = "kvpolicy.policies"
+
+_REGISTRY: dict[str, "type[EvictionPolicy] | Preset"] = {}
+_ALIASES = {
+    "full_cache": "full",
+    "fullcache": "full",
+    "local_window": "local",
+    "localwindow": "local",
+    "streamingllm": "streaming_llm",
+    "streaming": "streaming_llm",
+    "buzz_log_n": "buzz_logn",
+}
+_entry_points_loaded = False
+
+P = TypeVar("P", bound="type[EvictionPolicy]")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A registered name for a policy class with some parameters fixed (e.g. ``buzz_logn``)."""
+
+    cls: "type[EvictionPolicy]"
+    fixed: dict[str, Any] = field(default_factory=dict)
+    doc: str = ""
+
+    @property
+    def name(self) -> str:
+        return next((k for k, v in _REGISTRY.items() if v is self), self.cls.name)
+
+    def __call__(self, **params: Any) -> "EvictionPolicy":
+        return self.cls(**{**self.fixed, **params})
+
+    def from_size(self, size: int, **overrides: Any) -> "EvictionPolicy":
+        return self.cls.from_size(size, **{**self.fixed, **overrides})
+
+    @property
+    def min_size(self) -> int:
+        return self.cls.min_size
+
+
+def normalize_name(name: str) -> str:
+    key = name.strip().lower().replace("-", "_").replace(" ", "_")
+    return _ALIASES.get(key, key)
+
+
+def register_policy(
+    cls: P | None = None, *, name: str | None = None, preset: dict[str, Any] | None = None, doc: str = ""
+) -> Any:
+    """Register an :class:`~kvpolicy.EvictionPolicy` subclass under ``name`` (default: ``cls.name``).
+
+    Usable as a bare decorator, as ``@register_policy(name="x")``, or to register a preset:
+    ``register_policy(BUZZ, name="buzz_logn", preset={"log_n": True})``.
+
+    Example:
+        >>> from kvpolicy import EvictionPolicy, register_policy, get_policy
+        >>> @register_policy
+        ... class KeepAll(EvictionPolicy):
+        ...     name = "keep_all_example"
+        ...     capacity = None
+        ...     def select(self, view):
+        ...         return None
+        >>> get_policy("keep-all-example") is KeepAll
+        True
+    """
+
+    def decorate(c: P) -> P:
+        from .policy import EvictionPolicy
+
+        if not (inspect.isclass(c) and issubclass(c, EvictionPolicy)):
+            raise ValueError(f"register_policy expects an EvictionPolicy subclass, got {c!r}")
+        key = normalize_name(name or c.name or c.__name__)
+        if not key:
+            raise ValueError(f"policy {c.__name__} needs a non-empty `name`")
+        _REGISTRY[key] = Preset(c, dict(preset), doc) if preset else c
+        return c
+
+    if cls is not None:
+        return decorate(cls)
+    return decorate
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    from .policy import EvictionPolicy
+
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        key = normalize_name(ep.name)
+        if key in _REGISTRY:
+            continue
+        obj = ep.load()
+        if inspect.isclass(obj) and issubclass(obj, EvictionPolicy):
+            _REGISTRY[key] = obj
+        elif isinstance(obj, Preset):
+            _REGISTRY[key] = obj
+        else:
+            raise ValueError(
+                f"entry point {ep.name!r} in group {ENTRY_POINT_GROUP!r} must name an EvictionPolicy "
+                f"subclass, got {obj!r}"
+            )
+
+
+def available_policies() -> dict[str, "type[EvictionPolicy] | Preset"]:
+    """All registered policies (built-ins, presets, entry points), by name."""
+    _load_entry_points()
+    return dict(sorted(_REGISTRY.items()))
+
+
+def get_policy(name: str) -> "type[EvictionPolicy] | Preset":
+    """The class (or preset) registered as ``name``; ``ValueError`` listing the known names."""
+    key = normalize_name(name)
+    if key not in _REGISTRY:
+        _load_entry_points()
+    if key not in _REGISTRY:
+        known = ", ".join(sorted(_REGISTRY))
+        raise ValueError(f"unknown policy {name!r}; known policies: {known}")
+    return _REGISTRY[key]
+
+
+def create_policy(name: str, **params: Any) -> "EvictionPolicy":
+    """Instantiate a registered policy by name with explicit parameters.
+
+    Example:
+        >>> from kvpolicy import create_policy
+        >>> create_policy("streaming-llm", sink=4, window=28)
+        StreamingLLM(sink=4, window=28)
+    """
+    return get_policy(name)(**params)
+
+
+def signature_of(entry: "type[EvictionPolicy] | Preset") -> list[tuple[str, Any]]:
+    """``(parameter, default)`` pairs of a registered entry, for listings."""
+    cls = entry.cls if isinstance(entry, Preset) else entry
+    fixed = entry.fixed if isinstance(entry, Preset) else {}
+    out = []
+    for p in inspect.signature(cls.__init__).parameters.values():
+        if p.name == "self" or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+            continue
+        default = fixed.get(p.name, p.default)
+        out.append((p.name, default if default is not inspect.Parameter.empty else None))
+    return out
+

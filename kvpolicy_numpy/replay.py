@@ -1,0 +1,165 @@
+"""The exact reference backend: replay a policy on given attention logits, one token at a time.
+
+Simple and literal on purpose; every faster backend is held to it by tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvpolicy._validation import check_int
+from kvpolicy.policy import CacheView, EvictionPolicy
+
+__all__ = ["Trace", "replay", "softmax"]
+
+
+def softmax(logits: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Numerically stable softmax; ``-inf`` entries get probability 0."""
+    shifted = logits - np.max(logits, axis=axis, keepdims=True)
+    e = np.exp(shifted)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+@dataclass
+class Trace:
+    """What a replay kept and computed.
+
+    Attributes:
+        kept: ``kept[t]`` is an int array ``[heads, n]`` of the sorted original positions kept
+            per head after token ``t`` was processed (``None`` for ``t < prompt_len - 1``).
+        sizes: cache size (keys attended, the new one included) at every decode step.
+        evictions: ``(t, size_before, size_after)`` for every eviction round; ``t`` is the last
+            token processed (``prompt_len - 1`` for the prefill rounds).
+        outputs: ``[steps, heads, d]`` attention outputs under the policy (when values given).
+        full_outputs: the same with the full cache and no logit scaling (the paper's ``O_t``).
+        prompt_len: tokens in the prefill.
+    """
+
+    kept: list[np.ndarray | None]
+    sizes: np.ndarray
+    evictions: list[tuple[int, int, int]]
+    prompt_len: int
+    outputs: np.ndarray | None = None
+    full_outputs: np.ndarray | None = None
+    _steps: int = field(default=0, repr=False)
+
+    @property
+    def realised_budget(self) -> float:
+        """Average decode-step size over the full cache's (see :mod:`kvpolicy.budget`)."""
+        from kvpolicy.budget import realised_budget
+
+        return realised_budget(self.sizes, self._steps, self.prompt_len)
+
+    def output_error(self) -> np.ndarray:
+        """Relative L2 error ``|O_hat - O| / |O|`` per step and head, ``[steps, heads]``."""
+        if self.outputs is None or self.full_outputs is None:
+            raise ValueError("values were not given to replay(), so there are no outputs to compare")
+        num = np.linalg.norm(self.outputs - self.full_outputs, axis=-1)
+        den = np.maximum(np.linalg.norm(self.full_outputs, axis=-1), 1e-300)
+        return num / den
+
+
+def _scale(policy: EvictionPolicy, n_seen: np.ndarray) -> np.ndarray:
+    if policy.log_n is None:
+        return np.ones(n_seen.shape, dtype=np.float64)
+    return np.asarray(policy.log_n.scales(n_seen), dtype=np.float64)
+
+
+def replay(
+    policy: EvictionPolicy,
+    logits: np.ndarray,
+    prompt_len: int = 0,
+    values: np.ndarray | None = None,
+) -> Trace:
+    """Replay ``policy`` on pre-softmax attention logits of one sequence.
+
+    Args:
+        policy: any :class:`~kvpolicy.EvictionPolicy`.
+        logits: ``[steps, heads, steps]``; ``logits[t, h, j]`` is the logit of query ``t`` on key
+            ``j`` in head ``h`` (only ``j <= t`` is read).
+        prompt_len: the first ``prompt_len`` tokens are one prefill (causal softmax per prompt
+            row, scores summed over the rows), then one token per step.
+        values: optional ``[steps, heads, d]`` value vectors, to compute attention outputs.
+
+    Per step ``t``: key ``t`` is appended; query ``t`` attends with a softmax over the kept keys
+    (logits times the policy's log-n scale, if any); each kept token's score grows by the
+    probability it received; then the policy evicts, repeatedly until it returns ``None``.
+
+    Example:
+        >>> import numpy as np
+        >>> from kvpolicy import StreamingLLM
+        >>> trace = replay(StreamingLLM(sink=1, window=2), np.zeros((6, 1, 6)))
+        >>> trace.kept[5].tolist()
+        [[0, 4, 5]]
+    """
+    logits = np.asarray(logits, dtype=np.float64)
+    if logits.ndim != 3 or logits.shape[0] != logits.shape[2] or logits.shape[0] == 0:
+        raise ValueError(
+            f"logits must have shape [steps, heads, steps] with steps >= 1, got {tuple(logits.shape)}"
+        )
+    steps, heads, _ = logits.shape
+    prompt_len = check_int("prompt_len", prompt_len, minimum=0, maximum=steps)
+    if values is not None:
+        values = np.asarray(values, dtype=np.float64)
+        if values.ndim != 3 or values.shape[:2] != (steps, heads):
+            raise ValueError(
+                f"values must have shape [steps, heads, d] = [{steps}, {heads}, d], got {tuple(values.shape)}"
+            )
+
+    state = policy.init_state()
+    positions = np.zeros((1, heads, 0), dtype=np.int64)
+    scores = np.zeros((1, heads, 0), dtype=np.float64)
+    kept: list[np.ndarray | None] = [None] * steps
+    sizes: list[int] = []
+    evictions: list[tuple[int, int, int]] = []
+    outputs = np.zeros((steps, heads, values.shape[2])) if values is not None else None
+
+    def evict_until_stable(t: int, phase: str) -> None:
+        nonlocal positions, scores
+        while True:
+            view = CacheView(positions, scores, t + 1, state, phase)  # type: ignore[arg-type]
+            keep = policy.evict(view)
+            if keep is None:
+                return
+            keep = np.asarray(keep, dtype=np.int64)
+            before = positions.shape[-1]
+            positions = np.take_along_axis(positions, keep, axis=-1)
+            scores = np.take_along_axis(scores, keep, axis=-1)
+            if positions.shape[-1] >= before:
+                raise RuntimeError(f"{policy!r} asked to evict but kept {positions.shape[-1]} of {before} tokens")
+            evictions.append((t, before, positions.shape[-1]))
+
+    if prompt_len:
+        p = prompt_len
+        rows = logits[:p, :, :p] * _scale(policy, np.arange(1, p + 1))[:, None, None]
+        causal = np.tril(np.ones((p, p), dtype=bool))[:, None, :]
+        probs = softmax(np.where(causal, rows, -np.inf))  # [p, heads, p]
+        positions = np.broadcast_to(np.arange(p, dtype=np.int64), (1, heads, p)).copy()
+        scores = probs.sum(axis=0)[None]
+        if outputs is not None:
+            outputs[:p] = np.einsum("qhk,khd->qhd", probs, values[:p])
+        evict_until_stable(p - 1, "prefill")
+        kept[p - 1] = positions[0].copy()
+
+    head_index = np.arange(heads)[:, None]
+    for t in range(prompt_len, steps):
+        positions = np.concatenate([positions, np.full((1, heads, 1), t, dtype=np.int64)], axis=-1)
+        scores = np.concatenate([scores, np.zeros((1, heads, 1))], axis=-1)
+        sizes.append(positions.shape[-1])
+        cached = positions[0]  # [heads, n]
+        row = logits[t][head_index, cached] * _scale(policy, np.asarray([t + 1]))[0]
+        probs = softmax(row)
+        scores = scores + probs[None]
+        if outputs is not None:
+            outputs[t] = np.einsum("hk,khd->hd", probs, values[cached.T, np.arange(heads)[None, :]])
+        evict_until_stable(t, "decode")
+        kept[t] = positions[0].copy()
+
+    full_outputs = None
+    if values is not None:
+        causal = np.tril(np.ones((steps, steps), dtype=bool))[:, None, :]
+        full = softmax(np.where(causal, logits, -np.inf))
+        full_outputs = np.einsum("qhk,khd->qhd", full, values)
+    return Trace(kept, np.asarray(sizes, dtype=np.int64), evictions, prompt_len, outputs, full_outputs, steps)
