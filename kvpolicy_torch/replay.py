@@ -1,0 +1,105 @@
+"""``replay`` with the contract of :func:`kvpolicy_numpy.replay`, run through :class:`LayerCache`."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvpolicy._validation import check_int
+from kvpolicy.policy import EvictionPolicy
+from kvpolicy_numpy.replay import Trace
+
+from .layer import LayerCache
+
+__all__ = ["replay"]
+
+
+def _scales(policy: EvictionPolicy, n_seen: torch.Tensor) -> torch.Tensor:
+    if policy.log_n is None:
+        return torch.ones_like(n_seen, dtype=torch.float64)
+    return policy.log_n.scales(n_seen)
+
+
+def replay(
+    policy: EvictionPolicy,
+    logits: np.ndarray | torch.Tensor,
+    prompt_len: int = 0,
+    values: np.ndarray | torch.Tensor | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float64,
+) -> Trace:
+    """Replay ``policy`` on given logits through the torch backend's :class:`LayerCache`.
+
+    Same arguments and result as :func:`kvpolicy_numpy.replay` (arrays in the trace are NumPy);
+    ``device`` and ``dtype`` pick where and in what precision the torch side runs.
+
+    Example:
+        >>> import numpy as np
+        >>> from kvpolicy import StreamingLLM
+        >>> replay(StreamingLLM(sink=1, window=2), np.zeros((6, 1, 6))).kept[5].tolist()
+        [[0, 4, 5]]
+    """
+    logits_t = torch.as_tensor(logits, dtype=dtype, device=device)
+    if logits_t.ndim != 3 or logits_t.shape[0] != logits_t.shape[2] or logits_t.shape[0] == 0:
+        raise ValueError(
+            f"logits must have shape [steps, heads, steps] with steps >= 1, got {tuple(logits_t.shape)}"
+        )
+    steps, heads, _ = logits_t.shape
+    prompt_len = check_int("prompt_len", prompt_len, minimum=0, maximum=steps)
+    if values is not None:
+        values_t = torch.as_tensor(values, dtype=dtype, device=device)
+        if values_t.ndim != 3 or tuple(values_t.shape[:2]) != (steps, heads):
+            raise ValueError(
+                f"values must have shape [steps, heads, d] = [{steps}, {heads}, d], got {tuple(values_t.shape)}"
+            )
+    else:
+        values_t = torch.zeros(steps, heads, 1, dtype=dtype, device=device)
+
+    layer = LayerCache(policy)
+    kept: list[np.ndarray | None] = [None] * steps
+    sizes: list[int] = []
+    evictions: list[tuple[int, int, int]] = []
+    outputs = torch.zeros(steps, heads, values_t.shape[2], dtype=dtype, device=device)
+    dummy_keys = torch.zeros(1, heads, 1, 1, dtype=dtype, device=device)
+
+    def step_evict(t: int) -> None:
+        evictions.extend((t, before, after) for before, after in layer.evict())
+
+    if prompt_len:
+        p = prompt_len
+        vals = values_t[:p].permute(1, 0, 2)[None]  # [1, heads, p, d]
+        layer.append(dummy_keys.expand(1, heads, p, 1), vals)
+        scale = _scales(policy, torch.arange(1, p + 1, device=device)).to(dtype)
+        rows = logits_t[:p, :, :p] * scale[:, None, None]
+        causal = torch.ones(p, p, dtype=torch.bool, device=device).tril()[:, None, :]
+        probs = torch.softmax(rows.masked_fill(~causal, float("-inf")), dim=-1)  # [p, heads, p]
+        layer.accumulate(probs.sum(dim=0)[None])
+        outputs[:p] = torch.einsum("qhk,khd->qhd", probs, values_t[:p])
+        step_evict(p - 1)
+        kept[p - 1] = layer.positions[0].cpu().numpy().copy()
+
+    for t in range(prompt_len, steps):
+        _, v_all = layer.append(dummy_keys, values_t[t][None, :, None, :])
+        sizes.append(layer.length)
+        cached = layer.positions[0]  # [heads, n]
+        scale = _scales(policy, torch.tensor([t + 1], device=device)).to(dtype)
+        probs = torch.softmax(torch.gather(logits_t[t], 1, cached) * scale, dim=-1)  # [heads, n]
+        layer.accumulate(probs[None])
+        outputs[t] = torch.einsum("hk,hkd->hd", probs, v_all[0])
+        step_evict(t)
+        kept[t] = layer.positions[0].cpu().numpy().copy()
+
+    causal = torch.ones(steps, steps, dtype=torch.bool, device=device).tril()[:, None, :]
+    full = torch.softmax(logits_t.masked_fill(~causal, float("-inf")), dim=-1)
+    full_outputs = torch.einsum("qhk,khd->qhd", full, values_t)
+    has_values = values is not None
+    return Trace(
+        kept,
+        np.asarray(sizes, dtype=np.int64),
+        evictions,
+        prompt_len,
+        outputs.cpu().numpy() if has_values else None,
+        full_outputs.cpu().numpy() if has_values else None,
+        steps,
+    )
