@@ -1,0 +1,239 @@
+"""The transformers integration on tiny random Llama models (fast, CPU).
+
+The tiny models (`kvpolicy.models.tiny_llama`) have random weights: they check wiring and
+numerics, not language quality. The real-model checks are in test_hf_real_model.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
+
+import kvpolicy_numpy  # noqa: E402
+from kvpolicy import BUZZ, H2O, FullCache, LocalWindow, StreamingLLM, make_policy  # noqa: E402
+from kvpolicy.models import tiny_llama  # noqa: E402
+from kvpolicy_integrations.hf import ATTENTION_NAME, EvictingCache, generate  # noqa: E402
+
+COVERING = [FullCache(), BUZZ(4, 64, 5, 300), H2O(100, 100), StreamingLLM(4, 100), LocalWindow(100)]
+EVICTING = [BUZZ(2, 6, 3, 10), BUZZ(2, 6, 4, 12, log_n=True, log_base=8.0), H2O(8, 8), StreamingLLM(2, 10), LocalWindow(12)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=0)
+
+
+def _ids(batch=2, length=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128, (batch, length), generator=g)
+
+
+def _greedy(model, ids, cache, n=16):
+    with torch.no_grad():
+        return model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, past_key_values=cache
+        )
+
+
+@pytest.mark.parametrize("policy", COVERING, ids=repr)
+def test_covering_capacity_generates_like_dynamic_cache(model, policy):
+    ids = _ids()
+    ref = _greedy(model, ids, DynamicCache(config=model.config))
+    cache = EvictingCache(policy, model)
+    out = _greedy(model, ids, cache)
+    assert torch.equal(out, ref)
+    assert cache.get_seq_length() == ids.shape[1] + 15  # the last token is never fed back
+    assert all(layer.store.evictions == 0 for layer in cache.layers)
+
+
+@pytest.mark.parametrize("policy", COVERING[:3], ids=repr)
+def test_logits_match_dynamic_cache_chunked_prefill_and_decode(model, policy):
+    ids = _ids(batch=1, length=48)
+    ref_cache, cache = DynamicCache(config=model.config), EvictingCache(policy, model)
+    with torch.no_grad():
+        for lo, hi in [(0, 20), (20, 37), (37, 48)] + [(i, i + 1) for i in range(48, 48)]:
+            a = model(ids[:, lo:hi], past_key_values=ref_cache).logits
+            b = model(ids[:, lo:hi], past_key_values=cache).logits
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        tok = ids[:, -1:]
+        for _ in range(5):
+            a = model(tok, past_key_values=ref_cache).logits
+            b = model(tok, past_key_values=cache).logits
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+            tok = a[:, -1:].argmax(-1)
+
+
+def test_without_mask_registration_chunked_prefill_is_wrong(model):
+    """The pitfall the mask registration avoids: with no mask function registered under our
+    name, transformers passes no mask, SDPA's top-left is_causal drops keys in a chunk."""
+    ids = _ids(batch=1, length=48)
+    ref_cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :24], past_key_values=ref_cache)
+        ref = model(ids[:, 24:], past_key_values=ref_cache).logits
+    cache = EvictingCache(FullCache(), model)  # (re-)registers both; now undo the mask half
+    saved = AttentionMaskInterface._global_mapping.pop(ATTENTION_NAME)
+    try:
+        with torch.no_grad():
+            model(ids[:, :24], past_key_values=cache)
+            broken = model(ids[:, 24:], past_key_values=cache).logits
+    finally:
+        AttentionMaskInterface._global_mapping[ATTENTION_NAME] = saved
+    assert (broken - ref).abs().max() > 1e-2  # tiny random model: visibly wrong, not noise
+    cache = EvictingCache(FullCache(), model)
+    with torch.no_grad():
+        model(ids[:, :24], past_key_values=cache)
+        fixed = model(ids[:, 24:], past_key_values=cache).logits
+    torch.testing.assert_close(fixed, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", EVICTING, ids=repr)
+def test_cache_never_exceeds_capacity_and_frees_memory(model, policy):
+    ids = _ids(length=40)
+    cache = EvictingCache(policy, model)
+    _greedy(model, ids, cache, n=24)
+    for layer in cache.layers:
+        store = layer.store
+        assert store.keys.shape[2] == store.length <= policy.capacity
+        assert store.slots == policy.capacity  # preallocated once to capacity, never regrown
+        assert store._keys.shape[2] == policy.capacity
+    full = cache.full_kv_bytes()
+    assert cache.kv_bytes <= full * policy.capacity / cache.get_seq_length() + 1
+
+
+def _layer0_logits(model, tokens):
+    """Pre-softmax logits of layer 0 for a full (non-evicting) forward, [steps, heads, steps]."""
+    captured = {}
+    attn = model.model.layers[0].self_attn
+
+    def grab(module, args, kwargs):
+        captured["hidden"] = kwargs.get("hidden_states", args[0] if args else None)
+        captured["pos"] = kwargs["position_embeddings"]
+
+    h = attn.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        h.remove()
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    x = captured["hidden"]
+    b, s, _ = x.shape
+    d = attn.head_dim
+    q = attn.q_proj(x).view(b, s, -1, d).transpose(1, 2)
+    k = attn.k_proj(x).view(b, s, -1, d).transpose(1, 2)
+    cos, sin = captured["pos"]
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    logits = torch.einsum("bhqd,bhkd->bqhk", q, k) * attn.scaling
+    return logits[0].detach().double().numpy()
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [BUZZ(2, 5, 3, 8), BUZZ(1, 4, 4, 9, selection="shared"), H2O(6, 6), H2O(5, 7, selection="shared"), StreamingLLM(2, 9), LocalWindow(9)],
+    ids=repr,
+)
+def test_kept_positions_equal_numpy_replay(policy):
+    """Differential: layer 0 of an evicting greedy generation keeps what the reference keeps on
+    the same logits. Layer 0 sees only token embeddings, so its logits are reproducible from a
+    full forward over the generated sequence (float64, no GQA so one softmax per head)."""
+    model = tiny_llama(num_layers=2, heads=4, kv_heads=4, head_dim=8, vocab=96, seed=3).double()
+    ids = _ids(batch=1, length=30, seed=5) % 96
+    cache = EvictingCache(policy, model)
+    out = _greedy(model, ids, cache, n=20)
+    seq = out[:, :-1]  # the last generated token never enters the cache
+    trace = kvpolicy_numpy.replay(policy, _layer0_logits(model, seq), prompt_len=ids.shape[1])
+    got = cache.layers[0].store.positions[0].numpy()
+    np.testing.assert_array_equal(got, trace.kept[-1])
+
+
+def test_manual_loop_positions_follow_tokens_seen(model):
+    """get_seq_length() is the number of tokens seen, so a manual loop that forgets
+    position_ids still gets the right RoPE positions after eviction."""
+    ids = _ids(batch=1, length=30)
+    policy = H2O(6, 6)
+    with_pos, without = EvictingCache(policy, model), EvictingCache(policy, model)
+    with torch.no_grad():
+        a = model(ids, past_key_values=with_pos, position_ids=torch.arange(30)[None]).logits
+        b = model(ids, past_key_values=without).logits
+        tok = a[:, -1:].argmax(-1)
+        for t in range(30, 40):
+            a = model(tok, past_key_values=with_pos, position_ids=torch.tensor([[t]])).logits
+            b = model(tok, past_key_values=without).logits
+            torch.testing.assert_close(a, b)
+            tok = a[:, -1:].argmax(-1)
+    assert without.get_seq_length() == 40
+    assert without.get_mask_sizes(1, 0) == (without.layers[0].store.length + 1, 40 - without.layers[0].store.length)
+
+
+def test_padded_batch_is_refused(model):
+    ids = _ids(batch=2, length=20)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with pytest.raises(ValueError, match="padded batch"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                       past_key_values=EvictingCache(H2O(4, 4), model))
+
+
+def test_other_architectures_are_refused():
+    from transformers import GPT2Config
+
+    with pytest.raises(ValueError, match="Llama-family"):
+        EvictingCache(H2O(4, 4), GPT2Config(n_layer=1))
+
+
+def test_attention_not_routed_through_kvpolicy_is_caught():
+    model = tiny_llama(num_layers=1, seed=1)
+    cache = EvictingCache(H2O(4, 4), model.config)  # a config: the model is not switched
+    with pytest.raises(RuntimeError, match="use_kvpolicy_attention"):
+        _greedy(model, _ids(batch=1, length=10), cache, n=3)
+
+
+def test_cache_positions_mode_rerotates_keys_to_slots(model):
+    """pos-shift: after eviction a key must look as if RoPE had been applied at its slot."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    policy = StreamingLLM(sink=2, window=5)
+    cache = EvictingCache(policy, model, positions="cache")
+    layer = cache.layers[0]
+    rotary = model.model.rotary_emb
+    raw = torch.randn(1, 2, 20, 16)
+    pos = torch.arange(20)[None]
+    cos, sin = rotary(raw, pos)
+    rotated, _ = apply_rotary_pos_emb(raw, raw, cos, sin)
+    for t in range(20):
+        keys, _ = layer.update(rotated[:, :, t : t + 1], rotated[:, :, t : t + 1])
+        expected_pos = layer.store.positions[0, 0]
+        slot_pos = torch.arange(keys.shape[2]) + (layer.store.n_seen - layer.store.length)
+        c, s = rotary(raw, slot_pos[None])
+        want, _ = apply_rotary_pos_emb(raw[:, :, expected_pos], raw[:, :, expected_pos], c, s)
+        torch.testing.assert_close(keys, want, rtol=1e-5, atol=1e-5)
+        layer.finish(torch.randn(1, 4, 1, 16), keys, 0.25, None)
+    assert layer.store.positions[0, 0].tolist() == [0, 1, 15, 16, 17, 18, 19]
+
+
+def test_generate_helper_reports_sizes(model):
+    class Tok:
+        chat_template = None
+        pad_token_id = 0
+        eos_token_id = 2
+
+        def __call__(self, text, return_tensors=None):
+            return {"input_ids": torch.tensor([[3 + ord(c) % 100 for c in text]])}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    res = generate(model, Tok(), "abcdefghij" * 6, "buzz", budget=0.4, max_new_tokens=10)
+    assert len(res.token_ids) == 10 and res.prompt_tokens == 60
+    plan_policy = make_policy("buzz", 0.4, context_length=70, prompt_length=60)
+    assert res.policy == plan_policy
+    assert 0 < res.cache_ratio < 1
+    assert max(res.cache_lengths) <= plan_policy.capacity
