@@ -1,0 +1,42 @@
+"""Evaluation data and metrics for ``kvpolicy compare`` (no torch import here).
+
+* :mod:`kvpolicy.eval.data` - typed examples, loaders for local files / package-shipped
+  text / hub fallbacks, and prompt formatters.
+* :mod:`kvpolicy.eval.metrics` - ROUGE (+ the BUZZ geometric mean), SQuAD-normalised
+  exact match, perplexity.
+"""
+
+from __future__ import annotations
+
+from . import data, metrics
+from .data import (
+    QAExample,
+    RetrievalExample,
+    SummaryExample,
+    TextDoc,
+    shared_data_dir,
+)
+from .metrics import (
+    exact_match,
+    exact_match_strict,
+    normalize_answer,
+    perplexity_from_nll,
+    rouge,
+    rouge_mean,
+)
+
+__all__ = [
+    "data",
+    "metrics",
+    "QAExample",
+    "RetrievalExample",
+    "SummaryExample",
+    "TextDoc",
+    "shared_data_dir",
+    "exact_match",
+    "exact_match_strict",
+    "normalize_answer",
+    "perplexity_from_nll",
+    "rouge",
+    "rouge_mean",
+]
