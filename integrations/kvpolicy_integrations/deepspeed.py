@@ -1,0 +1,791 @@
+"""DeepSpeed-inference integration: evicting caches inside AutoTP engines, head-sharded over ranks.
+
+DeepSpeed's *automatic tensor parallelism* (AutoTP, ``replace_with_kernel_inject=False``) keeps
+the transformers modules, attention function and ``Cache`` and only shards the weights: every
+rank computes the attention of a contiguous block of KV heads (and their query heads). So an
+:class:`~kvpolicy_integrations.hf.EvictingCache` built on a rank simply holds that rank's KV heads
+and the policy state is head-sharded:
+
+* per-head policies (BUZZ, H2O, StreamingLLM, local window, full) need no communication: a KV
+  head's decision depends only on that head's scores, so rank ``r`` keeps exactly the positions a
+  single process keeps for the same global heads;
+* a policy with ``selection="shared"`` sums its scores over *all* KV heads before choosing one
+  set of slots. Each rank sums its local heads and :func:`make_cache` passes an all-reduce (SUM)
+  over the tensor-parallel group as ``reduce_scores``, so every rank chooses the same slots.
+  That is one small collective (``[batch, 1, cached]`` float32) per layer and eviction round.
+
+How DeepSpeed 0.19 shards heads (``deepspeed/module_inject/tp_shard.py``, ``get_shard_size``;
+checked against real engines in ``tests/ds_worker.py``): with ``num_key_value_heads = K`` read
+from the model config, rank ``r`` of ``tp`` gets ``K // tp + (1 if r < K % tp else 0)`` KV heads,
+contiguous and in rank order, and the query heads of those KV heads (the q/k/v rows and o_proj
+columns are cut at the same head boundaries). So 3 KV heads / 9 query heads over 2 ranks give
+2 + 1 KV heads and 6 + 3 query heads; Llama-2-13B's 40 heads over 3 ranks give 14 + 13 + 13.
+The attention modules' attributes are left alone (transformers 5 Llama attention has no
+``num_heads``; ``num_key_value_groups`` stays correct because whole groups move together) and
+``model.config`` still holds the global counts; the local head count is visible only in the
+projection weights' shapes, which :func:`make_cache` checks. ``tp > K`` would leave ranks without
+heads and is refused.
+
+Kernel injection (``replace_with_kernel_inject=True``) replaces the attention with fused kernels
+that keep their own append-only KV workspace and never call the transformers cache; it is
+refused (:data:`KERNEL_INJECTION_ERROR`).
+
+Entry points: :func:`init_inference` (a ``deepspeed.init_inference`` that validates, sets
+``max_out_tokens`` from the context, and returns an :class:`EvictingInferenceEngine` whose
+``generate`` evicts) and :func:`make_cache` (the cache for an engine you built yourself; pass it
+as ``past_key_values`` to ``engine.module.generate``). The head arithmetic (:func:`shard_layout`,
+:func:`weight_numel_per_rank`) needs neither DeepSpeed nor a process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from kvpolicy.policy import EvictionPolicy
+
+from .hf import SUPPORTED_MODEL_TYPES, EvictingCache, PositionsMode
+
+__all__ = [
+    "ATTENTION_SPECS",
+    "CUDA_GRAPH_ERROR",
+    "KERNEL_INJECTION_ERROR",
+    "AttentionSpec",
+    "EvictingInferenceEngine",
+    "HeadShard",
+    "ModelGeometry",
+    "ShardLayout",
+    "ShardedEvictingCache",
+    "init_inference",
+    "local_heads",
+    "make_cache",
+    "shard_layout",
+    "split_sizes",
+    "tp_all_reduce",
+    "weight_numel_per_rank",
+]
+
+KERNEL_INJECTION_ERROR = (
+    "replace_with_kernel_inject=True cannot be used with a kvpolicy cache: DeepSpeed's kernel injection "
+    "replaces the transformers attention with fused inference kernels that keep their own append-only KV "
+    "workspace (sized by max_out_tokens) and never call the Hugging Face cache, so an EvictingCache would be "
+    "ignored and nothing would be evicted. Use automatic tensor parallelism instead: "
+    "replace_with_kernel_inject=False (the default here) with tp_size=N, which shards the heads but keeps "
+    "the transformers attention and cache."
+)
+
+CUDA_GRAPH_ERROR = (
+    "enable_cuda_graph=True cannot be used with a kvpolicy cache: a CUDA graph replays fixed tensor shapes and "
+    "addresses, but an evicting cache changes its length and gathers new storage at every eviction. Leave "
+    "enable_cuda_graph=False."
+)
+
+# DeepSpeed's own default for tensor_parallel.tp_grain_size (deepspeed/inference/config.py).
+DEFAULT_TP_GRAIN_SIZE = 64
+
+
+# ------------------------------------------------------------------------------------------------
+# Declarative model description
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Where a model family keeps its decoder layers, attention projections and head counts.
+
+    Every name is an attribute name (dotted for nested modules), not a pattern: the geometry is
+    read from the config by these names and the sharded head counts from these modules' weights.
+    """
+
+    layers: str = "model.layers"
+    attention: str = "self_attn"
+    q_proj: str = "q_proj"
+    k_proj: str = "k_proj"
+    v_proj: str = "v_proj"
+    o_proj: str = "o_proj"
+    heads_attr: str = "num_attention_heads"
+    kv_heads_attr: str = "num_key_value_heads"
+    head_dim_attr: str = "head_dim"
+    #: Parameter-name suffixes AutoTP leaves whole on every rank besides norms (the embedding
+    #: lies outside the decoder layers AutoTP walks; verified: it keeps its full shape).
+    replicated: tuple[str, ...] = ("embed_tokens.weight",)
+    lm_head: str = "lm_head"
+
+
+#: The model families EvictingCache supports, all with the Llama module layout.
+ATTENTION_SPECS: Mapping[str, AttentionSpec] = {name: AttentionSpec() for name in SUPPORTED_MODEL_TYPES}
+
+
+def _text_config(model_or_config: Any) -> Any:
+    config = getattr(model_or_config, "config", model_or_config)
+    return getattr(config, "get_text_config", lambda **_: config)()
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """The attention geometry of a decoder, read from its config through its :class:`AttentionSpec`."""
+
+    model_type: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_positions: int | None
+    tie_word_embeddings: bool
+    spec: AttentionSpec
+
+    @classmethod
+    def from_config(cls, model_or_config: Any) -> "ModelGeometry":
+        """Read and check the geometry (``ValueError`` for unsupported or inconsistent configs)."""
+        config = _text_config(model_or_config)
+        model_type = getattr(config, "model_type", None)
+        spec = ATTENTION_SPECS.get(model_type)  # type: ignore[arg-type]
+        if spec is None:
+            raise ValueError(
+                f"kvpolicy's DeepSpeed integration supports model types {', '.join(ATTENTION_SPECS)} "
+                f"(Llama-layout decoders), got {model_type!r}"
+            )
+        heads = _positive_attr(config, spec.heads_attr)
+        kv_heads = getattr(config, spec.kv_heads_attr, None) or heads
+        kv_heads = _positive(spec.kv_heads_attr, kv_heads)
+        hidden = _positive_attr(config, "hidden_size")
+        head_dim = getattr(config, spec.head_dim_attr, None) or hidden // heads
+        head_dim = _positive(spec.head_dim_attr, head_dim)
+        if heads % kv_heads:
+            raise ValueError(f"{spec.heads_attr}={heads} is not a multiple of {spec.kv_heads_attr}={kv_heads}")
+        return cls(
+            model_type=model_type,  # type: ignore[arg-type]
+            layers=_positive_attr(config, "num_hidden_layers"),
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            hidden_size=hidden,
+            intermediate_size=_positive_attr(config, "intermediate_size"),
+            vocab_size=_positive_attr(config, "vocab_size"),
+            max_positions=getattr(config, "max_position_embeddings", None),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            spec=spec,
+        )
+
+    @property
+    def groups(self) -> int:
+        """Query heads per KV head."""
+        return self.heads // self.kv_heads
+
+
+def _positive(name: str, value: Any, where: str = "model config: ") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive_attr(config: Any, name: str) -> int:
+    if not hasattr(config, name):
+        raise ValueError(f"model config has no {name!r}")
+    return _positive(name, getattr(config, name))
+
+
+# ------------------------------------------------------------------------------------------------
+# Head arithmetic (mirrors deepspeed/module_inject/tp_shard.py:get_shard_size of DeepSpeed 0.19)
+# ------------------------------------------------------------------------------------------------
+
+
+def split_sizes(total: int, tp_size: int, *, kv_heads: int | None, grain: int = DEFAULT_TP_GRAIN_SIZE, by_heads: bool) -> list[int]:
+    """How AutoTP cuts a dimension of ``total`` over ``tp_size`` ranks (rank order).
+
+    ``by_heads=True`` is the attention rule: when ``total`` is a multiple of ``kv_heads`` the cut
+    falls on KV-head boundaries, ``kv_heads // tp + (r < kv_heads % tp)`` heads' worth on rank
+    ``r``. Otherwise (MLP, ``lm_head``, or no head count) ``total`` is cut into ``grain``-sized
+    pieces dealt out the same way, the last rank taking the remainder.
+
+    Example:
+        >>> split_sizes(9 * 64, 2, kv_heads=3, by_heads=True)   # SmolLM2's q_proj rows
+        [384, 192]
+        >>> split_sizes(13824, 8, kv_heads=40, by_heads=False)  # Llama-2-13B's MLP
+        [1728, 1728, 1728, 1728, 1728, 1728, 1728, 1728]
+    """
+    sizes = []
+    for rank in range(tp_size):
+        if by_heads and kv_heads is not None and total % kv_heads == 0:
+            slices = kv_heads // tp_size + (1 if rank < kv_heads % tp_size else 0)
+            sizes.append(total * slices // kv_heads)
+        elif total >= grain:
+            pieces, remainder = divmod(total, grain)
+            size = (pieces // tp_size + (1 if rank < pieces % tp_size else 0)) * grain
+            sizes.append(size + (remainder if rank == tp_size - 1 else 0))
+        else:
+            sizes.append(total // tp_size + (1 if rank < total % tp_size else 0))
+    return sizes
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """The heads one tensor-parallel rank computes: global ids ``[start, stop)``."""
+
+    rank: int
+    kv_start: int
+    kv_stop: int
+    q_start: int
+    q_stop: int
+
+    @property
+    def kv_heads(self) -> range:
+        return range(self.kv_start, self.kv_stop)
+
+    @property
+    def q_heads(self) -> range:
+        return range(self.q_start, self.q_stop)
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_stop - self.kv_start
+
+    @property
+    def n_q_heads(self) -> int:
+        return self.q_stop - self.q_start
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Every rank's heads for one model and tensor-parallel size."""
+
+    geometry: ModelGeometry
+    tp_size: int
+    shards: tuple[HeadShard, ...]
+
+    def __getitem__(self, rank: int) -> HeadShard:
+        return self.shards[rank]
+
+    def kv_bytes_per_token(self, rank: int = 0, dtype_bytes: int = 2) -> int:
+        """Key + value bytes one token adds on ``rank``: ``2 * layers * kv_heads_local * head_dim * dtype_bytes``."""
+        g = self.geometry
+        return 2 * g.layers * self.shards[rank].n_kv_heads * g.head_dim * dtype_bytes
+
+    def store_bytes_per_token(self, rank: int = 0) -> int:
+        """Bookkeeping bytes per token on ``rank``: int64 position + float32 score per KV head and layer."""
+        return self.geometry.layers * self.shards[rank].n_kv_heads * (8 + 4)
+
+    def describe(self) -> str:
+        g = self.geometry
+        rows = [
+            f"rank {s.rank}: KV heads {s.kv_start}..{s.kv_stop - 1} ({s.n_kv_heads}), "
+            f"query heads {s.q_start}..{s.q_stop - 1} ({s.n_q_heads})"
+            for s in self.shards
+        ]
+        return f"{g.heads} query / {g.kv_heads} KV heads over {self.tp_size} ranks\n" + "\n".join(rows)
+
+
+def shard_layout(model_or_config: Any, tp_size: int) -> ShardLayout:
+    """The heads AutoTP gives each of ``tp_size`` ranks (no DeepSpeed, no process group needed).
+
+    Example:
+        >>> from kvpolicy.models import tiny_llama
+        >>> [(s.n_q_heads, s.n_kv_heads) for s in shard_layout(tiny_llama(heads=9, kv_heads=3), 2).shards]
+        [(6, 2), (3, 1)]
+    """
+    geometry = model_or_config if isinstance(model_or_config, ModelGeometry) else ModelGeometry.from_config(model_or_config)
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
+    if tp_size > geometry.kv_heads:
+        raise ValueError(
+            f"tp_size={tp_size} is larger than the model's {geometry.kv_heads} KV heads: AutoTP cuts attention at "
+            f"KV-head boundaries, so {tp_size - geometry.kv_heads} rank(s) would get no heads at all. "
+            f"Use tp_size <= {geometry.kv_heads}."
+        )
+    kv_sizes = split_sizes(geometry.kv_heads, tp_size, kv_heads=geometry.kv_heads, by_heads=True)
+    shards, start = [], 0
+    for rank, n in enumerate(kv_sizes):
+        shards.append(HeadShard(rank, start, start + n, start * geometry.groups, (start + n) * geometry.groups))
+        start += n
+    return ShardLayout(geometry, tp_size, tuple(shards))
+
+
+def _split_rule(name: str, geometry: ModelGeometry) -> tuple[int, bool] | None:
+    """``(dim, by_heads)`` for a parameter AutoTP shards, ``None`` for one it replicates.
+
+    The declarative table of AutoTP's default path for Llama-layout decoders: q/k/v (weight and
+    bias) are column-parallel (rows cut at head boundaries), o_proj row-parallel (columns cut at
+    head boundaries), gate/up column-parallel and down_proj row-parallel in ``grain`` pieces, the
+    untied or tied ``lm_head`` row-parallel (hidden columns) in ``grain`` pieces; norms, rotary
+    buffers and the embedding stay whole.
+    """
+    spec = geometry.spec
+    parts = name.split(".")
+    if len(parts) < 2:
+        return None
+    module, kind = parts[-2], parts[-1]
+    if parts[-3:-2] == [spec.attention]:
+        if module in (spec.q_proj, spec.k_proj, spec.v_proj):
+            return (0, True)
+        if module == spec.o_proj and kind == "weight":
+            return (1, True)
+        return None
+    if parts[-3:-2] == ["mlp"]:
+        if module in ("gate_proj", "up_proj"):
+            return (0, False)
+        if module == "down_proj" and kind == "weight":
+            return (1, False)
+        return None
+    if module == spec.lm_head and kind == "weight" and len(parts) == 2:
+        return (1, False)
+    return None
+
+
+def weight_numel_per_rank(model: torch.nn.Module, tp_size: int, *, grain: int = DEFAULT_TP_GRAIN_SIZE) -> list[int]:
+    """Parameter elements each rank holds after AutoTP, from the *unsharded* model's shapes.
+
+    Works on a meta-device model (no weights). Tied input/output embeddings count once at
+    ``tp_size == 1``; with ``tp_size > 1`` AutoTP unties them (the embedding stays whole, the
+    ``lm_head`` copy is sharded).
+    """
+    geometry = ModelGeometry.from_config(model)
+    shard_layout(geometry, tp_size)  # validates tp_size against the heads
+    totals = [0] * tp_size
+    seen: set[int] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        rule = _split_rule(name, geometry) if tp_size > 1 else None
+        if rule is None:
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            for r in range(tp_size):
+                totals[r] += param.numel()
+            continue
+        seen.add(id(param))
+        dim, by_heads = rule
+        sizes = split_sizes(param.shape[dim], tp_size, kv_heads=geometry.kv_heads, grain=grain, by_heads=by_heads)
+        other = param.numel() // param.shape[dim]
+        for r in range(tp_size):
+            totals[r] += sizes[r] * other
+    return totals
+
+
+def _resolve(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def local_heads(module: torch.nn.Module, geometry: ModelGeometry | None = None) -> tuple[int, int]:
+    """``(query heads, KV heads)`` this process's (possibly sharded) first attention computes."""
+    geometry = geometry or ModelGeometry.from_config(module)
+    spec = geometry.spec
+    attn = _resolve(_resolve(module, spec.layers)[0], spec.attention)
+    q = _resolve(attn, spec.q_proj).weight.shape[0]
+    k = _resolve(attn, spec.k_proj).weight.shape[0]
+    return q // geometry.head_dim, k // geometry.head_dim
+
+
+# ------------------------------------------------------------------------------------------------
+# The cache
+# ------------------------------------------------------------------------------------------------
+
+
+def tp_all_reduce(group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A ``reduce_scores`` hook: all-reduce (SUM) of the head-summed scores over ``group``."""
+    import deepspeed.comm as dist
+
+    def reduce_scores(summed: torch.Tensor) -> torch.Tensor:
+        summed = summed.contiguous()
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+        return summed
+
+    return reduce_scores
+
+
+class ShardedEvictingCache(EvictingCache):
+    """An :class:`EvictingCache` for one tensor-parallel rank.
+
+    Its layers hold the rank's KV heads (``shard.kv_heads``, global ids); ``layer.store.positions``
+    is ``[batch, shard.n_kv_heads, cached]``. Build it with :func:`make_cache`.
+    """
+
+    def __init__(
+        self,
+        policy: EvictionPolicy,
+        model: Any,
+        *,
+        layout: ShardLayout,
+        rank: int,
+        group: Any = None,
+        positions: PositionsMode | None = None,
+    ) -> None:
+        reduce = tp_all_reduce(group) if policy.selection == "shared" and layout.tp_size > 1 else None
+        super().__init__(policy, model, positions=positions, reduce_scores=reduce)
+        self.layout = layout
+        self.rank = rank
+        self.group = group
+
+    @property
+    def shard(self) -> HeadShard:
+        return self.layout[self.rank]
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp_size
+
+    def gather_positions(self) -> list[torch.Tensor]:
+        """Every layer's kept positions for *all* KV heads, ``[batch, kv_heads, cached]`` on CPU,
+        gathered from the ranks (a collective: call it on every rank)."""
+        local = [layer.store.positions.detach().cpu() for layer in self.layers]
+        if self.tp_size == 1:
+            return local
+        import torch.distributed as tdist
+
+        parts: list[Any] = [None] * self.tp_size
+        tdist.all_gather_object(parts, local, group=self.group)
+        return [torch.cat([p[i] for p in parts], dim=1) for i in range(len(local))]
+
+
+def _unwrap(engine_or_model: Any) -> tuple[torch.nn.Module, Any]:
+    """``(module, tensor-parallel group)`` of a DeepSpeed engine, our wrapper, or a plain model."""
+    if isinstance(engine_or_model, EvictingInferenceEngine):
+        engine_or_model = engine_or_model.engine
+    module = getattr(engine_or_model, "module", None)
+    if isinstance(module, torch.nn.Module) and hasattr(engine_or_model, "mp_group"):  # a deepspeed InferenceEngine
+        return module, engine_or_model.mp_group
+    if isinstance(engine_or_model, torch.nn.Module):
+        return engine_or_model, None
+    raise ValueError(f"expected a DeepSpeed InferenceEngine or a transformers model, got {type(engine_or_model).__name__}")
+
+
+def make_cache(
+    engine_or_model: Any,
+    policy: EvictionPolicy,
+    *,
+    positions: PositionsMode | None = None,
+    tp_group: Any = None,
+) -> ShardedEvictingCache:
+    """The evicting cache for this rank of a (possibly AutoTP-sharded) model.
+
+    Args:
+        engine_or_model: a ``deepspeed.InferenceEngine`` (its ``module`` and ``mp_group`` are
+            used), an :class:`EvictingInferenceEngine`, or a transformers model.
+        policy: the eviction policy. With ``selection="shared"`` and more than one rank the
+            head-summed scores are all-reduced over the tensor-parallel group.
+        positions: ``"original"`` / ``"cache"`` (default: the policy's).
+        tp_group: the tensor-parallel group when ``engine_or_model`` is a bare, already sharded
+            model (an engine brings its own).
+
+    Raises:
+        ValueError: the model type is unsupported, or the module's sharded projections do not have
+            the heads AutoTP's rule gives this rank (a sharding this cache does not understand).
+
+    Example (on each rank, after ``engine = deepspeed.init_inference(model, tensor_parallel={"tp_size": 2},
+    replace_with_kernel_inject=False)``)::
+
+        cache = make_cache(engine, BUZZ.from_size(512))
+        engine.module.generate(ids, max_new_tokens=64, do_sample=False, past_key_values=cache)
+    """
+    if not isinstance(policy, EvictionPolicy):
+        raise ValueError(f"policy must be an EvictionPolicy, got {policy!r}")
+    module, group = _unwrap(engine_or_model)
+    group = group if group is not None else tp_group
+    if group is not None:
+        import torch.distributed as tdist
+
+        tp_size, rank = tdist.get_world_size(group), tdist.get_rank(group)
+        if rank < 0:
+            raise ValueError("this process is not a member of the tensor-parallel group")
+    else:
+        tp_size, rank = 1, 0
+    geometry = ModelGeometry.from_config(module)
+    layout = shard_layout(geometry, tp_size)
+    expected = (layout[rank].n_q_heads, layout[rank].n_kv_heads)
+    found = local_heads(module, geometry)
+    if found != expected:
+        raise ValueError(
+            f"rank {rank} of {tp_size}: the attention projections hold {found[0]} query / {found[1]} KV heads, but "
+            f"DeepSpeed AutoTP's head split gives this rank {expected[0]} / {expected[1]} of {geometry.heads} / "
+            f"{geometry.kv_heads}. Was the model sharded by something other than AutoTP, or is tp_group wrong?"
+        )
+    return ShardedEvictingCache(policy, module, layout=layout, rank=rank, group=group, positions=positions)
+
+
+# ------------------------------------------------------------------------------------------------
+# The engine
+# ------------------------------------------------------------------------------------------------
+
+# Options refused with a reason: (field of DeepSpeedInferenceConfig, refused value, message).
+_REFUSED_OPTIONS: tuple[tuple[str, Any, str], ...] = (
+    ("replace_with_kernel_inject", True, KERNEL_INJECTION_ERROR),
+    ("enable_cuda_graph", True, CUDA_GRAPH_ERROR),
+)
+
+_DTYPES: Mapping[str, torch.dtype] = {
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+}  # fmt: skip
+_ENGINE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what InferenceEngine._convert_to_dtype handles
+
+
+def _as_dtype(value: Any) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        dtype = value
+    elif isinstance(value, str) and value.lower().removeprefix("torch.") in _DTYPES:
+        dtype = _DTYPES[value.lower().removeprefix("torch.")]
+    else:
+        raise ValueError(f"dtype must be one of float16, bfloat16, float32 (or fp16/bf16/fp32), got {value!r}")
+    if dtype not in _ENGINE_DTYPES:
+        raise ValueError(f"dtype must be one of float16, bfloat16, float32, got {dtype}")
+    return dtype
+
+
+def _merged_config(config: str | os.PathLike[str] | Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` (dict or JSON path) updated with ``kwargs``, refusing conflicting values (as DeepSpeed does)."""
+    if config is None:
+        merged: dict[str, Any] = {}
+    elif isinstance(config, Mapping):
+        merged = dict(config)
+    elif isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            merged = json.load(f)
+    else:
+        raise ValueError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
+    for key in set(merged) & set(kwargs):
+        if merged[key] != kwargs[key]:
+            raise ValueError(f"conflicting {key!r}: {merged[key]!r} in config and {kwargs[key]!r} as a keyword")
+    merged.update(kwargs)
+    return merged
+
+
+def _parse_ds_config(merged: Mapping[str, Any]) -> Any:
+    """Parse with DeepSpeed's own pydantic schema (aliases, types, unknown keys), then apply the refusals."""
+    from deepspeed.inference.config import DeepSpeedInferenceConfig
+
+    parsed = DeepSpeedInferenceConfig(**merged)
+    for field_name, refused, message in _REFUSED_OPTIONS:
+        if getattr(parsed, field_name) == refused:
+            raise ValueError(message)
+    return parsed
+
+
+def _explicit(merged: Mapping[str, Any], parsed: Any, field_name: str) -> bool:
+    """Whether the user set ``field_name`` (under its name or its DeepSpeed alias)."""
+    info = type(parsed).model_fields[field_name]
+    return field_name in merged or (info.alias is not None and info.alias in merged)
+
+
+class EvictingInferenceEngine:
+    """A DeepSpeed ``InferenceEngine`` whose :meth:`generate` decodes with an evicting cache.
+
+    Everything else (``module``, ``mp_group``, ``forward``, ``__call__``, ...) is the wrapped
+    engine's (``self.engine``). Use :meth:`make_cache` to drive ``self.module`` directly.
+
+    Attributes:
+        engine: the ``deepspeed.InferenceEngine``.
+        policy: an :class:`EvictionPolicy`, or a registered name planned per call for ``budget``.
+        layout: the :class:`ShardLayout`; ``shard`` is this rank's :class:`HeadShard`.
+        context_length: the longest prompt the engine accepts (DeepSpeed's ``max_out_tokens``).
+        last_cache: the cache of the latest :meth:`generate` (its per-head state, for inspection).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        policy: EvictionPolicy | str,
+        *,
+        budget: float | None = None,
+        positions: PositionsMode | None = None,
+        context_length: int,
+    ) -> None:
+        self.engine = engine
+        self.policy = policy
+        self.budget = budget
+        self.positions = positions
+        self.context_length = context_length
+        self.last_cache: ShardedEvictingCache | None = None
+        probe = make_cache(engine, policy if isinstance(policy, EvictionPolicy) else _placeholder_policy())
+        self.layout, self.rank = probe.layout, probe.rank
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def shard(self) -> HeadShard:
+        return self.layout[self.rank]
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "engine":  # not set yet (during __init__ failures)
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def resolve_policy(self, prompt_length: int, max_new_tokens: int | None, policy: EvictionPolicy | str | None = None) -> EvictionPolicy:
+        """The policy for one run (a name is planned for ``budget`` on ``prompt_length + max_new_tokens``)."""
+        policy = self.policy if policy is None else policy
+        if isinstance(policy, EvictionPolicy):
+            return policy
+        from kvpolicy.budget import make_policy
+
+        if max_new_tokens is None:
+            raise ValueError(f"policy {policy!r} is planned per run: pass max_new_tokens to generate()")
+        return make_policy(
+            policy, self.budget if self.budget is not None else 0.4,
+            context_length=prompt_length + max_new_tokens, prompt_length=prompt_length,
+        )  # fmt: skip
+
+    def make_cache(self, policy: EvictionPolicy | None = None) -> ShardedEvictingCache:
+        """A fresh cache for this rank (``policy`` default: the engine's, which must be a policy object)."""
+        chosen = policy if policy is not None else self.policy
+        if not isinstance(chosen, EvictionPolicy):
+            raise ValueError(f"the engine's policy is the name {chosen!r}: pass a policy object to make_cache()")
+        return make_cache(self.engine, chosen, positions=self.positions)
+
+    def generate(self, input_ids: torch.Tensor | None = None, *, policy: EvictionPolicy | str | None = None, **kwargs: Any) -> Any:
+        """``engine.generate`` with a fresh evicting cache (unless ``past_key_values`` is given).
+
+        Run it on every rank with the same inputs. ``policy`` overrides the engine's for this call.
+        """
+        if input_ids is None:
+            input_ids = kwargs.pop("inputs", None)
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+            raise ValueError("generate() needs input_ids as a [batch, tokens] tensor")
+        prompt_length = int(input_ids.shape[1])
+        if prompt_length > self.context_length:
+            raise ValueError(
+                f"prompt of {prompt_length} tokens is longer than context_length={self.context_length} (DeepSpeed's "
+                f"max_out_tokens): pass a larger context_length to kvpolicy.deepspeed.init_inference"
+            )
+        if kwargs.get("past_key_values") is None:
+            chosen = self.resolve_policy(prompt_length, kwargs.get("max_new_tokens"), policy)
+            kwargs["past_key_values"] = make_cache(self.engine, chosen, positions=self.positions)
+        if isinstance(kwargs["past_key_values"], ShardedEvictingCache):
+            self.last_cache = kwargs["past_key_values"]
+        kwargs.setdefault("attention_mask", torch.ones_like(input_ids))
+        with torch.no_grad():
+            return self.engine.generate(input_ids=input_ids, **kwargs)
+
+
+def _placeholder_policy() -> EvictionPolicy:
+    from kvpolicy import FullCache
+
+    return FullCache()
+
+
+def init_inference(
+    model: torch.nn.Module,
+    policy: EvictionPolicy | str,
+    *,
+    tp_size: int | None = None,
+    dtype: torch.dtype | str | None = None,
+    budget: float | None = None,
+    context_length: int | None = None,
+    positions: PositionsMode | None = None,
+    config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    **ds_kwargs: Any,
+) -> EvictingInferenceEngine:
+    """``deepspeed.init_inference`` with AutoTP, returning an engine whose ``generate`` evicts.
+
+    Run under the DeepSpeed launcher, one process per GPU, e.g.
+    ``deepspeed --num_gpus 2 my_script.py``; every rank calls this with the same arguments.
+
+    Args:
+        model: a transformers Llama-family model (``SUPPORTED_MODEL_TYPES``), unsharded, on CPU or
+            the meta device as DeepSpeed accepts.
+        policy: an :class:`EvictionPolicy`, or a registered name (``"buzz"``, ``"h2o"``, ...)
+            planned for ``budget`` on each call's prompt length plus ``max_new_tokens``.
+        tp_size: tensor-parallel ranks (default: ``tensor_parallel.tp_size`` of ``config`` /
+            ``ds_kwargs``, else 1). Must be at most the model's KV heads and the launched world size.
+        dtype: float16, bfloat16 or float32 (default: the model's current dtype, *not* DeepSpeed's
+            float16 default).
+        budget: the budget for a policy given by name (default 0.4).
+        context_length: the longest prompt (in tokens) you will pass; sets DeepSpeed's
+            ``max_out_tokens`` (its ``max_tokens``), which otherwise refuses prompts over 1024 tokens.
+            Default: ``max(max_position_embeddings, 1024)``.
+        positions: the cache's positions mode (default: the policy's).
+        config, ds_kwargs: any other ``deepspeed.init_inference`` options, as a dict / JSON path
+            and keywords (merged, conflicting values refused). ``replace_with_kernel_inject=True``
+            and ``enable_cuda_graph=True`` are refused with the reason.
+
+    Raises:
+        ValueError: before any DeepSpeed work, for refused options, an unsupported model, a
+            ``tp_size`` that disagrees with the config, exceeds the KV heads or the launched world
+            size, an unsupported dtype, or a ``max_tokens`` below ``context_length``.
+
+    Example::
+
+        engine = init_inference(model, "buzz", budget=0.25, tp_size=2, dtype=torch.float16, context_length=8192)
+        out = engine.generate(input_ids, max_new_tokens=128, do_sample=False)
+    """
+    if not isinstance(policy, (EvictionPolicy, str)):
+        raise ValueError(f"policy must be an EvictionPolicy or a registered policy name, got {policy!r}")
+    merged = _merged_config(config, ds_kwargs)
+    parsed = _parse_ds_config(merged)  # refusals first: they hold whatever else is wrong
+    if isinstance(policy, str):
+        from kvpolicy.registry import get_policy
+
+        get_policy(policy)  # unknown names fail now, not at the first generate()
+    geometry = ModelGeometry.from_config(model)
+
+    configured_tp = parsed.tensor_parallel.tp_size
+    if parsed.mp_size != 1:  # deprecated alias of tensor_parallel.tp_size
+        configured_tp = parsed.mp_size if configured_tp == 1 else configured_tp
+    if tp_size is None:
+        tp_size = configured_tp
+    elif configured_tp not in (1, tp_size):
+        raise ValueError(f"tp_size={tp_size} disagrees with tensor_parallel.tp_size={configured_tp} in the DeepSpeed config")
+    shard_layout(geometry, tp_size)  # tp_size against the KV heads
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if tp_size > world:
+        raise ValueError(
+            f"tp_size={tp_size} needs {tp_size} processes, but this one was started with WORLD_SIZE={world}: launch "
+            f"with `deepspeed --num_gpus {tp_size} your_script.py` (every rank runs the script)"
+        )
+    own_group = parsed.tensor_parallel.tp_group is not None or parsed.tensor_parallel.mpu is not None
+    if 1 < tp_size < world and not own_group:
+        raise ValueError(
+            f"tp_size={tp_size} with WORLD_SIZE={world}: DeepSpeed's inference engine builds one tensor-parallel group "
+            f"from ranks 0..{tp_size - 1}, leaving the other ranks outside it; launch exactly {tp_size} processes"
+        )
+
+    if dtype is None:
+        dtype = parsed.dtype if _explicit(merged, parsed, "dtype") else _model_dtype(model)
+    dtype = _as_dtype(dtype)
+
+    limit = max(geometry.max_positions or 0, parsed.max_out_tokens)
+    if context_length is not None:
+        limit = _positive("context_length", context_length, where="")
+    if _explicit(merged, parsed, "max_out_tokens"):
+        if context_length is not None and parsed.max_out_tokens < context_length:
+            raise ValueError(
+                f"max_tokens={parsed.max_out_tokens} is below context_length={context_length}: DeepSpeed would refuse "
+                f"longer prompts. Drop max_tokens (it is set from context_length) or raise it"
+            )
+        limit = parsed.max_out_tokens
+
+    raw_tp = merged.pop("tensor_parallel", None) or merged.pop("tp", None) or {}
+    if not isinstance(raw_tp, Mapping):  # a DeepSpeedTPConfig object
+        raw_tp = {k: getattr(raw_tp, k) for k in raw_tp.model_fields_set}
+    tp_config = {**raw_tp, "tp_size": tp_size}  # the user's tp_group / mpu / grain size are kept
+    for key in ("tensor_parallel", "tp", "mp_size", "dtype", "max_out_tokens", "max_tokens", "replace_with_kernel_inject", "kernel_inject"):
+        merged.pop(key, None)
+    import deepspeed
+
+    engine = deepspeed.init_inference(
+        model,
+        config=merged,
+        tensor_parallel=tp_config,
+        dtype=dtype,
+        max_out_tokens=limit,
+        replace_with_kernel_inject=False,
+    )
+    # EvictingInferenceEngine builds a probe cache through make_cache, which checks the sharded module
+    # against `layout`'s rule.
+    return EvictingInferenceEngine(engine, policy, budget=budget, positions=positions, context_length=limit)
+
+
+def _model_dtype(model: torch.nn.Module) -> torch.dtype:
+    first = next(iter(model.parameters()), None)
+    return first.dtype if first is not None else torch.float32
