@@ -64,6 +64,7 @@ def estimate_threshold(stride: int, window: int) -> int:
         >>> estimate_threshold(5, 30)
         130
     """
+    stride = check_int("stride", stride, minimum=3)  # before _min_threshold, which loops forever for s < 3
     window = check_int("window", window, minimum=1)
     return max(_min_threshold(stride), round(threshold_ratio(stride) * window))
 

@@ -1,0 +1,273 @@
+"""A literal, loop-by-loop oracle of the eviction policies, written apart from the policy code.
+
+Used only by tests. It follows ``docs/policies.md`` (issue 3, section 2) and the BUZZ paper's
+Algorithms 1 and 2 one token, one head and one segment at a time, with Python lists:
+
+* decode step ``t``: key ``t`` is appended; query ``t`` attends with a softmax over the kept keys;
+  every kept token's score grows by the probability it received; then the policy may evict;
+* prefill of ``prompt_len`` tokens: causal softmax per prompt row, scores summed over the rows,
+  then the eviction rule, repeated until it holds.
+
+What it shares with :mod:`kvpolicy_numpy.replay` is only the floating-point arithmetic of the
+attention probabilities (the same NumPy operations in the same order, copied here rather than
+imported, so equal inputs give bit-equal scores and ties are broken identically); the log-n
+scale is computed with the same ``np.log`` call for the same reason. Every eviction decision is
+plain Python on lists: no ``argsort``, no ``argmax``, no policy object method is called. The
+policy object is read only for its parameters (attributes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["OracleResult", "oracle", "oracle_params"]
+
+
+# --------------------------------------------------------------------------- arithmetic shared
+# with kvpolicy_numpy.replay (same operations, same order: bit-equal floats)
+def _softmax(logits: np.ndarray, axis: int = -1) -> np.ndarray:
+    shifted = logits - np.max(logits, axis=axis, keepdims=True)
+    e = np.exp(shifted)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def _log_n_scale(n: int, base: float, floor: float) -> float:
+    """``max(log(n) / log(base), floor)``; ``np.log`` as in ``LogNScaling.scales``."""
+    value = float(np.log(np.asarray([n], dtype=np.float64))[0] / math.log(base))
+    return value if value > floor else floor
+
+
+# --------------------------------------------------------------------------- parameters
+def oracle_params(policy: Any) -> dict[str, Any]:
+    """The parameters the oracle needs, read from the policy's attributes (no methods)."""
+    kind = type(policy).name
+    p: dict[str, Any] = {"kind": kind, "selection": getattr(policy, "selection", "per_head")}
+    if kind == "buzz":
+        p.update(
+            sink=policy.sink,
+            window=policy.window,
+            stride=policy.stride,
+            threshold=policy.threshold,
+            interval_keep=policy.interval_keep,
+        )
+        if policy.log_n is not None:
+            p.update(log_base=policy.log_n.base, log_floor=policy.log_n.floor)
+    elif kind == "h2o":
+        p.update(heavy=policy.heavy, recent=policy.recent)
+    elif kind == "streaming_llm":
+        p.update(sink=policy.sink, window=policy.window)
+    elif kind == "local":
+        p.update(window=policy.window)
+    elif kind == "full":
+        pass
+    else:
+        raise ValueError(f"the oracle does not know policy {kind!r}")
+    return p
+
+
+# --------------------------------------------------------------------------- eviction rules
+def _first_max(values: list[float]) -> int:
+    """Index of the largest value, the earliest among equals (a plain loop, strict ``>``)."""
+    best = 0
+    for i in range(1, len(values)):
+        if values[i] > values[best]:
+            best = i
+    return best
+
+
+def _first_min(values: list[float]) -> int:
+    """Index of the smallest value, the earliest among equals."""
+    best = 0
+    for i in range(1, len(values)):
+        if values[i] < values[best]:
+            best = i
+    return best
+
+
+def _buzz_round(p: dict[str, Any], cache: list[int], scores: list[float], n_old: int) -> list[int] | None:
+    """One BUZZ eviction (Algorithm 1 lines 13-15 with Algorithm 2) on one head's cache.
+
+    Returns the kept *indices into the cache list*, or ``None`` when the middle is below the
+    threshold.
+    """
+    sink, window, stride, threshold = p["sink"], p["window"], p["stride"], p["threshold"]
+    n = len(cache)
+    middle = n - sink - window
+    if middle < threshold:
+        return None
+    s_hat = math.floor((stride + 1) / 2)
+    old = list(range(sink, sink + n_old))
+    new = list(range(sink + n_old, n - window))
+
+    kept: list[int] = list(range(sink))
+    # interval sampling of the old tokens: groups of s_hat, keep the first (or the last)
+    g = 0
+    while g < len(old):
+        group = old[g : g + s_hat]
+        kept.append(group[0] if p["interval_keep"] == "first" else group[-1])
+        g += s_hat
+    # local max sampling of the new tokens (Algorithm 2): segments of `stride` from their start
+    idx = 0
+    while idx < len(new):
+        segment = new[idx : idx + stride]
+        seg_scores = [scores[i] for i in segment]
+        kept.append(segment[_first_max(seg_scores)])
+        idx += stride
+    kept.extend(range(n - window, n))
+    return kept
+
+
+def _h2o_round(p: dict[str, Any], cache: list[int], scores: list[float]) -> list[int] | None:
+    """Evict one token at a time: the lowest score outside the last ``recent``, earliest first."""
+    heavy, recent = p["heavy"], p["recent"]
+    if len(cache) <= heavy + recent:
+        return None
+    alive = list(range(len(cache)))
+    while len(alive) > heavy + recent:
+        candidates = alive[: len(alive) - recent]
+        victim = candidates[_first_min([scores[i] for i in candidates])]
+        alive.remove(victim)
+    return alive
+
+
+def _streaming_round(p: dict[str, Any], cache: list[int]) -> list[int] | None:
+    sink, window = p["sink"], p["window"]
+    n = len(cache)
+    if n <= sink + window:
+        return None
+    return list(range(sink)) + list(range(n - window, n))
+
+
+def _local_round(p: dict[str, Any], cache: list[int]) -> list[int] | None:
+    n = len(cache)
+    if n <= p["window"]:
+        return None
+    return list(range(n - p["window"], n))
+
+
+# --------------------------------------------------------------------------- the replay
+@dataclass
+class OracleResult:
+    """``kept[t]``: per head, the sorted kept positions after token ``t`` (``None`` before the
+    prompt's last token). ``sizes``: keys attended at every decode step. ``evictions``:
+    ``(t, size_before, size_after)`` per eviction round (sizes of head 0; equal on all heads)."""
+
+    kept: list[list[list[int]] | None]
+    sizes: list[int]
+    evictions: list[tuple[int, int, int]] = field(default_factory=list)
+    #: ``outputs[t][h]``: query ``t``'s attention output (when values were given), a list of floats
+    outputs: list[list[list[float]]] | None = None
+
+    @property
+    def n_evictions(self) -> int:
+        return len(self.evictions)
+
+
+def oracle(
+    policy: Any, logits: np.ndarray, prompt_len: int = 0, values: np.ndarray | None = None
+) -> OracleResult:
+    """Replay ``policy`` (read for its parameters only) literally on ``logits[t, h, j]``; with
+    ``values[t, h, :]`` also the attention outputs, summed in plain Python."""
+    p = oracle_params(policy)
+    logits = np.asarray(logits, dtype=np.float64)
+    steps, heads, _ = logits.shape
+    shared = p["selection"] == "shared"
+    caches: list[list[int]] = [[] for _ in range(heads)]
+    scores: list[list[float]] = [[] for _ in range(heads)]
+    n_old = 0  # BUZZ: old tokens in the middle; the same count on every head
+    result = OracleResult(kept=[None] * steps, sizes=[])
+    if values is not None:
+        result.outputs = [[[] for _ in range(heads)] for _ in range(steps)]
+
+    def output(t: int, h: int, keys: list[int], probs: Any) -> None:
+        if values is None:
+            return
+        d = values.shape[2]
+        acc = [0.0] * d
+        for j, pr in zip(keys, probs):
+            for k in range(d):
+                acc[k] += float(pr) * float(values[j, h, k])
+        result.outputs[t][h] = acc
+
+    def scale(n: int) -> float:
+        if "log_base" not in p:
+            return 1.0
+        return _log_n_scale(n, p["log_base"], p["log_floor"])
+
+    def one_round(cache: list[int], sc: list[float]) -> list[int] | None:
+        kind = p["kind"]
+        if kind == "buzz":
+            return _buzz_round(p, cache, sc, n_old)
+        if kind == "h2o":
+            return _h2o_round(p, cache, sc)
+        if kind == "streaming_llm":
+            return _streaming_round(p, cache)
+        if kind == "local":
+            return _local_round(p, cache)
+        return None  # full cache
+
+    def evict_until_stable(t: int) -> None:
+        nonlocal n_old
+        while True:
+            before = len(caches[0])
+            if shared:
+                summed = [0.0] * before
+                for h in range(heads):  # the heads in order, as np.sum over the head axis
+                    for j in range(before):
+                        summed[j] = scores[h][j] if h == 0 else summed[j] + scores[h][j]
+                keep = one_round(caches[0], summed)
+                keeps = None if keep is None else [keep] * heads
+            else:
+                keeps = [one_round(caches[h], scores[h]) for h in range(heads)]
+                if any(k is None for k in keeps):
+                    assert all(k is None for k in keeps), "heads disagree on whether to evict"
+                    keeps = None
+            if keeps is None:
+                return
+            for h in range(heads):
+                caches[h] = [caches[h][i] for i in keeps[h]]
+                scores[h] = [scores[h][i] for i in keeps[h]]
+            after = len(caches[0])
+            assert after < before, "an eviction round must evict"
+            if p["kind"] == "buzz":
+                n_old = after - p["sink"] - p["window"]  # every survivor of the middle is old
+            result.evictions.append((t, before, after))
+
+    if prompt_len:
+        n = prompt_len
+        # causal softmax per prompt row, summed over the rows: replay's exact NumPy operations
+        scale_rows = np.asarray([scale(i) for i in range(1, n + 1)], dtype=np.float64)
+        rows = logits[:n, :, :n] * scale_rows[:, None, None]
+        causal = np.tril(np.ones((n, n), dtype=bool))[:, None, :]
+        probs = _softmax(np.where(causal, rows, -np.inf))
+        summed = probs.sum(axis=0)  # [heads, n]
+        for i in range(n):
+            for h in range(heads):
+                output(i, h, list(range(i + 1)), probs[i, h, : i + 1])
+        for h in range(heads):
+            caches[h] = list(range(n))
+            scores[h] = [float(summed[h, j]) for j in range(n)]
+        evict_until_stable(n - 1)
+        result.kept[n - 1] = [list(c) for c in caches]
+
+    for t in range(prompt_len, steps):
+        for h in range(heads):
+            caches[h].append(t)
+            scores[h].append(0.0)
+        result.sizes.append(len(caches[0]))
+        c = scale(t + 1)
+        row = np.asarray(
+            [[logits[t, h, j] for j in caches[h]] for h in range(heads)], dtype=np.float64
+        ) * np.float64(c)
+        probs = _softmax(row)
+        for h in range(heads):
+            for j in range(len(caches[h])):
+                scores[h][j] = scores[h][j] + float(probs[h, j])
+            output(t, h, caches[h], probs[h])
+        evict_until_stable(t)
+        result.kept[t] = [list(c_) for c_ in caches]
+    return result

@@ -1,0 +1,176 @@
+"""Budgets and BUZZ's parameter-estimation theorem."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpolicy import (
+    BUZZ,
+    H2O,
+    FullCache,
+    LocalWindow,
+    PolicyPlan,
+    StreamingLLM,
+    estimate_threshold,
+    fixed_point_middle,
+    make_policy,
+    plan_policy,
+    realised_budget,
+    simulate_sizes,
+    threshold_ratio,
+)
+from kvpolicy.policies import small_stride
+from kvpolicy_numpy import replay
+from strategies import any_policy
+
+BUDGETED = ["buzz", "buzz_logn", "h2o", "streaming_llm", "local"]
+BUDGETS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+
+
+# ============================================================================ the theorem
+def test_threshold_ratio_stride_5_is_the_papers_4_33() -> None:
+    assert threshold_ratio(5) == pytest.approx(13 / 3, rel=1e-15)
+    assert round(threshold_ratio(5), 2) == 4.33
+
+
+@pytest.mark.parametrize("s", range(3, 52))
+def test_threshold_ratio_matches_the_theorem_statement(s) -> None:
+    """T/w = (s^2+1)/(s+1) for odd s, s-1 for even s (the statement; the paper's proof swaps
+    the two cases)."""
+    want = Fraction(s * s + 1, s + 1) if s % 2 else Fraction(s - 1)
+    assert threshold_ratio(s) == pytest.approx(float(want), rel=1e-14)
+    # and the proof's swapped assignment is wrong for every stride
+    swapped = Fraction(s - 1) if s % 2 else Fraction(s * s + 1, s + 1)
+    assert threshold_ratio(s) != pytest.approx(float(swapped), rel=1e-9)
+
+
+@pytest.mark.parametrize("s", range(3, 30))
+def test_small_stride(s) -> None:
+    assert small_stride(s) == math.floor((s + 1) / 2)
+
+
+@given(st.integers(3, 64), st.integers(1, 500))
+def test_ratio_is_the_fixed_point_of_the_recurrence(s, threshold) -> None:
+    """Iterating a -> a/s_hat + (T-a)/s (exact rationals) converges to T / ratio(s)."""
+    s_hat = (s + 1) // 2
+    a = Fraction(0)
+    T = Fraction(threshold)
+    for _ in range(200):
+        a = a / s_hat + (T - a) / s
+    assert float(a) == pytest.approx(threshold / threshold_ratio(s), rel=1e-12)
+    assert fixed_point_middle(s, threshold) == pytest.approx(float(a), rel=1e-12)
+    # a* is a fixed point exactly: f(a*) = a*
+    a_star = T / (s - Fraction(s, s_hat) + 1)
+    assert a_star / s_hat + (T - a_star) / s == a_star
+
+
+@given(st.integers(3, 40), st.integers(1, 400))
+def test_estimate_threshold(s, w) -> None:
+    t = estimate_threshold(s, w)
+    assert t == max(3, round(threshold_ratio(s) * w))
+    assert BUZZ(sink=1, window=w, stride=s).threshold == t  # the default threshold
+
+
+def test_estimate_threshold_examples() -> None:
+    assert estimate_threshold(5, 30) == 130
+    assert estimate_threshold(4, 10) == 30  # even: s - 1
+    assert estimate_threshold(3, 1) == 3  # clamped to the smallest threshold that shrinks
+
+
+# ============================================================================ size simulation
+@given(any_policy(), st.integers(1, 80), st.data())
+def test_simulate_sizes_equals_replay_sizes(policy, steps, data) -> None:
+    """Sizes depend on counts only: the planner's simulation is the replay's, on any scores."""
+    prompt_len = data.draw(st.integers(0, steps))
+    logits = np.random.default_rng(steps).normal(size=(steps, 1, steps))
+    trace = replay(policy, logits, prompt_len)
+    assert simulate_sizes(policy, steps, prompt_len).tolist() == trace.sizes.tolist()
+
+
+def test_simulate_sizes_examples() -> None:
+    assert simulate_sizes(FullCache(), 5).tolist() == [1, 2, 3, 4, 5]
+    assert simulate_sizes(LocalWindow(2), 5).tolist() == [1, 2, 3, 3, 3]
+    assert simulate_sizes(StreamingLLM(1, 2), 6, prompt_length=2).tolist() == [3, 4, 4, 4]
+    assert simulate_sizes(H2O(1, 1), 4).tolist() == [1, 2, 3, 3]
+
+
+def test_realised_budget_definition() -> None:
+    """Average size over the full cache's average on the same decode steps."""
+    sizes = np.asarray([1, 2, 3, 3, 3])
+    assert realised_budget(sizes, 5) == pytest.approx(12 / 5 / 3)
+    assert realised_budget(np.asarray([3, 3]), 5, prompt_length=3) == pytest.approx(3 / 4.5)
+
+
+# ============================================================================ budget realisation
+@pytest.mark.parametrize("name", BUDGETED)
+@pytest.mark.parametrize("context", [256, 1024, 4096])
+def test_budget_realised_within_5_points(name, context) -> None:
+    for budget in BUDGETS:
+        plan = plan_policy(name, budget, context_length=context)
+        sizes = simulate_sizes(plan.policy, context)
+        realised = float(np.mean(sizes)) / float(np.mean(np.arange(1, context + 1)))
+        assert abs(realised - budget) <= 0.05, (name, context, budget, realised, plan.policy)
+        assert realised == pytest.approx(plan.realised_budget)
+        assert plan.average_size == pytest.approx(float(np.mean(sizes)))
+
+
+@pytest.mark.parametrize("name", BUDGETED)
+@pytest.mark.parametrize("context, prompt", [(1024, 512), (4096, 3900)])
+def test_budget_realised_with_a_prompt(name, context, prompt) -> None:
+    for budget in [0.1, 0.3, 0.5, 0.9]:
+        plan = plan_policy(name, budget, context_length=context, prompt_length=prompt)
+        realised = realised_budget(simulate_sizes(plan.policy, context, prompt), context, prompt)
+        assert abs(realised - budget) <= 0.05, (name, budget, realised, plan.policy)
+
+
+@pytest.mark.parametrize("name", BUDGETED)
+@pytest.mark.parametrize("context, prompt", [(300, 0), (512, 100)])
+def test_budget_realised_by_a_real_replay(name, context, prompt) -> None:
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=(context, 1, context))
+    logits[:, :, ::17] += 2.0  # a few heavy hitters
+    for budget in [0.1, 0.3, 0.6, 0.9]:
+        policy = make_policy(name, budget, context_length=context, prompt_length=prompt)
+        trace = replay(policy, logits, prompt)
+        assert abs(trace.realised_budget - budget) <= 0.05, (name, budget, trace.realised_budget, policy)
+
+
+def test_make_policy_buzz_uses_the_theorem() -> None:
+    p = make_policy("buzz", 0.3, context_length=4096)
+    assert isinstance(p, BUZZ)
+    assert p.threshold == estimate_threshold(p.stride, p.window)
+    q = make_policy("buzz", 0.3, context_length=4096, stride=4, sink=1)
+    assert (q.stride, q.sink) == (4, 1)
+    assert q.threshold == estimate_threshold(4, q.window)
+    r = make_policy("buzz", 0.3, context_length=4096, threshold=50)
+    assert r.threshold == 50
+
+
+def test_make_policy_examples() -> None:
+    assert make_policy("h2o", 0.25, context_length=1024) == H2O(heavy=68, recent=68)
+    p = make_policy("buzz_logn", 0.4, context_length=2048)
+    assert isinstance(p, BUZZ) and p.log_n is not None and p.log_n.base == 512.0
+    assert make_policy("full", 1.0, context_length=100) == FullCache()
+
+
+def test_budget_is_monotone_in_the_request() -> None:
+    sizes = [plan_policy("buzz", b, context_length=2048).average_size for b in BUDGETS]
+    assert sizes == sorted(sizes)
+
+
+def test_policy_plan_is_printable() -> None:
+    plan = plan_policy("buzz", 0.3, context_length=4096, prompt_length=1000)
+    assert isinstance(plan, PolicyPlan)
+    text = str(plan)
+    for needle in ["buzz", "threshold=", "capacity", "30.0%", "4096 tokens", "1000 prefilled"]:
+        assert needle in text, needle
+    d = plan.as_dict()
+    assert d["policy"] == "buzz" and d["capacity"] == plan.policy.capacity
+    assert d["params"] == plan.policy.params()
+    assert plan.capacity == plan.policy.sink + plan.policy.window + plan.policy.threshold
