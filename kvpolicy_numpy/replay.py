@@ -140,7 +140,8 @@ def replay(
         scores = probs.sum(axis=0)[None]
         if outputs is not None:
             outputs[:p] = np.einsum("qhk,khd->qhd", probs, values[:p])
-        evict_until_stable(p - 1, "prefill")
+        # phase as kvpolicy_torch.LayerCache sets it: a one-token prompt is a decode step
+        evict_until_stable(p - 1, "prefill" if p > 1 else "decode")
         kept[p - 1] = positions[0].copy()
 
     head_index = np.arange(heads)[:, None]

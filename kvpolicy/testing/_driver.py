@@ -1,0 +1,315 @@
+"""Drive a policy on NumPy arrays and on a torch ``LayerCache`` in lockstep, with identical scores.
+
+Both sides receive the *same* float64 received-attention arrays (computed once, on the NumPy
+side, with :func:`kvpolicy_numpy.replay`'s own operations), so their accumulated scores are
+bit-equal and every difference in the kept positions comes from the policy's decision code on the
+two array namespaces, not from two softmax implementations. Each eviction call is also checked
+against the contract: the keep array's shape, dtype, order and range, that it evicts, and that
+*whether* and *how many* do not depend on the score values (the policy is probed with other
+scores and a copy of its state first).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from kvpolicy.policy import CacheView, EvictionPolicy
+
+__all__ = ["ContractViolation", "NumpyCache", "TorchCache", "Lockstep", "softmax"]
+
+#: Eviction rounds after one append before a policy is declared to never stop.
+MAX_ROUNDS = 1000
+
+
+class ContractViolation(AssertionError):
+    """A policy broke the eviction-policy contract. The message says what, where, and how to
+    replay it."""
+
+
+def softmax(logits: np.ndarray, axis: int = -1) -> np.ndarray:
+    """:func:`kvpolicy_numpy.softmax` (the same operations, so the same bits)."""
+    shifted = logits - np.max(logits, axis=axis, keepdims=True)
+    e = np.exp(shifted)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def _fmt(a: Any) -> str:
+    return np.array2string(np.asarray(a), separator=", ", max_line_width=10**6, threshold=200)
+
+
+def check_keep(policy: EvictionPolicy, view: CacheView, keep: Any) -> np.ndarray:
+    """The keep array as int64 NumPy, after checking it against the contract."""
+    arr = np.asarray(keep)
+    n = view.n_cached
+    if arr.ndim != 3 or arr.shape[:2] != (view.batch, view.heads):
+        raise ContractViolation(
+            f"{policy!r} returned slots of shape {arr.shape}; expected [batch, heads, k] = "
+            f"[{view.batch}, {view.heads}, k]"
+        )
+    if arr.dtype.kind not in "iu":
+        raise ContractViolation(f"{policy!r} returned slots of dtype {arr.dtype}; expected integers (int64)")
+    arr = arr.astype(np.int64, copy=False)
+    k = arr.shape[-1]
+    if k >= n:
+        raise ContractViolation(f"{policy!r} asked to evict but kept {k} of {n} tokens (return None to keep all)")
+    if k and (arr.min() < 0 or arr.max() >= n):
+        raise ContractViolation(f"{policy!r} returned slots outside [0, {n}): {_fmt(arr)}")
+    if k > 1 and not np.all(np.diff(arr, axis=-1) > 0):
+        raise ContractViolation(f"{policy!r} returned slots that are not strictly ascending: {_fmt(arr)}")
+    return arr
+
+
+def probe_host_decision(policy: EvictionPolicy, view: CacheView) -> tuple[int | None, dict[str, Any]]:
+    """Ask ``policy`` on ``view`` with negated scores and a copy of its state: ``(kept count or
+    None, state after)``. Whether to evict and how many to keep must come out the same as with
+    the real scores (they are host decisions)."""
+    probe = CacheView(view.positions, -view.scores, view.n_seen, dict(view.state), view.phase)
+    keep = policy.evict(probe)
+    return (None if keep is None else int(np.asarray(keep).shape[-1])), probe.state
+
+
+class NumpyCache:
+    """One layer's cache as NumPy ``[batch, heads, n]`` positions and float64 scores, evicted like
+    :func:`kvpolicy_numpy.replay` (``phase`` is ``"prefill"`` after an append of more than one
+    token, as in :class:`kvpolicy_torch.LayerCache`)."""
+
+    def __init__(self, policy: EvictionPolicy, batch: int, heads: int, *, probe: bool = True) -> None:
+        self.policy, self.batch, self.heads, self.probe = policy, batch, heads, probe
+        self.state = policy.init_state()
+        self.positions = np.zeros((batch, heads, 0), dtype=np.int64)
+        self.scores = np.zeros((batch, heads, 0), dtype=np.float64)
+        self.n_seen = 0
+        self.phase = "decode"
+
+    @property
+    def length(self) -> int:
+        return int(self.positions.shape[-1])
+
+    def append(self, q: int) -> None:
+        new = np.broadcast_to(np.arange(self.n_seen, self.n_seen + q, dtype=np.int64), (self.batch, self.heads, q))
+        self.positions = np.concatenate([self.positions, new], axis=-1)
+        self.scores = np.concatenate([self.scores, np.zeros((self.batch, self.heads, q))], axis=-1)
+        self.n_seen += q
+        self.phase = "prefill" if q > 1 else "decode"
+
+    def accumulate(self, received: np.ndarray) -> None:
+        self.scores = self.scores + received
+
+    def evict(self) -> list[tuple[int, int]]:
+        rounds: list[tuple[int, int]] = []
+        while True:
+            view = CacheView(self.positions, self.scores, self.n_seen, self.state, self.phase)  # type: ignore[arg-type]
+            if self.probe:
+                probed = probe_host_decision(self.policy, view)
+            keep = self.policy.evict(view)
+            if self.probe:
+                got = None if keep is None else int(np.asarray(keep).shape[-1])
+                if probed[0] != got:
+                    raise ContractViolation(
+                        f"{self.policy!r}: whether to evict / how many to keep depends on the score values "
+                        f"(n_cached={view.n_cached}, n_seen={view.n_seen}, state={view.state}): kept "
+                        f"{'nothing evicted' if got is None else got} with the real scores, "
+                        f"{'nothing evicted' if probed[0] is None else probed[0]} with other scores. Decide "
+                        "*whether* and *how many* from host integers (n_cached, n_seen, state) only."
+                    )
+                if keep is not None and probed[1] != self.state:
+                    raise ContractViolation(
+                        f"{self.policy!r}: the state after an eviction depends on the score values "
+                        f"({self.state} with the real scores, {probed[1]} with other scores); state holds host ints"
+                    )
+            if keep is None:
+                return rounds
+            arr = check_keep(self.policy, view, keep)
+            before = self.length
+            self.positions = np.take_along_axis(self.positions, arr, axis=-1)
+            self.scores = np.take_along_axis(self.scores, arr, axis=-1)
+            rounds.append((before, self.length))
+            if len(rounds) > MAX_ROUNDS:
+                raise ContractViolation(f"{self.policy!r} kept evicting for {MAX_ROUNDS} rounds after one append")
+
+
+class TorchCache:
+    """The same steps on :class:`kvpolicy_torch.LayerCache` (keys and values of width 1, float64)."""
+
+    def __init__(self, policy: EvictionPolicy, batch: int, heads: int) -> None:
+        import torch
+
+        from kvpolicy_torch import LayerCache
+
+        self.torch = torch
+        self.layer = LayerCache(policy)
+        self.batch, self.heads = batch, heads
+
+    @property
+    def length(self) -> int:
+        return self.layer.length
+
+    @property
+    def positions(self) -> np.ndarray:
+        if not self.layer.is_initialized:
+            return np.zeros((self.batch, self.heads, 0), dtype=np.int64)
+        return self.layer.positions.cpu().numpy()
+
+    def append(self, q: int) -> None:
+        kv = self.torch.zeros(self.batch, self.heads, q, 1, dtype=self.torch.float64)
+        self.layer.append(kv, kv)
+
+    def accumulate(self, received: np.ndarray) -> None:
+        self.layer.accumulate(self.torch.from_numpy(np.ascontiguousarray(received)))
+
+    def evict(self) -> list[tuple[int, int]]:
+        if not self.layer.is_initialized:  # nothing appended yet (LayerCache.evict needs storage)
+            return []
+        return self.layer.evict()
+
+
+class Lockstep:
+    """A :class:`NumpyCache` and (when ``torch``) a :class:`TorchCache` driven together; after
+    every eviction their positions and eviction rounds must be equal."""
+
+    def __init__(
+        self,
+        policy: EvictionPolicy,
+        batch: int,
+        heads: int,
+        *,
+        torch: bool = True,
+        probe: bool = True,
+        describe: Callable[[], str] = lambda: "",
+    ) -> None:
+        self.policy = policy
+        self.np = NumpyCache(policy, batch, heads, probe=probe)
+        self.tc = TorchCache(policy, batch, heads) if torch else None
+        self.describe = describe
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self.np.positions
+
+    @property
+    def n_seen(self) -> int:
+        return self.np.n_seen
+
+    def append(self, q: int, received: np.ndarray) -> None:
+        self.np.append(q)
+        self.np.accumulate(received)
+        if self.tc is not None:
+            self.tc.append(q)
+            self.tc.accumulate(received)
+
+    def evict(self, check: Callable[[], None] | None = None) -> list[tuple[int, int]]:
+        """Evict on both sides; ``check()`` runs after the NumPy side (its messages come first)."""
+        rounds = self.np.evict()
+        if check is not None:
+            check()
+        if self.tc is not None:
+            try:
+                t_rounds = self.tc.evict()
+            except RuntimeError as e:  # LayerCache's own contract checks
+                raise ContractViolation(f"the torch backend refused {self.policy!r}: {e}{self.describe()}") from None
+            a, b = self.np.positions, self.tc.positions
+            if a.shape != b.shape or not np.array_equal(a, b):
+                raise ContractViolation(self._difference(a, b) + self.describe())
+            if t_rounds != rounds:
+                raise ContractViolation(
+                    f"NumPy and torch evicted differently after token {self.n_seen - 1}: rounds "
+                    f"(size before, after) {rounds} vs {t_rounds}{self.describe()}"
+                )
+        return rounds
+
+    def _difference(self, a: np.ndarray, b: np.ndarray) -> str:
+        t = self.n_seen - 1
+        if a.shape != b.shape:
+            return f"NumPy and torch keep different numbers of tokens after token {t}: {a.shape} vs {b.shape}"
+        bad = np.argwhere((a != b).any(axis=-1))
+        row, head = (int(x) for x in bad[0])
+        return (
+            f"NumPy and torch kept different positions after token {t} (row {row}, KV head {head}):\n"
+            f"  numpy: {_fmt(a[row, head])}\n  torch: {_fmt(b[row, head])}\n"
+            f"(equal scores on both sides, so the policy's decision differs between the array namespaces, "
+            f"typically an unstable sort / top-k on ties)"
+        )
+
+
+# ---------------------------------------------------------------------------------- replay semantics
+def _scale(policy: EvictionPolicy, n_seen: np.ndarray) -> np.ndarray:
+    if policy.log_n is None:
+        return np.ones(n_seen.shape, dtype=np.float64)
+    return np.asarray(policy.log_n.scales(n_seen), dtype=np.float64)
+
+
+def group_sum(received_q: np.ndarray, group: int) -> np.ndarray:
+    """``[batch, q_heads, n] -> [batch, kv_heads, n]``: query head ``g * group + r`` belongs to KV
+    head ``g`` (transformers' ``repeat_kv`` order); the sum runs over ``r`` in order."""
+    if group == 1:
+        return received_q
+    b, hq, n = received_q.shape
+    grouped = received_q.reshape(b, hq // group, group, n)
+    acc = grouped[:, :, 0]
+    for r in range(1, group):
+        acc = acc + grouped[:, :, r]
+    return acc
+
+
+def prefill_received(policy: EvictionPolicy, logits: np.ndarray, p: int, group: int) -> np.ndarray:
+    """Received attention of a ``p``-token prompt, ``[batch, kv_heads, p]`` (``logits`` is
+    ``[batch, steps, q_heads, steps]``); the operations of :func:`kvpolicy_numpy.replay`."""
+    rows = logits[:, :p, :, :p] * _scale(policy, np.arange(1, p + 1))[None, :, None, None]
+    causal = np.tril(np.ones((p, p), dtype=bool))[None, :, None, :]
+    probs = softmax(np.where(causal, rows, -np.inf))  # [batch, p, q_heads, p]
+    return group_sum(probs.sum(axis=1), group)
+
+
+def decode_received(policy: EvictionPolicy, logits: np.ndarray, t: int, positions: np.ndarray, group: int) -> np.ndarray:
+    """Received attention of query ``t`` over the cached ``positions`` ``[batch, kv_heads, n]``."""
+    b, kv, n = positions.shape
+    cached = np.repeat(positions, group, axis=1)  # [batch, q_heads, n]
+    row = np.take_along_axis(logits[:, t], cached, axis=-1) * _scale(policy, np.asarray([t + 1]))[0]
+    return group_sum(softmax(row), group)
+
+
+def run_replay(
+    policy: EvictionPolicy,
+    logits: np.ndarray,
+    prompt_len: int = 0,
+    *,
+    group: int = 1,
+    torch: bool = True,
+    probe: bool = True,
+    on_step: Callable[[int, np.ndarray, list[tuple[int, int]]], None] | None = None,
+    describe: Callable[[], str] = lambda: "",
+) -> list[np.ndarray | None]:
+    """Replay ``policy`` on batched ``[batch, steps, q_heads, steps]`` logits with
+    :func:`kvpolicy_numpy.replay`'s semantics, NumPy and (when ``torch``) torch in lockstep.
+
+    Returns ``kept[t]``: ``[batch, kv_heads, n]`` positions after token ``t`` (``None`` before the
+    prompt's last token). ``on_step(t, positions, rounds)`` is called after every NumPy eviction
+    (before the torch side is compared; ``rounds`` is empty).
+    """
+    batch, steps, q_heads, _ = logits.shape
+    if q_heads % group:
+        raise ValueError(f"query heads ({q_heads}) must be a multiple of group ({group})")
+    run = Lockstep(policy, batch, q_heads // group, torch=torch, probe=probe, describe=describe)
+    kept: list[np.ndarray | None] = [None] * steps
+    check = None if on_step is None else (lambda: on_step(run.n_seen - 1, run.np.positions, []))
+    if prompt_len:
+        run.append(prompt_len, prefill_received(policy, logits, prompt_len, group))
+        rounds = run.evict(check)
+        kept[prompt_len - 1] = run.positions.copy()
+    for t in range(prompt_len, steps):
+        run.np.append(1)
+        received = decode_received(policy, logits, t, run.np.positions, group)
+        run.np.accumulate(received)
+        if run.tc is not None:
+            run.tc.append(1)
+            run.tc.accumulate(received)
+        run.evict(check)
+        kept[t] = run.positions.copy()
+    return kept
+
+
+def sequence_rows(kept: Sequence[np.ndarray | None], row: int) -> list[np.ndarray | None]:
+    """``kept`` of one batch row: ``[kv_heads, n]`` per step."""
+    return [None if k is None else k[row] for k in kept]

@@ -1,0 +1,551 @@
+"""The eviction-policy contract as hypothesis properties: :func:`check_policy`.
+
+Four properties, each run on many drawn examples (see :mod:`kvpolicy.testing.profiles`):
+
+``replay``
+    On :func:`kvpolicy_numpy.replay` (the reference backend): the cache never holds more than
+    ``capacity`` tokens during a decode step's attention and at most ``capacity - 1`` after an
+    eviction (prefill included); kept positions are sorted, unique, in ``[0, t]`` and never come
+    back once evicted; ``selection="shared"`` keeps the same tokens on every head; the same input
+    gives the same trace (no state kept on the policy object); the sizes do not depend on the
+    scores (equal to :func:`kvpolicy.simulate_sizes`); the policy's own invariants hold after
+    every step.
+``sizes``
+    *Whether* to evict and *how many* to keep are host decisions, so the sizes can be checked
+    exhaustively on placeholder scores, cheaply: every prompt length up to ``max_prompt``
+    (followed by a decode step) and one long decode run of ``long_steps`` tokens, for the drawn
+    batch and head counts. This finds capacity bugs that only one input in thousands triggers
+    (a prompt of one exact length, a rare ``n_seen``), and long-context bugs short replays miss.
+``full_cache``
+    While the sequence fits in ``capacity`` the policy behaves exactly like
+    :class:`~kvpolicy.FullCache` (it may evict only once the cache reaches ``capacity``).
+``backends``
+    Batched (left-padded rows of different lengths), GQA-grouped inputs, driven on NumPy and on
+    :class:`kvpolicy_torch.LayerCache` in lockstep with bit-equal scores: the kept positions
+    agree on every step of every example (when torch is installed); each row of a batch equals
+    that row run alone; every ``select`` result is ``[batch, heads, k]`` integer slots, strictly
+    ascending, in range, evicting at least one token; *whether* to evict, *how many* to keep
+    and the state update do not depend on the score values (the policy is probed with other
+    scores); capacity and invariants as above.
+``stateful``
+    A hypothesis ``RuleBasedStateMachine`` (:mod:`kvpolicy.testing.stateful`) appends tokens,
+    prefills chunks, decodes and evicts in any order, checking everything after every step.
+
+A failure raises :class:`ContractViolation` whose message ends with Python code that replays the
+shrunk example, e.g. ``kvpolicy_numpy.replay(EveryKth(k=2, window=1, limit=2), np.array([...]),
+prompt_len=3)``.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from hypothesis import HealthCheck, given
+from hypothesis import settings as Settings
+from hypothesis import strategies as st
+
+from kvpolicy.policy import EvictionPolicy
+
+from . import _format
+from ._driver import ContractViolation, NumpyCache, run_replay, sequence_rows
+from ._util import torch_available
+from .invariants import Invariant, policy_invariants, run_invariants
+from .strategies import TIE_KINDS, LogitsSpec, gqa_shapes, logits_specs, padded_batches, policies, prompt_lengths
+
+__all__ = [
+    "PROPERTIES",
+    "ContractReport",
+    "ContractViolation",
+    "check_policy",
+    "check_replay",
+    "check_sizes",
+    "compare_backends",
+    "torch_available",
+]
+
+#: The properties :func:`check_policy` runs, in order.
+PROPERTIES = ("replay", "sizes", "full_cache", "backends", "stateful")
+
+
+# ============================================================================ single examples
+def _first(prompt_len: int) -> int:
+    return max(prompt_len - 1, 0)
+
+
+def _check_positions(policy: EvictionPolicy, kept: np.ndarray, t: int, where: str) -> None:
+    """Sorted, unique, in ``[0, t]``; within capacity; equal heads under shared selection."""
+    kept = np.asarray(kept)
+    if kept.dtype.kind not in "iu" or kept.ndim != 2:
+        raise ContractViolation(f"{where}: kept positions must be a [heads, n] int array, got {kept.dtype} {kept.shape}")
+    cap = policy.capacity
+    if cap is not None and kept.shape[1] > cap - 1:
+        raise ContractViolation(
+            f"{policy!r} kept {kept.shape[1]} tokens after token {t} ({where}); its capacity is {cap}, so at most "
+            f"{cap - 1} may remain after an eviction (the next token must fit)"
+        )
+    for h, row in enumerate(kept.tolist()):
+        if row != sorted(set(row)):
+            raise ContractViolation(f"{where}: positions after token {t} (head {h}) are not sorted and unique: {row}")
+        if row and (row[0] < 0 or row[-1] > t):
+            raise ContractViolation(f"{where}: positions after token {t} (head {h}) are outside [0, {t}]: {row}")
+    if getattr(policy, "selection", "per_head") == "shared" and kept.shape[0] > 1 and not (kept == kept[:1]).all():
+        raise ContractViolation(f"{where}: selection='shared' kept different tokens per head after token {t}: {kept.tolist()}")
+
+
+def check_replay(
+    policy: EvictionPolicy,
+    logits: np.ndarray,
+    prompt_len: int = 0,
+    *,
+    invariants: Invariant | Sequence[Invariant] | None = None,
+) -> Any:
+    """Check the ``replay`` property on one example; returns the :class:`~kvpolicy_numpy.Trace`.
+
+    Raises :class:`ContractViolation` describing the first broken rule.
+    """
+    import kvpolicy_numpy
+    from kvpolicy.budget import simulate_sizes
+
+    logits = np.asarray(logits, dtype=np.float64)
+    steps = logits.shape[0]
+    invs = policy_invariants(policy, invariants)
+    try:
+        trace = kvpolicy_numpy.replay(policy, logits, prompt_len)
+    except RuntimeError as e:  # the reference backend's own checks
+        raise ContractViolation(f"kvpolicy_numpy.replay refused {policy!r}: {e}") from None
+    cap = policy.capacity
+    if cap is not None and len(trace.sizes) and trace.sizes.max() > cap:
+        i = int(np.argmax(trace.sizes > cap))
+        raise ContractViolation(
+            f"{policy!r} let the cache hold {int(trace.sizes[i])} tokens during the attention of token "
+            f"{prompt_len + i}, above its declared capacity {cap}"
+        )
+    previous: np.ndarray | None = None
+    for t in range(_first(prompt_len), steps):
+        kept = trace.kept[t]
+        if kept is None:
+            raise ContractViolation(f"replay kept nothing after token {t}")
+        _check_positions(policy, kept, t, "replay")
+        if previous is not None:
+            for h in range(kept.shape[0]):
+                back = set(kept[h].tolist()) - set(previous[h].tolist()) - {t}
+                if back:
+                    raise ContractViolation(f"evicted positions {sorted(back)} came back after token {t} (head {h})")
+        try:
+            run_invariants(invs, policy, kept, t)
+        except AssertionError as e:
+            raise ContractViolation(f"invariant broken: {e}") from None
+        previous = kept
+    again = kvpolicy_numpy.replay(policy, logits, prompt_len)
+    for t in range(steps):
+        a, b = trace.kept[t], again.kept[t]
+        if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
+            raise ContractViolation(
+                f"{policy!r} is not deterministic: a second replay of the same input kept "
+                f"{None if b is None else b.tolist()} instead of {None if a is None else a.tolist()} after token {t} "
+                "(keep per-sequence state in view.state, not on the policy object)"
+            )
+    sim = simulate_sizes(policy, steps, prompt_len)
+    if sim.tolist() != trace.sizes.tolist():
+        raise ContractViolation(
+            f"{policy!r}: the cache sizes depend on the score values (replay: {trace.sizes.tolist()}, the same "
+            f"policy on placeholder scores: {sim.tolist()}); decide *whether* and *how many* from host ints only"
+        )
+    return trace
+
+
+def check_sizes(
+    policy: EvictionPolicy,
+    *,
+    batch: int = 1,
+    heads: int = 1,
+    max_prompt: int = 48,
+    long_steps: int = 256,
+    prompt_len: int = 0,
+) -> None:
+    """Check the ``sizes`` property: on placeholder (zero) scores, after a prefill of every length
+    ``1..max_prompt`` (and one decode step after it), and at every step of a ``long_steps``-token
+    decode run after a ``prompt_len`` prompt, the cache holds at most ``capacity - 1`` tokens once
+    evicted and at most ``capacity`` during a decode step's attention; every ``select`` result is
+    valid. Raises :class:`ContractViolation` with the replay that shows it."""
+    cap = policy.capacity
+
+    prompt = 0  # the prompt length of the run being checked (for the replay in the message)
+
+    def violation(msg: str, cache: NumpyCache) -> ContractViolation:
+        e = ContractViolation(msg)
+        e.replay_args = (cache.n_seen, prompt)  # type: ignore[attr-defined]
+        return e
+
+    def stable(cache: NumpyCache, what: str) -> None:
+        if cap is not None and cache.length > cap - 1:
+            raise violation(
+                f"{policy!r} kept {cache.length} tokens after {what} (token {cache.n_seen - 1}); its capacity is "
+                f"{cap}, so at most {cap - 1} may remain after an eviction (the next token must fit)",
+                cache,
+            )
+
+    def decode(cache: NumpyCache) -> None:
+        cache.append(1)
+        if cap is not None and cache.length > cap:
+            raise violation(
+                f"{policy!r} attended {cache.length} tokens at the decode step of token {cache.n_seen - 1}, above its "
+                f"capacity {cap}",
+                cache,
+            )
+        cache.evict()
+        stable(cache, f"the decode step of token {cache.n_seen - 1}")
+
+    for prompt in range(1, max_prompt + 1):
+        cache = NumpyCache(policy, batch, heads, probe=False)
+        cache.append(prompt)
+        cache.evict()
+        stable(cache, f"a prefill of {prompt} tokens")
+        decode(cache)
+    prompt = prompt_len
+    cache = NumpyCache(policy, batch, heads, probe=False)
+    if prompt_len:
+        cache.append(prompt_len)
+        cache.evict()
+        stable(cache, f"a prefill of {prompt_len} tokens")
+    for _ in range(long_steps):
+        decode(cache)
+
+
+def check_full_cache(policy: EvictionPolicy, logits: np.ndarray, prompt_len: int = 0) -> None:
+    """While ``capacity`` covers the sequence, ``policy`` keeps exactly what FullCache keeps."""
+    import kvpolicy_numpy
+    from kvpolicy import FullCache
+
+    cap = policy.capacity
+    if cap is None:
+        return
+    steps = logits.shape[0]
+    trace = kvpolicy_numpy.replay(policy, logits, prompt_len)
+    full = kvpolicy_numpy.replay(FullCache(), logits, prompt_len)
+    early = [(t, before, after) for t, before, after in trace.evictions if t < cap - 1]
+    if early:
+        t, before, after = early[0]
+        raise ContractViolation(
+            f"{policy!r} evicted ({before} -> {after} tokens) after token {t}, before its cache reached its "
+            f"capacity {cap}: while the capacity covers the sequence a policy must keep everything, like FullCache"
+        )
+    if trace.sizes.tolist() != full.sizes.tolist():
+        raise ContractViolation(f"sizes differ from FullCache's within capacity {cap}: {trace.sizes.tolist()} vs {full.sizes.tolist()}")
+    for t in range(_first(prompt_len), min(steps, cap - 1)):
+        if trace.kept[t].tolist() != full.kept[t].tolist():
+            raise ContractViolation(f"after token {t} the policy kept {trace.kept[t].tolist()}, FullCache everything")
+
+
+def compare_backends(
+    policy: EvictionPolicy,
+    logits: np.ndarray,
+    prompt_len: int = 0,
+    *,
+    group: int = 1,
+    invariants: Invariant | Sequence[Invariant] | None = None,
+    torch: bool | None = None,
+) -> list[np.ndarray | None]:
+    """Check the ``backends`` property on one example; returns ``kept[t]`` ``[batch, kv_heads, n]``.
+
+    ``logits`` is ``[steps, heads, steps]`` (one sequence, as for :func:`kvpolicy_numpy.replay`)
+    or ``[batch, steps, query_heads, steps]``; ``group`` query heads share a KV head. Torch takes
+    part when installed (``torch=None``), must (``True``) or does not (``False``).
+    """
+    logits = np.asarray(logits, dtype=np.float64)
+    if logits.ndim == 3:
+        logits = logits[None]
+    use_torch = torch_available() if torch is None else torch
+    invs = policy_invariants(policy, invariants)
+    cap = policy.capacity
+
+    def on_step(t: int, positions: np.ndarray, rounds: list[tuple[int, int]]) -> None:
+        for b in range(positions.shape[0]):
+            _check_positions(policy, positions[b], t, f"row {b}")
+            try:
+                run_invariants(invs, policy, positions[b], t)
+            except AssertionError as e:
+                raise ContractViolation(f"invariant broken (row {b}): {e}") from None
+
+    kept = run_replay(policy, logits, prompt_len, group=group, torch=use_torch, probe=True, on_step=on_step)
+    if cap is not None:
+        for t in range(prompt_len, logits.shape[1]):
+            size = (kept[t - 1].shape[-1] if t > 0 and kept[t - 1] is not None else 0) + 1
+            if size > cap:
+                raise ContractViolation(f"{policy!r} attended {size} tokens at token {t}, above its capacity {cap}")
+    if logits.shape[0] > 1:
+        for b in range(logits.shape[0]):
+            alone = run_replay(policy, logits[b : b + 1], prompt_len, group=group, torch=False, probe=False)
+            mine = sequence_rows(kept, b)
+            for t, (x, y) in enumerate(zip(mine, alone)):
+                if x is not None and not np.array_equal(x, y[0]):
+                    raise ContractViolation(
+                        f"row {b} of a batch of {logits.shape[0]} kept {x.tolist()} after token {t}, but the same row "
+                        f"alone keeps {y[0].tolist()}: rows of a batch must be independent"
+                    )
+    return kept
+
+
+# ============================================================================ check_policy
+@dataclass
+class ContractReport:
+    """What :func:`check_policy` ran: ``results[property]`` is ``"passed"`` or ``"skipped: why"``."""
+
+    policy: str
+    results: dict[str, str] = field(default_factory=dict)
+    max_examples: int = 0
+
+    @property
+    def passed(self) -> list[str]:
+        return [k for k, v in self.results.items() if v.startswith("passed")]
+
+    def __str__(self) -> str:
+        lines = [f"kvpolicy contract for {self.policy} ({self.max_examples} examples per property)"]
+        lines += [f"  {k:<11} {v}" for k, v in self.results.items()]
+        return "\n".join(lines)
+
+
+def _label(factory: Any) -> str:
+    if isinstance(factory, EvictionPolicy):
+        return repr(factory)
+    name = getattr(factory, "__qualname__", None) or getattr(factory, "name", None)
+    return str(name or repr(factory))
+
+
+def _wrap(prop: str, body: Callable[[], Any], replay: Callable[[], str]) -> Any:
+    """Run ``body``; on any failure raise :class:`ContractViolation` with the replay code."""
+    try:
+        return body()
+    except Exception as e:  # noqa: BLE001 - every failure is reported with its replay
+        if isinstance(e, ContractViolation):
+            what = str(e)
+        else:
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            what = f"{type(e).__name__}: {e} (raised at {where.filename}:{where.lineno})"
+        raise ContractViolation(f"[{prop}] {what}\n\nReplay it:\n{replay()}") from e
+
+
+def _prop_settings(base: Settings, label: str) -> Settings:
+    suppress = list(base.suppress_health_check) + [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+    return Settings(base, deadline=None, suppress_health_check=suppress, report_multiple_bugs=False)
+
+
+def _run(fn: Callable[..., None], label: str, prop: str, settings: Settings) -> None:
+    """Run one property: ``fn(data)`` under ``@given(data=st.data())``, with its own database key."""
+    fn.__name__ = f"check_policy_{prop}"
+    fn.__qualname__ = f"check_policy[{label}].{prop}"
+    fn._hypothesis_internal_add_digest = f"{label}:{prop}".encode()  # type: ignore[attr-defined]
+    _prop_settings(settings, label)(given(data=st.data())(fn))()
+
+
+def check_policy(
+    policy_factory: Any = None,
+    params: Any = None,
+    *,
+    invariants: Invariant | Sequence[Invariant] | None = None,
+    checks: Sequence[str] | None = None,
+    torch: bool | None = None,
+    settings: Settings | None = None,
+    max_steps: int = 48,
+    max_heads: int = 3,
+    max_batch: int = 3,
+    max_group: int = 3,
+    max_prompt: int = 48,
+    long_steps: int = 256,
+    stateful_steps: int = 20,
+) -> ContractReport:
+    """Check that a policy keeps the eviction-policy contract, on many hypothesis-drawn examples.
+
+    Args:
+        policy_factory: what makes the policies: a policy class (built-in ones use their own
+            strategies; others draw their constructor arguments, see ``params``), a registry
+            preset, a factory function, a hypothesis strategy of policies, or one instance.
+        params: the constructor arguments of ``policy_factory``: a dict of strategies by
+            parameter name (the rest is derived from the signature, see
+            :func:`~kvpolicy.testing.strategies.params_strategy`) or a strategy of keyword dicts.
+        invariants: the policy's own promises, ``invariant(policy, kept, t)`` (one or a list; see
+            :mod:`kvpolicy.testing.invariants`); a policy method ``invariants(kept, t)`` is used too.
+        checks: which of :data:`PROPERTIES` to run (default all).
+        torch: compare with the torch backend: ``None`` when installed, ``True`` required,
+            ``False`` never.
+        settings: hypothesis settings (default: the selected kit profile, see
+            :mod:`kvpolicy.testing.profiles`).
+        max_steps, max_heads, max_batch, max_group: bounds of the drawn sequences and shapes.
+        max_prompt, long_steps: the ``sizes`` sweep: every prompt length up to ``max_prompt``
+            and a decode run of ``long_steps`` tokens (placeholder scores, cheap).
+        stateful_steps: steps per state-machine run.
+
+    Returns:
+        A :class:`ContractReport`. Raises :class:`ContractViolation` (an ``AssertionError``) on
+        the first broken property, with the shrunk example and code that replays it.
+
+    Example:
+        >>> from hypothesis import settings, strategies as st
+        >>> from kvpolicy import LocalWindow
+        >>> report = check_policy(LocalWindow, {"window": st.integers(1, 4)}, torch=False,
+        ...                       settings=settings(max_examples=5))
+        >>> report.passed
+        ['replay', 'sizes', 'full_cache', 'backends', 'stateful']
+    """
+    from .profiles import selected_settings
+
+    chosen = list(PROPERTIES if checks is None else checks)
+    unknown = sorted(set(chosen) - set(PROPERTIES))
+    if unknown:
+        raise ValueError(f"unknown checks {unknown}; choose from {', '.join(PROPERTIES)}")
+    use_torch = torch_available() if torch is None else bool(torch)
+    if use_torch and not torch_available():
+        raise ImportError("check_policy(torch=True) needs torch installed")
+    base = settings if settings is not None else selected_settings()
+    strategy = policies(policy_factory, params)
+    label = _label(policy_factory)
+    report = ContractReport(label, max_examples=base.max_examples)
+
+    for prop in PROPERTIES:
+        if prop not in chosen:
+            continue
+        if prop == "replay":
+            _run(_replay_property(strategy, invariants, max_steps, max_heads), label, prop, base)
+        elif prop == "sizes":
+            _run(_sizes_property(strategy, max_heads, max_batch, max_prompt, long_steps), label, prop, base)
+        elif prop == "full_cache":
+            _run(_full_cache_property(strategy, max_steps, max_heads), label, prop, base)
+        elif prop == "backends":
+            _run(_backends_property(strategy, invariants, use_torch, max_steps, max_heads, max_batch, max_group), label, prop, base)
+        elif prop == "stateful":
+            from .stateful import run_machine
+
+            run_machine(strategy, invariants=invariants, torch=use_torch, settings=_prop_settings(base, label), steps=stateful_steps, label=label)
+        report.results[prop] = "passed"
+    if "backends" in chosen and not use_torch:
+        report.results["backends"] = "passed (NumPy only: torch is not installed)" if torch is None else "passed (NumPy only)"
+    return report
+
+
+def _replay_property(strategy, invariants, max_steps: int, max_heads: int) -> Callable[..., None]:
+    def prop(data: st.DataObject) -> None:
+        policy = data.draw(strategy, label="policy")
+        spec: LogitsSpec = data.draw(logits_specs(max_steps=max_steps, max_heads=max_heads), label="logits")
+        prompt_len = data.draw(prompt_lengths(spec.steps), label="prompt_len")
+        logits = spec.build()
+
+        def replay_code() -> str:
+            p = _format.policy_expr(policy)
+            inv = _format.invariants_line(invariants)
+            extra = ", invariants=invariants" if inv else ""
+            return _format.code_block(
+                policy,
+                [
+                    f"logits = {_format.array_expr(logits, spec)}",
+                    f"trace = kvpolicy_numpy.replay({p}, logits, prompt_len={prompt_len})",
+                    *([inv] if inv else []),
+                    f"kvpolicy.testing.check_replay({p}, logits, prompt_len={prompt_len}{extra})  # raises this error",
+                ],
+                extra_imports=("import kvpolicy_numpy", "import kvpolicy.testing"),
+            )
+
+        _wrap("replay", lambda: check_replay(policy, logits, prompt_len, invariants=invariants), replay_code)
+
+    return prop
+
+
+def _sizes_property(strategy, max_heads: int, max_batch: int, max_prompt: int, long_steps: int) -> Callable[..., None]:
+    def prop(data: st.DataObject) -> None:
+        policy = data.draw(strategy, label="policy")
+        batch = data.draw(st.integers(1, max_batch), label="batch")
+        heads = data.draw(st.integers(1, max_heads), label="heads")
+        prompt_len = data.draw(st.one_of(st.just(0), st.integers(0, max_prompt)), label="prompt_len")
+        failure: list[Any] = []
+
+        def body() -> None:
+            try:
+                check_sizes(policy, batch=batch, heads=heads, max_prompt=max_prompt, long_steps=long_steps, prompt_len=prompt_len)
+            except ContractViolation as e:
+                failure.append(getattr(e, "replay_args", None))
+                raise
+
+        def replay_code() -> str:
+            p = _format.policy_expr(policy)
+            lines = []
+            args = failure[0] if failure else None
+            if args is not None and batch == 1:
+                steps, prompt = args
+                lines += [
+                    f"trace = kvpolicy_numpy.replay({p}, np.zeros(({steps}, {heads}, {steps})), prompt_len={prompt})",
+                    "print(max(len(k[0]) for k in trace.kept if k is not None))  # tokens kept after an eviction",
+                ]
+            lines.append(
+                f"kvpolicy.testing.check_sizes({p}, batch={batch}, heads={heads}, max_prompt={max_prompt}, "
+                f"long_steps={long_steps}, prompt_len={prompt_len})  # raises this error"
+            )
+            return _format.code_block(policy, lines, extra_imports=("import kvpolicy_numpy", "import kvpolicy.testing"))
+
+        _wrap("sizes", body, replay_code)
+
+    return prop
+
+
+def _full_cache_property(strategy, max_steps: int, max_heads: int) -> Callable[..., None]:
+    def prop(data: st.DataObject) -> None:
+        policy = data.draw(strategy, label="policy")
+        cap = policy.capacity
+        if cap is None:
+            return
+        steps = data.draw(st.integers(1, max(1, min(cap, max_steps))), label="steps")
+        spec: LogitsSpec = data.draw(logits_specs(steps=steps, max_heads=max_heads), label="logits")
+        prompt_len = data.draw(prompt_lengths(steps), label="prompt_len")
+        logits = spec.build()
+
+        def replay_code() -> str:
+            p = _format.policy_expr(policy)
+            return _format.code_block(
+                policy,
+                [
+                    f"logits = {_format.array_expr(logits, spec)}",
+                    f"trace = kvpolicy_numpy.replay({p}, logits, prompt_len={prompt_len})",
+                    "print(trace.evictions)  # (token, size before, size after): expected none before the capacity is reached",
+                ],
+                extra_imports=("import kvpolicy_numpy",),
+            )
+
+        _wrap("full_cache", lambda: check_full_cache(policy, logits, prompt_len), replay_code)
+
+    return prop
+
+
+def _backends_property(strategy, invariants, use_torch: bool, max_steps: int, max_heads: int, max_batch: int, max_group: int) -> Callable[..., None]:
+    def prop(data: st.DataObject) -> None:
+        policy = data.draw(strategy, label="policy")
+        kv_heads, group = data.draw(gqa_shapes(max_kv_heads=max_heads, max_group=max_group), label="(kv_heads, group)")
+        batch = data.draw(
+            padded_batches(max_batch=max_batch, max_steps=max_steps, query_heads=kv_heads * group, kinds=TIE_KINDS), label="batch"
+        )
+        prompt_len = data.draw(prompt_lengths(batch.spec.steps), label="prompt_len")
+        logits = batch.logits
+
+        def replay_code() -> str:
+            p = _format.policy_expr(policy)
+            arr = _format.array_expr(logits, None) if logits.size <= _format.MAX_LITERAL else batch.call()
+            torch_arg = "" if use_torch else ", torch=False"
+            inv = _format.invariants_line(invariants)
+            inv_arg = ", invariants=invariants" if inv else ""
+            return _format.code_block(
+                policy,
+                [
+                    f"logits = {arr}  # [batch, steps, query_heads, steps]",
+                    *([inv] if inv else []),
+                    f"kvpolicy.testing.compare_backends({p}, logits, prompt_len={prompt_len}, group={group}{torch_arg}{inv_arg})  # raises this error",
+                ],
+                extra_imports=("import kvpolicy.testing", "import kvpolicy.testing.strategies"),
+            )
+
+        _wrap(
+            "backends",
+            lambda: compare_backends(policy, logits, prompt_len, group=group, invariants=invariants, torch=use_torch),
+            replay_code,
+        )
+
+    return prop

@@ -1,0 +1,488 @@
+"""Complexity timing for any policy: :func:`benchmark_policy`.
+
+Two measures per cache size, as :mod:`kvpolicy.perf.eviction` defines them for the built-ins
+(and with its workloads: the torch one runs :class:`kvpolicy_torch.LayerCache`, keys and values
+included; the NumPy one applies the same decisions to preallocated positions and scores):
+
+* **one eviction**: the decision plus the gather that applies it, from the decode step that
+  brings the cache to the size at which the policy evicts;
+* **per decoded token**: ``append`` + ``evict`` amortised over one whole eviction cycle of the
+  steady state (16 steps for a policy that evicts at every step).
+
+Any policy works: the steady state (cache size when it evicts, size after, period, state) is
+found by running the policy's own ``evict`` on placeholder scores, so nothing about its rules
+needs to be known. The log-log slope of cost against the cache size is fitted with
+:func:`kvpolicy.perf.report.fit_slope` (``~0`` constant, ``~1`` linear in the cache).
+
+Example:
+    >>> from kvpolicy import LocalWindow
+    >>> result = benchmark_policy(lambda size: LocalWindow(window=size - 1), sizes=(64, 128, 256),
+    ...                           backends=("numpy",), rounds=1, target_s=0.001)
+    >>> [r["cache_size"] for r in result.rows]
+    [64, 128, 256]
+    >>> -1 < result.slope("one_eviction", "numpy") < 3
+    True
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from kvpolicy.policy import CacheView, EvictionPolicy
+
+__all__ = ["ComplexityResult", "Steady", "benchmark_policy", "policy_workload", "size_factory", "steady_state"]
+
+#: Decode steps per timed round for policies that evict at every step (as the built-in benchmark).
+EVERY_STEP_ROUND = 16
+
+
+def size_factory(policy_factory: Any) -> Callable[[int], EvictionPolicy]:
+    """``size -> policy`` from a factory: a built-in class gets its benchmark policy of capacity
+    ``size`` (:func:`kvpolicy.perf.eviction.policy_at_size`); any other class or registry preset
+    its ``from_size(size)``; a function taking one argument is called with the size.
+
+    Raises ``ValueError`` for anything else (e.g. a policy instance, or a class without
+    ``from_size``)."""
+    from kvpolicy.registry import Preset
+
+    if isinstance(policy_factory, EvictionPolicy):
+        raise ValueError(f"{policy_factory!r} is one policy; timing across sizes needs a factory: size -> policy")
+    if isinstance(policy_factory, Preset) or inspect.isclass(policy_factory):
+        cls = policy_factory.cls if isinstance(policy_factory, Preset) else policy_factory
+        if not (inspect.isclass(cls) and issubclass(cls, EvictionPolicy)):
+            raise ValueError(f"{policy_factory!r} is not an EvictionPolicy class")
+        from kvpolicy.perf.eviction import POLICIES, policy_at_size
+
+        if cls.name in POLICIES and cls.__module__.startswith("kvpolicy.policies") and not isinstance(policy_factory, Preset):
+            return lambda size, _n=cls.name: policy_at_size(_n, size)
+        if cls.from_size.__func__ is EvictionPolicy.from_size.__func__:  # type: ignore[attr-defined]
+            raise ValueError(f"{cls.__name__} has no from_size(size); pass a factory: lambda size: {cls.__name__}(...)")
+        return policy_factory.from_size
+    if callable(policy_factory):
+        try:
+            inspect.signature(policy_factory).bind(256)
+        except TypeError:
+            raise ValueError(f"{getattr(policy_factory, '__name__', repr(policy_factory))} is not a size factory (it must accept one argument, the cache size)") from None
+        except ValueError:  # no signature (a builtin): just try it
+            pass
+        return policy_factory
+    raise ValueError(f"cannot time {policy_factory!r}: expected a policy class, a preset or a function size -> policy")
+
+
+@dataclass(frozen=True)
+class Steady:
+    """A policy's periodic eviction cycle (from placeholder scores; sizes are host decisions).
+
+    ``size``: cache size when it evicts (the new token included); ``after``: size right after;
+    ``period``: decode steps from one eviction to the next; ``state``: the policy state between
+    them; ``seen_before`` / ``seen_after``: tokens seen just before the evicting step / right
+    after the previous eviction. ``evicts`` is ``False`` for a policy that never evicts."""
+
+    size: int
+    after: int
+    period: int
+    state: dict[str, int]
+    seen_before: int
+    seen_after: int
+    evicts: bool = True
+
+
+def steady_state(policy: EvictionPolicy, size_hint: int = 1024, *, cycles: int = 6) -> Steady:
+    """Run ``policy`` one decode token at a time on placeholder scores until its evictions repeat
+    (``cycles`` evictions); an unbounded policy (``capacity is None``) gets a cache of
+    ``size_hint`` tokens and is not expected to evict."""
+    cap = policy.capacity
+    if cap is None:
+        return Steady(size_hint, size_hint - 1, EVERY_STEP_ROUND, {}, size_hint - 1, size_hint - 1, evicts=False)
+    pos = np.zeros((1, 1, cap + 1), dtype=np.int64)
+    scores = np.zeros((1, 1, cap + 1))
+    state = policy.init_state()
+    n = seen = 0
+    events: list[tuple[int, int, int, dict[str, int]]] = []
+    limit = 100 * cap + 1000
+    while len(events) < cycles:
+        if n >= cap + 1:
+            raise ValueError(f"{policy!r} holds {n} tokens, more than its capacity {cap}: run check_policy on it")
+        pos[..., n] = seen
+        n += 1
+        seen += 1
+        before, state_before = n, dict(state)
+        while True:
+            keep = policy.evict(CacheView(pos[..., :n], scores[..., :n], seen, state, "decode"))
+            if keep is None:
+                break
+            keep = np.asarray(keep)
+            k = int(keep.shape[-1])
+            pos[..., :k] = np.take_along_axis(pos[..., :n], keep[:1, :1], axis=-1)
+            n = k
+        if n < before:
+            events.append((seen, before, n, state_before))
+        if seen > limit:
+            raise ValueError(f"{policy!r} did not evict {cycles} times within {limit} tokens")
+    (s1, _, a1, _), (s2, b2, _, st2) = events[-2], events[-1]
+    return Steady(b2, a1, s2 - s1, st2, s2 - 1, s1)
+
+
+def _workload_classes() -> tuple[type, type]:
+    """Subclasses of the built-in benchmark's workloads that take any policy (only their
+    constructors differ: the policy and its steady state are given instead of looked up)."""
+    from kvpolicy.perf import eviction as ev
+
+    class PolicyTorchWorkload(ev.TorchWorkload):  # type: ignore[misc, name-defined]
+        def __init__(self, policy: EvictionPolicy, label: str, steady: Steady, *, batch: int = 1, heads: int = 8,
+                     head_dim: int = 64, dtype: Any = None, device: str = "cpu", seed: int = 0) -> None:
+            import torch
+
+            from kvpolicy_torch import LayerCache
+
+            size = steady.size
+            self.name, self.size, self.batch, self.heads = label, size, batch, heads
+            self.policy = policy
+            self.period = steady.period if steady.period > 1 else EVERY_STEP_ROUND
+            g = torch.Generator().manual_seed(seed)
+            dtype = dtype or torch.float32
+            self.layer = LayerCache(policy)
+            kv = torch.randn(batch, heads, size, head_dim, generator=g, dtype=dtype).to(device)
+            if policy.capacity is None:  # grow the storage once, outside the timed region
+                big = torch.zeros(batch, heads, size + self.period + 1, head_dim, dtype=dtype, device=device)
+                self.layer.append(big, big)
+                self.layer.length = 0
+                self.layer.n_seen = 0
+            self.layer.append(kv[:, :, : size - 1], kv[:, :, : size - 1])
+            self.layer.accumulate(torch.rand(batch, heads, size - 1, generator=g).to(device=device, dtype=self.layer.scores.dtype))
+            self.token = kv[:, :, :1].clone()
+            self._before = ev._Snapshot(size - 1, steady.seen_before, dict(steady.state))
+            self._after = ev._Snapshot(steady.after, steady.seen_after, dict(steady.state))
+            self._pos0 = self.layer._pos.clone()  # type: ignore[union-attr]
+            self._scores0 = self.layer._scores.clone()  # type: ignore[union-attr]
+
+    class PolicyNumpyWorkload(ev.NumpyWorkload):  # type: ignore[misc, name-defined]
+        def __init__(self, policy: EvictionPolicy, label: str, steady: Steady, *, batch: int = 1, heads: int = 8,
+                     seed: int = 0, **_: Any) -> None:
+            size = steady.size
+            self.name, self.size, self.batch, self.heads = label, size, batch, heads
+            self.policy = policy
+            self.period = steady.period if steady.period > 1 else EVERY_STEP_ROUND
+            rng = np.random.default_rng(seed)
+            slots = size + 1 if policy.capacity is not None else size + self.period + 1
+            self.pos = np.zeros((batch, heads, slots), dtype=np.int64)
+            self.pos[...] = np.arange(slots)
+            self.scores = np.zeros((batch, heads, slots))
+            self.scores[..., : size - 1] = rng.random((batch, heads, size - 1))
+            self._pos0, self._scores0 = self.pos.copy(), self.scores.copy()
+            self._before = ev._Snapshot(size - 1, steady.seen_before, dict(steady.state))
+            self._after = ev._Snapshot(steady.after, steady.seen_after, dict(steady.state))
+            self.length, self.n_seen, self.state = 0, 0, {}
+            self.phase = "decode"
+
+    return PolicyTorchWorkload, PolicyNumpyWorkload
+
+
+def _label(policy_factory: Any) -> str:
+    from kvpolicy.registry import Preset
+
+    if isinstance(policy_factory, Preset):
+        return policy_factory.name
+    name = getattr(policy_factory, "__name__", None)
+    return name if name and name != "<lambda>" else repr(policy_factory)
+
+
+def policy_workload(
+    policy_factory: Any,
+    size: int,
+    backend: str = "numpy",
+    *,
+    batch: int = 1,
+    heads: int = 8,
+    head_dim: int = 64,
+    seed: int = 0,
+    label: str | None = None,
+) -> Any:
+    """A benchmark workload for ``policy_factory(size)``: ``reset_before_eviction()`` then
+    ``one_eviction()``; ``reset_after_eviction()`` then ``decode_round()`` (``period`` decoded
+    tokens); the pair pytest-benchmark's ``benchmark.pedantic(fn, setup=...)`` takes.
+    ``steady`` (a :class:`Steady`) and ``policy`` are attributes."""
+    policy = size_factory(policy_factory)(size)
+    steady = steady_state(policy, size)
+    torch_cls, numpy_cls = _workload_classes()
+    cls = {"torch": torch_cls, "numpy": numpy_cls}.get(backend)
+    if cls is None:
+        raise ValueError(f"backend must be 'torch' or 'numpy', got {backend!r}")
+    w = cls(policy, label or _label(policy_factory), steady, batch=batch, heads=heads, head_dim=head_dim, seed=seed)
+    w.steady = steady
+    return w
+
+
+@dataclass
+class ComplexityResult:
+    """Timings of one policy across cache sizes (:func:`benchmark_policy`).
+
+    ``rows``: one dict per backend and size: ``size`` (asked), ``cache_size`` (size at eviction),
+    ``period``, ``one_eviction_s`` / ``per_token_s`` (fastest round) and their ``*_median_s``.
+    """
+
+    policy: str
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    batch: int = 1
+    heads: int = 8
+    head_dim: int = 64
+    rounds: int = 3
+
+    def slope(self, measure: str = "per_token", backend: str = "numpy") -> float:
+        """Fitted ``k`` of ``cost ~ cache_size^k`` (``nan`` with fewer than 2 sizes)."""
+        from kvpolicy.perf.report import fit_slope
+
+        key = measure if measure.endswith("_s") else f"{measure}_s"
+        pts = sorted((r["cache_size"], r[key]) for r in self.rows if r["backend"] == backend)
+        return fit_slope([p[0] for p in pts], [p[1] for p in pts])
+
+    @property
+    def slopes(self) -> dict[str, dict[str, float]]:
+        """``{backend: {"one_eviction": k, "per_token": k}}``."""
+        return {
+            b: {m: self.slope(m, b) for m in ("one_eviction", "per_token")}
+            for b in dict.fromkeys(r["backend"] for r in self.rows)
+        }
+
+    def table(self) -> str:
+        """A Markdown table of the timings (microseconds) and one of the slopes."""
+        from kvpolicy.perf.report import markdown_table
+
+        def us(x: float) -> str:
+            v = x * 1e6
+            return f"{v:,.0f}" if v >= 100 else f"{v:.2f}"
+
+        body = [
+            [r["backend"], f"{r['size']:,}", f"{r['cache_size']:,}", r["period"], us(r["one_eviction_s"]), us(r["per_token_s"])]
+            for r in self.rows
+        ]
+        lines = [
+            markdown_table(["backend", "size", "cache at eviction", "period", "one eviction (µs)", "per token (µs)"], body, "lrrrrr"),
+            "",
+            markdown_table(
+                ["backend", "one eviction k", "per token k"],
+                [[b, _k(s["one_eviction"]), _k(s["per_token"])] for b, s in self.slopes.items()],
+                "lrr",
+            ),
+        ]
+        return "\n".join(lines)
+
+    def plot(self, path: str | Path, *, title: str | None = None) -> Path:
+        """Two log-log panels (one eviction; per decoded token), one line per backend."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for ax, (key, name) in zip(axes, (("one_eviction", "one eviction"), ("per_token", "amortised per decoded token"))):
+            for backend, style in (("torch", "-o"), ("numpy", "--s")):
+                pts = sorted((r["cache_size"], r[f"{key}_s"]) for r in self.rows if r["backend"] == backend)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] * 1e6 for p in pts], style, ms=4,
+                            label=f"{backend} k={_k(self.slope(key, backend))}")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("cache size at eviction (tokens per head)")
+            ax.set_ylabel("microseconds")
+            ax.set_title(name)
+            ax.grid(True, which="both", alpha=0.25)
+            ax.legend(fontsize=8)
+        fig.suptitle(title or f"{self.policy}: eviction cost, batch {self.batch}, {self.heads} KV heads (k: log-log slope)", fontsize=10)
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy, "rows": self.rows, "slopes": self.slopes, "batch": self.batch,
+            "heads": self.heads, "head_dim": self.head_dim, "rounds": self.rounds,
+        }
+
+
+def _k(x: float) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{x:.2f}"
+
+
+def _best(setup: Callable[[], None], fn: Callable[[], None], reps: int) -> float:
+    best = math.inf
+    for _ in range(reps):
+        setup()
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def benchmark_policy(
+    policy_factory: Any,
+    sizes: Sequence[int] = (256, 512, 1024, 2048, 4096),
+    *,
+    backends: Sequence[str] | None = None,
+    batch: int = 1,
+    heads: int = 8,
+    head_dim: int = 64,
+    rounds: int = 3,
+    target_s: float = 0.02,
+    on_progress: Callable[[str], None] | None = None,
+    label: str | None = None,
+) -> ComplexityResult:
+    """Time one eviction and the amortised eviction cost per decoded token at each size.
+
+    Args:
+        policy_factory: ``size -> policy`` (see :func:`size_factory`: a class with ``from_size``,
+            a preset, a built-in class, or a function of the size).
+        sizes: sizes passed to the factory; the fit uses the cache size at which each policy
+            actually evicts (``rows[i]["cache_size"]``).
+        backends: ``("numpy", "torch")`` by default (torch when installed).
+        batch, heads, head_dim: the cache's shape (keys and values on torch).
+        rounds, target_s: each round repeats a measurement for about ``target_s`` (at most 25
+            times) and keeps its fastest; rounds are interleaved over the sizes (so slow phases
+            of a shared machine hit all sizes alike) and the fastest round is reported, as in
+            :func:`kvpolicy.perf.eviction.measure_complexity`.
+        on_progress: called with a label after each workload is built and after each round.
+
+    Returns:
+        A :class:`ComplexityResult` (``.rows``, ``.slope(measure, backend)``, ``.table()``,
+        ``.plot(path)``).
+    """
+    from ._util import torch_available
+
+    if backends is None:
+        backends = ("numpy", "torch") if torch_available() else ("numpy",)
+    label = label or _label(policy_factory)
+    result = ComplexityResult(label, batch=batch, heads=heads, head_dim=head_dim, rounds=rounds)
+    for backend in backends:
+        loads = [policy_workload(policy_factory, s, backend, batch=batch, heads=heads, head_dim=head_dim, label=label) for s in sizes]
+        one: list[list[float]] = [[] for _ in loads]
+        per: list[list[float]] = [[] for _ in loads]
+        reps_one, reps_per = [], []
+        for w in loads:  # warm-up, and how often to repeat within a round
+            t1 = _best(w.reset_before_eviction, w.one_eviction, 2)
+            t2 = _best(w.reset_after_eviction, w.decode_round, 1)
+            reps_one.append(max(1, min(25, int(target_s / max(t1, 1e-6)))))
+            reps_per.append(max(1, min(25, int(target_s / max(t2, 1e-6)))))
+            if on_progress is not None:
+                on_progress(f"{label} {backend} {w.size}")
+        for r in range(rounds):
+            for i, w in enumerate(loads):
+                one[i].append(_best(w.reset_before_eviction, w.one_eviction, reps_one[i]))
+                per[i].append(_best(w.reset_after_eviction, w.decode_round, reps_per[i]) / w.period)
+            if on_progress is not None:
+                on_progress(f"{label} {backend} round {r + 1}")
+        for i, (s, w) in enumerate(zip(sizes, loads)):
+            result.rows.append(
+                {
+                    "backend": backend,
+                    "policy": label,
+                    "size": s,
+                    "cache_size": w.steady.size,
+                    "period": w.period,
+                    "evicts": w.steady.evicts,
+                    "one_eviction_s": min(one[i]),
+                    "per_token_s": min(per[i]),
+                    "one_eviction_median_s": statistics.median(one[i]),
+                    "per_token_median_s": statistics.median(per[i]),
+                }
+            )
+    return result
+
+
+def progress_steps(sizes: Sequence[int], backends: Sequence[str], rounds: int) -> int:
+    """How many times :func:`benchmark_policy` calls ``on_progress``."""
+    return len(backends) * (len(sizes) + rounds)
+
+
+# ---------------------------------------------------------------------------------- kvpolicy bench
+def load_factory(spec: str) -> Any:
+    """The object ``package.module:Attr`` names (``Attr`` may be dotted)."""
+    import importlib
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"expected package.module:Factory, got {spec!r}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import {module_name!r} for --policy {spec!r}: {e}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{module_name!r} has no attribute {attr!r} (--policy {spec!r})")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _slug(text: str) -> str:
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "policy"
+
+
+def bench_steps(specs: Sequence[str], sizes: Sequence[int], backends: Sequence[str], rounds: int) -> int:
+    """Progress-bar steps :func:`bench_specs` takes."""
+    return len(specs) * progress_steps(sizes, backends, rounds)
+
+
+def bench_specs(
+    specs: Sequence[str],
+    *,
+    sizes: Sequence[int],
+    backends: Sequence[str],
+    batch: int = 1,
+    heads: int = 8,
+    rounds: int = 3,
+    on_progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """``kvpolicy bench --policy package.module:Factory``: :func:`benchmark_policy` for each spec
+    that is a size factory; the others get ``{"spec", "skipped": why}`` (they still take part in
+    the decode benchmark, which plans them by budget)."""
+    out: list[dict[str, Any]] = []
+    for spec in specs:
+        obj = load_factory(spec)
+        try:
+            size_factory(obj)
+        except ValueError as e:
+            out.append({"spec": spec, "skipped": str(e)})
+            if on_progress is not None:
+                for _ in range(progress_steps(sizes, backends, rounds)):
+                    on_progress(f"{spec} (skipped)")
+            continue
+        label = _label(obj)
+        result = benchmark_policy(obj, sizes, backends=backends, batch=batch, heads=heads, rounds=rounds, on_progress=on_progress, label=label)
+        out.append({"spec": spec, **result.as_dict()})
+    return out
+
+
+def bench_report(entries: Sequence[dict[str, Any]], out: str | Path, plots: bool = True) -> list[str]:
+    """Markdown lines (tables, slopes, PNG links) for :func:`bench_specs`' entries; writes one
+    ``complexity_<policy>.png`` per timed policy when ``plots``."""
+    lines: list[str] = []
+    for e in entries:
+        if "skipped" in e:
+            lines += [f"### `{e['spec']}`", "", f"Not timed: {e['skipped']}.", ""]
+            continue
+        result = ComplexityResult(e["policy"], list(e["rows"]), e["batch"], e["heads"], e["head_dim"], e["rounds"])
+        lines += [
+            f"### `{e['spec']}` ({e['policy']}), batch {e['batch']}, {e['heads']} KV heads, head_dim {e['head_dim']}",
+            "",
+            "Microseconds at each size (fastest of the rounds); k is the log-log slope of the cost against the "
+            "cache size at eviction.",
+            "",
+            result.table(),
+            "",
+        ]
+        if plots:
+            path = result.plot(Path(out) / f"complexity_{_slug(e['policy'])}.png")
+            lines += [f"![eviction cost of {e['policy']}]({path.name})", ""]
+    return lines
