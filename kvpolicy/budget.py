@@ -25,6 +25,10 @@ __all__ = ["PolicyPlan", "make_policy", "plan_policy", "simulate_sizes", "realis
 def simulate_sizes(policy: EvictionPolicy, context_length: int, prompt_length: int = 0) -> np.ndarray:
     """Cache size at every decode step of a run (keys attended, the new one included).
 
+    The built-in policies are simulated on host integers (their sizes are a function of counts,
+    see :func:`_size_rule`); any other policy is replayed through its own ``evict`` on placeholder
+    arrays. Both give the same sizes (checked by the tests).
+
     Example:
         >>> from kvpolicy import StreamingLLM
         >>> simulate_sizes(StreamingLLM(sink=1, window=2), 6).tolist()
@@ -32,6 +36,58 @@ def simulate_sizes(policy: EvictionPolicy, context_length: int, prompt_length: i
     """
     context_length = check_int("context_length", context_length, minimum=1)
     prompt_length = check_int("prompt_length", prompt_length, minimum=0, maximum=context_length)
+    rule = _size_rule(policy)
+    if rule is None:
+        return _replay_sizes(policy, context_length, prompt_length)
+    state = policy.init_state()
+    n = rule(prompt_length, state) if prompt_length else 0
+    sizes = np.empty(context_length - prompt_length, dtype=np.int64)
+    for i in range(context_length - prompt_length):
+        n += 1
+        sizes[i] = n
+        n = rule(n, state)
+    return sizes
+
+
+def _size_rule(policy: EvictionPolicy) -> Any:
+    """``rule(n, state) -> n_after``: the size after evicting until stable, on host integers, for
+    the built-in policies (exact type: a subclass may override ``select``); ``None`` otherwise.
+
+    Each rule is the count arithmetic of the policy's ``select``: StreamingLLM, the local window
+    and H2O cut back to their kept size; BUZZ keeps ``ceil(old / s_hat)`` old middle tokens and
+    ``ceil(new / stride)`` new ones, repeatedly while the middle holds ``threshold`` or more.
+    """
+    from .policies import BUZZ, H2O, FullCache, LocalWindow, StreamingLLM
+
+    kind = type(policy)
+    if kind is FullCache:
+        return lambda n, state: n
+    if kind in (StreamingLLM, LocalWindow, H2O):
+        if kind is StreamingLLM:
+            keep = policy.sink + policy.window  # type: ignore[attr-defined]
+        elif kind is LocalWindow:
+            keep = policy.window  # type: ignore[attr-defined]
+        else:
+            keep = policy.heavy + policy.recent  # type: ignore[attr-defined]
+        return lambda n, state: keep if n > keep else n
+    if kind is BUZZ:
+        sink, window, threshold = policy.sink, policy.window, policy.threshold  # type: ignore[attr-defined]
+        stride, s_hat = policy.stride, policy.s_hat  # type: ignore[attr-defined]
+
+        def buzz(n: int, state: dict[str, int]) -> int:
+            middle = n - sink - window
+            while middle >= threshold:
+                n_old = state.get("n_old", 0)
+                middle = -(-n_old // s_hat) + -(-(middle - n_old) // stride)
+                state["n_old"] = middle
+            return sink + window + middle if n - sink - window >= threshold else n
+
+        return buzz
+    return None
+
+
+def _replay_sizes(policy: EvictionPolicy, context_length: int, prompt_length: int = 0) -> np.ndarray:
+    """:func:`simulate_sizes` by replaying ``policy.evict`` on placeholder arrays (any policy)."""
     state = policy.init_state()
     positions = np.zeros((1, 1, 0), dtype=np.int64)
     sizes = []
@@ -198,7 +254,7 @@ def make_policy(
     Example:
         >>> from kvpolicy import make_policy
         >>> make_policy("h2o", 0.25, context_length=1024)
-        H2O(heavy=64, recent=64)
+        H2O(heavy=68, recent=68)
     """
     return plan_policy(
         name, budget, context_length=context_length, prompt_length=prompt_length, **overrides

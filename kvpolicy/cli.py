@@ -311,6 +311,18 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    from .bench import add_arguments
+
+    add_arguments(p)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run
+
+    return run(args)
+
+
 # ============================================================================ the parser
 @dataclass(frozen=True)
 class _Verb:
@@ -326,6 +338,7 @@ _VERBS: list[_Verb] = [
     _Verb("plan", "resolve a policy's parameters from a cache budget", _add_plan, _cmd_plan),
     _Verb("trace", "replay a policy and draw the kept positions over time (PNG)", _add_trace, _cmd_trace),
     _Verb("compare", "compare the policies on real text with a real model and write a report", _add_compare, _cmd_compare),
+    _Verb("bench", "CPU benchmarks: eviction cost vs cache size, decode speed and memory, step breakdown", _add_bench, _cmd_bench),
 ]
 
 

@@ -96,6 +96,11 @@ class CacheView:
         Parts must already be in ascending slot order and disjoint, in order.
         """
         xp = self.xp
+        if all(part.ndim == 1 for part in parts):
+            # The same slots everywhere: one 1-D concat, broadcast (a view) to [batch, heads, k],
+            # so backends can see that every row and head keeps the same slots.
+            flat = xp.concat([xp.astype(part, xp.int64) for part in parts], axis=-1)
+            return xp.broadcast_to(flat[None, None, :], (self.batch, self.heads, flat.shape[0]))
         shaped = []
         for part in parts:
             if part.ndim == 1:

@@ -8,8 +8,11 @@ Pieces:
   right after that layer's attention.
 * the attention function ``"kvpolicy_sdpa"``: SDPA computes the output; one extra product of
   the current queries with the cached keys gives the probabilities each cached token received
-  (summed per KV head under GQA); BUZZ's log-n scaling is applied in the same function. It is
-  registered in ``AttentionInterface`` *and* ``AttentionMaskInterface`` (without the latter
+  (summed per KV head under GQA); BUZZ's log-n scaling is applied in the same function. A decode
+  step (one query) of a policy that reads scores takes the fused path instead: one product of the
+  query with the keys, one softmax, one product with the values, so the probabilities SDPA would
+  compute internally are the scores (``fused_decode=False`` restores SDPA plus the extra product).
+  It is registered in ``AttentionInterface`` *and* ``AttentionMaskInterface`` (without the latter
   transformers passes no mask, and SDPA's top-left ``is_causal`` then drops keys during a
   chunked prefill).
 * :func:`generate`: the one-line helper.
@@ -93,11 +96,63 @@ def kvpolicy_sdpa_attention(
             n_seen = torch.arange(layer.store.n_seen - q_len + 1, layer.store.n_seen + 1, device=query.device)
             query_scale = log_n.scales(n_seen).to(torch.float32)
             sdpa_query = query * query_scale[:, None].to(query.dtype)
+    if q_len == 1 and layer.fused_decode and layer.policy.uses_scores and not dropout and _fusable(attention_mask, kwargs):
+        out, received = _fused_decode_attention(query, key, value, attention_mask, sdpa_scale)
+        layer.finish_received(received)
+        return out, None
     out, _ = sdpa_attention_forward(
         module, sdpa_query, key, value, attention_mask, dropout=dropout, scaling=sdpa_scale, **kwargs
     )
     layer.finish(query, key, scale if q_len > 1 or log_n is None else sdpa_scale, query_scale)
     return out, None
+
+
+def _fusable(attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> bool:
+    """Whether a decode step may take :func:`_fused_decode_attention` (a mask shared by all heads,
+    nothing SDPA-specific such as a position bias or softcap)."""
+    if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+        return False
+    return attention_mask is None or (attention_mask.ndim == 4 and attention_mask.shape[1] == 1)
+
+
+def _fused_decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one query per head, and what each key received, in one pass over the keys.
+
+    Args:
+        query: ``[batch, q_heads, 1, head_dim]``; key, value: ``[batch, kv_heads, n, head_dim]``.
+        attention_mask: ``None``, or a boolean (True: attend) / additive ``[batch|1, 1, 1|q, n]`` mask.
+        scaling: the logit scale (log-n scaling included).
+
+    Returns:
+        ``(out, received)``: ``out`` ``[batch, 1, q_heads, head_dim]`` (the layout
+        ``sdpa_attention_forward`` returns) and ``received`` ``[batch, kv_heads, n]`` float32
+        (float64 for float64 inputs), the probabilities summed over each KV head's query heads.
+
+    GQA needs no copy: the ``r`` query heads of a KV head are the rows of one ``[r, d] x [d, n]``
+    product. The logits are computed in the inputs' dtype and the softmax in float32 (float64 for
+    float64), as SDPA's math path does; for float32 and float64 models the scores equal
+    :func:`~kvpolicy_torch.received_attention`'s.
+    """
+    b, hq, _, d = query.shape
+    g = key.shape[1]
+    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    grouped = query.reshape(b, g, hq // g, d)  # query head g * r + i attends with KV head g
+    logits = torch.matmul(grouped, key.transpose(-1, -2)).to(work) * scaling  # [b, g, r, n]
+    if attention_mask is not None:
+        mask = attention_mask[:, :, -1:, :]  # [b|1, 1, 1, n]: broadcasts over g and r
+        if mask.dtype == torch.bool:
+            logits = logits.masked_fill(~mask, float("-inf"))
+        else:
+            logits = logits + mask.to(work)
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.matmul(probs.to(value.dtype), value)  # [b, g, r, dv]
+    return out.reshape(b, 1, hq, value.shape[-1]), probs.sum(dim=2)
 
 
 def register_attention() -> str:
@@ -117,9 +172,27 @@ def use_kvpolicy_attention(model: torch.nn.Module) -> None:
         model.set_attn_implementation(ATTENTION_NAME)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
+class RotaryTable:
+    """``cos`` and ``sin`` of ``delta * inv_freq`` for integer ``delta`` in ``[0, rows)``, built once
+    and grown by doubling, shared by the layers of one cache (pos-shift reads a row per key instead
+    of evaluating ``cos`` and ``sin`` for every cached key at every step). Rows are computed exactly
+    as the direct formula computes them (``float32(delta) * inv_freq``, then ``cos``/``sin``)."""
+
+    def __init__(self, inv_freq: torch.Tensor) -> None:
+        self.inv_freq = inv_freq.detach().to(torch.float32)
+        self.table: torch.Tensor | None = None  # [rows, head_dim]: cos | sin
+
+    def lookup(self, delta: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[*delta.shape, head_dim / 2]``; ``bound`` (a host int) exceeds every
+        ``delta``, so growing the table needs no look at the tensor (no host-device sync)."""
+        table = self.table
+        if table is None or table.shape[0] < bound or table.device != delta.device:
+            rows = max(bound, 256, 2 * table.shape[0] if table is not None else 0)
+            angles = torch.arange(rows, device=delta.device, dtype=torch.float32)[:, None] * self.inv_freq.to(delta.device)
+            table = self.table = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        half = table.shape[1] // 2
+        both = table.index_select(0, delta.reshape(-1)).view(*delta.shape, 2 * half)
+        return both[..., :half], both[..., half:]
 
 
 class EvictingLayer(DynamicLayer):
@@ -137,6 +210,8 @@ class EvictingLayer(DynamicLayer):
         positions: PositionsMode = "original",
         inv_freq: torch.Tensor | None = None,
         reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        fused_decode: bool = True,
+        rotary: RotaryTable | None = None,
     ) -> None:
         self.store = LayerCache(policy, reduce_scores=reduce_scores)
         super().__init__()
@@ -144,6 +219,8 @@ class EvictingLayer(DynamicLayer):
         self.layer_idx = layer_idx
         self.positions_mode = positions
         self.inv_freq = inv_freq
+        self.fused_decode = fused_decode
+        self.rotary = rotary
         self.pending = False
 
     # transformers' base classes assign self.keys / self.values; they live in the store here.
@@ -192,13 +269,20 @@ class EvictingLayer(DynamicLayer):
     def _shift_to_slots(self, keys: torch.Tensor) -> torch.Tensor:
         """Re-rotate cached keys so query-key distances are cache-slot distances (pos-shift)."""
         store = self.store
-        slots = torch.arange(store.length, device=keys.device)
-        effective = slots + (store.n_seen - store.length)  # the new tokens keep their own position
-        delta = (effective - store.positions).to(torch.float32)  # [batch, heads, n]
-        angles = delta[..., None] * self.inv_freq.to(keys.device, torch.float32)  # type: ignore[union-attr]
-        angles = torch.cat((angles, angles), dim=-1)
+        slots = torch.arange(store.n_seen - store.length, store.n_seen, device=keys.device)
+        delta = slots - store.positions  # [batch, heads, n], in [0, n_seen): slots hold positions in order
+        if self.rotary is None:
+            self.rotary = RotaryTable(self.inv_freq)  # type: ignore[arg-type]
+        cos, sin = self.rotary.lookup(delta, store.n_seen)  # [batch, heads, n, head_dim / 2]
+        # rotate_half's pairing (i, i + head_dim / 2), one half at a time: no concatenated angles,
+        # no rotate_half temporaries.
         k = keys.to(torch.float32)
-        return (k * angles.cos() + _rotate_half(k) * angles.sin()).to(keys.dtype)
+        half = k.shape[-1] // 2
+        k1, k2 = k[..., :half], k[..., half:]
+        out = torch.empty_like(k)
+        torch.mul(k1, cos, out=out[..., :half]).addcmul_(k2, sin, value=-1.0)
+        torch.mul(k2, cos, out=out[..., half:]).addcmul_(k1, sin)
+        return out.to(keys.dtype)
 
     def finish(
         self,
@@ -208,8 +292,15 @@ class EvictingLayer(DynamicLayer):
         query_scale: torch.Tensor | None,
     ) -> None:
         """After attention: accumulate what each cached token received, then evict."""
+        received = None
         if self.policy.uses_scores:
-            self.store.accumulate(received_attention(query, keys, scaling, query_scale=query_scale))
+            received = received_attention(query, keys, scaling, query_scale=query_scale)
+        self.finish_received(received)
+
+    def finish_received(self, received: torch.Tensor | None) -> None:
+        """After attention: accumulate ``received`` ``[batch, kv_heads, n]`` (if any), then evict."""
+        if received is not None:
+            self.store.accumulate(received)
         self.pending = False
         self.store.evict()
 
@@ -281,6 +372,9 @@ class EvictingCache(Cache):
             rotary frequencies) and is switched to the ``"kvpolicy_sdpa"`` attention.
         positions: ``"original"`` or ``"cache"``; default: the policy's ``default_positions``.
         reduce_scores: hook for shared selection across tensor-parallel ranks.
+        fused_decode: compute a decode step's attention output and scores in one pass over the
+            keys (default) instead of SDPA plus an extra score product. Outputs agree with SDPA
+            to rounding; ``False`` reproduces SDPA's outputs exactly.
 
     Example:
         >>> from kvpolicy import make_policy
@@ -299,6 +393,7 @@ class EvictingCache(Cache):
         *,
         positions: PositionsMode | None = None,
         reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        fused_decode: bool = True,
     ) -> None:
         if not isinstance(policy, EvictionPolicy):
             raise ValueError(f"policy must be an EvictionPolicy, got {policy!r}")
@@ -314,8 +409,12 @@ class EvictingCache(Cache):
             use_kvpolicy_attention(model)
         self.policy = policy
         self.positions_mode = positions
+        rotary = RotaryTable(inv_freq) if inv_freq is not None else None  # one for all layers
         layers = [
-            EvictingLayer(policy, i, positions=positions, inv_freq=inv_freq, reduce_scores=reduce_scores)
+            EvictingLayer(
+                policy, i, positions=positions, inv_freq=inv_freq, reduce_scores=reduce_scores,
+                fused_decode=fused_decode, rotary=rotary,
+            )
             for i in range(config.num_hidden_layers)
         ]
         super().__init__(layers=layers)

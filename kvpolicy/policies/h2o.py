@@ -47,6 +47,14 @@ class H2O(EvictionPolicy):
         xp = view.xp
         candidates = n - self.recent
         n_evict = n - self.heavy - self.recent
+        if n_evict == 1:
+            # A decode step evicts one token: the first minimum (argmin returns the earliest of a
+            # tie, as the stable sort below would evict it), and every other slot in order.
+            # O(n) instead of a sort.
+            lowest = xp.argmin(view.scores[..., :candidates], axis=-1)  # [batch, heads]
+            rest = view.arange(candidates - 1)
+            heavy_slots = rest + xp.astype(rest >= lowest[..., None], xp.int64)
+            return view.keep(heavy_slots, view.arange(candidates, n))
         # Stable ascending sort: equal scores keep slot (= position) order, so the earliest
         # of a tie is evicted first.
         order = xp.argsort(view.scores[..., :candidates], axis=-1, stable=True)

@@ -1,0 +1,370 @@
+"""The fast paths keep behaviour identical, and the benchmark machinery measures what it claims.
+
+Fast paths (issue 7): the exact host-integer size simulation of the built-in policies, H2O's
+one-token eviction by argmin, ``CacheView.keep``'s broadcast keep arrays and the index_select
+gather they allow, ``received_attention``'s decode path, and the fused decode attention of the
+transformers integration. The benchmark side: eviction workloads, the prefill loaded into a
+cache, slope fits, ``kvpolicy bench`` and ``benchmarks/gpu_decode.py`` on tiny sizes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpolicy import BUZZ, H2O, FullCache, LocalWindow, StreamingLLM, simulate_sizes
+from kvpolicy.budget import _replay_sizes
+from kvpolicy.policy import CacheView
+from kvpolicy.perf.report import fit_slope, markdown_table, slopes
+from strategies import any_policy
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ============================================================================ core (no torch)
+@given(any_policy(), st.integers(1, 160), st.data())
+def test_size_rule_equals_replaying_the_policy(policy, context, data) -> None:
+    prompt = data.draw(st.integers(0, context))
+    np.testing.assert_array_equal(simulate_sizes(policy, context, prompt), _replay_sizes(policy, context, prompt))
+
+
+def test_subclasses_are_replayed_not_simulated() -> None:
+    class EveryOther(StreamingLLM):  # a subclass may change select: the size rule must not apply
+        def select(self, view):
+            n = view.n_cached
+            if n <= self.sink + self.window:
+                return None
+            return view.keep(view.arange(0, n, 2))
+
+    p = EveryOther(sink=1, window=3)
+    np.testing.assert_array_equal(simulate_sizes(p, 40, 5), _replay_sizes(p, 40, 5))
+    assert simulate_sizes(p, 40, 5).tolist() != simulate_sizes(StreamingLLM(sink=1, window=3), 40, 5).tolist()
+
+
+def _h2o_by_sort(policy: H2O, view: CacheView) -> np.ndarray:
+    """H2O's keep array through the general (stable sort) path."""
+    n = view.n_cached
+    candidates = n - policy.recent
+    order = np.argsort(view.scores[..., :candidates], axis=-1, kind="stable")
+    heavy = np.sort(order[..., n - policy.heavy - policy.recent :], axis=-1)
+    return np.concatenate([heavy, np.broadcast_to(np.arange(candidates, n), heavy.shape[:2] + (policy.recent,))], -1)
+
+
+@given(st.integers(1, 8), st.integers(1, 6), st.integers(1, 3), st.integers(1, 3), st.integers(0, 2**31 - 1), st.booleans())
+def test_h2o_argmin_path_equals_the_stable_sort(heavy, recent, batch, heads, seed, ties) -> None:
+    rng = np.random.default_rng(seed)
+    n = heavy + recent + 1  # a decode step: exactly one token to evict
+    scores = rng.integers(0, 3, (batch, heads, n)).astype(float) if ties else rng.random((batch, heads, n))
+    view = CacheView(np.broadcast_to(np.arange(n), (batch, heads, n)), scores, n)
+    policy = H2O(heavy, recent)
+    np.testing.assert_array_equal(np.asarray(policy.select(view)), _h2o_by_sort(policy, view))
+
+
+def test_h2o_argmin_path_on_torch_matches_numpy() -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    scores = rng.integers(0, 2, (2, 3, 9)).astype(float)  # many ties
+    pos = np.broadcast_to(np.arange(9), (2, 3, 9))
+    policy = H2O(4, 4)
+    a = policy.select(CacheView(pos, scores, 9))
+    b = policy.select(CacheView(torch.as_tensor(pos.copy()), torch.as_tensor(scores), 9))
+    np.testing.assert_array_equal(np.asarray(a), b.numpy())
+
+
+def test_keep_of_shared_slots_is_a_broadcast_view() -> None:
+    view = CacheView(np.zeros((2, 3, 10), dtype=np.int64), np.zeros((2, 3, 10)), 10)
+    keep = view.keep(view.arange(2), view.arange(6, 10))
+    assert keep.shape == (2, 3, 6) and keep.strides[:2] == (0, 0)
+    assert keep.tolist() == [[[0, 1, 6, 7, 8, 9]] * 3] * 2
+
+
+# ============================================================================ torch backend
+torch = pytest.importorskip("torch")
+
+from kvpolicy_torch import LayerCache, received_attention  # noqa: E402
+from kvpolicy_torch.scores import group_query_heads  # noqa: E402
+
+
+def _received_before(query, keys, scaling, *, query_scale=None, block=512):
+    """received_attention before the decode fast path (the 5-D einsum for every q)."""
+    b, hq, q, d = query.shape
+    kv_heads, n = keys.shape[1], keys.shape[2]
+    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    grouped = group_query_heads(query, kv_heads).to(work)
+    k = keys.to(work)
+    out = torch.zeros(b, kv_heads, n, dtype=work)
+    for start in range(0, q, block):
+        stop = min(q, start + block)
+        logits = torch.einsum("bgrqd,bgnd->bgrqn", grouped[:, :, :, start:stop], k) * scaling
+        if query_scale is not None:
+            logits = logits * query_scale[start:stop, None].to(work)
+        if q > 1:
+            rows = torch.arange(start, stop)[:, None]
+            logits = logits.masked_fill(torch.arange(n)[None, :] > n - q + rows, float("-inf"))
+        out += torch.softmax(logits, dim=-1).sum(dim=(2, 3))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("q, hq, kv", [(1, 4, 2), (1, 6, 6), (1, 9, 3), (3, 4, 2)])
+@pytest.mark.parametrize("log_n", [False, True])
+def test_received_attention_decode_path_equals_the_einsum(dtype, q, hq, kv, log_n) -> None:
+    g = torch.Generator().manual_seed(q * 100 + hq)
+    query = torch.randn(2, hq, q, 8, generator=g).to(dtype)
+    keys = torch.randn(2, kv, 40, 8, generator=g).to(dtype)[:, :, :37]  # a view, like the cache's
+    qs = torch.tensor([1.3, 1.1, 0.7][:q]) if log_n else None
+    got = received_attention(query, keys, 0.35, query_scale=qs)
+    want = _received_before(query, keys, 0.35, query_scale=qs)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_layer_cache_index_select_path_keeps_the_same_tokens() -> None:
+    """Shared keeps (StreamingLLM's broadcast arrays; shared selection) take index_select;
+    per-head keeps (BUZZ) take gather: both against the NumPy reference."""
+    import kvpolicy_numpy
+
+    for policy in (StreamingLLM(sink=2, window=5), LocalWindow(6), H2O(3, 3, selection="shared"), BUZZ(1, 3, 3, 6)):
+        rng = np.random.default_rng(1)
+        logits = rng.normal(size=(30, 1, 30))
+        trace = kvpolicy_numpy.replay(policy, logits)
+        layer = LayerCache(policy)
+        vals = torch.arange(30, dtype=torch.float64)
+        for t in range(30):
+            k = v = torch.full((1, 1, 1, 2), float(t), dtype=torch.float64)
+            layer.append(k, v)
+            cached = layer.positions[0]
+            probs = torch.softmax(torch.as_tensor(logits[t, 0])[cached], dim=-1)
+            layer.accumulate(probs[None])
+            layer.evict()
+            assert layer.positions[0].tolist() == trace.kept[t].tolist(), (policy, t)
+            assert layer.keys[0, 0, :, 0].tolist() == vals[layer.positions[0, 0]].tolist()  # K/V moved with positions
+
+
+# ============================================================================ transformers integration
+pytest.importorskip("transformers")
+
+from kvpolicy.models import tiny_llama  # noqa: E402
+from kvpolicy_integrations.hf import EvictingCache, _fused_decode_attention  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+def test_fused_decode_attention_equals_sdpa_plus_score_product(dtype, mask) -> None:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 1, 16, generator=g).to(dtype)
+    k = torch.randn(2, 2, 30, 16, generator=g).to(dtype)
+    v = torch.randn(2, 2, 30, 16, generator=g).to(dtype)
+    m = None
+    if mask is not None:
+        allowed = torch.ones(2, 1, 1, 30, dtype=torch.bool)
+        allowed[0, ..., :4] = False
+        m = allowed if mask == "bool" else torch.zeros(2, 1, 1, 30, dtype=dtype).masked_fill(~allowed, float("-inf"))
+    out, received = _fused_decode_attention(q, k, v, m, 0.3)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out.transpose(1, 2), ref, rtol=1e-5, atol=1e-6)
+    if mask is None:
+        torch.testing.assert_close(received, received_attention(q, k, 0.3), rtol=1e-6, atol=1e-7)
+    else:
+        assert torch.all(received[0, :, :4] == 0)
+        torch.testing.assert_close(received.sum(-1), torch.full((2, 2), 3.0, dtype=received.dtype))
+
+
+@pytest.mark.parametrize("policy", [BUZZ(2, 6, 3, 10), BUZZ(2, 6, 4, 12, log_n=True, log_base=8.0), H2O(8, 8)], ids=repr)
+def test_fused_and_unfused_decode_agree(policy) -> None:
+    model = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=0)
+    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(4))
+    outs, caches = [], []
+    for fused in (True, False):
+        cache = EvictingCache(policy, model, fused_decode=fused)
+        with torch.no_grad():
+            outs.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, past_key_values=cache))
+        caches.append(cache)
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.store.positions, b.store.positions)
+        torch.testing.assert_close(a.store.scores, b.store.scores, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_path_is_taken_in_decode_only() -> None:
+    import kvpolicy_integrations.hf as hf
+
+    model = tiny_llama(num_layers=1, seed=2)
+    calls = []
+    original = hf._fused_decode_attention
+
+    def spy(*a, **k):
+        calls.append(a[0].shape[2])
+        return original(*a, **k)
+
+    hf._fused_decode_attention = spy
+    try:
+        for policy, expected in ((H2O(6, 6), [1, 1, 1]), (StreamingLLM(2, 8), []), (FullCache(), [])):
+            calls.clear()
+            cache = EvictingCache(policy, model)
+            with torch.no_grad():
+                model.generate(torch.arange(3, 23)[None], max_new_tokens=4, do_sample=False, past_key_values=cache)
+            assert calls == expected, policy  # prefill goes through SDPA; policies without scores too
+    finally:
+        hf._fused_decode_attention = original
+
+
+# ============================================================================ benchmark machinery
+from kvpolicy.perf.decode import Candidate, build_cache, prefill  # noqa: E402
+from kvpolicy.perf.eviction import POLICIES, policy_at_size, workload  # noqa: E402
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_policy_at_size_evicts_at_size(name) -> None:
+    p = policy_at_size(name, 300)
+    assert p.capacity == (None if name == "full" else 300)
+
+
+@pytest.mark.parametrize("backend", ["torch", "numpy"])
+@pytest.mark.parametrize("name", POLICIES)
+def test_eviction_workloads(backend, name) -> None:
+    w = workload(backend, name, 200, batch=2, heads=2, head_dim=4)
+    length = (lambda: w.layer.length) if backend == "torch" else (lambda: w.length)
+    for _ in range(2):  # resets make rounds repeatable
+        w.reset_before_eviction()
+        assert length() == 200
+        w.one_eviction()
+        assert (length() == 200) if name == "full" else (length() < 200)
+        w.reset_after_eviction()
+        start = length()
+        w.decode_round()
+        assert length() == (start + w.period if name == "full" else start)
+    if name == "buzz":
+        assert w.period > 50  # a whole cycle: the middle refills from its steady size to the threshold
+
+
+def test_prefill_loaded_into_caches_decodes_like_a_real_prefill() -> None:
+    model = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=0)
+    pre = prefill(model, 40, seed=3)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    tok = torch.tensor([[7]])
+    pos = torch.tensor([[40]])
+    dyn = build_cache(model, Candidate("DynamicCache"), pre)
+    full = build_cache(model, Candidate("FullCache", FullCache()), pre)
+    with torch.no_grad():
+        a = model(tok, past_key_values=dyn, position_ids=pos).logits
+        b = model(tok, past_key_values=full, position_ids=pos).logits
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # an evicting cache ends in the size and state a real prefill leaves
+    policy = BUZZ(2, 4, 3, 9)
+    loaded = build_cache(model, Candidate("BUZZ", policy), pre)
+    real = EvictingCache(policy, model)
+    with torch.no_grad():
+        model(ids, past_key_values=real)
+    assert loaded.lengths() == real.lengths()
+    assert [layer.store.state for layer in loaded.layers] == [layer.store.state for layer in real.layers]
+    assert loaded.get_seq_length() == real.get_seq_length() == 40
+
+
+def test_slopes_and_tables() -> None:
+    xs = [256, 512, 1024, 2048]
+    assert fit_slope(xs, [3e-6 * x for x in xs]) == pytest.approx(1.0)
+    assert fit_slope(xs, [5e-6] * 4) == pytest.approx(0.0)
+    rows = [{"backend": "t", "policy": "p", "batch": 1, "heads": 1, "size": x, "v": x**2} for x in xs]
+    assert slopes(rows, "v")[("t", "p", 1, 1)] == (pytest.approx(2.0), 4)
+    assert markdown_table(["a", "b"], [[1, 2]]).splitlines() == ["| a | b |", "| --- | ---: |", "| 1 | 2 |"]
+
+
+class HalfWindow(StreamingLLM):
+    """A third-party policy for ``kvpolicy bench --policy test_perf:HalfWindow``."""
+
+    name = "half_window_test"
+
+
+def make_local(budget, context_length, prompt_length):
+    return LocalWindow(window=max(1, int(budget * context_length)))
+
+
+def test_bench_resolves_third_party_policies() -> None:
+    from kvpolicy.bench import resolve_policy
+
+    spec = resolve_policy("test_perf:HalfWindow")
+    assert spec.budgeted and isinstance(spec.planner(0.25, 400, 300), HalfWindow)
+    spec = resolve_policy("test_perf:make_local")
+    assert spec.planner(0.25, 400, 300) == LocalWindow(100)
+    with pytest.raises(ValueError, match="no attribute"):
+        resolve_policy("test_perf:Nope")
+    with pytest.raises(ValueError, match="cannot import"):
+        resolve_policy("no_such_module_xyz:Thing")
+
+
+def test_bench_command_quick_on_a_tiny_model(tmp_path) -> None:
+    from kvpolicy.bench import main
+
+    out = tmp_path / "bench"
+    status = main([
+        "--quick", "--out", str(out), "--no-progress", "--sizes", "64,128,256", "--rounds", "1",
+        "--model", "tiny-llama", "--contexts", "48,96", "--steps", "2", "--decode-rounds", "2",
+        "--policy", "buzz", "--policy", "test_perf:make_local",
+    ])
+    assert status == 0
+    report = (out / "report.md").read_text()
+    for needle in ("Log-log slopes", "DynamicCache", "BUZZ 25%", "make_local 25%", "capture only (unfused)", "Breakdown"):
+        assert needle in report, needle
+    data = json.loads((out / "results.json").read_text())
+    assert {r["policy"] for r in data["complexity"]["rows"]} == set(POLICIES)
+    assert {r["context"] for r in data["decode"]["results"]} == {48, 96}
+    assert sorted(p.name for p in out.glob("*.png")) == ["breakdown_48.png", "breakdown_96.png", "complexity_b1_h8.png", "decode.png"]
+
+
+def test_gpu_benchmark_logic_on_cpu(tmp_path) -> None:
+    spec = importlib.util.spec_from_file_location("gpu_decode", ROOT / "benchmarks" / "gpu_decode.py")
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    res = gpu.run(gpu.parse(["--tiny", "--device", "cpu", "--dtype", "fp32", "--batches", "1,2", "--contexts", "64,128",
+                             "--steps", "2", "--warmup", "1", "--unfused", "--out", str(tmp_path)]))
+    labels = {r["label"] for r in res["rows"]}
+    assert labels == {"DynamicCache", "FullCache", "BUZZ 25%", "H2O 25%", "StreamingLLM 25%", "BUZZ 25% (unfused)"}
+    for r in res["rows"]:
+        assert r["tokens_per_s"] > 0 and r["floor_tokens_per_s"] > 0 and r["over_floor"] > 0
+        if r["label"] != "DynamicCache" and r["label"] != "FullCache":
+            full = next(x for x in res["rows"] if x["label"] == "FullCache" and x["batch"] == r["batch"] and x["context"] == r["context"])
+            assert r["kv_bytes"] < 0.5 * full["kv_bytes"]  # 25% budget: far fewer bytes held
+    assert "time / floor" in (tmp_path / "report.md").read_text()
+
+
+def test_rotary_table_rows_equal_the_direct_formula_and_grow() -> None:
+    from kvpolicy_integrations.hf import RotaryTable
+
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    table = RotaryTable(inv_freq)
+    for bound in (10, 300, 1000):  # grows past its first 256 rows
+        delta = torch.randint(0, bound, (2, 3, 50))
+        cos, sin = table.lookup(delta, bound)
+        angles = delta.to(torch.float32)[..., None] * inv_freq
+        torch.testing.assert_close(cos, angles.cos(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin, angles.sin(), rtol=0, atol=1e-6)
+    assert table.table.shape[0] >= 1000
+
+
+@pytest.mark.parametrize("policy", [BUZZ(2, 5, 3, 12), H2O(6, 5), StreamingLLM(3, 9), BUZZ(1, 4, 4, 9, selection="shared")], ids=repr)
+@pytest.mark.parametrize("chunk_bytes", [1, 700])  # one slot per chunk; a few slots per chunk
+def test_in_place_compaction_equals_gather_then_copy(policy, chunk_bytes, monkeypatch) -> None:
+    """The chunked in-place compaction moves every kept token exactly where a gather into a fresh
+    tensor would (keys, values, positions, scores), whatever the chunk size."""
+    g = torch.Generator().manual_seed(7)
+    steps = [(torch.randn(2, 3, q, 4, generator=g), torch.rand(2, 3, 64, generator=g)) for q in [20] + [1] * 40]
+    stores = []
+    for mode in (None, chunk_bytes):
+        monkeypatch.setattr(LayerCache, "compaction_chunk_bytes", mode)
+        layer = LayerCache(policy)
+        for kv, rec in steps:
+            layer.append(kv, kv * 2)
+            layer.accumulate(rec[..., : layer.length])
+            layer.evict()
+        stores.append(layer)
+    a, b = stores
+    assert a.length == b.length and a.evictions == b.evictions > 0
+    for x, y in ((a.keys, b.keys), (a.values, b.values), (a.positions, b.positions), (a.scores, b.scores)):
+        assert torch.equal(x, y)
