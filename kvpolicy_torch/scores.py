@@ -47,13 +47,16 @@ def received_attention(
     grouped = group_query_heads(query, kv_heads).to(work)
     k = keys.to(work)
     if q == 1:
-        # Decode fast path: one query per head needs neither the causal mask nor blocks; a batched
-        # matrix product over [batch, kv_heads] ([r, d] x [d, n]) replaces the 5-D einsum, and the
-        # sum over the r query heads of a KV head is the only reduction.
-        logits = torch.matmul(grouped[:, :, :, 0], k.transpose(-1, -2)) * scaling  # [b, g, r, n]
+        # Decode fast path: one query per head needs neither the causal mask nor blocks; one bmm
+        # over batch x kv_heads ([r, d] x [d, n]; a cache's [batch, heads, :n] view of its storage
+        # reshapes without a copy) replaces the 5-D einsum, and the sum over the r query heads of
+        # a KV head is the only reduction.
+        r = hq // kv_heads
+        logits = torch.bmm(grouped.reshape(b * kv_heads, r, d), k.reshape(b * kv_heads, n, d).transpose(1, 2))
+        logits = logits * scaling
         if query_scale is not None:
             logits = logits * query_scale[0].to(work)
-        return torch.softmax(logits, dim=-1).sum(dim=2)
+        return torch.softmax(logits, dim=-1).view(b, kv_heads, r, n).sum(dim=2)
     out = torch.zeros(b, kv_heads, n, dtype=work, device=keys.device)
     offset = n - q
     for start in range(0, q, block):  # one block for a decode step; a few for a long prefill

@@ -140,19 +140,22 @@ def _fused_decode_attention(
     :func:`~kvpolicy_torch.received_attention`'s.
     """
     b, hq, _, d = query.shape
-    g = key.shape[1]
+    g, n, dv = key.shape[1], key.shape[2], value.shape[-1]
+    r = hq // g
     work = torch.float64 if query.dtype == torch.float64 else torch.float32
-    grouped = query.reshape(b, g, hq // g, d)  # query head g * r + i attends with KV head g
-    logits = torch.matmul(grouped, key.transpose(-1, -2)).to(work) * scaling  # [b, g, r, n]
+    # query head g * r + i attends with KV head g: [b * g, r, d] x [b * g, d, n] (a cache's
+    # [batch, heads, :n] view of its storage reshapes without a copy)
+    grouped = query.reshape(b * g, r, d)
+    logits = torch.bmm(grouped, key.reshape(b * g, n, d).transpose(1, 2)).to(work).view(b, g, r, n) * scaling
     if attention_mask is not None:
         mask = attention_mask[:, :, -1:, :]  # [b|1, 1, 1, n]: broadcasts over g and r
         if mask.dtype == torch.bool:
             logits = logits.masked_fill(~mask, float("-inf"))
         else:
             logits = logits + mask.to(work)
-    probs = torch.softmax(logits, dim=-1)
-    out = torch.matmul(probs.to(value.dtype), value)  # [b, g, r, dv]
-    return out.reshape(b, 1, hq, value.shape[-1]), probs.sum(dim=2)
+    probs = torch.softmax(logits, dim=-1)  # [b, g, r, n]
+    out = torch.bmm(probs.view(b * g, r, n).to(value.dtype), value.reshape(b * g, n, dv))  # [b * g, r, dv]
+    return out.view(b, 1, hq, dv), probs.sum(dim=2)
 
 
 def register_attention() -> str:

@@ -237,9 +237,11 @@ def use_attention_for(model: Any, cache: Any) -> None:
     not pay for kvpolicy's dispatch."""
     from kvpolicy_integrations.hf import ATTENTION_NAME, use_kvpolicy_attention
 
+    current = getattr(model.config, "_attn_implementation", None)
     if hasattr(cache, "policy"):
-        use_kvpolicy_attention(model)
-    elif getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME:
+        if current != ATTENTION_NAME:  # (re-registering would also undo step_timers' wrapper)
+            use_kvpolicy_attention(model)
+    elif current == ATTENTION_NAME:
         model.set_attn_implementation("sdpa")
 
 

@@ -1,0 +1,191 @@
+"""Micro-benchmarks behind the before/after tables of docs/performance.md (section 4).
+
+Each prints a Markdown-ish table; variants run interleaved round by round in one process, and the
+fastest / median of the rounds is reported (on a shared machine noise only adds time)::
+
+    python benchmarks/micro.py score-product     # einsum vs the decode fast path vs fused vs SDPA
+    python benchmarks/micro.py gather            # torch.gather vs index_select
+    python benchmarks/micro.py compaction        # gather-then-copy vs in-place chunks (LayerCache)
+    python benchmarks/micro.py h2o-select        # stable sort vs argmin
+    python benchmarks/micro.py pos-shift         # StreamingLLM's key re-rotation, one layer
+    python benchmarks/micro.py plan              # plan_policy at 2k and 8k tokens
+
+``--tree PATH`` runs against another checkout (e.g. a ``git worktree`` of an older commit) by
+putting it first on ``sys.path``: how the "before" columns of pos-shift and plan were measured.
+``--threads`` sets torch's threads (default 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rounds(variants: dict[str, Callable[[], Any]], rounds: int = 30, reps: int = 1) -> dict[str, tuple[float, float]]:
+    """``{name: (fastest, median)}`` seconds per call, variants interleaved round by round."""
+    for fn in variants.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            t = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            times[name].append((time.perf_counter() - t) / reps)
+    return {k: (min(v), statistics.median(v)) for k, v in times.items()}
+
+
+def _us(x: tuple[float, float]) -> str:
+    return f"{x[0] * 1e6:,.0f} / {x[1] * 1e6:,.0f}"
+
+
+def score_product(args: argparse.Namespace) -> None:
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from test_score_product import received_attention_before
+
+    from kvpolicy_integrations.hf import _fused_decode_attention
+    from kvpolicy_torch import received_attention
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    print("| keys | einsum (before) | decode fast path | SDPA | SDPA + fast path | fused |  (us: fastest / median)")
+    for n in (512, 2048, 8192, 32768):
+        q = torch.randn(1, 9, 1, 64)
+        k = torch.randn(1, 3, n + 64, 64)[:, :, :n]  # a view of a larger storage, like a cache's
+        v = torch.randn(1, 3, n + 64, 64)[:, :, :n]
+        res = _rounds({
+            "einsum": lambda: received_attention_before(q, k, 0.125),
+            "fast": lambda: received_attention(q, k, 0.125),
+            "sdpa": lambda: sdpa(q, k, v, scale=0.125, enable_gqa=True),
+            "sdpa+fast": lambda: (sdpa(q, k, v, scale=0.125, enable_gqa=True), received_attention(q, k, 0.125)),
+            "fused": lambda: _fused_decode_attention(q, k, v, None, 0.125),
+        })
+        print(f"| {n:,} | " + " | ".join(_us(res[x]) for x in ("einsum", "fast", "sdpa", "sdpa+fast", "fused")) + " |")
+
+
+def gather(args: argparse.Namespace) -> None:
+    import torch
+
+    print("| batch, heads, tokens | torch.gather | flat index_select |  (us: fastest / median)")
+    for b, h, n in ((1, 3, 129), (1, 3, 2048), (1, 8, 4096), (8, 32, 1024)):
+        store = torch.randn(b, h, n, 64)
+        keep = torch.sort(torch.rand(b, h, n).argsort(-1)[..., : n - 1], -1).values
+        kept = keep.shape[-1]
+        starts = (torch.arange(b * h) * n).view(b, h, 1)
+        flat = store.view(b * h * n, 64)
+        res = _rounds({
+            "gather": lambda: torch.gather(store, 2, keep[..., None].expand(b, h, kept, 64)),
+            "index_select": lambda: flat.index_select(0, (keep + starts).view(-1)),
+        }, rounds=20)
+        print(f"| {b}, {h}, {n:,} | {_us(res['gather'])} | {_us(res['index_select'])} |")
+
+
+def compaction(args: argparse.Namespace) -> None:
+    from kvpolicy.perf.eviction import workload
+    from kvpolicy_torch import LayerCache
+
+    default = LayerCache.compaction_chunk_bytes
+    print("| policy | size (1 x 8 heads) | gather, then copy | in place, chunks |  (ms, fastest of 9)")
+    for name in ("buzz", "h2o", "streaming_llm"):
+        for size in (1024, 8192, 32768, 65536):
+            w = workload("torch", name, size, batch=1, heads=8)
+            best = {None: float("inf"), default: float("inf")}
+            for _ in range(3):
+                for mode in best:
+                    LayerCache.compaction_chunk_bytes = mode
+                    for _ in range(3):
+                        w.reset_before_eviction()
+                        t = time.perf_counter()
+                        w.one_eviction()
+                        best[mode] = min(best[mode], time.perf_counter() - t)
+            LayerCache.compaction_chunk_bytes = default
+            print(f"| {name} | {size:,} | {best[None] * 1e3:.2f} | {best[default] * 1e3:.2f} |")
+
+
+def h2o_select(args: argparse.Namespace) -> None:
+    import torch
+
+    from kvpolicy import H2O
+    from kvpolicy.policy import CacheView
+
+    def by_sort(policy: H2O, view: CacheView) -> Any:
+        xp, n = view.xp, view.n_cached
+        candidates, n_evict = n - policy.recent, n - policy.heavy - policy.recent
+        order = xp.argsort(view.scores[..., :candidates], axis=-1, stable=True)
+        return view.keep(xp.sort(order[..., n_evict:], axis=-1), view.arange(candidates, n))
+
+    print("| batch x heads, cache | stable sort | argmin |  (us: fastest / median)")
+    for b, h, n in ((1, 8, 1024), (1, 8, 16384), (8, 32, 4096)):
+        p = H2O((n - 1) // 2, n - 1 - (n - 1) // 2)
+        view = CacheView(torch.arange(n).expand(b, h, n), torch.rand(b, h, n), n)
+        assert torch.equal(p.select(view), by_sort(p, view))
+        res = _rounds({"sort": lambda: by_sort(p, view), "argmin": lambda: p.select(view)}, rounds=50)
+        print(f"| {b} x {h}, {n:,} | {_us(res['sort'])} | {_us(res['argmin'])} |")
+
+
+def pos_shift(args: argparse.Namespace) -> None:
+    import torch
+
+    import kvpolicy_integrations.hf as hf
+    from kvpolicy import StreamingLLM
+    from kvpolicy.models import tiny_llama
+
+    model = tiny_llama(num_layers=1, heads=9, kv_heads=3, head_dim=64)
+    inv = next(m.inv_freq for m in model.modules() if hasattr(m, "inv_freq"))
+    print(f"{hf.__file__}\n| kept tokens | one layer's re-rotation |  (us: fastest / median)")
+    for n in (128, 2048):
+        layer = hf.EvictingLayer(StreamingLLM(4, n - 5), 0, positions="cache", inv_freq=inv)
+        kv = torch.randn(1, 3, n + 300, 64)
+        layer.lazy_initialization(kv, kv)
+        layer.store.append(kv, kv)
+        layer.store.evict()
+        keys = layer.store.keys
+        res = _rounds({"shift": lambda: layer._shift_to_slots(keys)}, rounds=100)
+        print(f"| {n:,} | {_us(res['shift'])} |")
+
+
+def plan(args: argparse.Namespace) -> None:
+    import kvpolicy
+    from kvpolicy import plan_policy
+
+    print(f"{kvpolicy.__file__}\n| policy@L | plan_policy(name, 0.25, context_length=L) ms | plan |")
+    for name in ("buzz", "h2o", "streaming_llm", "local"):
+        for L in (2048, 8192):
+            t = time.perf_counter()
+            p = plan_policy(name, 0.25, context_length=L)
+            print(f"| {name}@{L} | {(time.perf_counter() - t) * 1e3:,.1f} | `{p.policy!r}` |")
+
+
+COMMANDS = {
+    "score-product": score_product,
+    "gather": gather,
+    "compaction": compaction,
+    "h2o-select": h2o_select,
+    "pos-shift": pos_shift,
+    "plan": plan,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=sorted(COMMANDS))
+    p.add_argument("--tree", type=Path, default=ROOT, help="checkout to import kvpolicy from (default: this one)")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    sys.path[:0] = [str(args.tree), str(args.tree / "integrations")]
+    import torch
+
+    torch.set_num_threads(args.threads)
+    COMMANDS[args.what](args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
