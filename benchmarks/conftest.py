@@ -75,7 +75,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         tr.write_sep("=", "decode on the embedded model: ratios to DynamicCache (same run)")
         for r in DECODE:
             tr.write_line(
-                f"{r['context']:6d} {r['label']:16s} {r['tokens_per_s']:8.2f} tok/s  x{r['ratio_vs_dynamic']:.2f}"
+                f"{r['context']:6d} {r['label']:24s} {r['tokens_per_s']:8.2f} tok/s  x{r['ratio_vs_dynamic']:.2f}"
                 f"  kv {r['kv_bytes'] / 2**20:8.2f} MiB"
             )
 
