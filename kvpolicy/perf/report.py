@@ -146,6 +146,16 @@ POLICY_COLORS = {
 }
 
 
+def format_cost_axes(ax: Any, title: str) -> None:
+    """Log-log axes of eviction cost (microseconds) against the cache size at an eviction."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("cache size at eviction (tokens per head)")
+    ax.set_ylabel("microseconds")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.25)
+
+
 def plot_complexity(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str], *, batch: int, heads: int, title: str = "") -> Path:
     """Two log-log panels (one eviction; per decoded token) for one ``batch x heads`` configuration."""
     plt = _pyplot()
@@ -166,12 +176,7 @@ def plot_complexity(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[s
                 slope = fit_slope(xs, ys) if len(xs) >= 3 else float("nan")
                 ax.plot(xs, ys, style, color=color, ms=3.5, lw=1.3, alpha=0.9 if backend == "torch" else 0.6,
                         label=f"{policy} ({backend}) k={slope:.2f}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("cache size at eviction (tokens per head)")
-        ax.set_ylabel("microseconds")
-        ax.set_title(label)
-        ax.grid(True, which="both", alpha=0.25)
+        format_cost_axes(ax, label)
         ax.legend(fontsize=6.5, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
     fig.suptitle(title or f"Eviction cost, batch {batch}, {heads} KV heads (k: log-log slope)", fontsize=10)
     fig.tight_layout()

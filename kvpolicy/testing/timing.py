@@ -282,6 +282,8 @@ class ComplexityResult:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        from kvpolicy.perf.report import format_cost_axes
+
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         for ax, (key, name) in zip(axes, (("one_eviction", "one eviction"), ("per_token", "amortised per decoded token"))):
             for backend, style in (("torch", "-o"), ("numpy", "--s")):
@@ -289,12 +291,7 @@ class ComplexityResult:
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] * 1e6 for p in pts], style, ms=4,
                             label=f"{backend} k={_k(self.slope(key, backend))}")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("cache size at eviction (tokens per head)")
-            ax.set_ylabel("microseconds")
-            ax.set_title(name)
-            ax.grid(True, which="both", alpha=0.25)
+            format_cost_axes(ax, name)
             ax.legend(fontsize=8)
         fig.suptitle(title or f"{self.policy}: eviction cost, batch {self.batch}, {self.heads} KV heads (k: log-log slope)", fontsize=10)
         fig.tight_layout()
