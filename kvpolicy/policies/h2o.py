@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._validation import check_int
-from ..policy import Array, CacheView, EvictionPolicy, Selection
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Selection
 from ..registry import register_policy
 
 
@@ -60,6 +60,11 @@ class H2O(EvictionPolicy):
         order = xp.argsort(view.scores[..., :candidates], axis=-1, stable=True)
         heavy_slots = xp.sort(order[..., n_evict:], axis=-1)
         return view.keep(heavy_slots, view.arange(candidates, n))
+
+    @property
+    def decode_eviction(self) -> DecodeEviction:
+        # One over heavy + recent: the lowest score outside the recent window goes (select's n_evict == 1).
+        return DecodeEviction(limit=self.heavy + self.recent, victim="lowest", recent=self.recent)
 
     def params(self) -> dict[str, Any]:
         return {"heavy": self.heavy, "recent": self.recent}
