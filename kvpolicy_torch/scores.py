@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
-__all__ = ["received_attention", "group_query_heads"]
+__all__ = ["DEFAULT_WORKSPACE_BYTES", "group_query_heads", "prefill_block_rows", "received_attention"]
 
 
 def group_query_heads(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -19,13 +22,54 @@ def group_query_heads(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return query.reshape(b, kv_heads, hq // kv_heads, q, d)
 
 
+#: Default bytes for one prefill block's float32 logits ``[batch, q_heads, block, keys]``
+#: (:func:`prefill_block_rows`): 256 MiB, small next to an 80 GB GPU's KV cache and large
+#: enough that the per-block overhead (a few kernel launches) is negligible.
+DEFAULT_WORKSPACE_BYTES = 256 << 20
+
+
+def prefill_block_rows(batch: int, q_heads: int, keys: int, *, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, itemsize: int = 4) -> int:
+    """Query rows per block so that one block's logits ``[batch, q_heads, rows, keys]`` fit in
+    ``workspace_bytes`` (at least 1 row).
+
+    Example:
+        >>> prefill_block_rows(1, 40, 32768)  # Llama-2-13B on one GPU, 32k keys: 51 rows per block
+        51
+        >>> prefill_block_rows(1, 9, 2048)
+        3640
+    """
+    per_row = max(1, batch * q_heads * keys * itemsize)
+    return max(1, workspace_bytes // per_row)
+
+
+@contextmanager
+def _tf32_for_16bit(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """Allow TF32 for float32 matmuls on CUDA while the operands are upcast 16-bit values.
+
+    TF32 keeps 10 mantissa bits: every float16 and bfloat16 value is exactly representable, and
+    a product of two is exact in float32, so with float32 accumulation the result equals the
+    IEEE float32 product up to summation order. Float32 inputs keep IEEE float32 (TF32 would
+    round them)."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    old = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = old
+
+
 def received_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
     scaling: float,
     *,
     query_scale: torch.Tensor | None = None,
-    block: int = 512,
+    block: int | None = None,
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
 ) -> torch.Tensor:
     """Attention each key received from the current queries, summed per KV head.
 
@@ -35,38 +79,70 @@ def received_attention(
             the first ``n - q`` are cached and visible to every query (causal within the chunk).
         scaling: the softmax scale (``1/sqrt(head_dim)``).
         query_scale: optional ``[q]`` extra logit factor per query (BUZZ's log n).
-        block: queries per block, bounding the ``[.., block, n]`` temporary during a long prefill.
+        block: queries per block during a prefill; default: as many as
+            :func:`prefill_block_rows` fits in ``workspace_bytes``.
+        workspace_bytes: the bound on one block's float32 logits (when ``block`` is ``None``).
 
     Returns:
         ``[batch, kv_heads, n]`` float32 (float64 for float64 inputs): the softmax probabilities
         summed over the query heads of each KV head and over the queries.
+
+    A prefill never copies all keys to float32: logits are computed in float32 block by block
+    (16-bit keys are upcast one key chunk at a time; on CUDA the product of upcast 16-bit values
+    runs in TF32, exact for them; the softmax and the sums stay IEEE float32), each block only over the keys its rows can see
+    (causal), and the softmax runs in place on the block. Float32 keys are used as they are.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q, k = torch.randn(1, 4, 6, 8, generator=g), torch.randn(1, 2, 6, 8, generator=g)
+        >>> r = received_attention(q, k, 8 ** -0.5, block=2)
+        >>> r.shape, round(float(r.sum()), 4)  # 4 query heads x 6 rows, each row sums to 1
+        (torch.Size([1, 2, 6]), 24.0)
     """
     b, hq, q, d = query.shape
     kv_heads, n = keys.shape[1], keys.shape[2]
     work = torch.float64 if query.dtype == torch.float64 else torch.float32
-    grouped = group_query_heads(query, kv_heads).to(work)
-    k = keys.to(work)
+    grouped = group_query_heads(query, kv_heads)
     if q == 1:
         # Decode fast path: one query per head needs neither the causal mask nor blocks; one bmm
         # over batch x kv_heads ([r, d] x [d, n]; a cache's [batch, heads, :n] view of its storage
         # reshapes without a copy) replaces the 5-D einsum, and the sum over the r query heads of
         # a KV head is the only reduction.
+        grouped, k = grouped.to(work), keys.to(work)
         r = hq // kv_heads
         logits = torch.bmm(grouped.reshape(b * kv_heads, r, d), k.reshape(b * kv_heads, n, d).transpose(1, 2))
         logits = logits * scaling
         if query_scale is not None:
             logits = logits * query_scale[0].to(work)
         return torch.softmax(logits, dim=-1).view(b, kv_heads, r, n).sum(dim=2)
+    itemsize = torch.finfo(work).bits // 8
+    if block is None:
+        block = prefill_block_rows(b, hq, n, workspace_bytes=workspace_bytes, itemsize=itemsize)
     out = torch.zeros(b, kv_heads, n, dtype=work, device=keys.device)
     offset = n - q
-    for start in range(0, q, block):  # one block for a decode step; a few for a long prefill
+    cast = keys.dtype != work
+    for start in range(0, q, block):  # a few blocks for a long prefill
         stop = min(q, start + block)
-        logits = torch.einsum("bgrqd,bgnd->bgrqn", grouped[:, :, :, start:stop], k) * scaling
+        rows = stop - start
+        visible = offset + stop  # keys past it are masked for every row of this block
+        qb = grouped[:, :, :, start:stop].to(work) * scaling  # small: [b, g, r, rows, d]
         if query_scale is not None:
-            logits = logits * query_scale[start:stop, None].to(work)
-        if q > 1:
-            rows = torch.arange(start, stop, device=keys.device)[:, None]
-            cols = torch.arange(n, device=keys.device)[None, :]
-            logits = logits.masked_fill(cols > offset + rows, float("-inf"))
-        out += torch.softmax(logits, dim=-1).sum(dim=(2, 3))
+            qb = qb * query_scale[start:stop, None].to(work)
+        if not cast:
+            logits = torch.matmul(qb, keys[:, :, None, :visible].mT)
+        else:  # upcast a key chunk at a time: never a float32 copy of all keys
+            logits = torch.empty(*qb.shape[:-1], visible, dtype=work, device=keys.device)
+            chunk = max(1, workspace_bytes // max(1, b * kv_heads * d * itemsize))
+            with _tf32_for_16bit(keys.dtype, keys.device):  # the matmul only: exact for 16-bit
+                for k0 in range(0, visible, chunk):
+                    k1 = min(visible, k0 + chunk)
+                    logits[..., k0:k1] = torch.matmul(qb, keys[:, :, None, k0:k1].to(work).mT)
+        # causal within the chunk: row i sees keys up to offset + start + i; only the last `rows`
+        # columns can be masked
+        tail = logits[..., offset + start : visible]
+        tail.masked_fill_(torch.ones(rows, rows, dtype=torch.bool, device=keys.device).triu_(1), float("-inf"))
+        # softmax in place: no second [.., rows, visible] tensor
+        logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+        inv_total = logits.sum(dim=-1).reciprocal_()  # [b, g, r, rows]
+        out[..., :visible] += torch.einsum("bgrqn,bgrq->bgn", logits, inv_total)
     return out
