@@ -80,7 +80,8 @@ def received_attention(
         scaling: the softmax scale (``1/sqrt(head_dim)``).
         query_scale: optional ``[q]`` extra logit factor per query (BUZZ's log n).
         block: queries per block during a prefill; default: as many as
-            :func:`prefill_block_rows` fits in ``workspace_bytes``.
+            :func:`prefill_block_rows` fits in ``workspace_bytes``, and at most an eighth of the
+            chunk (at least 64), so the causal blocks skip most of the masked product.
         workspace_bytes: the bound on one block's float32 logits (when ``block`` is ``None``).
 
     Returns:
@@ -117,10 +118,13 @@ def received_attention(
         return torch.softmax(logits, dim=-1).view(b, kv_heads, r, n).sum(dim=2)
     itemsize = torch.finfo(work).bits // 8
     if block is None:
-        block = prefill_block_rows(b, hq, n, workspace_bytes=workspace_bytes, itemsize=itemsize)
+        # The memory bound, and at least 8 blocks for a long chunk: block i multiplies only the
+        # keys its rows can see, so 8 blocks skip about 7/16 of the causal product.
+        block = min(prefill_block_rows(b, hq, n, workspace_bytes=workspace_bytes, itemsize=itemsize), max(64, -(-q // 8)))
     out = torch.zeros(b, kv_heads, n, dtype=work, device=keys.device)
     offset = n - q
     cast = keys.dtype != work
+    above_diagonal = torch.ones(min(block, q), min(block, q), dtype=torch.bool, device=keys.device).triu_(1)
     for start in range(0, q, block):  # a few blocks for a long prefill
         stop = min(q, start + block)
         rows = stop - start
@@ -140,7 +144,7 @@ def received_attention(
         # causal within the chunk: row i sees keys up to offset + start + i; only the last `rows`
         # columns can be masked
         tail = logits[..., offset + start : visible]
-        tail.masked_fill_(torch.ones(rows, rows, dtype=torch.bool, device=keys.device).triu_(1), float("-inf"))
+        tail.masked_fill_(above_diagonal[:rows, :rows], float("-inf"))
         # softmax in place: no second [.., rows, visible] tensor
         logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
         inv_total = logits.sum(dim=-1).reciprocal_()  # [b, g, r, rows]
