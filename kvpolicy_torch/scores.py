@@ -125,6 +125,7 @@ def received_attention(
     offset = n - q
     cast = keys.dtype != work
     above_diagonal = torch.ones(min(block, q), min(block, q), dtype=torch.bool, device=keys.device).triu_(1)
+    r = hq // kv_heads
     for start in range(0, q, block):  # a few blocks for a long prefill
         stop = min(q, start + block)
         rows = stop - start
@@ -132,21 +133,23 @@ def received_attention(
         qb = grouped[:, :, :, start:stop].to(work) * scaling  # small: [b, g, r, rows, d]
         if query_scale is not None:
             qb = qb * query_scale[start:stop, None].to(work)
+        qb = qb.reshape(b, kv_heads, r * rows, d)  # one [r * rows, d] x [d, keys] product per KV head
         if not cast:
-            logits = torch.matmul(qb, keys[:, :, None, :visible].mT)
+            logits = torch.matmul(qb, keys[:, :, :visible].mT)
         else:  # upcast a key chunk at a time: never a float32 copy of all keys
-            logits = torch.empty(*qb.shape[:-1], visible, dtype=work, device=keys.device)
+            logits = torch.empty(b, kv_heads, r * rows, visible, dtype=work, device=keys.device)
             chunk = max(1, workspace_bytes // max(1, b * kv_heads * d * itemsize))
             with _tf32_for_16bit(keys.dtype, keys.device):  # the matmul only: exact for 16-bit
                 for k0 in range(0, visible, chunk):
                     k1 = min(visible, k0 + chunk)
-                    logits[..., k0:k1] = torch.matmul(qb, keys[:, :, None, k0:k1].to(work).mT)
+                    logits[..., k0:k1] = torch.matmul(qb, keys[:, :, k0:k1].to(work).mT)
         # causal within the chunk: row i sees keys up to offset + start + i; only the last `rows`
         # columns can be masked
-        tail = logits[..., offset + start : visible]
+        tail = logits.view(b, kv_heads, r, rows, visible)[..., offset + start : visible]
         tail.masked_fill_(above_diagonal[:rows, :rows], float("-inf"))
-        # softmax in place: no second [.., rows, visible] tensor
+        # softmax in place (no second [.., rows, keys] tensor), its normalisation folded into the
+        # sum over query rows: one [1, r * rows] x [r * rows, keys] product per KV head
         logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
-        inv_total = logits.sum(dim=-1).reciprocal_()  # [b, g, r, rows]
-        out[..., :visible] += torch.einsum("bgrqn,bgrq->bgn", logits, inv_total)
+        inv_total = logits.sum(dim=-1).reciprocal_()  # [b, g, r * rows]
+        out[..., :visible] += torch.matmul(inv_total[:, :, None, :], logits)[:, :, 0]
     return out
