@@ -73,6 +73,8 @@ def build_model(shape: dict[str, Any], device: str, dtype: Any, seed: int = 0) -
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from kvpolicy.models import rebuild_rotary
+
     config = LlamaConfig(**shape, attn_implementation="sdpa", pad_token_id=0, bos_token_id=1, eos_token_id=2)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -84,33 +86,8 @@ def build_model(shape: dict[str, Any], device: str, dtype: Any, seed: int = 0) -
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=g)
-    rebuild_rotary(model, device)
+    rebuild_rotary(model, device)  # to_empty left inv_freq uninitialised
     return model.eval()
-
-
-def rebuild_rotary(model: Any, device: Any) -> int:
-    """Rebuild every rotary embedding's buffers with transformers' own constructor on ``device``.
-
-    ``to_empty`` leaves non-persistent buffers (``inv_freq``) uninitialised; transformers 5's
-    rotary modules compute them in ``__init__(config)`` (there is no ``rope_init_fn`` attribute
-    to call any more), so a fresh module of the same class and config gives exactly what a
-    normally constructed model holds. Returns the number of modules rebuilt.
-    """
-    import torch
-
-    rebuilt = 0
-    for module in model.modules():
-        if not type(module).__name__.endswith("RotaryEmbedding"):
-            continue
-        with torch.device(device):
-            fresh = type(module)(module.config)
-        for name, buf in fresh.named_buffers(recurse=False):
-            setattr(module, name, buf)  # replaces the buffer, in its own dtype (float32, as transformers keeps it)
-        module.attention_scaling = fresh.attention_scaling
-        rebuilt += 1
-    if not rebuilt:
-        raise RuntimeError("no rotary embedding found to rebuild: the model's RoPE would be garbage")
-    return rebuilt
 
 
 def copy_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 10) -> float:

@@ -145,17 +145,26 @@ def test_split_sizes_mirror_deepspeed(tp):
 def test_runbook_memory_arithmetic(example):
     model = example.meta_model(example.llama2_13b_config())
     gib = 2**30
+    limit = example.H100_USABLE_GIB * gib  # what torch can use of an 80 GB H100 (docs/deepspeed.md)
+    assert example.H100_USABLE_GIB < 80
     for tp in (2, 4, 8):
         full = example.max_context(model, tp, policy="none")
         buzz = example.max_context(model, tp, policy="buzz", budget=0.25)
         for m in (full, buzz):
-            assert m.total <= 80 * gib
-            assert example.rank_memory(model, tp, m.context + 64, policy=m.policy, budget=0.25).total > 80 * gib
+            assert m.total <= limit
+            assert example.rank_memory(model, tp, m.context + 64, policy=m.policy, budget=0.25).total > limit
         assert full.kv == full.context * 819_200 // tp
         assert buzz.cached_tokens < buzz.context / 2  # BUZZ keeps a third of the context at its peak
         assert buzz.context > 2 * full.context
     m = example.rank_memory(model, 2, 8192, policy="none")
     assert m.weights == 6_590_059_520 * 2
+    # the score capture's workspace is bounded (blocks of at most 256 MiB of logits), not per key
+    b = example.rank_memory(model, 2, 32768, policy="buzz", budget=0.25)
+    keys = b.cached_tokens + 4096
+    assert b.workspace == keys * 3 * 4096 + 2 * (256 << 20)
+    from kvpolicy_torch.scores import DEFAULT_WORKSPACE_BYTES
+
+    assert example.SCORE_WORKSPACE_BYTES == DEFAULT_WORKSPACE_BYTES
 
 
 def test_example_plan_only_prints_the_arithmetic(example, capsys):
