@@ -366,7 +366,8 @@ def build_engine(args: argparse.Namespace, dtype: Any, device: str, tp: int, ran
         model = LlamaForCausalLM(config).to(dtype)
     model.set_attn_implementation("sdpa")
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    engine = init_inference(model, FullCache(), tp_size=tp, dtype=dtype, context_length=context)
+    # FullCache is the probe policy; generate() plans --policy for --budget per run
+    engine = init_inference(model, FullCache(), budget=args.budget, tp_size=tp, dtype=dtype, context_length=context)
     fill = random_fill(args.seed, device) if args.random_weights else checkpoint_fill(args.model)
     written = materialize_shards(engine.module, full_shapes, fill, tp_size=tp, rank=rank)
     rebuild_rotary(engine.module, device)
