@@ -88,10 +88,13 @@ def received_attention(
         ``[batch, kv_heads, n]`` float32 (float64 for float64 inputs): the softmax probabilities
         summed over the query heads of each KV head and over the queries.
 
-    A prefill never copies all keys to float32: logits are computed in float32 block by block
-    (16-bit keys are upcast one key chunk at a time; on CUDA the product of upcast 16-bit values
-    runs in TF32, exact for them; the softmax and the sums stay IEEE float32), each block only over the keys its rows can see
-    (causal), and the softmax runs in place on the block. Float32 keys are used as they are.
+    A prefill never copies all keys to float32: logits are computed in float32 block by block,
+    each block only over the keys its rows can see (causal), and the softmax runs in place on the
+    block. Float32 keys are used as they are. 16-bit keys are upcast one key chunk at a time, and
+    on CUDA their product with the (unscaled, upcast) 16-bit queries runs in TF32, which is exact
+    for 16-bit operands (10 mantissa bits; products exact in float32, float32 accumulation); the
+    scale, the softmax and the sums stay IEEE float32. For float32 inputs the product follows
+    torch's global float32 matmul precision (IEEE unless TF32 was enabled globally).
 
     Example:
         >>> g = torch.Generator().manual_seed(0)
@@ -130,19 +133,22 @@ def received_attention(
         stop = min(q, start + block)
         rows = stop - start
         visible = offset + stop  # keys past it are masked for every row of this block
-        qb = grouped[:, :, :, start:stop].to(work) * scaling  # small: [b, g, r, rows, d]
+        qb = grouped[:, :, :, start:stop].to(work)  # small: [b, g, r, rows, d]
+        factor = torch.full((rows,), scaling, dtype=work, device=keys.device)
         if query_scale is not None:
-            qb = qb * query_scale[start:stop, None].to(work)
-        qb = qb.reshape(b, kv_heads, r * rows, d)  # one [r * rows, d] x [d, keys] product per KV head
-        if not cast:
+            factor = factor * query_scale[start:stop].to(work)
+        if not cast:  # float32/float64: fold the scale into the (small) query block
+            qb = (qb * factor[:, None]).reshape(b, kv_heads, r * rows, d)  # one [r * rows, d] x [d, keys] product per KV head
             logits = torch.matmul(qb, keys[:, :, :visible].mT)
         else:  # upcast a key chunk at a time: never a float32 copy of all keys
+            qb = qb.reshape(b, kv_heads, r * rows, d)  # unscaled: exact 16-bit values, so TF32 is exact
             logits = torch.empty(b, kv_heads, r * rows, visible, dtype=work, device=keys.device)
             chunk = max(1, workspace_bytes // max(1, b * kv_heads * d * itemsize))
-            with _tf32_for_16bit(keys.dtype, keys.device):  # the matmul only: exact for 16-bit
+            with _tf32_for_16bit(keys.dtype if query.dtype == keys.dtype else work, keys.device):  # the matmul only
                 for k0 in range(0, visible, chunk):
                     k1 = min(visible, k0 + chunk)
                     logits[..., k0:k1] = torch.matmul(qb, keys[:, :, k0:k1].to(work).mT)
+            logits.view(b, kv_heads, r, rows, visible).mul_(factor[:, None])  # before the mask: no -inf * 0
         # causal within the chunk: row i sees keys up to offset + start + i; only the last `rows`
         # columns can be masked
         tail = logits.view(b, kv_heads, r, rows, visible)[..., offset + start : visible]

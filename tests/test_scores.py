@@ -62,6 +62,11 @@ def test_16bit_keys_upcast_per_chunk_equal_the_float32_product(dtype):
     assert got.dtype == torch.float32
     want = received_attention(query.float(), keys.float(), 0.35)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # log n scales, one of them 0 (log_floor=0 at n = 1: uniform attention, no NaN from -inf * 0)
+    qs = torch.linspace(0.0, 1.5, 21)
+    got = received_attention(query, keys, 0.35, query_scale=qs, workspace_bytes=1)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), dense_reference(query.float(), keys.float(), 0.35, qs), rtol=1e-5, atol=1e-5)
 
 
 def test_no_float32_copy_of_all_keys_for_16bit_keys(monkeypatch):
