@@ -849,7 +849,6 @@ def init_inference(
             f"tp_size={tp_size} needs {tp_size} processes, but this one was started with WORLD_SIZE={world}: launch "
             f"with `deepspeed --num_gpus {tp_size} your_script.py` (every rank runs the script)"
         )
-    check_launcher_env()
     own_group = parsed.tensor_parallel.tp_group is not None or parsed.tensor_parallel.mpu is not None
     if 1 < tp_size < world and not own_group:
         raise ValueError(
@@ -878,6 +877,7 @@ def init_inference(
     tp_config = {**raw_tp, "tp_size": tp_size}  # the user's tp_group / mpu / grain size are kept
     for key in ("tensor_parallel", "tp", "mp_size", "dtype", "max_out_tokens", "max_tokens", "replace_with_kernel_inject", "kernel_inject"):
         merged.pop(key, None)
+    check_launcher_env()  # last: the configuration errors above say more
     import deepspeed
 
     engine = deepspeed.init_inference(
