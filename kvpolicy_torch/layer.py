@@ -544,7 +544,7 @@ class LayerCache:
         if start + q <= self.slots:
             for t, new in zip(self._tensors(), (keys, values, new_pos, new_scores, new_bias)):
                 t[:, :, start : start + q] = new
-            self._range = (0, self.slots if self.static_shapes else start + q)
+            self._range = (0, start + q)  # a chunk ends the range (received_attention reads its keys as the last q), static or not
         else:  # the prompt exceeds the storage: attention needs all of it for this step
             old = [t[:, :, :start] for t in self._tensors()]
             self._extra = tuple(torch.cat([o, n], dim=2) for o, n in zip(old, (keys, values, new_pos, new_scores, new_bias)))
