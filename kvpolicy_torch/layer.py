@@ -412,7 +412,8 @@ class LayerCache:
                 attended, scored or kept. Read once per chunk (one sync); decode tokens are real.
             real: per-row counts of True in ``valid`` when the caller already has them on the host.
         """
-        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+        ks, vs = keys.shape, values.shape
+        if len(ks) != 4 or len(vs) != 4 or ks[0] != vs[0] or ks[1] != vs[1] or ks[2] != vs[2]:
             raise ValueError(
                 "keys and values must be [batch, kv_heads, q, head_dim] with equal first three dims, "
                 f"got {tuple(keys.shape)} and {tuple(values.shape)}"
@@ -422,12 +423,12 @@ class LayerCache:
                 "append() called while the previous step was not evicted: call accumulate() and evict() "
                 "after each attention (with transformers, use the 'kvpolicy_sdpa' attention implementation)"
             )
-        b, h, q, d = keys.shape
+        b, h, q, d = ks
         if q == 0:
             raise ValueError("keys must hold at least one token (q >= 1)")
         if self._k is None:
             self._start(keys, values)
-        else:
+        elif (b, h, d, vs[3], keys.dtype, values.dtype, keys.device) != self._like:
             self._check_like(keys, values)
         if valid is not None:
             if valid.shape != (b, q):
@@ -461,6 +462,8 @@ class LayerCache:
         self._states = [self.policy.init_state() for _ in range(b)]
         self._fifo = [None] * b
         self._allocate(keys, values, slots)
+        # what later appends must match (one tuple comparison per step; _check_like says what differs)
+        self._like = (b, keys.shape[1], keys.shape[3], values.shape[3], keys.dtype, values.dtype, keys.device)
 
     def _check_like(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         k, v = self._k, self._v
@@ -477,6 +480,24 @@ class LayerCache:
             raise ValueError(f"keys moved from {k.device} to {keys.device}")
 
     def _append_one(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        front, seen, count = self._front, self._seen, self._count
+        s = front[0]
+        if len(front) == 1 and s < self._k.shape[2]:  # type: ignore[union-attr]
+            # one row (the common case): the same writes with no per-row bookkeeping
+            self._k.select(2, s).copy_(keys.select(2, 0))  # type: ignore[union-attr]
+            self._v.select(2, s).copy_(values.select(2, 0))  # type: ignore[union-attr]
+            self._pos.select(2, s).fill_(seen[0])  # type: ignore[union-attr]
+            self._scores.select(2, s).fill_(0)  # type: ignore[union-attr]
+            self._bias.select(2, s).fill_(0)  # type: ignore[union-attr]
+            front[0] = s + 1
+            seen[0] += 1
+            count[0] += 1
+            self.columns += 1
+            self._chunk = None
+            lo = self._first(0)
+            self._range = (0 if self.static_shapes else lo, self.slots if self.static_shapes else s + 1)
+            self._bias_needed = self.static_shapes or s + 1 - lo != count[0]
+            return
         full = [r for r, f in enumerate(self._front) if f >= self.slots]
         if full:
             if self.policy.capacity is None:

@@ -359,3 +359,16 @@ def test_in_place_compaction_equals_gather_then_copy(policy, chunk_bytes, monkey
     assert a.length == b.length and a.evictions == b.evictions > 0
     for x, y in ((a.keys, b.keys), (a.values, b.values), (a.positions, b.positions), (a.scores, b.scores)):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("n", [1, 7, 1024, 70_000, 100_003])
+def test_first_argmin_equals_argmin_with_ties(n) -> None:
+    """first_argmin (blocked on large CPU inputs) returns torch.argmin's first minimum, ties and
+    -inf included."""
+    from kvpolicy_torch import first_argmin
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randint(0, 5, (3, n), generator=g).to(torch.float32)  # many ties
+    x[1, n // 2 :] = float("-inf") if n > 1 else x[1, n // 2 :]
+    x[2] = float("inf")
+    assert torch.equal(first_argmin(x), torch.argmin(x, dim=-1))
