@@ -35,10 +35,10 @@ from .ops import first_argmin
 
 __all__ = ["LayerCache", "LayerSnapshot", "PrefixShift"]
 
-_MIN_GROWTH = 256
+_MIN_GROWTH = 16  # slots an unbounded store grows by at least
 #: Unbounded policies (the full cache) grow their storage by this factor (amortised copies, and
-#: a peak of at most ~1/8 unused slots instead of a doubling's 1/2).
-_GROWTH = 1.125
+#: at most 1/10 unused slots instead of a doubling's 1/2).
+_GROWTH = 1.1
 
 
 class PrefixShift(NamedTuple):
@@ -77,7 +77,7 @@ class LayerCache:
     over the query heads of its KV head and over the real queries), then :meth:`evict`.
 
     Storage is allocated once to the policy's ``capacity`` (plus ``slack`` slots for policies that
-    evict one token at a time); unbounded policies grow by 1/8. A prefill chunk that does not fit
+    evict one token at a time); unbounded policies grow by 1/10 (or are sized from ``reserve``). A prefill chunk that does not fit
     is held transiently until the eviction brings the layer back under capacity.
 
     Args:
@@ -455,7 +455,7 @@ class LayerCache:
         capacity = self.policy.capacity
         per_slot = keys.shape[1] * (keys.shape[3] * keys.element_size() + values.shape[3] * values.element_size())
         if capacity is None:
-            slots = max(q, self.reserve or 0, _MIN_GROWTH)
+            slots = max(q, self.reserve or 0)
         else:
             slots = capacity + self._slack(capacity, per_slot)
         self._seen, self._count, self._front = [0] * b, [0] * b, [0] * b
@@ -501,7 +501,7 @@ class LayerCache:
         full = [r for r, f in enumerate(self._front) if f >= self.slots]
         if full:
             if self.policy.capacity is None:
-                self._allocate(keys, values, max(self.slots + 1, math.ceil(self.slots * _GROWTH)))
+                self._allocate(keys, values, max(self.slots + _MIN_GROWTH, math.ceil(self.slots * _GROWTH)))
             else:
                 self._compact_rows([r for r in full if self._count[r] < self._front[r]])
                 if any(self._front[r] >= self.slots for r in full):
