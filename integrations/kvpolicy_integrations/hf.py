@@ -90,11 +90,13 @@ def kvpolicy_sdpa_attention(
     query_scale = None
     sdpa_query, sdpa_scale = query, scale
     if log_n is not None:
+        # n = keys each query row attends to (paper, section 3.5): all of `key` for a decode step,
+        # key.shape[2] - q_len + i + 1 for row i of a chunk (causal)
         if q_len == 1:
-            sdpa_scale = scale * log_n.scale(layer.store.n_seen)
+            sdpa_scale = scale * log_n.scale(key.shape[2])
         else:
-            n_seen = torch.arange(layer.store.n_seen - q_len + 1, layer.store.n_seen + 1, device=query.device)
-            query_scale = log_n.scales(n_seen).to(torch.float32)
+            n_keys = torch.arange(key.shape[2] - q_len + 1, key.shape[2] + 1, device=query.device)
+            query_scale = log_n.scales(n_keys).to(torch.float32)
             sdpa_query = query * query_scale[:, None].to(query.dtype)
     if q_len == 1 and layer.fused_decode and layer.policy.uses_scores and not dropout and _fusable(attention_mask, kwargs):
         out, received = _fused_decode_attention(query, key, value, attention_mask, sdpa_scale)
