@@ -258,18 +258,13 @@ def simulate_chunked_sizes(policy: Any, prompt_length: int, decode_steps: int, c
 
 
 def tw_window(ratio: float, size: int, stride: int = 5, sink: int = 4) -> int:
-    """The BUZZ window ``w`` (threshold ``round(ratio * w)``) whose long-run average cache is ``size``.
+    """The BUZZ window ``w`` (threshold ``round(ratio * w)``) whose long-run average cache is
+    ``size``: :func:`kvpolicy.policies.buzz.window_for_size` (the paper's "fixed cache size" for
+    every T/w; a short run's average depends on where it stops in the eviction cycle, the report
+    shows the measured one)."""
+    from ..policies.buzz import window_for_size
 
-    In steady state the middle grows from the post-eviction fixed point ``a* = T / r*`` (``r*`` the
-    theorem's ratio, 4.33 for stride 5, whatever ``T``) to ``T``, so the cache averages
-    ``sink + w + (a* + T) / 2 = sink + w * (1 + ratio * (1 + 1/r*) / 2)``: the paper's "fixed cache
-    size" for every T/w. (A short run's average depends on where it stops in the eviction cycle;
-    the report shows the measured one.)
-    """
-    from ..policies.buzz import threshold_ratio
-
-    r_star = threshold_ratio(stride)
-    return max(1, int(round((size - sink) / (1 + ratio * (1 + 1 / r_star) / 2))))
+    return window_for_size(size, stride=stride, sink=sink, ratio=ratio)
 
 
 # =========================================================================== data sources
