@@ -377,7 +377,8 @@ class Engine:
                     on_step(t - prompt_length)
                 sizes.append(self._length(cache) + 1)
                 fulls.append(t + 1)
-                logits = self.model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1].float()
+                # log-softmax in float64 (cheap at one row per sample): NLL sums over 1,000+ tokens
+                logits = self.model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1].double()
                 logp = torch.log_softmax(logits, dim=-1)
                 nll -= logp[rows, ids[:, t + 1]].double().cpu()
         return {"nll": nll.tolist(), "tokens": [n_score] * b, "sizes": sizes, "fulls": fulls}
