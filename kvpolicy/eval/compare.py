@@ -10,10 +10,14 @@ budgets of 10, 20, 30 and 50% on three tasks:
 * ``summ``: 2 ACLSum papers cut to 512-token prompts, 32 greedy tokens, ROUGE-1/2/L and their
   geometric mean;
 * ``needle``: the San Francisco needle at depths 10/50/90% of a 1024-token Paul Graham haystack,
-  key-word recall.
+  key-word recall;
+* ``stream`` (short version): 4 of the same articles, 32 tokens prefilled, then 128 tokens fed one at
+  a time and scored, at a cache size of 50 tokens, equal mean and equal capacity side by side.
+  ``--tasks stream`` runs the paper's protocol in full: 16 documents, 32 + 1,024 tokens each, cache
+  sizes 50 and 100 and the ``--budgets``, both equalisations, BUZZ also at T/w 2.5.
 
 ``--data-dir DIR`` switches to the paper's data (wikitext-2, XSum, 10-document NQ QA, KV
-retrieval) and enables the paper-only tasks (``qa``, ``kv``, ``tw``). See ``kvpolicy compare
+retrieval) and enables the paper-only tasks (``qa``, ``kv``, ``tw``; ``stream`` reads wikitext-2). See ``kvpolicy compare
 --help`` and ``docs/results.md``.
 
 How a cell is measured: each prompt is prefilled once with a recording cache (full attention,
@@ -63,6 +67,10 @@ MEASURED_DEFAULT = "measured: 4.5 to 7.0 minutes on a 2-core CPU shared with oth
 _TASK_HELP = {
     "ppl": "perplexity, token by token through the evicting cache (embedded: Wikipedia articles from gensim; "
     "--data-dir: wikitext-2 test); add fixed cache sizes with --cache-sizes (the paper's table: 50,100)",
+    "stream": "the paper's perplexity protocol: --stream-prefill tokens (32) prefilled, then --stream-tokens (1024) "
+    "per document fed one at a time and scored, at --cache-sizes (50,100) and --budgets, --equalise mean|capacity|both "
+    "(default both), BUZZ also at --tw-ratios (2.5); 16 documents (embedded: Wikipedia articles; --data-dir: "
+    "wikitext-2). The default run carries a short version (4 documents, 128 tokens, size 50)",
     "summ": "summarisation, ROUGE-1/2/L + geometric mean (embedded: ACLSum papers; --data-dir: XSum 0-shot)",
     "needle": "needle in a haystack, depth x length grid with a heatmap (Paul Graham essays)",
     "passkey": "passkey retrieval on the same grid (exact match); SmolLM2-135M fails it even with the full cache",
@@ -121,8 +129,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "With no arguments: the embedded SmolLM2-135M-Instruct and text shipped in installed packages (no\n"
         "download, no ../shared/data), policies full, local, streaming_llm, h2o, buzz, buzz_logn at budgets\n"
         "10/20/30/50%, tasks ppl (8 Wikipedia articles: 448 tokens prefilled, 24 scored token by token), summ\n"
-        "(2 ACLSum papers cut to 512 tokens, 32 new tokens, ROUGE) and needle (depths 10/50/90% of a 1024-token\n"
-        f"haystack); {MEASURED_DEFAULT}.\n\n"
+        "(2 ACLSum papers cut to 512 tokens, 32 new tokens, ROUGE), needle (depths 10/50/90% of a 1024-token\n"
+        "haystack) and a short stream (4 articles: 32 tokens prefilled, 128 streamed and scored, cache size 50,\n"
+        f"equal mean and equal capacity); {MEASURED_DEFAULT}.\n\n"
         "Budgets are realised budgets: the average cache size each decode step attended to over the full\n"
         "cache's at the same steps (the BUZZ paper's definition), measured in the run and shown next to the\n"
         "requested one. Decoding is greedy, the chat template is used when the tokenizer has one, seeds are fixed.\n\n"
