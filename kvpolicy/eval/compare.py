@@ -565,7 +565,7 @@ def _task_result(task: Task, samples: Sequence[Sample], configs: Sequence[CacheC
         cells.append({
             "policy": c.policy,
             "row": c.row,
-            "equalise": c.equalise if c.kind in ("budget", "size") else None,
+            "equalise": c.equalise if c.show_equalise and c.kind in ("budget", "size") else None,
             "variant_ratio": c.variant_ratio,
             "capacity": None if not caps or any(x is None for x in caps) else max(caps),
             "label": c.label,
