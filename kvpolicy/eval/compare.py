@@ -62,8 +62,8 @@ __all__ = ["add_arguments", "run", "main", "evaluate", "DEFAULT_POLICIES", "DEFA
 DEFAULT_POLICIES = ("full", "local", "streaming_llm", "h2o", "buzz", "buzz_logn")
 DEFAULT_BUDGETS = (0.1, 0.2, 0.3, 0.5)
 #: Wall time of the default run as measured (see the README / docs/results.md).
-MEASURED_DEFAULT = ("measured: 7.9 minutes of CPU time (float32, 1 thread), its wall time on an idle core; 35 minutes "
-                    "wall on a 2-core CPU at load 7-10 where it got 22% of a core")
+MEASURED_DEFAULT = ("measured: 7.5 to 7.9 minutes of CPU time (float32, 1 thread), its wall time on an idle core; "
+                    "11.3 minutes wall on a shared 2-core CPU at load 3-5 (66% of a core), 35 at load 7-10")
 
 _TASK_HELP = {
     "ppl": "perplexity, token by token through the evicting cache (embedded: Wikipedia articles from gensim; "
