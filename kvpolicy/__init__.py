@@ -11,7 +11,7 @@ Example:
     True
 """
 
-from .budget import PolicyPlan, make_policy, plan_policy, realised_budget, simulate_sizes
+from .budget import PolicyPlan, make_policy, plan_capacity, plan_policy, realised_budget, simulate_sizes
 from .policies import (
     BUZZ,
     H2O,
@@ -54,6 +54,7 @@ __all__ = [
     "fixed_point_middle",
     "get_policy",
     "make_policy",
+    "plan_capacity",
     "plan_policy",
     "realised_budget",
     "register_policy",

@@ -229,30 +229,40 @@ class DecodeEviction:
 
 @dataclass(frozen=True)
 class LogNScaling:
-    """BUZZ's "log n" attention: logits of a query that has seen ``n`` tokens are multiplied by
-    ``max(log_base(n), floor)``.
+    """BUZZ's "log n" attention (paper, section 3.5): the logits of a query that attends to ``n``
+    keys are multiplied by ``max(log_base(n), floor)``.
 
-    ``floor`` says how contexts shorter than ``base`` are treated: with the default ``1.0`` they
-    keep ordinary attention (the paper's intent that n = base "degrades to the traditional
-    formula", applied below it too); ``floor=0.0`` follows the formula literally and *softens*
-    attention for n < base.
+    ``n`` is the number of entries of the query's softmax, i.e. the keys it attends to: at a
+    decode step the cached keys (the new one included), for prompt row ``i`` of a one-shot
+    prefill ``i + 1`` (causal). ``base`` (512) is the length at which the scale is 1.
+
+    ``floor`` (default ``0.0``): the paper's formula as written, no floor, so a query attending to
+    fewer than ``base`` keys gets *softer* attention (scale below 1; ``log_512 50 = 0.63``).
+    ``floor=1.0`` is the earlier kvpolicy variant: contexts shorter than ``base`` keep ordinary
+    attention (the paper's "n = 512 degrades to the traditional formula" applied below 512 too).
+
+    Example:
+        >>> round(LogNScaling().scale(64), 4)
+        0.6667
+        >>> LogNScaling(floor=1.0).scale(64), LogNScaling().scale(512)
+        (1.0, 1.0)
     """
 
     base: float = 512.0
-    floor: float = 1.0
+    floor: float = 0.0
 
     def __post_init__(self) -> None:
         check_float("log_base", self.base, low=1.0, high=math.inf, low_open=True, high_open=True)
         check_float("log_floor", self.floor, low=0.0, high=math.inf, high_open=True)
 
-    def scale(self, n_seen: int) -> float:
-        """Scale for one query that has seen ``n_seen >= 1`` tokens (itself included)."""
-        return max(math.log(max(n_seen, 1)) / math.log(self.base), self.floor)
+    def scale(self, n: int) -> float:
+        """Scale for one query that attends to ``n >= 1`` keys (itself included)."""
+        return max(math.log(max(n, 1)) / math.log(self.base), self.floor)
 
-    def scales(self, n_seen: Array) -> Array:
-        """Vectorised :meth:`scale` for an array of counts (NumPy or Torch)."""
-        xp = array_namespace(n_seen)
-        s = xp.log(xp.astype(n_seen, xp.float64)) / math.log(self.base)
+    def scales(self, n: Array) -> Array:
+        """Vectorised :meth:`scale` for an array of key counts (NumPy or Torch)."""
+        xp = array_namespace(n)
+        s = xp.log(xp.astype(n, xp.float64)) / math.log(self.base)
         return xp.clip(s, min=self.floor)
 
 
