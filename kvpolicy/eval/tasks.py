@@ -363,6 +363,12 @@ class TaskOptions:
     tw_chunk: int | None = 32
     equal_prompts: bool = False
 
+    def __post_init__(self) -> None:
+        from .._validation import check_bool
+
+        for name in ("include_short_answers", "equal_prompts"):
+            check_bool(name, getattr(self, name))
+
 
 # =========================================================================== tasks
 class Task:
