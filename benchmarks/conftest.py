@@ -79,11 +79,13 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
                 f"  kv {r['kv_bytes'] / 2**20:8.2f} MiB"
             )
     if _settings.ENDURANCE:
-        from kvpolicy.perf.endurance import summary_line
+        from kvpolicy.perf.endurance import markdown, summary_line
 
         tr.write_sep("=", "endurance: last / first decile after the warm-up (1.0 = flat)")
         for result in _settings.ENDURANCE:
             tr.write_line(summary_line(result))
+        tr.write_line("")
+        tr.write_line(markdown(_settings.ENDURANCE))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -16,7 +16,8 @@ Sampled along the way (``samples`` times, evenly):
   ``torch.cuda.memory_allocated``);
 * **RSS**: the process's resident set size (psutil);
 * **per-token time**: the median, over the tokens since the previous sample, of one token's
-  step through all layers.
+  step through all layers (robust to other work on a shared machine), and the mean (which
+  includes the amortised cost of BUZZ's periodic evictions).
 
 :meth:`EnduranceResult.flatness` compares the first and the last decile of the samples taken
 after a warm-up (the cache filling to its capacity, the allocator settling): the ratio
@@ -93,6 +94,7 @@ class EnduranceSample:
     seconds_per_token: float
     device_allocated_bytes: int | None = None
     cached_tokens: int = 0
+    mean_seconds_per_token: float = math.nan
 
 
 @dataclass
@@ -137,7 +139,7 @@ class EnduranceResult:
         return all(abs(ratios[m] - 1.0) <= tolerance for m in metrics)
 
     def as_dict(self) -> dict[str, Any]:
-        first_last = {m: self.deciles(m) for m in METRICS}
+        first_last = {m: self.deciles(m) for m in (*METRICS, "mean_seconds_per_token")}
         return {
             "label": self.label,
             "policy": self.policy,
@@ -245,6 +247,7 @@ def run_endurance(
                 allocated_bytes=sum(c.nbytes for c in caches),
                 rss_bytes=int(process.memory_info().rss),
                 seconds_per_token=float(np.median(per_token[last_sample : t + 1])),
+                mean_seconds_per_token=float(np.mean(per_token[last_sample : t + 1])),
                 device_allocated_bytes=int(torch.cuda.memory_allocated(dev)) if cuda else None,
                 cached_tokens=caches[0].length,
             )
@@ -268,6 +271,7 @@ def markdown(results: Sequence[EnduranceResult], *, tolerance: float = 0.05) -> 
     for r in results:
         ratios = r.flatness()
         (b0, b1), (r0, r1), (s0, s1) = (r.deciles(m) for m in METRICS)
+        m0, m1 = r.deciles("mean_seconds_per_token")
         flat = "yes" if r.is_flat(tolerance) else "**no**"
         rows.append(
             [
@@ -276,6 +280,7 @@ def markdown(results: Sequence[EnduranceResult], *, tolerance: float = 0.05) -> 
                 f"{mib(b0)} → {mib(b1)} (x{ratios['allocated_bytes']:.3f})",
                 f"{mib(r0)} → {mib(r1)} (x{ratios['rss_bytes']:.3f})",
                 f"{s0 * 1e3:.3f} → {s1 * 1e3:.3f} (x{ratios['seconds_per_token']:.3f})",
+                f"{m0 * 1e3:.3f} → {m1 * 1e3:.3f} (x{m1 / m0:.3f})",
                 f"{r.total_seconds:.0f}",
                 flat,
             ]
@@ -285,7 +290,8 @@ def markdown(results: Sequence[EnduranceResult], *, tolerance: float = 0.05) -> 
         "tokens",
         "allocated MiB, first → last decile",
         "RSS MiB",
-        "ms per token (all layers)",
+        "ms per token, median (all layers)",
+        "ms per token, mean",
         "run s",
         f"flat within {tolerance:.0%}",
     ]
