@@ -52,6 +52,8 @@ def replay(
     # The reference's checks (shape, real, finite where read), on the host: replay is a tool, not
     # the decode hot path, so one transfer here is fine and both backends refuse the same inputs.
     logits_t = torch.as_tensor(validate_logits(_host(logits)), dtype=dtype, device=device)
+    if logits_t.dtype != torch.float64:
+        validate_logits(_host(logits_t))  # finite in float64 may overflow in a narrower dtype
     steps, heads, _ = logits_t.shape
     prompt_len = check_int("prompt_len", prompt_len, minimum=0, maximum=steps)
     if values is not None:

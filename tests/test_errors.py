@@ -512,3 +512,14 @@ def test_ranking_scores_leave_finite_and_infinite_scores_alone() -> None:
     assert view.ranking_scores.tolist() == [[[-np.inf, -np.inf, np.inf, 0.5]]]
     assert np.isnan(view.scores[0, 0, 0])  # the view itself is not modified
     assert FullCache().evict(view) is None
+
+
+def test_torch_replay_refuses_logits_that_overflow_in_its_dtype() -> None:
+    torch = pytest.importorskip("torch")
+    import kvpolicy_torch
+
+    logits = np.zeros((4, 2, 4))
+    logits[2, 1, 0] = 1e39  # finite in float64, inf in float32
+    kvpolicy_torch.replay(H2O(heavy=1, recent=1), logits, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"logits\[2, 1, 0\] is inf \(step 2, head 1\)$"):
+        kvpolicy_torch.replay(H2O(heavy=1, recent=1), logits, dtype=torch.float32)
