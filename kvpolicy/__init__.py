@@ -22,7 +22,7 @@ from .policies import (
     fixed_point_middle,
     threshold_ratio,
 )
-from .policy import CacheView, EvictionPolicy, LogNScaling
+from .policy import CacheView, DecodeEviction, EvictionPolicy, LogNScaling
 from .registry import (
     ENTRY_POINT_GROUP,
     Preset,
@@ -37,6 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BUZZ",
     "CacheView",
+    "DecodeEviction",
     "ENTRY_POINT_GROUP",
     "EvictionPolicy",
     "FullCache",

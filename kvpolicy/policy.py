@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, ClassVar, Literal
 
-from ._validation import check_choice, check_float
+from ._validation import check_choice, check_float, check_int
 
-__all__ = ["CacheView", "EvictionPolicy", "LogNScaling", "Selection"]
+__all__ = ["CacheView", "DecodeEviction", "EvictionPolicy", "LogNScaling", "Selection"]
 
 Array = Any  # a NumPy ndarray or a torch.Tensor; anything array-api-compat understands
 Selection = Literal["per_head", "shared"]
@@ -131,6 +131,64 @@ class CacheView:
 
 
 @dataclass(frozen=True)
+class DecodeEviction:
+    """A policy's one-token decode eviction, declared so a backend can apply it in O(1).
+
+    Most decode-time policies evict exactly one token per decode step once their cache is full.
+    Described this way, a backend needs neither an ordered view nor a keep list of the whole
+    cache: it frees one slot (``kvpolicy_torch.LayerCache`` leaves every other token where it is).
+    Whenever a layer holds exactly ``limit + 1`` tokens the declared eviction must keep exactly
+    what :meth:`EvictionPolicy.select` keeps (and leave ``state`` alone); the conformance kit
+    checks this on every policy that declares one.
+
+    Attributes:
+        limit: tokens kept after the eviction; the rule applies when a layer holds ``limit + 1``.
+        victim: ``"oldest"``: the token with the smallest position among positions ``>= sink``
+            (StreamingLLM, local window); ``"lowest"``: the token with the lowest accumulated
+            score among all but the last ``recent`` positions, ties to the earliest position (H2O).
+        sink: with ``"oldest"``, positions below ``sink`` are never the victim.
+        recent: with ``"lowest"``, the ``recent`` newest tokens are never the victim.
+
+    Example:
+        >>> import numpy as np
+        >>> rule = DecodeEviction(limit=3, victim="lowest", recent=1)
+        >>> view = CacheView(np.array([[[0, 1, 2, 3]]]), np.array([[[5.0, 1.0, 1.0, 0.0]]]), n_seen=4)
+        >>> rule.keep(view).tolist()  # ties (1.0) go to the earliest position; the newest is protected
+        [[[0, 2, 3]]]
+    """
+
+    limit: int
+    victim: Literal["oldest", "lowest"]
+    sink: int = 0
+    recent: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("limit", self.limit, minimum=1)
+        check_choice("victim", self.victim, ("oldest", "lowest"))
+        check_int("sink", self.sink, minimum=0, maximum=self.limit - 1)
+        check_int("recent", self.recent, minimum=0, maximum=self.limit - 1)
+        if self.victim == "oldest" and self.recent:
+            raise ValueError("recent applies to victim='lowest' only; got recent with victim='oldest'")
+        if self.victim == "lowest" and self.sink:
+            raise ValueError("sink applies to victim='oldest' only; got sink with victim='lowest'")
+
+    def keep(self, view: CacheView) -> Array:
+        """The keep array ``[batch, heads, limit]`` this rule implies on an ordered ``view`` of
+        ``limit + 1`` tokens: the reference meaning of the rule, in the array namespace of the view."""
+        n = view.n_cached
+        if n != self.limit + 1:
+            raise ValueError(f"the rule applies to views of limit + 1 = {self.limit + 1} tokens, got {n}")
+        xp = view.xp
+        if self.victim == "oldest":
+            # positions ascend, so the victim is the first slot at or above `sink`
+            victim = xp.sum(xp.astype(view.positions < self.sink, xp.int64), axis=-1)  # [batch, heads]
+        else:
+            victim = xp.argmin(view.ranking_scores[..., : n - self.recent], axis=-1)  # first minimum: earliest; NaN as -inf
+        rest = view.arange(n - 1)
+        return rest + xp.astype(rest >= victim[..., None], xp.int64)
+
+
+@dataclass(frozen=True)
 class LogNScaling:
     """BUZZ's "log n" attention: logits of a query that has seen ``n`` tokens are multiplied by
     ``max(log_base(n), floor)``.
@@ -188,6 +246,13 @@ class EvictionPolicy(ABC):
 
     #: Optional log-n logit scaling (BUZZ with log n); ``None`` means plain attention.
     log_n: LogNScaling | None = None
+
+    @property
+    def decode_eviction(self) -> DecodeEviction | None:
+        """The policy's one-token decode eviction, if it has one (see :class:`DecodeEviction`):
+        backends may then apply it in O(1) instead of calling :meth:`select`. ``None``
+        (default): backends always call :meth:`select`."""
+        return None
 
     def __init__(self, *, selection: Selection = "per_head") -> None:
         self.selection: Selection = check_choice("selection", selection, ("per_head", "shared"))  # type: ignore[assignment]

@@ -2,11 +2,24 @@
 
 * :class:`LayerCache`: one layer's evicting KV store, preallocated to the policy's capacity.
 * :func:`received_attention`: the attention each cached token receives, summed per KV head.
+* :func:`decode_attention`: a decode step's attention over a cache's slots and its scores in one pass.
 * :func:`replay`: the reference contract of :func:`kvpolicy_numpy.replay`, through LayerCache.
 """
 
-from .layer import LayerCache
+from .attention import decode_attention, rope_rotate
+from .layer import LayerCache, LayerSnapshot, PrefixShift
+from .ops import first_argmin
 from .replay import replay
 from .scores import group_query_heads, received_attention
 
-__all__ = ["LayerCache", "group_query_heads", "received_attention", "replay"]
+__all__ = [
+    "LayerCache",
+    "LayerSnapshot",
+    "PrefixShift",
+    "decode_attention",
+    "first_argmin",
+    "group_query_heads",
+    "received_attention",
+    "replay",
+    "rope_rotate",
+]

@@ -1,43 +1,94 @@
-"""One layer's evicting KV store on torch: preallocated, batched, per KV head, CPU and CUDA.
+"""One layer's evicting KV store on torch: slots that stay put, batched, per KV head, CPU and CUDA.
 
-Shapes: keys and values ``[batch, kv_heads, slots, head_dim]``; original positions
-``[batch, kv_heads, slots]`` (int64); accumulated scores ``[batch, kv_heads, slots]`` (always
-float32, or float64 when the keys are float64, whatever the key dtype).
+The slot layout (docs/design.md, "The slot layout"):
 
-The hot path has no Python loop over heads, rows or tokens and no host-device sync: lengths
-and token counts are host ints, the policy decides *whether* from them, and *which* slots are
-kept is one batched gather on the device.
+* storage ``keys``/``values`` ``[batch, kv_heads, slots, head_dim]`` and, per slot, the original
+  position ``[batch, kv_heads, slots]`` int64 (``-1``: a hole), the accumulated score (float32,
+  float64 for float64 keys; ``+inf`` at a hole) and an additive attention ``bias`` (``0`` kept,
+  ``-inf`` hole);
+* every row has a *frontier*: new tokens are written there, and below it the row's kept tokens
+  stand in position order, with holes where tokens were evicted;
+* a policy's :class:`~kvpolicy.DecodeEviction` (H2O, StreamingLLM, the local window) turns one
+  slot per row and head into a hole: ``O(batch x kv_heads)`` writes, plus one read of the scores
+  for ``victim="lowest"``. No kept token moves;
+* a general eviction (:meth:`EvictionPolicy.select`, e.g. BUZZ's, or any prefill's) sees each row
+  dense at ``[0, count)`` and is applied by compacting kept tokens to the front in place, chunk by
+  chunk. Rows are also compacted when a frontier reaches the end of the storage, which for
+  one-token evictions happens once per ``slack`` steps: amortised ``O(kv_heads x head_dim)`` a token.
+
+Rows may hold different numbers of tokens (left-padded prompts): pads are never kept, and each row
+evicts on its own schedule. Host integers say how many tokens each row holds, so *whether* to evict
+is decided without looking at tensor values, and a decode step makes no host-device sync.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from kvpolicy.policy import CacheView, EvictionPolicy
+from kvpolicy.policy import CacheView, DecodeEviction, EvictionPolicy
 
-__all__ = ["LayerCache"]
+from .ops import first_argmin
+
+__all__ = ["LayerCache", "LayerSnapshot", "PrefixShift"]
 
 _MIN_GROWTH = 256
+#: Unbounded policies (the full cache) grow their storage by this factor (amortised copies, and
+#: a peak of at most ~1/8 unused slots instead of a doubling's 1/2).
+_GROWTH = 1.125
+
+
+class PrefixShift(NamedTuple):
+    """Positions of a pos-shift cache whose keys differ from their original positions only in a
+    prefix: slots ``[0, length)`` of row ``r`` sit ``delta[r]`` positions later, every other kept
+    token at its original position (StreamingLLM: the sinks, by the number of evicted tokens)."""
+
+    length: int
+    delta: list[int]
+
+
+@dataclass
+class LayerSnapshot:
+    """The bookkeeping of a :class:`LayerCache`: per-row counts and policy states, and per slot
+    the positions, scores and bias. Keys and values are not part of it: restoring a snapshot
+    replays the same eviction decisions on the same storage (what eviction benchmarks need)
+    without copying the cache. Fields may be edited (``dataclasses.replace``) before a restore."""
+
+    columns: int
+    seen: list[int]
+    count: list[int]
+    front: list[int]
+    states: list[dict[str, int]]
+    fifo: list[int | None]
+    positions: torch.Tensor
+    scores: torch.Tensor
+    bias: torch.Tensor
 
 
 class LayerCache:
     """Evicting KV storage for one attention layer.
 
-    Usage per forward step: :meth:`append` the new keys/values (returns everything the current
-    queries attend to), compute attention, :meth:`accumulate` the probabilities each cached token
-    received (summed over the query heads of its KV head and over the queries), then
-    :meth:`evict`.
+    Usage per forward step: :meth:`append` the new keys/values (returns the slots the current
+    queries attend to), compute attention over them (masking with :attr:`bias` or
+    :meth:`chunk_mask`), :meth:`accumulate` the probabilities each of those slots received (summed
+    over the query heads of its KV head and over the real queries), then :meth:`evict`.
 
-    Storage is allocated once to the policy's ``capacity`` (unbounded policies grow by doubling).
-    A prefill chunk that does not fit is held transiently until the eviction brings the layer back
-    under capacity.
+    Storage is allocated once to the policy's ``capacity`` (plus ``slack`` slots for policies that
+    evict one token at a time); unbounded policies grow by 1/8. A prefill chunk that does not fit
+    is held transiently until the eviction brings the layer back under capacity.
 
     Args:
         policy: the eviction policy.
         reduce_scores: applied to head-summed scores before a shared selection (e.g. an
             all-reduce over tensor-parallel ranks); unused for per-head selection.
+        static_shapes: attend over every allocated slot (holes masked) at every decode step, so
+            the decode step's shapes never change (``torch.compile``, CUDA graphs). Default: only
+            up to the frontier.
+        reserve: tokens to allocate for an unbounded policy at the first append (e.g. prompt plus
+            ``max_new_tokens``), instead of growing.
 
     Example:
         >>> import torch
@@ -47,250 +98,754 @@ class LayerCache:
         ...     k = v = torch.randn(1, 2, 1, 4)
         ...     K, V = layer.append(k, v)
         ...     layer.accumulate(torch.ones(1, 2, K.shape[2]))
-        ...     layer.evict()
+        ...     rounds = layer.evict()
         >>> layer.positions[0, 0].tolist()
         [0, 3, 4]
     """
+
+    #: Bytes of the temporary one step of the in-place compaction copies through.
+    compaction_chunk_bytes: int = 8 << 20
 
     def __init__(
         self,
         policy: EvictionPolicy,
         *,
         reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        static_shapes: bool = False,
+        reserve: int | None = None,
     ) -> None:
+        if not isinstance(policy, EvictionPolicy):
+            raise ValueError(f"policy must be an EvictionPolicy, got {policy!r}")
         self.policy = policy
         self.reduce_scores = reduce_scores
-        self.state: dict[str, int] = policy.init_state()
-        self.length = 0  # cached tokens per head (host int)
-        self.n_seen = 0  # tokens appended so far (host int)
+        self.static_shapes = bool(static_shapes)
+        self.reserve = reserve
+        rule = policy.decode_eviction
+        if rule is not None and not isinstance(rule, DecodeEviction):
+            raise ValueError(f"{policy!r}.decode_eviction must be a DecodeEviction or None, got {rule!r}")
+        if rule is not None and policy.capacity is not None and policy.capacity < rule.limit + 1:
+            raise ValueError(f"{policy!r} declares capacity {policy.capacity} below its decode eviction's limit + 1")
+        self.rule = rule
         self.evictions = 0
-        self._keys: torch.Tensor | None = None
-        self._values: torch.Tensor | None = None
+        self._clear()
+
+    def _clear(self) -> None:
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None
         self._scores: torch.Tensor | None = None
-        # Transient tensors (keys, values, positions, scores) while a chunk overflows the storage.
-        self._overflow: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._bias: torch.Tensor | None = None
+        # transient working set (keys, values, positions, scores, bias) while a chunk overflows
+        self._extra: tuple[torch.Tensor, ...] | None = None
+        self.columns = 0  # appended columns per row, pads included (transformers' sequence length)
+        self._seen: list[int] = []  # real tokens seen per row
+        self._count: list[int] = []  # kept tokens per row (every head holds as many)
+        self._front: list[int] = []  # next free slot per row
+        self._states: list[dict[str, int]] = []
+        self._fifo: list[int | None] = []  # "oldest" rule: slot of the oldest token after the sinks
+        self._range = (0, 0)  # slots [lo, hi) the last append returned
+        self._chunk: tuple[int, int, torch.Tensor | None] | None = None  # (start, q, valid [b, q]) of a chunk
         self._phase = "decode"
 
-    # ------------------------------------------------------------------ storage
+    # ------------------------------------------------------------------ shape and bookkeeping
     @property
     def is_initialized(self) -> bool:
-        return self._keys is not None
+        return self._k is not None
+
+    @property
+    def batch(self) -> int:
+        """Rows held."""
+        return len(self._count)
 
     @property
     def slots(self) -> int:
-        """Allocated slots per head."""
-        return 0 if self._keys is None else int(self._keys.shape[2])
+        """Allocated slots per row and head."""
+        return 0 if self._k is None else int(self._k.shape[2])
+
+    def _uniform(self, values: Sequence[Any], what: str) -> Any:
+        if not values:
+            return 0
+        first = values[0]
+        if any(v != first for v in values[1:]):
+            raise ValueError(f"rows differ in {what} (a left-padded batch): read the per-row list instead")
+        return first
+
+    @property
+    def length(self) -> int:
+        """Kept tokens per head (every row); see :attr:`lengths` for rows that differ."""
+        return self._uniform(self._count, "kept tokens (use .lengths)")
+
+    @property
+    def lengths(self) -> list[int]:
+        """Kept tokens per head, per row."""
+        return list(self._count)
+
+    @property
+    def n_seen(self) -> int:
+        """Real tokens appended so far (every row); see :attr:`seen` for rows that differ."""
+        return self._uniform(self._seen, "tokens seen (use .seen)")
+
+    @property
+    def seen(self) -> list[int]:
+        """Real (non-pad) tokens appended so far, per row."""
+        return list(self._seen)
+
+    @property
+    def state(self) -> dict[str, int]:
+        """The policy's state (every row); see :attr:`states`."""
+        return self._uniform(self._states, "policy state (use .states)")
+
+    @property
+    def states(self) -> list[dict[str, int]]:
+        """The policy's state, per row."""
+        return [dict(s) for s in self._states]
+
+    def _require(self) -> None:
+        if self._k is None:
+            raise ValueError("nothing was appended to this LayerCache yet: call append() first")
+
+    # ------------------------------------------------------------------ storage
+    def _slack(self, capacity: int, per_slot: int) -> int:
+        if self.rule is None:
+            return 0  # general evictions compact at once: nothing accumulates below the frontier
+        return max(1, min(capacity // 8, self.compaction_chunk_bytes // max(per_slot, 1)))
 
     def _allocate(self, like_k: torch.Tensor, like_v: torch.Tensor, slots: int) -> None:
         b, h, _, d = like_k.shape
-        dv = like_v.shape[-1]
-        score_dtype = torch.float64 if like_k.dtype == torch.float64 else torch.float32
         dev = like_k.device
-        keys = torch.empty(b, h, slots, d, dtype=like_k.dtype, device=dev)
-        values = torch.empty(b, h, slots, dv, dtype=like_v.dtype, device=dev)
-        pos = torch.zeros(b, h, slots, dtype=torch.int64, device=dev)
-        scores = torch.zeros(b, h, slots, dtype=score_dtype, device=dev)
-        if self._keys is not None and self.length:
-            n = self.length
-            keys[:, :, :n] = self._keys[:, :, :n]
-            values[:, :, :n] = self._values[:, :, :n]  # type: ignore[index]
-            pos[:, :, :n] = self._pos[:, :, :n]  # type: ignore[index]
-            scores[:, :, :n] = self._scores[:, :, :n]  # type: ignore[index]
-        self._keys, self._values, self._pos, self._scores = keys, values, pos, scores
+        score_dtype = torch.float64 if like_k.dtype == torch.float64 else torch.float32
+        # zeros, not empty: a hole's key and value are read by attention (masked, weight 0), and
+        # 0 * NaN from uninitialised memory would poison the row
+        keys = torch.zeros(b, h, slots, d, dtype=like_k.dtype, device=dev)
+        values = torch.zeros(b, h, slots, like_v.shape[-1], dtype=like_v.dtype, device=dev)
+        pos = torch.full((b, h, slots), -1, dtype=torch.int64, device=dev)
+        scores = torch.full((b, h, slots), math.inf, dtype=score_dtype, device=dev)
+        bias = torch.full((b, h, slots), -math.inf, dtype=score_dtype, device=dev)
+        if self._k is not None:  # growth (unbounded policies): carry what is there
+            n = max(self._front)
+            for new, old in zip((keys, values, pos, scores, bias), self._tensors()):
+                new[:, :, :n] = old[:, :, :n]
+        self._k, self._v, self._pos, self._scores, self._bias = keys, values, pos, scores, bias
 
-    def _current(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self._overflow is not None:
-            return self._overflow
-        n = self.length
-        return (
-            self._keys[:, :, :n],  # type: ignore[index]
-            self._values[:, :, :n],  # type: ignore[index]
-            self._pos[:, :, :n],  # type: ignore[index]
-            self._scores[:, :, :n],  # type: ignore[index]
-        )
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return self._k, self._v, self._pos, self._scores, self._bias  # type: ignore[return-value]
 
-    @property
-    def keys(self) -> torch.Tensor:
-        """Cached keys ``[batch, kv_heads, length, head_dim]`` (a view)."""
-        return self._current()[0]
+    def _full(self) -> tuple[torch.Tensor, ...]:
+        """The whole (contiguous) tensors compaction works in: the transient set, else the storage."""
+        return self._extra if self._extra is not None else self._tensors()
 
-    @property
-    def values(self) -> torch.Tensor:
-        """Cached values ``[batch, kv_heads, length, head_dim]`` (a view)."""
-        return self._current()[1]
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """Original positions of the cached tokens ``[batch, kv_heads, length]``."""
-        return self._current()[2]
-
-    @property
-    def scores(self) -> torch.Tensor:
-        """Accumulated attention of the cached tokens ``[batch, kv_heads, length]``."""
-        return self._current()[3]
+    def _working(self) -> tuple[torch.Tensor, ...]:
+        """Keys, values, positions, scores and bias of every slot that may hold a token: the
+        transient set while a chunk overflows, else the storage up to the furthest frontier."""
+        if self._extra is not None:
+            return self._extra
+        hi = max(self._front)
+        return tuple(t[:, :, :hi] for t in self._tensors())
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the allocated storage (keys, values, positions, scores)."""
-        if self._keys is None:
+        """Bytes of the allocated storage (keys, values, positions, scores, bias)."""
+        if self._k is None:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self._keys, self._values, self._pos, self._scores))  # type: ignore[union-attr]
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of the cached keys and values actually held (``length`` tokens)."""
-        if self._keys is None:
+        """Bytes of the keys and values actually kept (pads and holes excluded)."""
+        if self._k is None:
             return 0
-        k, v = self._keys, self._values
-        per_slot = (k.shape[0] * k.shape[1]) * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())  # type: ignore[union-attr]
-        return per_slot * self.length
+        k, v = self._k, self._v
+        per_token = k.shape[1] * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())  # type: ignore[union-attr]
+        return per_token * sum(self._count)
+
+    # ------------------------------------------------------------------ ordered views (inspection)
+    def _order(self, pos: torch.Tensor, count: int) -> torch.Tensor:
+        """Slots of the ``count`` kept tokens of each row and head, in position order ``[b, h, count]``."""
+        holes = (pos < 0).to(torch.int8)
+        return torch.argsort(holes, dim=-1, stable=True)[..., :count]
+
+    def _ordered(self, which: int) -> torch.Tensor:
+        self._require()
+        count = self.length
+        tensors = self._working()
+        t = tensors[which]
+        if self._dense():
+            return t[:, :, :count]
+        order = self._order(tensors[2], count)
+        if t.ndim == 4:
+            return torch.gather(t, 2, order[..., None].expand(*order.shape, t.shape[-1]))
+        return torch.gather(t, 2, order)
+
+    def _dense(self) -> bool:
+        """Whether every row holds its kept tokens at slots ``[0, count)`` (no holes below a frontier)."""
+        return self._extra is None and self._count == self._front
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """Kept keys in position order ``[batch, kv_heads, length, head_dim]`` (a view when dense)."""
+        return self._ordered(0)
+
+    @property
+    def values(self) -> torch.Tensor:
+        """Kept values in position order ``[batch, kv_heads, length, head_dim]``."""
+        return self._ordered(1)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Original positions of the kept tokens, ascending ``[batch, kv_heads, length]``."""
+        return self._ordered(2)
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """Accumulated attention of the kept tokens, in position order ``[batch, kv_heads, length]``."""
+        return self._ordered(3)
+
+    def kept(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions, scores)`` ``[kv_heads, n_row]`` of one row, in position order (rows may differ)."""
+        self._require()
+        tensors = self._working()
+        pos = tensors[2][row : row + 1]
+        order = self._order(pos, self._count[row])
+        return torch.gather(pos, 2, order)[0], torch.gather(tensors[3][row : row + 1], 2, order)[0]
+
+    # ------------------------------------------------------------------ what attention sees
+    @property
+    def slot_positions(self) -> torch.Tensor:
+        """Original positions of the slots the last :meth:`append` returned ``[batch, kv_heads, n]``
+        (``-1`` at a hole or pad): ``received`` in :meth:`accumulate` is aligned with these."""
+        self._require()
+        lo, hi = self._range
+        return self._extra[2] if self._extra is not None else self._pos[:, :, lo:hi]  # type: ignore[index]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """Additive attention bias ``[batch, kv_heads, n]`` (``0`` or ``-inf``) of the slots the last
+        decode :meth:`append` returned, or ``None`` when none of them is a hole."""
+        self._require()
+        if not self._needs_bias():
+            return None
+        lo, hi = self._range
+        return self._bias[:, :, lo:hi]  # type: ignore[index]
+
+    def _needs_bias(self) -> bool:
+        """Whether a slot in the returned range is a hole for some row (host ints only)."""
+        if self.static_shapes or self._extra is not None:
+            return True
+        lo, hi = self._range
+        for r in range(self.batch):
+            first = self._first(r)
+            if first != lo or self._front[r] != hi or self._front[r] - first != self._count[r]:
+                return True
+        return False
+
+    def _first(self, row: int) -> int:
+        """First slot of ``row`` that may hold a kept token (the local window leaves holes before it)."""
+        fifo = self._fifo[row] if self._fifo else None
+        if fifo is not None and self.rule is not None and self.rule.sink == 0:
+            return fifo
+        return 0
+
+    def chunk_mask(self) -> torch.Tensor:
+        """Boolean mask ``[batch | 1, 1, q, n]`` (True: attend) for the chunk the last :meth:`append`
+        added: every kept token before the chunk, causal inside it, pads attended by nobody (a pad
+        query sees only itself, so its row stays finite)."""
+        self._require()
+        if self._chunk is None:
+            raise ValueError("chunk_mask() follows an append of more than one token")
+        start, q, valid = self._chunk
+        pos = self.slot_positions
+        n = pos.shape[-1]
+        dev = pos.device
+        rows = torch.arange(q, device=dev)[:, None]
+        cols = torch.arange(n, device=dev)[None, :]
+        causal = cols <= start + rows  # [q, n]
+        if valid is None and all(c == start + q for c in self._count):  # no pads, no holes before the chunk
+            return causal[None, None]
+        kept = (pos[:, 0, :] >= 0)[:, None, :]  # [b, 1, n]: rows are compacted, so head 0 speaks for all
+        mask = causal[None] & kept
+        if valid is not None:
+            mask = mask | ((cols == start + rows)[None] & ~valid[:, :, None])
+        return mask[:, None]
+
+    @property
+    def query_valid(self) -> torch.Tensor | None:
+        """``[batch, q]`` bool: which queries of the last chunk are real (``None``: all)."""
+        return self._chunk[2] if self._chunk is not None else None
+
+    def shift(self) -> PrefixShift | torch.Tensor:
+        """How far each returned slot sits from its original position under StreamingLLM's
+        pos-shift (keys placed at consecutive positions ending at the newest token).
+
+        A kept token's shifted position is ``seen - count + rank`` (``rank``: its index among the
+        kept tokens), so it moves by the number of evicted tokens *after* it: a token is shifted
+        only when something newer than it was evicted. For a policy whose decode eviction is
+        ``"oldest"`` (StreamingLLM) the tokens after the sinks are contiguous up to the newest, so
+        only the sinks are shifted, all by the same amount: a :class:`PrefixShift`, ``O(1)`` to
+        build. Otherwise the per-slot shifts ``[batch, kv_heads, n]`` (0 at holes) are returned.
+        """
+        self._require()
+        if self.rule is not None and self.rule.victim == "oldest" and self._extra is None and self._chunk is None:
+            return PrefixShift(self.rule.sink, [s - c for s, c in zip(self._seen, self._count)])
+        pos = self.slot_positions  # slots before the range are holes, so ranks count from its start
+        kept = pos >= 0
+        rank = torch.cumsum(kept.to(torch.int64), dim=-1) - 1
+        offset = torch.tensor([s - c for s, c in zip(self._seen, self._count)], device=pos.device)[:, None, None]
+        return torch.where(kept, offset + rank - pos, 0)
 
     # ------------------------------------------------------------------ the step
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``q`` new tokens ``[batch, kv_heads, q, head_dim]``; return all keys and values
-        the current queries attend to (cached first, then the new ones)."""
+    def append(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        valid: torch.Tensor | None = None,
+        real: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``q`` new tokens ``[batch, kv_heads, q, head_dim]``; return the keys and values
+        ``[batch, kv_heads, n, head_dim]`` of the slots the current queries attend to.
+
+        Args:
+            valid: ``[batch, q]`` bool, False for pad tokens (a left-padded prompt); pads are never
+                attended, scored or kept. Read once per chunk (one sync); decode tokens are real.
+            real: per-row counts of True in ``valid`` when the caller already has them on the host.
+        """
         if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
             raise ValueError(
                 "keys and values must be [batch, kv_heads, q, head_dim] with equal first three dims, "
                 f"got {tuple(keys.shape)} and {tuple(values.shape)}"
             )
-        if self._overflow is not None:
+        if self._extra is not None:
             raise RuntimeError(
                 "append() called while the previous step was not evicted: call accumulate() and evict() "
                 "after each attention (with transformers, use the 'kvpolicy_sdpa' attention implementation)"
             )
-        b, h, q, _ = keys.shape
-        if self._keys is not None and tuple(self._keys.shape[:2]) != (b, h):
-            raise ValueError(f"batch and kv_heads changed from {tuple(self._keys.shape[:2])} to {(b, h)}")
-        capacity = self.policy.capacity
-        if self._keys is None:
-            self._allocate(keys, values, capacity if capacity is not None else max(_MIN_GROWTH, q))
-        elif capacity is None and self.length + q > self.slots:
-            self._allocate(keys, values, max(2 * self.slots, self.length + q))
-
-        n, total = self.length, self.length + q
-        first = self.n_seen
-        self.n_seen += q
+        b, h, q, d = keys.shape
+        if q == 0:
+            raise ValueError("keys must hold at least one token (q >= 1)")
+        if self._k is None:
+            self._start(keys, values)
+        else:
+            self._check_like(keys, values)
+        if valid is not None:
+            if valid.shape != (b, q):
+                raise ValueError(f"valid must have shape [batch, q] = [{b}, {q}], got {tuple(valid.shape)}")
+            valid = valid.to(device=keys.device, dtype=torch.bool)
+            if real is None:
+                real = valid.sum(dim=-1).tolist()  # once per chunk
+            if list(real) == [q] * b:
+                valid = None
+            elif q == 1:
+                raise ValueError("a padded decode token: pads are supported in prompts (chunks of q > 1) only")
+        if q == 1:
+            self._append_one(keys, values)
+        else:
+            self._append_chunk(keys, values, valid, [q] * b if real is None else list(real))
         self._phase = "prefill" if q > 1 else "decode"
-        if total <= self.slots:
-            self._keys[:, :, n:total] = keys  # type: ignore[index]
-            self._values[:, :, n:total] = values  # type: ignore[index]
-            if q == 1:  # decode: fill with a host scalar, no index tensor to build
-                self._pos[:, :, n] = first  # type: ignore[index]
-                self._scores[:, :, n] = 0  # type: ignore[index]
+        lo, hi = self._range
+        if self._extra is not None:
+            return self._extra[0], self._extra[1]
+        return self._k[:, :, lo:hi], self._v[:, :, lo:hi]  # type: ignore[index]
+
+    def _start(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        b, _, q, _ = keys.shape
+        capacity = self.policy.capacity
+        per_slot = keys.shape[1] * (keys.shape[3] * keys.element_size() + values.shape[3] * values.element_size())
+        if capacity is None:
+            slots = max(q, self.reserve or 0, _MIN_GROWTH)
+        else:
+            slots = capacity + self._slack(capacity, per_slot)
+        self._seen, self._count, self._front = [0] * b, [0] * b, [0] * b
+        self._states = [self.policy.init_state() for _ in range(b)]
+        self._fifo = [None] * b
+        self._allocate(keys, values, slots)
+
+    def _check_like(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        k, v = self._k, self._v
+        assert k is not None and v is not None
+        if (keys.shape[0], keys.shape[1]) != (k.shape[0], k.shape[1]):
+            raise ValueError(f"batch and kv_heads changed from {tuple(k.shape[:2])} to {tuple(keys.shape[:2])}")
+        if keys.shape[3] != k.shape[3] or values.shape[3] != v.shape[3]:
+            raise ValueError(
+                f"head_dim changed from {k.shape[3]}/{v.shape[3]} (keys/values) to {keys.shape[3]}/{values.shape[3]}"
+            )
+        if keys.dtype != k.dtype or values.dtype != v.dtype:
+            raise ValueError(f"keys/values dtype changed from {k.dtype}/{v.dtype} to {keys.dtype}/{values.dtype}")
+        if keys.device != k.device:
+            raise ValueError(f"keys moved from {k.device} to {keys.device}")
+
+    def _append_one(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        full = [r for r, f in enumerate(self._front) if f >= self.slots]
+        if full:
+            if self.policy.capacity is None:
+                self._allocate(keys, values, max(self.slots + 1, math.ceil(self.slots * _GROWTH)))
             else:
-                self._pos[:, :, n:total] = torch.arange(first, first + q, device=keys.device, dtype=torch.int64)  # type: ignore[index]
-                self._scores[:, :, n:total] = 0  # type: ignore[index]
-            self.length = total
-            return self._keys[:, :, :total], self._values[:, :, :total]  # type: ignore[index]
-        # A prompt larger than the capacity: attention needs all its keys for this step.
-        new_pos = torch.arange(first, first + q, device=keys.device, dtype=torch.int64).expand(b, h, q)
-        k_old, v_old, p_old, s_old = self._current()
-        self._overflow = (
-            torch.cat([k_old, keys], dim=2),
-            torch.cat([v_old, values], dim=2),
-            torch.cat([p_old, new_pos], dim=2),
-            torch.cat([s_old, torch.zeros(b, h, q, dtype=s_old.dtype, device=s_old.device)], dim=2),
-        )
-        self.length = total
-        return self._overflow[0], self._overflow[1]
+                self._compact_rows([r for r in full if self._count[r] < self._front[r]])
+                if any(self._front[r] >= self.slots for r in full):
+                    raise RuntimeError(
+                        f"{self.policy!r} holds {max(self._count)} tokens, more than its capacity {self.policy.capacity}"
+                    )
+        front, seen = self._front, self._seen
+        k, v, pos, scores, bias = self._tensors()
+        if all(f == front[0] for f in front):
+            s = front[0]
+            k[:, :, s] = keys[:, :, 0]
+            v[:, :, s] = values[:, :, 0]
+            if all(x == seen[0] for x in seen):
+                pos[:, :, s] = seen[0]  # a host scalar: no index tensor
+            else:
+                pos[:, :, s] = torch.tensor(seen, device=pos.device)[:, None]
+            scores[:, :, s] = 0
+            bias[:, :, s] = 0
+        else:  # rows on their own schedules: one slot per row
+            dev = k.device
+            rows = torch.arange(self.batch, device=dev)
+            at = torch.tensor(front, device=dev)
+            k[rows, :, at] = keys[:, :, 0]
+            v[rows, :, at] = values[:, :, 0]
+            pos[rows, :, at] = torch.tensor(seen, device=dev)[:, None]
+            scores[rows, :, at] = 0
+            bias[rows, :, at] = 0
+        for r in range(self.batch):
+            front[r] += 1
+            seen[r] += 1
+            self._count[r] += 1
+        self.columns += 1
+        self._chunk = None
+        hi = self.slots if self.static_shapes else max(front)
+        lo = 0 if self.static_shapes else min(self._first(r) for r in range(self.batch))
+        self._range = (lo, hi)
+
+    def _append_chunk(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, real: list[int]) -> None:
+        b, h, q, _ = keys.shape
+        if self._count != self._front or any(f is not None for f in self._fifo):
+            self._compact_rows(list(range(b)))  # chunks see dense rows (holes are removed first)
+        start = max(self._front)
+        dev = keys.device
+        new_pos = torch.arange(q, device=dev).expand(b, q)
+        base = torch.tensor(self._seen, device=dev)[:, None]
+        if valid is None:
+            new_pos = base + new_pos
+        else:  # real tokens are numbered from each row's count; pads get -1
+            new_pos = torch.where(valid, base + torch.cumsum(valid.to(torch.int64), dim=-1) - 1, -1)
+        new_pos = new_pos[:, None, :].expand(b, h, q)
+        if valid is not None:  # pads are attended by nobody but themselves: keep them finite and zero
+            keys = keys.masked_fill(~valid[:, None, :, None], 0)
+            values = values.masked_fill(~valid[:, None, :, None], 0)
+        zeros = torch.zeros((), dtype=self._scores.dtype, device=dev)  # type: ignore[union-attr]
+        new_scores = torch.where(new_pos >= 0, zeros, math.inf)
+        new_bias = torch.where(new_pos >= 0, zeros, -math.inf)
+        if self.policy.capacity is None and start + q > self.slots:
+            self._allocate(keys, values, max(start + q, math.ceil(self.slots * _GROWTH), self.reserve or 0))
+        if start + q <= self.slots:
+            for t, new in zip(self._tensors(), (keys, values, new_pos, new_scores, new_bias)):
+                t[:, :, start : start + q] = new
+            self._range = (0, self.slots if self.static_shapes else start + q)
+        else:  # the prompt exceeds the storage: attention needs all of it for this step
+            old = [t[:, :, :start] for t in self._tensors()]
+            self._extra = tuple(torch.cat([o, n], dim=2) for o, n in zip(old, (keys, values, new_pos, new_scores, new_bias)))
+            self._range = (0, start + q)
+        for r in range(b):
+            self._seen[r] += real[r]
+            self._count[r] += real[r]
+            self._front[r] = start + q
+        self.columns += q
+        self._chunk = (start, q, valid)
 
     def accumulate(self, received: torch.Tensor) -> None:
-        """Add ``received`` ``[batch, kv_heads, length]`` (the attention each cached token just
-        received, summed over query heads and queries) to the accumulated scores."""
-        scores = self._overflow[3] if self._overflow is not None else self._scores[:, :, : self.length]  # type: ignore[index]
+        """Add ``received`` ``[batch, kv_heads, n]`` (the attention each returned slot just received,
+        summed over query heads and real queries) to the accumulated scores. A NaN counts as
+        ``-inf``: that token is evicted first by score-based policies, never kept by a NaN."""
+        self._require()
+        lo, hi = self._range
+        scores = self._extra[3] if self._extra is not None else self._scores[:, :, lo:hi]  # type: ignore[index]
         if received.shape != scores.shape:
             raise ValueError(f"received must have shape {tuple(scores.shape)}, got {tuple(received.shape)}")
-        scores += received.to(scores.dtype)
+        if received.is_complex():
+            raise ValueError("received must be real, got a complex tensor")
+        scores += torch.nan_to_num(received.to(scores.dtype), nan=-math.inf, posinf=math.inf, neginf=-math.inf)
 
     def evict(self) -> list[tuple[int, int]]:
-        """Let the policy evict until it is satisfied; return ``(size_before, size_after)`` per round."""
-        rounds: list[tuple[int, int]] = []
-        while True:
-            if self._overflow is not None:
-                p, s = self._overflow[2], self._overflow[3]
-            else:  # only the views the policy reads; keys and values are sliced on a gather
-                p, s = self._pos[:, :, : self.length], self._scores[:, :, : self.length]  # type: ignore[index]
-            view = CacheView(p, s, self.n_seen, self.state, self._phase)  # type: ignore[arg-type]
-            keep = self.policy.evict(view, self.reduce_scores)
-            if keep is None:
-                break
-            kept = int(keep.shape[-1])
-            if kept >= self.length:
-                raise RuntimeError(f"{self.policy!r} asked to evict but kept {kept} of {self.length} tokens")
-            rounds.append((self.length, kept))
-            self._gather(keep)
-        if self._overflow is not None:
-            raise RuntimeError(
-                f"{self.policy!r} left {self.length} tokens but declared capacity {self.policy.capacity}"
-            )
+        """Let the policy evict until it is satisfied; return ``(size_before, size_after)`` per round
+        (per group of rows that evicted together)."""
+        self._require()
+        rule = self.rule
+        if self._phase == "decode" and rule is not None and self._extra is None:
+            rows = [r for r, c in enumerate(self._count) if c == rule.limit + 1]
+            if any(c > rule.limit + 1 for c in self._count):
+                rounds = self._evict_general()
+            elif rows:
+                self._evict_one(rule, rows)
+                rounds = [(rule.limit + 1, rule.limit)]
+            else:
+                rounds = []
+        else:
+            rounds = self._evict_general()
+        self._chunk = None
         self.evictions += len(rounds)
         return rounds
 
-    #: Bytes of the temporary one step of the in-place compaction copies through (see
-    #: :meth:`_gather`); ``None`` gathers the whole kept cache into fresh tensors first.
-    compaction_chunk_bytes: int | None = 8 << 20
-
-    def _gather(self, keep: torch.Tensor) -> None:
-        b, h, kept = keep.shape
-        overflow = self._overflow is not None
-        if overflow:
-            sources, slots = self._overflow, self.length
+    def _evict_one(self, rule: DecodeEviction, rows: list[int]) -> None:
+        """Free one slot in each of ``rows`` (all heads): O(batch x heads) writes, nothing moves."""
+        k, v, pos, scores, bias = self._tensors()
+        every = len(rows) == self.batch
+        if rule.victim == "oldest":
+            slots = []
+            for r in rows:
+                if self._fifo[r] is None:  # the row is dense: its oldest non-sink token is at slot `sink`
+                    self._fifo[r] = rule.sink
+                slots.append(self._fifo[r])
+                self._fifo[r] += 1  # type: ignore[operator]
+            if every and all(s == slots[0] for s in slots):
+                s = slots[0]
+                pos[:, :, s] = -1
+                scores[:, :, s] = math.inf
+                bias[:, :, s] = -math.inf
+            else:
+                dev = pos.device
+                r_t, s_t = torch.tensor(rows, device=dev), torch.tensor(slots, device=dev)
+                pos[r_t, :, s_t] = -1
+                scores[r_t, :, s_t] = math.inf
+                bias[r_t, :, s_t] = -math.inf
         else:
-            sources, slots = (self._keys, self._values, self._pos, self._scores), self.slots  # type: ignore[assignment]
+            victims = self._lowest(rule, rows)  # [len(rows) or batch, heads]
+            index = victims[..., None]
+            if every:
+                pos.scatter_(2, index, -1)
+                scores.scatter_(2, index, math.inf)
+                bias.scatter_(2, index, -math.inf)
+            else:
+                r_t = torch.tensor(rows, device=pos.device)
+                for t, fill in ((pos, -1), (scores, math.inf), (bias, -math.inf)):
+                    part = t.index_select(0, r_t)
+                    part.scatter_(2, index, fill)
+                    t.index_copy_(0, r_t, part)
+        for r in rows:
+            self._count[r] -= 1
+
+    def _lowest(self, rule: DecodeEviction, rows: list[int]) -> torch.Tensor:
+        """Victim slot ``[len(rows), heads]`` of each row: the lowest score outside the newest
+        ``recent`` tokens, ties to the earliest position (holes hold +inf)."""
+        scores = self._scores
+        assert scores is not None
+        front = [self._front[r] for r in rows]
+        hi = max(front) - rule.recent
+        if len(rows) < self.batch:
+            scores = scores.index_select(0, torch.tensor(rows, device=scores.device))
+        cand = scores[:, :, :hi]
+        if any(f != front[0] for f in front):  # rows on other schedules: protect each row's own recent tokens
+            cand = cand.clone()
+            for i, f in enumerate(front):
+                cand[i, :, f - rule.recent :] = math.inf
+        if self.policy.selection == "shared":
+            summed = cand.sum(dim=1, keepdim=True)
+            if self.reduce_scores is not None:
+                summed = self.reduce_scores(summed)
+            return first_argmin(summed).expand(cand.shape[0], cand.shape[1])
+        return first_argmin(cand)
+
+    def _evict_general(self) -> list[tuple[int, int]]:
+        """Ask the policy (``select``) on dense, ordered views, group by group of rows in the same
+        host state, until it keeps everything; apply each keep by compaction."""
+        if self._count != self._front or any(f is not None for f in self._fifo) or self._extra is not None:
+            self._compact_rows(list(range(self.batch)))
+        rounds: list[tuple[int, int]] = []
+        while True:
+            acted = False
+            for rows in self._groups():
+                r0 = rows[0]
+                n = self._count[r0]
+                pos, scores = self._full()[2:4]
+                if len(rows) < self.batch:
+                    index = torch.tensor(rows, device=pos.device)
+                    pos, scores = pos.index_select(0, index), scores.index_select(0, index)
+                state = dict(self._states[r0])
+                view = CacheView(pos[:, :, :n], scores[:, :, :n], self._seen[r0], state, self._phase)  # type: ignore[arg-type]
+                keep = self.policy.evict(view, self.reduce_scores)
+                if keep is None:
+                    continue
+                kept = int(keep.shape[-1])
+                if kept >= n:
+                    raise RuntimeError(f"{self.policy!r} asked to evict but kept {kept} of {n} tokens")
+                self._keep_rows(rows, keep)
+                for r in rows:
+                    self._states[r] = dict(state)
+                rounds.append((n, kept))
+                acted = True
+            if not acted:
+                break
+        if self._extra is not None:
+            if max(self._count) > self.slots:
+                raise RuntimeError(
+                    f"{self.policy!r} left {max(self._count)} tokens but declared capacity {self.policy.capacity}"
+                )
+            self._settle()
+        return rounds
+
+    def _groups(self) -> list[list[int]]:
+        """Rows in the same host state (count, seen, policy state) decide together."""
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for r in range(self.batch):
+            key = (self._count[r], self._seen[r], tuple(sorted(self._states[r].items())))
+            groups.setdefault(key, []).append(r)
+        return list(groups.values())
+
+    # ------------------------------------------------------------------ compaction
+    def _compact_rows(self, rows: list[int]) -> None:
+        """Move the kept tokens of ``rows`` to ``[0, count)`` in position order (holes removed)."""
+        rows = [r for r in rows if self._count[r] != self._front[r] or self._fifo[r] is not None] if self._extra is None else rows
+        for r in rows:
+            self._fifo[r] = None
+        if not rows:
+            return
+        for count, group in self._by_count(rows).items():
+            pos = self._working()[2]
+            if len(group) < self.batch:
+                pos = pos.index_select(0, torch.tensor(group, device=pos.device))
+            self._keep_rows(group, self._order(pos, count))
+
+    def _by_count(self, rows: list[int]) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for r in rows:
+            out.setdefault(self._count[r], []).append(r)
+        return out
+
+    def _keep_rows(self, rows: list[int], keep: torch.Tensor) -> None:
+        """Keep slots ``keep`` ``[len(rows), heads, k]`` (ascending) of ``rows`` at ``[0, k)``.
+
+        In place, chunk by chunk along the slots: kept slot ``j`` comes from slot ``keep[j] >= j``,
+        so once chunk ``[j0, j1)`` is read into a temporary, writing it to the front never
+        overwrites a slot a later chunk still reads. No allocation of the cache's size, and each
+        kept token moves once (not at all when it is already in place).
+        """
+        sources = self._full()
+        slots = sources[0].shape[2]
+        g, h, kept = keep.shape
         dev = sources[0].device
-        # Storage is contiguous [batch, heads, slots, ...]: seen as rows of one flat tensor, the kept
-        # slots of every (row, head) are one index_select of whole rows (torch.gather with a
-        # [batch, heads, kept, head_dim] index is 7-17x slower on CPU).
-        starts = torch.arange(0, b * h * slots, slots, device=dev, dtype=torch.int64).view(b, h, 1)
-        rows = keep.to(device=dev, dtype=torch.int64) + starts  # [b, h, kept]
-        flat = (
-            sources[0].reshape(b * h * slots, -1),
-            sources[1].reshape(b * h * slots, -1),
-            sources[2].reshape(-1),
-            sources[3].reshape(-1),
+        row_t = torch.tensor(rows, device=dev, dtype=torch.int64)
+        # Storage seen as one flat tensor of rows [batch * heads * slots, ...]: the kept slots of
+        # every (row, head) are one index_select of whole rows (torch.gather with a
+        # [.., kept, head_dim] index is 7-17x slower on CPU).
+        starts = ((row_t[:, None] * h + torch.arange(h, device=dev)) * slots)[..., None]  # [g, h, 1]
+        src_rows = keep.to(device=dev, dtype=torch.int64) + starts
+        flat = [t.reshape(-1, t.shape[3]) if t.ndim == 4 else t.reshape(-1) for t in sources]
+        per_slot = g * h * sum(t.element_size() * (t.shape[-1] if t.ndim == 4 else 1) for t in sources)
+        step = max(1, self.compaction_chunk_bytes // max(per_slot, 1))
+        for j0 in range(0, kept, step):
+            j1 = min(kept, j0 + step)
+            r = src_rows[:, :, j0:j1].reshape(-1)
+            dst = (starts + torch.arange(j0, j1, device=dev)).reshape(-1)
+            for t in flat:
+                t.index_copy_(0, dst, t.index_select(0, r))
+        # what lies between the new and the old frontier becomes holes
+        old = max(self._front[r] for r in rows)
+        if old > kept:
+            for t, fill in zip(sources[2:], (-1, math.inf, -math.inf)):
+                if len(rows) == self.batch:
+                    t[:, :, kept:old] = fill
+                else:
+                    part = t.index_select(0, row_t)
+                    part[:, :, kept:old] = fill
+                    t.index_copy_(0, row_t, part)
+        for r in rows:
+            self._count[r] = kept
+            self._front[r] = kept
+
+    def _settle(self) -> None:
+        """Move the transient working set back into the storage once it fits."""
+        assert self._extra is not None
+        n = max(self._front)
+        extra, self._extra = self._extra, None
+        for t, e, fill in zip(self._tensors(), extra, (None, None, -1, math.inf, -math.inf)):
+            t[:, :, :n] = e[:, :, :n]
+            if fill is not None:
+                t[:, :, n:] = fill
+        self._range = (0, n)
+
+    # ------------------------------------------------------------------ ordered <-> slots
+    def to_slots(self, ordered: torch.Tensor) -> torch.Tensor:
+        """Place per-token values given in position order ``[batch, kv_heads, length]`` at the slots
+        the last :meth:`append` returned ``[batch, kv_heads, n]`` (0 at holes): for callers that
+        compute received attention over :attr:`positions` rather than :attr:`slot_positions`."""
+        pos = self.slot_positions
+        count = self.length
+        out = torch.zeros(pos.shape, dtype=ordered.dtype, device=pos.device)
+        if self._dense() and self._range[0] == 0:
+            out[:, :, :count] = ordered
+            return out
+        return out.scatter_(2, self._order(pos, count), ordered)
+
+    # ------------------------------------------------------------------ snapshots (benchmarks)
+    @property
+    def compaction_period(self) -> int | None:
+        """Decode steps between two compactions while a :class:`~kvpolicy.DecodeEviction` evicts
+        one token per step (``None``: the policy has none, or nothing is allocated yet)."""
+        if self.rule is None or self._k is None or self.policy.capacity is None:
+            return None
+        return self.slots - self.policy.capacity + 1
+
+    def snapshot(self) -> LayerSnapshot:
+        """A copy of the bookkeeping (see :class:`LayerSnapshot`), between steps."""
+        self._require()
+        if self._extra is not None:
+            raise RuntimeError("snapshot() between append() and evict()")
+        return LayerSnapshot(
+            self.columns, list(self._seen), list(self._count), list(self._front),
+            [dict(s) for s in self._states], list(self._fifo),
+            self._pos.clone(), self._scores.clone(), self._bias.clone(),  # type: ignore[union-attr]
         )
-        self.length = kept
-        chunk_bytes = self.compaction_chunk_bytes
-        if not overflow and chunk_bytes is not None:
-            # In place, chunk by chunk along the slots: kept slot j comes from slot keep[j] >= j
-            # (keep is ascending), so once chunk [j0, j1) is copied out to a temporary, writing
-            # it to the front never overwrites a slot a later chunk still reads. No allocation of
-            # the cache's size, and each kept token moves once.
-            per_slot = b * h * sum(t.element_size() * (t.shape[-1] if t.ndim == 4 else 1) for t in sources)
-            step = max(1, chunk_bytes // max(per_slot, 1))
-            for j0 in range(0, kept, step):
-                j1 = min(kept, j0 + step)
-                r = rows[:, :, j0:j1].reshape(-1)
-                for src, dst in zip(flat, sources):
-                    part = src.index_select(0, r)
-                    dst[:, :, j0:j1] = part.view(b, h, j1 - j0, *dst.shape[3:])
-            self._overflow = None
-            return
-        r = rows.reshape(-1)
-        nk = flat[0].index_select(0, r).view(b, h, kept, -1)
-        nv = flat[1].index_select(0, r).view(b, h, kept, -1)
-        np_ = flat[2].index_select(0, r).view(b, h, kept)
-        ns = flat[3].index_select(0, r).view(b, h, kept)
-        if kept > self.slots:  # still above capacity (e.g. between prefill rounds of BUZZ)
-            self._overflow = (nk, nv, np_, ns)
-            return
-        self._overflow = None
-        self._keys[:, :, :kept] = nk  # type: ignore[index]
-        self._values[:, :, :kept] = nv  # type: ignore[index]
-        self._pos[:, :, :kept] = np_  # type: ignore[index]
-        self._scores[:, :, :kept] = ns  # type: ignore[index]
+
+    def restore(self, snap: LayerSnapshot) -> None:
+        """Put the bookkeeping of ``snap`` back (keys and values stay as they are). Slots at or
+        beyond a row's ``front`` become holes."""
+        self._require()
+        if snap.positions.shape != self._pos.shape or len(snap.count) != self.batch:  # type: ignore[union-attr]
+            raise ValueError(f"snapshot of shape {tuple(snap.positions.shape)} does not fit this layer's {tuple(self._pos.shape)}")  # type: ignore[union-attr]
+        if any(c > f for c, f in zip(snap.count, snap.front)) or any(f > self.slots for f in snap.front):
+            raise ValueError("snapshot counts must satisfy count <= front <= slots per row")
+        self._extra, self._chunk = None, None
+        self.columns = snap.columns
+        self._seen, self._count, self._front = list(snap.seen), list(snap.count), list(snap.front)
+        self._states = [dict(s) for s in snap.states]
+        self._fifo = list(snap.fifo)
+        for t, src, fill in zip((self._pos, self._scores, self._bias), (snap.positions, snap.scores, snap.bias), (-1, math.inf, -math.inf)):
+            t.copy_(src)  # type: ignore[union-attr]
+            for f in sorted(set(self._front)):
+                rows = [r for r, x in enumerate(self._front) if x == f]
+                if f < self.slots:
+                    if len(rows) == self.batch:
+                        t[:, :, f:] = fill  # type: ignore[index]
+                    else:
+                        for r in rows:
+                            t[r, :, f:] = fill  # type: ignore[index]
+        self._range = (0, max(self._front))
+        self._phase = "decode"
 
     # ------------------------------------------------------------------ batch ops (beam search etc.)
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep (or repeat) batch rows by ``index``, e.g. for beam search."""
-        if self._keys is None:
+        if self._k is None:
             return
-        self._keys, self._values, self._pos, self._scores = (
-            t.index_select(0, index.to(t.device)) for t in (self._keys, self._values, self._pos, self._scores)  # type: ignore[union-attr]
+        if self._extra is not None:
+            raise RuntimeError("select_batch() between append() and evict()")
+        host = [
+            self._seen, self._count, self._front, self._states, self._fifo,
+        ]
+        if all(all(x == lst[0] for x in lst) for lst in host):  # rows alike: no need to read the index
+            n = int(index.shape[0])
+            self._seen, self._count, self._front = [self._seen[0]] * n, [self._count[0]] * n, [self._front[0]] * n
+            self._states = [dict(self._states[0]) for _ in range(n)]
+            self._fifo = [self._fifo[0]] * n
+        else:
+            idx = index.tolist()
+            self._seen = [self._seen[i] for i in idx]
+            self._count = [self._count[i] for i in idx]
+            self._front = [self._front[i] for i in idx]
+            self._states = [dict(self._states[i]) for i in idx]
+            self._fifo = [self._fifo[i] for i in idx]
+        self._k, self._v, self._pos, self._scores, self._bias = (
+            t.index_select(0, index.to(t.device)) for t in self._tensors()
         )
 
     def reset(self) -> None:
         """Forget everything (storage is freed)."""
-        self.__init__(self.policy, reduce_scores=self.reduce_scores)  # type: ignore[misc]
+        self._clear()

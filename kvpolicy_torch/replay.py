@@ -87,9 +87,10 @@ def replay(
     for t in range(prompt_len, steps):
         _, v_all = layer.append(dummy_keys, values_t[t][None, :, None, :])
         sizes.append(layer.length)
-        cached = layer.positions[0]  # [heads, n]
+        cached = layer.slot_positions[0]  # [heads, n] in slot order, -1 at holes
         scale = _scales(policy, torch.tensor([t + 1], device=device)).to(dtype)
-        probs = torch.softmax(torch.gather(logits_t[t], 1, cached) * scale, dim=-1)  # [heads, n]
+        rows = torch.gather(logits_t[t], 1, cached.clamp(min=0)) * scale
+        probs = torch.softmax(rows.masked_fill(cached < 0, float("-inf")), dim=-1)  # [heads, n]
         layer.accumulate(probs[None])
         outputs[t] = torch.einsum("hk,hkd->hd", probs, v_all[0])
         step_evict(t)

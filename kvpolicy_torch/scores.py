@@ -25,6 +25,8 @@ def received_attention(
     scaling: float,
     *,
     query_scale: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    query_valid: torch.Tensor | None = None,
     block: int = 512,
 ) -> torch.Tensor:
     """Attention each key received from the current queries, summed per KV head.
@@ -34,7 +36,10 @@ def received_attention(
         keys: ``[batch, kv_heads, n, head_dim]``; the last ``q`` keys are the queries' own tokens,
             the first ``n - q`` are cached and visible to every query (causal within the chunk).
         scaling: the softmax scale (``1/sqrt(head_dim)``).
-        query_scale: optional ``[q]`` extra logit factor per query (BUZZ's log n).
+        query_scale: optional ``[q]`` or ``[batch, q]`` extra logit factor per query (BUZZ's log n).
+        mask: optional boolean ``[batch | 1, 1, q, n]`` (True: attend) replacing the causal rule
+            above (a slot cache with holes or a left-padded chunk: ``LayerCache.chunk_mask()``).
+        query_valid: optional ``[batch, q]`` bool; False rows (pad queries) add nothing.
         block: queries per block, bounding the ``[.., block, n]`` temporary during a long prefill.
 
     Returns:
@@ -46,27 +51,34 @@ def received_attention(
     work = torch.float64 if query.dtype == torch.float64 else torch.float32
     grouped = group_query_heads(query, kv_heads).to(work)
     k = keys.to(work)
-    if q == 1:
+    if query_scale is not None and query_scale.ndim == 1:
+        query_scale = query_scale[None].expand(b, q)
+    if q == 1 and mask is None and query_valid is None:
         # Decode fast path: one query per head needs neither the causal mask nor blocks; one bmm
         # over batch x kv_heads ([r, d] x [d, n]; a cache's [batch, heads, :n] view of its storage
         # reshapes without a copy) replaces the 5-D einsum, and the sum over the r query heads of
         # a KV head is the only reduction.
         r = hq // kv_heads
         logits = torch.bmm(grouped.reshape(b * kv_heads, r, d), k.reshape(b * kv_heads, n, d).transpose(1, 2))
-        logits = logits * scaling
+        logits = logits.view(b, kv_heads, r, n) * scaling
         if query_scale is not None:
-            logits = logits * query_scale[0].to(work)
-        return torch.softmax(logits, dim=-1).view(b, kv_heads, r, n).sum(dim=2)
+            logits = logits * query_scale[:, 0].view(b, 1, 1, 1).to(work)
+        return torch.softmax(logits, dim=-1).sum(dim=2)
     out = torch.zeros(b, kv_heads, n, dtype=work, device=keys.device)
     offset = n - q
     for start in range(0, q, block):  # one block for a decode step; a few for a long prefill
         stop = min(q, start + block)
         logits = torch.einsum("bgrqd,bgnd->bgrqn", grouped[:, :, :, start:stop], k) * scaling
         if query_scale is not None:
-            logits = logits * query_scale[start:stop, None].to(work)
-        if q > 1:
+            logits = logits * query_scale[:, None, None, start:stop, None].to(work)
+        if mask is not None:  # [b|1, 1, q, n] -> [b|1, 1, 1, block, n]
+            logits = logits.masked_fill(~mask[:, :, None, start:stop], float("-inf"))
+        elif q > 1:
             rows = torch.arange(start, stop, device=keys.device)[:, None]
             cols = torch.arange(n, device=keys.device)[None, :]
             logits = logits.masked_fill(cols > offset + rows, float("-inf"))
-        out += torch.softmax(logits, dim=-1).sum(dim=(2, 3))
+        probs = torch.softmax(logits, dim=-1)
+        if query_valid is not None:
+            probs = probs * query_valid[:, None, None, start:stop, None].to(work)
+        out += probs.sum(dim=(2, 3))
     return out

@@ -13,12 +13,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 import kvpolicy_numpy  # noqa: E402
 from kvpolicy import BUZZ, H2O, FullCache, LocalWindow, StreamingLLM, make_policy  # noqa: E402
 from kvpolicy.models import tiny_llama  # noqa: E402
-from kvpolicy_integrations.hf import ATTENTION_NAME, EvictingCache, generate  # noqa: E402
+from kvpolicy_integrations.hf import EvictingCache, generate  # noqa: E402
 
 COVERING = [FullCache(), BUZZ(4, 64, 5, 300), H2O(100, 100), StreamingLLM(4, 100), LocalWindow(100)]
 EVICTING = [BUZZ(2, 6, 3, 10), BUZZ(2, 6, 4, 12, log_n=True, log_base=8.0), H2O(8, 8), StreamingLLM(2, 10), LocalWindow(12)]
@@ -69,28 +68,23 @@ def test_logits_match_dynamic_cache_chunked_prefill_and_decode(model, policy):
             tok = a[:, -1:].argmax(-1)
 
 
-def test_without_mask_registration_chunked_prefill_is_wrong(model):
-    """The pitfall the mask registration avoids: with no mask function registered under our
-    name, transformers passes no mask, SDPA's top-left is_causal drops keys in a chunk."""
-    ids = _ids(batch=1, length=48)
-    ref_cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(ids[:, :24], past_key_values=ref_cache)
-        ref = model(ids[:, 24:], past_key_values=ref_cache).logits
-    cache = EvictingCache(FullCache(), model)  # (re-)registers both; now undo the mask half
-    saved = AttentionMaskInterface._global_mapping.pop(ATTENTION_NAME)
-    try:
-        with torch.no_grad():
-            model(ids[:, :24], past_key_values=cache)
-            broken = model(ids[:, 24:], past_key_values=cache).logits
-    finally:
-        AttentionMaskInterface._global_mapping[ATTENTION_NAME] = saved
-    assert (broken - ref).abs().max() > 1e-2  # tiny random model: visibly wrong, not noise
+def test_mask_function_hands_padding_to_the_cache_and_serves_other_caches(model):
+    """The mask function registered under our name builds no 4-D mask for an EvictingCache (its
+    slots define what each query sees) but takes the forward's 2-D padding; any other cache on the
+    same model gets transformers' own mask (DynamicCache logits unchanged)."""
+    ids = _ids(batch=2, length=12)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
     cache = EvictingCache(FullCache(), model)
     with torch.no_grad():
-        model(ids[:, :24], past_key_values=cache)
-        fixed = model(ids[:, 24:], past_key_values=cache).logits
-    torch.testing.assert_close(fixed, ref, rtol=1e-4, atol=1e-4)
+        model(ids, attention_mask=mask, past_key_values=cache)
+    assert cache.padding.real == [12, 8] and torch.equal(cache.padding.valid, mask.bool())
+    assert cache.layers[0].store.lengths == [12, 8]
+    ref_model = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=0)
+    with torch.no_grad():
+        want = ref_model(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config)).logits
+        got = model(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config)).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("policy", EVICTING, ids=repr)
@@ -101,8 +95,9 @@ def test_cache_never_exceeds_capacity_and_frees_memory(model, policy):
     for layer in cache.layers:
         store = layer.store
         assert store.keys.shape[2] == store.length <= policy.capacity
-        assert store.slots == policy.capacity  # preallocated once to capacity, never regrown
-        assert store._keys.shape[2] == policy.capacity
+        # preallocated once to capacity (plus the slack of one-token evictions), never regrown
+        slack = 0 if policy.decode_eviction is None else store.compaction_period - 1
+        assert store.slots == policy.capacity + slack and slack <= max(1, policy.capacity // 8)
     full = cache.full_kv_bytes()
     assert cache.kv_bytes <= full * policy.capacity / cache.get_seq_length() + 1
 
@@ -170,16 +165,7 @@ def test_manual_loop_positions_follow_tokens_seen(model):
             torch.testing.assert_close(a, b)
             tok = a[:, -1:].argmax(-1)
     assert without.get_seq_length() == 40
-    assert without.get_mask_sizes(1, 0) == (without.layers[0].store.length + 1, 40 - without.layers[0].store.length)
-
-
-def test_padded_batch_is_refused(model):
-    ids = _ids(batch=2, length=20)
-    mask = torch.ones_like(ids)
-    mask[0, :5] = 0
-    with pytest.raises(ValueError, match="padded batch"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
-                       past_key_values=EvictingCache(H2O(4, 4), model))
+    assert without.get_mask_sizes(1, 0) == (41, 0)  # no 4-D mask is built from it (kvpolicy_mask)
 
 
 def test_other_architectures_are_refused():
@@ -196,27 +182,44 @@ def test_attention_not_routed_through_kvpolicy_is_caught():
         _greedy(model, _ids(batch=1, length=10), cache, n=3)
 
 
-def test_cache_positions_mode_rerotates_keys_to_slots(model):
-    """pos-shift: after eviction a key must look as if RoPE had been applied at its slot."""
+@pytest.mark.parametrize("policy", [StreamingLLM(sink=2, window=5), H2O(3, 4), LocalWindow(5)], ids=repr)
+def test_cache_positions_mode_scores_keys_at_their_slots(model, policy):
+    """pos-shift: after eviction every kept key must be attended as if RoPE had been applied at
+    its place among the kept tokens (slot ``seen - kept + rank``). StreamingLLM rotates only its
+    sinks' part (the query, rotated back); other policies re-rotate keys; both against RoPE
+    applied directly at those positions."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    policy = StreamingLLM(sink=2, window=5)
+    from kvpolicy_torch import decode_attention
+
     cache = EvictingCache(policy, model, positions="cache")
     layer = cache.layers[0]
     rotary = model.model.rotary_emb
-    raw = torch.randn(1, 2, 20, 16)
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randn(1, 2, 20, 16, generator=g)
+    rq = torch.randn(1, 4, 20, 16, generator=g)
     pos = torch.arange(20)[None]
     cos, sin = rotary(raw, pos)
     rotated, _ = apply_rotary_pos_emb(raw, raw, cos, sin)
+    queries, _ = apply_rotary_pos_emb(rq, rq, cos, sin)
     for t in range(20):
-        keys, _ = layer.update(rotated[:, :, t : t + 1], rotated[:, :, t : t + 1])
-        expected_pos = layer.store.positions[0, 0]
-        slot_pos = torch.arange(keys.shape[2]) + (layer.store.n_seen - layer.store.length)
+        keys, values = layer.update(rotated[:, :, t : t + 1], rotated[:, :, t : t + 1])
+        q = queries[:, :, t : t + 1]
+        _, received = decode_attention(q, keys, values, 0.25, bias=layer.store.bias, prefix=layer.take_prefix(q))
+        # the reference, per KV head: its kept keys, RoPE at their slot among the kept tokens
+        slot_pos = torch.arange(layer.store.length) + (layer.store.n_seen - layer.store.length)
         c, s = rotary(raw, slot_pos[None])
-        want, _ = apply_rotary_pos_emb(raw[:, :, expected_pos], raw[:, :, expected_pos], c, s)
-        torch.testing.assert_close(keys, want, rtol=1e-5, atol=1e-5)
-        layer.finish(torch.randn(1, 4, 1, 16), keys, 0.25, None)
-    assert layer.store.positions[0, 0].tolist() == [0, 1, 15, 16, 17, 18, 19]
+        want = []
+        for h in range(2):
+            kept = layer.store.positions[0, h]
+            want_k, _ = apply_rotary_pos_emb(raw[:, h : h + 1, kept], raw[:, h : h + 1, kept], c, s)
+            logits = torch.einsum("bhqd,bhkd->bhqk", q[:, 2 * h : 2 * h + 2], want_k) * 0.25
+            want.append(torch.softmax(logits, dim=-1).sum(dim=(1, 2)))  # summed over the group
+        want = torch.stack(want, dim=1)
+        torch.testing.assert_close(layer.store.to_slots(want), received, rtol=1e-5, atol=1e-5)
+        layer.finish_received(received)
+    if isinstance(policy, StreamingLLM):
+        assert layer.store.positions[0, 0].tolist() == [0, 1, 15, 16, 17, 18, 19]
 
 
 def test_generate_helper_reports_sizes(model):

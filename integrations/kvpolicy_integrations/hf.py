@@ -39,7 +39,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvpolicy.policy import EvictionPolicy
-from kvpolicy_torch import LayerCache, received_attention
+from kvpolicy_torch import LayerCache, PrefixShift, decode_attention, received_attention, rope_rotate
 
 __all__ = [
     "ATTENTION_NAME",
@@ -59,6 +59,9 @@ PositionsMode = Literal["original", "cache"]
 # The layer whose update() ran last in this thread/context: the attention call that follows
 # belongs to it (transformers passes no cache to attention functions).
 _ACTIVE: contextvars.ContextVar["EvictingLayer | None"] = contextvars.ContextVar("kvpolicy_active_layer", default=None)
+# The EvictingCache whose get_mask_sizes() ran last: the mask function called right after it
+# takes the forward's 2-D padding mask for that cache instead of building a 4-D mask.
+_MASK_FOR: contextvars.ContextVar["EvictingCache | None"] = contextvars.ContextVar("kvpolicy_mask_for", default=None)
 
 
 def kvpolicy_sdpa_attention(
@@ -71,97 +74,93 @@ def kvpolicy_sdpa_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA output plus score capture and eviction for the :class:`EvictingLayer` that just updated."""
+    """SDPA output plus score capture and eviction for the :class:`EvictingLayer` that just updated.
+
+    The mask comes from the layer's slots (holes, pads, causal order inside a prompt chunk), not
+    from transformers: slot order is not sequence order once tokens are evicted.
+    """
     layer = _ACTIVE.get()
     if layer is None or not layer.pending or layer.layer_idx != getattr(module, "layer_idx", None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     _ACTIVE.set(None)
+    if attention_mask is not None:
+        layer.pending = False
+        raise ValueError(
+            "EvictingCache builds the attention mask from the kept tokens' positions; a custom 4-D attention_mask "
+            "cannot be applied to an evicting cache (pass the usual 2-D padding mask instead)"
+        )
+    store = layer.store
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q_len = query.shape[2]
-    if q_len > 1 and layer.store.n_seen == q_len and attention_mask is not None and attention_mask.dtype == torch.bool:
-        # Once per prompt: the last query row of a padding-free causal mask sees every key.
-        if not bool(attention_mask[:, :, -1, :].all()):
-            layer.pending = False
-            raise ValueError(
-                "EvictingCache got a padded batch (attention_mask has zeros): rows of different lengths are not "
-                "supported yet; generate each prompt separately or batch prompts of equal length"
-            )
     log_n = layer.policy.log_n
-    query_scale = None
-    sdpa_query, sdpa_scale = query, scale
-    if log_n is not None:
-        if q_len == 1:
-            sdpa_scale = scale * log_n.scale(layer.store.n_seen)
-        else:
-            n_seen = torch.arange(layer.store.n_seen - q_len + 1, layer.store.n_seen + 1, device=query.device)
-            query_scale = log_n.scales(n_seen).to(torch.float32)
-            sdpa_query = query * query_scale[:, None].to(query.dtype)
-    if q_len == 1 and layer.fused_decode and layer.policy.uses_scores and not dropout and _fusable(attention_mask, kwargs):
-        out, received = _fused_decode_attention(query, key, value, attention_mask, sdpa_scale)
-        layer.finish_received(received)
+    uses_scores = layer.policy.uses_scores
+    if q_len == 1:
+        bias = store.bias
+        prefix = layer.take_prefix(query)
+        scales = [log_n.scale(n) for n in store.seen] if log_n is not None else None
+        plain = bias is None and prefix is None and (scales is None or all(x == scales[0] for x in scales))
+        if plain and not (uses_scores and layer.fused_decode):
+            # SDPA: nothing to mask or shift, and no scores wanted (or the unfused path asked for)
+            sdpa_scale = scale * scales[0] if scales else scale
+            out, _ = sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=sdpa_scale, **kwargs)
+            received = received_attention(query, key, sdpa_scale) if uses_scores else None
+            layer.finish_received(received)
+            return out, None
+        if dropout or not _fusable(kwargs):
+            raise ValueError(f"kvpolicy's decode attention takes no dropout, softcap or position bias; got {sorted(kwargs)}")
+        row_scale = torch.tensor(scales, device=query.device) if scales is not None else None
+        out, received = decode_attention(query, key, value, scale, bias=bias, row_scale=row_scale, prefix=prefix)
+        layer.finish_received(received if uses_scores else None)
         return out, None
-    out, _ = sdpa_attention_forward(
-        module, sdpa_query, key, value, attention_mask, dropout=dropout, scaling=sdpa_scale, **kwargs
-    )
-    layer.finish(query, key, scale if q_len > 1 or log_n is None else sdpa_scale, query_scale)
+    mask = store.chunk_mask()
+    query_scale = None
+    sdpa_query = query
+    if log_n is not None:
+        query_scale = _chunk_log_n_scales(log_n, store, q_len, query.device)
+        sdpa_query = query * query_scale[:, None, :, None].to(query.dtype)
+    out, _ = sdpa_attention_forward(module, sdpa_query, key, value, mask, dropout=dropout, scaling=scale, **kwargs)
+    received = None
+    if uses_scores:
+        received = received_attention(query, key, scale, query_scale=query_scale, mask=mask, query_valid=store.query_valid)
+    layer.finish_received(received)
     return out, None
 
 
-def _fusable(attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> bool:
-    """Whether a decode step may take :func:`_fused_decode_attention` (a mask shared by all heads,
-    nothing SDPA-specific such as a position bias or softcap)."""
-    if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
-        return False
-    return attention_mask is None or (attention_mask.ndim == 4 and attention_mask.shape[1] == 1)
+def _chunk_log_n_scales(log_n: Any, store: LayerCache, q: int, device: torch.device) -> torch.Tensor:
+    """``[batch, q]`` log-n scale of each query of a chunk: query ``i`` of row ``r`` has seen the
+    row's tokens before the chunk plus its own real tokens up to ``i``."""
+    valid = store.query_valid
+    seen = torch.tensor(store.seen, device=device)[:, None]
+    if valid is None:
+        counts = seen - q + 1 + torch.arange(q, device=device)
+    else:
+        real = valid.to(torch.int64)
+        counts = seen - real.sum(dim=-1, keepdim=True) + torch.cumsum(real, dim=-1)
+    return log_n.scales(counts.clamp(min=1)).to(torch.float32)
 
 
-def _fused_decode_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one query per head, and what each key received, in one pass over the keys.
+def _fusable(kwargs: dict[str, Any]) -> bool:
+    """Whether a decode step may take :func:`~kvpolicy_torch.decode_attention` (nothing
+    SDPA-specific such as a position bias or softcap)."""
+    return kwargs.get("position_bias") is None and kwargs.get("softcap") is None
 
-    Args:
-        query: ``[batch, q_heads, 1, head_dim]``; key, value: ``[batch, kv_heads, n, head_dim]``.
-        attention_mask: ``None``, or a boolean (True: attend) / additive ``[batch|1, 1, 1|q, n]`` mask.
-        scaling: the logit scale (log-n scaling included).
 
-    Returns:
-        ``(out, received)``: ``out`` ``[batch, 1, q_heads, head_dim]`` (the layout
-        ``sdpa_attention_forward`` returns) and ``received`` ``[batch, kv_heads, n]`` float32
-        (float64 for float64 inputs), the probabilities summed over each KV head's query heads.
-
-    GQA needs no copy: the ``r`` query heads of a KV head are the rows of one ``[r, d] x [d, n]``
-    product. The logits are computed in the inputs' dtype and the softmax in float32 (float64 for
-    float64), as SDPA's math path does; for float32 and float64 models the scores equal
-    :func:`~kvpolicy_torch.received_attention`'s.
-    """
-    b, hq, _, d = query.shape
-    g, n, dv = key.shape[1], key.shape[2], value.shape[-1]
-    r = hq // g
-    work = torch.float64 if query.dtype == torch.float64 else torch.float32
-    # query head g * r + i attends with KV head g: [b * g, r, d] x [b * g, d, n] (a cache's
-    # [batch, heads, :n] view of its storage reshapes without a copy)
-    grouped = query.reshape(b * g, r, d)
-    logits = torch.bmm(grouped, key.reshape(b * g, n, d).transpose(1, 2)).to(work).view(b, g, r, n) * scaling
-    if attention_mask is not None:
-        mask = attention_mask[:, :, -1:, :]  # [b|1, 1, 1, n]: broadcasts over g and r
-        if mask.dtype == torch.bool:
-            logits = logits.masked_fill(~mask, float("-inf"))
-        else:
-            logits = logits + mask.to(work)
-    probs = torch.softmax(logits, dim=-1)  # [b, g, r, n]
-    out = torch.bmm(probs.view(b * g, r, n).to(value.dtype), value.reshape(b * g, n, dv))  # [b * g, r, dv]
-    return out.view(b, 1, hq, dv), probs.sum(dim=2)
+def kvpolicy_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """The mask function registered with ``kvpolicy_sdpa``: for an :class:`EvictingCache` it
+    hands the forward's 2-D padding mask to the cache and returns no 4-D mask (the cache's slots
+    define what each query attends); for any other cache it is transformers' ``sdpa_mask``."""
+    cache = _MASK_FOR.get()
+    if cache is None:
+        return sdpa_mask(*args, **kwargs)
+    _MASK_FOR.set(None)
+    cache.note_padding(kwargs.get("attention_mask"), int(kwargs["q_length"]))
+    return None
 
 
 def register_attention() -> str:
     """Register ``"kvpolicy_sdpa"`` in transformers' attention and mask interfaces (idempotent)."""
     AttentionInterface.register(ATTENTION_NAME, kvpolicy_sdpa_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, kvpolicy_mask)
     return ATTENTION_NAME
 
 
@@ -175,27 +174,16 @@ def use_kvpolicy_attention(model: torch.nn.Module) -> None:
         model.set_attn_implementation(ATTENTION_NAME)
 
 
-class RotaryTable:
-    """``cos`` and ``sin`` of ``delta * inv_freq`` for integer ``delta`` in ``[0, rows)``, built once
-    and grown by doubling, shared by the layers of one cache (pos-shift reads a row per key instead
-    of evaluating ``cos`` and ``sin`` for every cached key at every step). Rows are computed exactly
-    as the direct formula computes them (``float32(delta) * inv_freq``, then ``cos``/``sin``)."""
+@dataclass
+class Padding:
+    """The padding of the forward in flight, shared by the layers of one :class:`EvictingCache`:
+    ``valid`` ``[batch, q]`` (False: pad) and per-row real counts, or ``None`` for none. ``serial``
+    counts forwards, so a layer never reuses the padding of an earlier forward."""
 
-    def __init__(self, inv_freq: torch.Tensor) -> None:
-        self.inv_freq = inv_freq.detach().to(torch.float32)
-        self.table: torch.Tensor | None = None  # [rows, head_dim]: cos | sin
-
-    def lookup(self, delta: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[*delta.shape, head_dim / 2]``; ``bound`` (a host int) exceeds every
-        ``delta``, so growing the table needs no look at the tensor (no host-device sync)."""
-        table = self.table
-        if table is None or table.shape[0] < bound or table.device != delta.device:
-            rows = max(bound, 256, 2 * table.shape[0] if table is not None else 0)
-            angles = torch.arange(rows, device=delta.device, dtype=torch.float32)[:, None] * self.inv_freq.to(delta.device)
-            table = self.table = torch.cat((angles.cos(), angles.sin()), dim=-1)
-        half = table.shape[1] // 2
-        both = table.index_select(0, delta.reshape(-1)).view(*delta.shape, 2 * half)
-        return both[..., :half], both[..., half:]
+    valid: torch.Tensor | None = None
+    real: list[int] | None = None
+    q: int = 0
+    serial: int = 0
 
 
 class EvictingLayer(DynamicLayer):
@@ -214,17 +202,21 @@ class EvictingLayer(DynamicLayer):
         inv_freq: torch.Tensor | None = None,
         reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
         fused_decode: bool = True,
-        rotary: RotaryTable | None = None,
+        static_shapes: bool = False,
+        reserve: int | None = None,
+        padding: Padding | None = None,
     ) -> None:
-        self.store = LayerCache(policy, reduce_scores=reduce_scores)
+        self.store = LayerCache(policy, reduce_scores=reduce_scores, static_shapes=static_shapes, reserve=reserve)
         super().__init__()
         self.policy = policy
         self.layer_idx = layer_idx
         self.positions_mode = positions
         self.inv_freq = inv_freq
         self.fused_decode = fused_decode
-        self.rotary = rotary
+        self.padding = padding if padding is not None else Padding()
         self.pending = False
+        self._seen_serial = -1
+        self._prefix: PrefixShift | None = None
 
     # transformers' base classes assign self.keys / self.values; they live in the store here.
     @property  # type: ignore[override]
@@ -252,7 +244,7 @@ class EvictingLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``[batch, kv_heads, q, head_dim]`` keys/values; return all cached ones."""
+        """Append ``[batch, kv_heads, q, head_dim]`` keys/values; return the slots the queries attend."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.pending:
@@ -262,43 +254,34 @@ class EvictingLayer(DynamicLayer):
                 f"were captured and nothing was evicted. Call kvpolicy_integrations.hf.use_kvpolicy_attention(model) "
                 f"(or load the model with attn_implementation='{ATTENTION_NAME}') before using EvictingCache"
             )
-        keys, values = self.store.append(key_states, value_states)
+        q = key_states.shape[2]
+        pad = self.padding
+        valid = real = None
+        if pad.serial != self._seen_serial:  # the padding noted for this forward (once per layer)
+            self._seen_serial = pad.serial
+            if pad.valid is not None and pad.q == q and q > 1:
+                valid, real = pad.valid, pad.real
+        keys, values = self.store.append(key_states, value_states, valid=valid, real=real)
+        self._prefix = None
         if self.positions_mode == "cache":
-            keys = self._shift_to_slots(keys)
+            shift = self.store.shift()
+            if isinstance(shift, PrefixShift):
+                if shift.length and any(shift.delta):
+                    self._prefix = shift  # the attention rotates the query back for those slots
+            else:
+                keys = rope_rotate(keys, shift, self.inv_freq)  # type: ignore[arg-type]
         self.pending = True
         _ACTIVE.set(self)
         return keys, values
 
-    def _shift_to_slots(self, keys: torch.Tensor) -> torch.Tensor:
-        """Re-rotate cached keys so query-key distances are cache-slot distances (pos-shift)."""
-        store = self.store
-        slots = torch.arange(store.n_seen - store.length, store.n_seen, device=keys.device)
-        delta = slots - store.positions  # [batch, heads, n], in [0, n_seen): slots hold positions in order
-        if self.rotary is None:
-            self.rotary = RotaryTable(self.inv_freq)  # type: ignore[arg-type]
-        cos, sin = self.rotary.lookup(delta, store.n_seen)  # [batch, heads, n, head_dim / 2]
-        # rotate_half's pairing (i, i + head_dim / 2), one half at a time: no concatenated angles,
-        # no rotate_half temporaries.
-        k = keys.to(torch.float32)
-        half = k.shape[-1] // 2
-        k1, k2 = k[..., :half], k[..., half:]
-        out = torch.empty_like(k)
-        torch.mul(k1, cos, out=out[..., :half]).addcmul_(k2, sin, value=-1.0)
-        torch.mul(k2, cos, out=out[..., half:]).addcmul_(k1, sin)
-        return out.to(keys.dtype)
-
-    def finish(
-        self,
-        query: torch.Tensor,
-        keys: torch.Tensor,
-        scaling: float,
-        query_scale: torch.Tensor | None,
-    ) -> None:
-        """After attention: accumulate what each cached token received, then evict."""
-        received = None
-        if self.policy.uses_scores:
-            received = received_attention(query, keys, scaling, query_scale=query_scale)
-        self.finish_received(received)
+    def take_prefix(self, query: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """For a pos-shift decode step: ``(k, query rotated back by each row's shift)`` for the
+        prefix slots whose keys sit later than their original positions (see LayerCache.shift)."""
+        shift, self._prefix = self._prefix, None
+        if shift is None:
+            return None
+        delta = torch.tensor(shift.delta, device=query.device).view(-1, 1, 1)
+        return shift.length, rope_rotate(query, -delta, self.inv_freq)  # type: ignore[arg-type]
 
     def finish_received(self, received: torch.Tensor | None) -> None:
         """After attention: accumulate ``received`` ``[batch, kv_heads, n]`` (if any), then evict."""
@@ -308,13 +291,12 @@ class EvictingLayer(DynamicLayer):
         self.store.evict()
 
     def get_seq_length(self) -> int:
-        """Tokens seen so far (positions of new tokens start here), not the cached length."""
-        return self.store.n_seen
+        """Columns seen so far, pads included (positions of new tokens start here), not the cached length."""
+        return self.store.columns
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """``(cached + query_length, offset)``: the length ``update`` will return, and an offset
-        that places every cached key before the new queries."""
-        return self.store.length + query_length, self.store.n_seen - self.store.length
+        """``(columns + query_length, 0)``; no 4-D mask is built from it (see :func:`kvpolicy_mask`)."""
+        return self.store.columns + query_length, 0
 
     def get_max_length(self) -> int:
         cap = self.policy.capacity
@@ -337,8 +319,7 @@ class EvictingLayer(DynamicLayer):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.store.is_initialized:
-            b = self.store._keys.shape[0]  # type: ignore[union-attr]
-            self.store.select_batch(torch.arange(b).repeat_interleave(repeats))
+            self.store.select_batch(torch.arange(self.store.batch).repeat_interleave(repeats))
 
 
 def _config_of(model_or_config: Any) -> Any:
@@ -377,7 +358,14 @@ class EvictingCache(Cache):
         reduce_scores: hook for shared selection across tensor-parallel ranks.
         fused_decode: compute a decode step's attention output and scores in one pass over the
             keys (default) instead of SDPA plus an extra score product. Outputs agree with SDPA
-            to rounding; ``False`` reproduces SDPA's outputs exactly.
+            to rounding; ``False`` reproduces SDPA's outputs exactly (caches without holes only).
+        static_shapes: attend over every allocated slot at every decode step (holes masked), so
+            a decode step's tensor shapes never change (``torch.compile``, CUDA graphs).
+        max_tokens: tokens a layer will hold at most (prompt plus new tokens), if known: an
+            unbounded policy (the full cache) allocates exactly that instead of growing.
+
+    Left-padded batches work for every policy: pads are never attended, scored or kept, and each
+    row evicts on its own schedule (the 2-D ``attention_mask`` says which tokens are pads).
 
     Example:
         >>> from kvpolicy import make_policy
@@ -397,6 +385,8 @@ class EvictingCache(Cache):
         positions: PositionsMode | None = None,
         reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
         fused_decode: bool = True,
+        static_shapes: bool = False,
+        max_tokens: int | None = None,
     ) -> None:
         if not isinstance(policy, EvictionPolicy):
             raise ValueError(f"policy must be an EvictionPolicy, got {policy!r}")
@@ -408,23 +398,49 @@ class EvictingCache(Cache):
         inv_freq = _inv_freq(model) if positions == "cache" else None
         if positions == "cache" and inv_freq is None:
             raise ValueError("positions='cache' needs the model (its rotary inv_freq), not only its config")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1 or None, got {max_tokens!r}")
         if isinstance(model, torch.nn.Module):
             use_kvpolicy_attention(model)
         self.policy = policy
         self.positions_mode = positions
-        rotary = RotaryTable(inv_freq) if inv_freq is not None else None  # one for all layers
+        self.padding = Padding()  # shared by the layers: the padding of the forward in flight
         layers = [
             EvictingLayer(
                 policy, i, positions=positions, inv_freq=inv_freq, reduce_scores=reduce_scores,
-                fused_decode=fused_decode, rotary=rotary,
+                fused_decode=fused_decode, static_shapes=static_shapes, reserve=max_tokens, padding=self.padding,
             )
             for i in range(config.num_hidden_layers)
         ]
         super().__init__(layers=layers)
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """As transformers asks right before it builds a mask: the next mask function call
+        (:func:`kvpolicy_mask`) hands this cache the forward's padding instead of building one."""
+        _MASK_FOR.set(self)
+        return super().get_mask_sizes(query_length, layer_idx)
+
+    def note_padding(self, attention_mask: torch.Tensor | None, q_length: int) -> None:
+        """Record the padding of the forward about to run (``attention_mask``: the 2-D mask of all
+        columns so far, or ``None``). Read once per prompt chunk (one host sync); decode tokens
+        (``q_length == 1``) are taken as real, as ``generate()`` makes them."""
+        pad = self.padding
+        pad.serial += 1
+        pad.valid, pad.real, pad.q = None, None, q_length
+        if attention_mask is None or q_length == 1 or attention_mask.ndim != 2:
+            return
+        valid = attention_mask[:, -q_length:].to(torch.bool)
+        real = valid.sum(dim=-1).tolist()
+        if any(r != q_length for r in real):
+            pad.valid, pad.real = valid, real
+
     def lengths(self) -> list[int]:
-        """Cached tokens per layer."""
-        return [layer.store.length for layer in self.layers]
+        """Kept tokens per layer (the most any row keeps; see :meth:`row_lengths`)."""
+        return [max(layer.store.lengths, default=0) for layer in self.layers]
+
+    def row_lengths(self) -> list[list[int]]:
+        """Kept tokens per layer and row (rows of a left-padded batch differ)."""
+        return [layer.store.lengths for layer in self.layers]
 
     @property
     def kv_bytes(self) -> int:
@@ -433,15 +449,16 @@ class EvictingCache(Cache):
 
     @property
     def allocated_bytes(self) -> int:
-        """Bytes allocated by the stores (keys, values, positions, scores), all layers."""
+        """Bytes allocated by the stores (keys, values, positions, scores, bias), all layers."""
         return sum(layer.store.nbytes for layer in self.layers)
 
     def full_kv_bytes(self) -> int:
-        """Bytes a full cache would hold for the tokens seen so far."""
+        """Bytes a full cache would hold for the (real) tokens seen so far."""
         total = 0
         for layer in self.layers:
-            if layer.store.length:
-                total += layer.store.kv_bytes // layer.store.length * layer.store.n_seen
+            kept = sum(layer.store.lengths)
+            if kept:
+                total += layer.store.kv_bytes // kept * sum(layer.store.seen)
         return total
 
 
@@ -515,7 +532,7 @@ def generate(
         policy = make_policy(
             policy, budget, context_length=n_prompt + max_new_tokens, prompt_length=n_prompt, **overrides
         )
-    cache = EvictingCache(policy, model, positions=positions)
+    cache = EvictingCache(policy, model, positions=positions, max_tokens=n_prompt + max_new_tokens)
     with torch.no_grad():
         out = model.generate(
             input_ids,

@@ -207,10 +207,17 @@ def run_endurance(
     g = torch.Generator().manual_seed(seed)
     h, d = shape.kv_heads, shape.head_dim
     kv_pool = torch.randn(pool, 1, h, 1, d, generator=g, dtype=dtype).to(dev)
-    # received attention of a decode query over the cached keys: random, normalised like softmax
-    # output (the exact values only steer which tokens the score-based policies keep)
-    received_pool = torch.rand(pool, 1, h, capacity, generator=g, dtype=torch.float32).to(dev)
-    received_pool /= received_pool.sum(dim=-1, keepdim=True)
+
+
+    def received_of(width: int) -> torch.Tensor:
+        # received attention of a decode query over the slots it attends: random, scaled like a
+        # softmax output (the values only steer which tokens the score-based policies keep)
+        r = torch.rand(pool, 1, h, width, generator=g, dtype=torch.float32).to(dev)
+        return r / r.sum(dim=-1, keepdim=True)
+
+    # append() may return more slots than the capacity (a layout with spare slots): the pool is
+    # widened the first time that happens, a host-int check per layer
+    received_pool = received_of(capacity)
     caches = [LayerCache(policy) for _ in range(n_layers)]
     process = psutil.Process()
     cuda = dev.type == "cuda"
@@ -237,7 +244,11 @@ def run_endurance(
         t0 = clock()
         for cache in caches:
             keys, _ = cache.append(kv, kv)
-            cache.accumulate(received[..., : keys.shape[-2]])
+            n = keys.shape[-2]
+            if n > received.shape[-1]:
+                received_pool = received_of(2 * n)
+                received = received_pool[(t * 7) % pool]
+            cache.accumulate(received[..., :n])
             cache.evict()
         sync()
         per_token[t] = clock() - t0

@@ -7,8 +7,9 @@ Two measures, both at a cache of ``size`` tokens per head:
   many old tokens as the steady state has).
 * **per decoded token**: the amortised cost of a decode loop, ``append`` one token then
   ``evict`` (the policy's check, and its evictions when they come), over one whole eviction cycle
-  (BUZZ: from just after an eviction to just after the next; policies that evict at every step:
-  a fixed number of steps). Attention and the score accumulation are left out: they cost
+  (BUZZ: from just after an eviction to just after the next; on torch, policies that evict one
+  token per step: one whole compaction cycle of the slot layout, so the amortised compaction is
+  included; otherwise a fixed number of steps). Attention and the score accumulation are left out: they cost
   ``O(size)`` per token with or without eviction (the decode benchmark measures them).
 
 ``policy_at_size(name, size)`` builds each policy so that its cache holds ``size`` tokens when
@@ -31,11 +32,13 @@ from typing import Any
 __all__ = [
     "POLICIES",
     "NumpyWorkload",
+    "Steady",
     "TorchWorkload",
     "eviction_period",
     "fits",
     "measure_complexity",
     "policy_at_size",
+    "steady_state",
     "workload",
 ]
 
@@ -68,60 +71,95 @@ def policy_at_size(name: str, size: int) -> Any:
     raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")
 
 
-def _steady(policy: Any, size: int) -> tuple[int, dict[str, int], int, int]:
-    """Run the size rule of ``policy`` until its evictions are periodic.
+@dataclass(frozen=True)
+class Steady:
+    """A policy's periodic eviction cycle (from placeholder scores; sizes are host decisions).
 
-    Returns ``(after, state, period, seen)``: the cache size right after an eviction, the policy
-    state then, the decode steps until the next eviction (its last step evicts), and the tokens
-    seen so far. The full cache returns ``(size - 1, {}, EVERY_STEP_ROUND, size - 1)``.
+    ``size``: cache size when it evicts (the new token included); ``after``: size right after;
+    ``period``: decode steps from one eviction to the next; ``state``: the policy state between
+    them; ``seen_before`` / ``seen_after``: tokens seen just before the evicting step / right
+    after the previous eviction. ``evicts`` is ``False`` for a policy that never evicts."""
+
+    size: int
+    after: int
+    period: int
+    state: dict[str, int]
+    seen_before: int
+    seen_after: int
+    evicts: bool = True
+
+
+def steady_state(policy: Any, size_hint: int = 1024, *, cycles: int = 6) -> Steady:
+    """Run ``policy`` one decode token at a time on placeholder scores until its evictions repeat
+    (``cycles`` evictions; BUZZ's old-token count settles within a few); an unbounded policy
+    (``capacity is None``) gets a cache of ``size_hint`` tokens and is not expected to evict.
+
+    Example:
+        >>> from kvpolicy import H2O
+        >>> s = steady_state(H2O(heavy=4, recent=4))
+        >>> (s.size, s.after, s.period)
+        (9, 8, 1)
     """
-    from kvpolicy.budget import _size_rule
+    import numpy as np
 
-    rule = _size_rule(policy)
-    if rule is None or policy.capacity is None:
-        return size - 1, {}, EVERY_STEP_ROUND, size - 1
+    from kvpolicy.policy import CacheView
+
+    cap = policy.capacity
+    if cap is None:
+        return Steady(size_hint, size_hint - 1, EVERY_STEP_ROUND, {}, size_hint - 1, size_hint - 1, evicts=False)
+    pos = np.zeros((1, 1, cap + 1), dtype=np.int64)
+    scores = np.zeros((1, 1, cap + 1))
     state = policy.init_state()
-    n, seen, evictions = 0, 0, []
-    while len(evictions) < 6:  # BUZZ's old-token count settles within a few evictions
+    n = seen = 0
+    events: list[tuple[int, int, int, dict[str, int]]] = []
+    limit = 100 * cap + 1000
+    while len(events) < cycles:
+        if n >= cap + 1:
+            raise ValueError(f"{policy!r} holds {n} tokens, more than its capacity {cap}: run check_policy on it")
+        pos[..., n] = seen
         n += 1
         seen += 1
-        after = rule(n, state)
-        if after < n:
-            evictions.append((seen, after, dict(state)))
-        n = after
-        if seen > 100 * size + 1000:  # pragma: no cover - a policy that never evicts
-            raise RuntimeError(f"{policy!r} does not evict within {seen} tokens")
-    (s1, after1, state1), (s2, _, _) = evictions[-2], evictions[-1]
-    return after1, state1, s2 - s1, s1
+        before, state_before = n, dict(state)
+        while True:
+            keep = policy.evict(CacheView(pos[..., :n], scores[..., :n], seen, state, "decode"))
+            if keep is None:
+                break
+            keep = np.asarray(keep)
+            k = int(keep.shape[-1])
+            pos[..., :k] = np.take_along_axis(pos[..., :n], keep[:1, :1], axis=-1)
+            n = k
+        if n < before:
+            events.append((seen, before, n, state_before))
+        if seen > limit:
+            raise ValueError(f"{policy!r} did not evict {cycles} times within {limit} tokens")
+    (s1, _, a1, _), (s2, b2, _, st2) = events[-2], events[-1]
+    return Steady(b2, a1, s2 - s1, st2, s2 - 1, s1)
 
 
 def eviction_period(name: str, size: int) -> int:
     """Decode steps between two evictions in the steady state (1 for per-step policies)."""
-    return _steady(policy_at_size(name, size), size)[2]
-
-
-@dataclass
-class _Snapshot:
-    length: int
-    n_seen: int
-    state: dict[str, int]
+    return steady_state(policy_at_size(name, size), size).period
 
 
 class TorchWorkload:
     """A :class:`~kvpolicy_torch.LayerCache` of ``batch x heads`` rows at a chosen state.
 
-    ``one_eviction()`` runs one eviction from a cache of ``size`` tokens; ``decode_round()`` one
-    eviction cycle of ``append`` + ``evict``. Call ``reset_before_eviction()`` /
-    ``reset_after_eviction()`` before each (pytest-benchmark's ``setup``).
+    ``one_eviction()`` runs one eviction from a cache of ``steady.size`` tokens;
+    ``decode_round()`` ``period`` decode steps of ``append`` + ``evict``: one eviction cycle, or,
+    for a policy that evicts one token per step, one whole compaction cycle of the slot layout
+    (so the amortised compaction is in the per-token figure). Call ``reset_before_eviction()`` /
+    ``reset_after_eviction()`` before each (pytest-benchmark's ``setup``): they restore the
+    layer's bookkeeping with :meth:`~kvpolicy_torch.LayerCache.restore`.
     """
 
     backend = "torch"
 
     def __init__(
         self,
-        name: str,
-        size: int,
+        policy: Any,
+        steady: Steady,
         *,
+        label: str | None = None,
         batch: int = 1,
         heads: int = 8,
         head_dim: int = 64,
@@ -129,50 +167,47 @@ class TorchWorkload:
         device: str = "cpu",
         seed: int = 0,
     ) -> None:
+        import dataclasses
+
         import torch
 
         from kvpolicy_torch import LayerCache
 
-        self.name, self.size, self.batch, self.heads = name, size, batch, heads
-        self.policy = policy_at_size(name, size)
+        size = steady.size
+        self.name, self.size, self.batch, self.heads = label or policy.name, size, batch, heads
+        self.policy, self.steady = policy, steady
         dtype = dtype or torch.float32
         g = torch.Generator().manual_seed(seed)
-        after, state, period, seen = _steady(self.policy, size)
-        self.period = period if self.policy.capacity is not None and name == "buzz" else EVERY_STEP_ROUND
-        self.layer = LayerCache(self.policy)
-        kv = torch.randn(batch, heads, size, head_dim, generator=g, dtype=dtype).to(device)
-        if self.policy.capacity is None:  # grow the full cache once, outside the timed region
-            self.layer.append(torch.cat([kv, kv], dim=2), torch.cat([kv, kv], dim=2))
-            self.layer.length = 0
-            self.layer.n_seen = 0
-        self.layer.append(kv[:, :, : size - 1], kv[:, :, : size - 1])
-        self.layer.accumulate(torch.rand(batch, heads, size - 1, generator=g).to(device))
-        self.layer.evict()  # nothing to evict: the cache is one token short of its capacity
-        self.layer.n_seen = seen
-        self.layer.state = dict(state)
+        extra = EVERY_STEP_ROUND + 1 if policy.capacity is None else 0
+        self.layer = LayerCache(policy, reserve=size + extra)
+        kv = torch.randn(batch, heads, size - 1, head_dim, generator=g, dtype=dtype).to(device)
+        self.layer.append(kv, kv)
+        received = torch.rand(batch, heads, size - 1, generator=g).to(device=device, dtype=self.layer.scores.dtype)
+        self.layer.accumulate(received)
+        self.layer.evict()  # nothing to evict: the cache is one token short of its size
         self.token = kv[:, :, :1].clone()
-        # before: size - 1 tokens (the last decode step appends the size-th); after: post-eviction
-        self._before = _Snapshot(size - 1, seen, dict(state))
-        self._after = _Snapshot(after, seen, dict(state))
-        self._pos0 = self.layer._pos.clone()  # type: ignore[union-attr]
-        self._scores0 = self.layer._scores.clone()  # type: ignore[union-attr]
-
-    def _restore(self, snap: _Snapshot) -> None:
-        layer = self.layer
-        layer._overflow = None
-        layer.length = snap.length
-        layer.n_seen = snap.n_seen
-        layer.state = dict(snap.state)
-        layer._pos.copy_(self._pos0)  # type: ignore[union-attr]
-        layer._scores.copy_(self._scores0)  # type: ignore[union-attr]
+        compaction = self.layer.compaction_period
+        if steady.period > 1:
+            self.period = steady.period
+        else:
+            self.period = compaction if compaction is not None else EVERY_STEP_ROUND
+        snap = self.layer.snapshot()
+        # before: size - 1 tokens (the next decode step appends the size-th); after: post-eviction
+        self._before = dataclasses.replace(
+            snap, seen=[steady.seen_before] * batch, states=[dict(steady.state) for _ in range(batch)]
+        )
+        self._after = dataclasses.replace(
+            snap, seen=[steady.seen_after] * batch, count=[steady.after] * batch, front=[steady.after] * batch,
+            states=[dict(steady.state) for _ in range(batch)],
+        )
 
     def reset_before_eviction(self) -> None:
         """``size - 1`` tokens, then one decode append: the next ``evict`` evicts."""
-        self._restore(self._before)
+        self.layer.restore(self._before)
         self.layer.append(self.token, self.token)
 
     def reset_after_eviction(self) -> None:
-        self._restore(self._after)
+        self.layer.restore(self._after)
 
     def one_eviction(self) -> None:
         self.layer.evict()
@@ -185,31 +220,35 @@ class TorchWorkload:
 
 
 class NumpyWorkload:
-    """The same decisions on NumPy positions and scores (preallocated ``[batch, heads, slots]``)."""
+    """The same decisions on NumPy positions and scores (preallocated ``[batch, heads, slots]``):
+    the reference backend's own complexity (it holds no keys or values)."""
 
     backend = "numpy"
 
-    def __init__(self, name: str, size: int, *, batch: int = 1, heads: int = 8, seed: int = 0, **_: Any) -> None:
+    def __init__(
+        self, policy: Any, steady: Steady, *, label: str | None = None, batch: int = 1, heads: int = 8, seed: int = 0, **_: Any
+    ) -> None:
         import numpy as np
 
-        self.name, self.size, self.batch, self.heads = name, size, batch, heads
-        self.policy = policy_at_size(name, size)
+        size = steady.size
+        self.name, self.size, self.batch, self.heads = label or policy.name, size, batch, heads
+        self.policy, self.steady = policy, steady
         rng = np.random.default_rng(seed)
-        after, state, period, seen = _steady(self.policy, size)
-        self.period = period if name == "buzz" else EVERY_STEP_ROUND
-        slots = size if self.policy.capacity is not None else size + EVERY_STEP_ROUND + 1
+        self.period = steady.period if steady.period > 1 else EVERY_STEP_ROUND
+        slots = size + 1 if policy.capacity is not None else size + self.period + 1
         self.pos = np.zeros((batch, heads, slots), dtype=np.int64)
         self.pos[...] = np.arange(slots)
         self.scores = np.zeros((batch, heads, slots))
         self.scores[..., : size - 1] = rng.random((batch, heads, size - 1))
         self._pos0, self._scores0 = self.pos.copy(), self.scores.copy()
-        self._before = _Snapshot(size - 1, seen, dict(state))
-        self._after = _Snapshot(after, seen, dict(state))
+        self._before = (size - 1, steady.seen_before, dict(steady.state))
+        self._after = (steady.after, steady.seen_after, dict(steady.state))
         self.length, self.n_seen, self.state = 0, 0, {}
         self.phase = "decode"
 
-    def _restore(self, snap: _Snapshot) -> None:
-        self.length, self.n_seen, self.state = snap.length, snap.n_seen, dict(snap.state)
+    def _restore(self, snap: tuple[int, int, dict[str, int]]) -> None:
+        self.length, self.n_seen, state = snap
+        self.state = dict(state)
         self.pos[...] = self._pos0
         self.scores[...] = self._scores0
 
@@ -256,12 +295,12 @@ class NumpyWorkload:
 
 
 def workload(backend: str, name: str, size: int, **kwargs: Any) -> TorchWorkload | NumpyWorkload:
-    """A :class:`TorchWorkload` or :class:`NumpyWorkload`."""
-    if backend == "torch":
-        return TorchWorkload(name, size, **kwargs)
-    if backend == "numpy":
-        return NumpyWorkload(name, size, **kwargs)
-    raise ValueError(f"backend must be 'torch' or 'numpy', got {backend!r}")
+    """A :class:`TorchWorkload` or :class:`NumpyWorkload` of the built-in ``name`` at ``size``."""
+    if backend not in ("torch", "numpy"):
+        raise ValueError(f"backend must be 'torch' or 'numpy', got {backend!r}")
+    policy = policy_at_size(name, size)
+    cls = TorchWorkload if backend == "torch" else NumpyWorkload
+    return cls(policy, steady_state(policy, size), label=name, **kwargs)
 
 
 def fits(backend: str, size: int, batch: int, heads: int, max_token_heads: int) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._validation import check_int
-from ..policy import Array, CacheView, EvictionPolicy, Selection
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Selection
 from ..registry import register_policy
 
 
@@ -15,8 +15,9 @@ class H2O(EvictionPolicy):
 
     While the cache holds more than ``heavy + recent`` tokens, evict the token with the lowest
     accumulated score outside the last ``recent`` positions (ties: the earliest position goes
-    first; a NaN score counts as ``-inf``, see :attr:`kvpolicy.CacheView.ranking_scores`). Evicting one at a time or all at once is the same here, since scores do not change
-    between evictions of one step: the decision is one stable argsort.
+    first; a NaN score counts as ``-inf``, see :attr:`kvpolicy.CacheView.ranking_scores`).
+    Evicting one at a time or all at once is the same here, since scores do not change between
+    evictions of one step: the decision is one stable argsort.
 
     Parameters:
         heavy: heavy-hitter tokens kept outside the recent window (>= 1).
@@ -61,6 +62,11 @@ class H2O(EvictionPolicy):
         order = xp.argsort(scores, axis=-1, stable=True)
         heavy_slots = xp.sort(order[..., n_evict:], axis=-1)
         return view.keep(heavy_slots, view.arange(candidates, n))
+
+    @property
+    def decode_eviction(self) -> DecodeEviction:
+        # One over heavy + recent: the lowest score outside the recent window goes (select's n_evict == 1).
+        return DecodeEviction(limit=self.heavy + self.recent, victim="lowest", recent=self.recent)
 
     def params(self) -> dict[str, Any]:
         return {"heavy": self.heavy, "recent": self.recent}

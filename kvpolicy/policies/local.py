@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._validation import check_int
-from ..policy import Array, CacheView, EvictionPolicy
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy
 from ..registry import register_policy
 
 
@@ -38,6 +38,10 @@ class LocalWindow(EvictionPolicy):
         if n <= self.window:
             return None
         return view.keep(view.arange(n - self.window, n))
+
+    @property
+    def decode_eviction(self) -> DecodeEviction:
+        return DecodeEviction(limit=self.window, victim="oldest")
 
     def params(self) -> dict[str, Any]:
         return {"window": self.window}

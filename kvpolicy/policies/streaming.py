@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._validation import check_int
-from ..policy import Array, CacheView, EvictionPolicy
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy
 from ..registry import register_policy
 
 
@@ -44,6 +44,11 @@ class StreamingLLM(EvictionPolicy):
         if n <= self.sink + self.window:
             return None
         return view.keep(view.arange(self.sink), view.arange(n - self.window, n))
+
+    @property
+    def decode_eviction(self) -> DecodeEviction:
+        # One over sink + window: the oldest token after the sinks leaves the window.
+        return DecodeEviction(limit=self.sink + self.window, victim="oldest", sink=self.sink)
 
     def params(self) -> dict[str, Any]:
         return {"sink": self.sink, "window": self.window}

@@ -157,7 +157,9 @@ class TorchCache:
         self.layer.append(kv, kv)
 
     def accumulate(self, received: np.ndarray) -> None:
-        self.layer.accumulate(self.torch.from_numpy(np.ascontiguousarray(received)))
+        # received is in position order (the NumPy side's layout); the layer's slots may have holes
+        ordered = self.torch.from_numpy(np.ascontiguousarray(received))
+        self.layer.accumulate(self.layer.to_slots(ordered))
 
     def evict(self) -> list[tuple[int, int]]:
         if not self.layer.is_initialized:  # nothing appended yet (LayerCache.evict needs storage)

@@ -7,7 +7,8 @@ included; the NumPy one applies the same decisions to preallocated positions and
 * **one eviction**: the decision plus the gather that applies it, from the decode step that
   brings the cache to the size at which the policy evicts;
 * **per decoded token**: ``append`` + ``evict`` amortised over one whole eviction cycle of the
-  steady state (16 steps for a policy that evicts at every step).
+  steady state (for a policy that evicts at every step: on torch one compaction cycle of the slot
+  layout, on NumPy a fixed number of steps).
 
 Any policy works: the steady state (cache size when it evicts, size after, period, state) is
 found by running the policy's own ``evict`` on placeholder scores, so nothing about its rules
@@ -36,13 +37,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from kvpolicy.policy import CacheView, EvictionPolicy
+from kvpolicy.perf.eviction import Steady, steady_state
+from kvpolicy.policy import EvictionPolicy
 
 __all__ = ["ComplexityResult", "Steady", "benchmark_policy", "policy_workload", "size_factory", "steady_state"]
-
-#: Decode steps per timed round for policies that evict at every step (as the built-in benchmark).
-EVERY_STEP_ROUND = 16
-
 
 def size_factory(policy_factory: Any) -> Callable[[int], EvictionPolicy]:
     """``size -> policy`` from a factory: a built-in class gets its benchmark policy of capacity
@@ -77,115 +75,6 @@ def size_factory(policy_factory: Any) -> Callable[[int], EvictionPolicy]:
     raise ValueError(f"cannot time {policy_factory!r}: expected a policy class, a preset or a function size -> policy")
 
 
-@dataclass(frozen=True)
-class Steady:
-    """A policy's periodic eviction cycle (from placeholder scores; sizes are host decisions).
-
-    ``size``: cache size when it evicts (the new token included); ``after``: size right after;
-    ``period``: decode steps from one eviction to the next; ``state``: the policy state between
-    them; ``seen_before`` / ``seen_after``: tokens seen just before the evicting step / right
-    after the previous eviction. ``evicts`` is ``False`` for a policy that never evicts."""
-
-    size: int
-    after: int
-    period: int
-    state: dict[str, int]
-    seen_before: int
-    seen_after: int
-    evicts: bool = True
-
-
-def steady_state(policy: EvictionPolicy, size_hint: int = 1024, *, cycles: int = 6) -> Steady:
-    """Run ``policy`` one decode token at a time on placeholder scores until its evictions repeat
-    (``cycles`` evictions); an unbounded policy (``capacity is None``) gets a cache of
-    ``size_hint`` tokens and is not expected to evict."""
-    cap = policy.capacity
-    if cap is None:
-        return Steady(size_hint, size_hint - 1, EVERY_STEP_ROUND, {}, size_hint - 1, size_hint - 1, evicts=False)
-    pos = np.zeros((1, 1, cap + 1), dtype=np.int64)
-    scores = np.zeros((1, 1, cap + 1))
-    state = policy.init_state()
-    n = seen = 0
-    events: list[tuple[int, int, int, dict[str, int]]] = []
-    limit = 100 * cap + 1000
-    while len(events) < cycles:
-        if n >= cap + 1:
-            raise ValueError(f"{policy!r} holds {n} tokens, more than its capacity {cap}: run check_policy on it")
-        pos[..., n] = seen
-        n += 1
-        seen += 1
-        before, state_before = n, dict(state)
-        while True:
-            keep = policy.evict(CacheView(pos[..., :n], scores[..., :n], seen, state, "decode"))
-            if keep is None:
-                break
-            keep = np.asarray(keep)
-            k = int(keep.shape[-1])
-            pos[..., :k] = np.take_along_axis(pos[..., :n], keep[:1, :1], axis=-1)
-            n = k
-        if n < before:
-            events.append((seen, before, n, state_before))
-        if seen > limit:
-            raise ValueError(f"{policy!r} did not evict {cycles} times within {limit} tokens")
-    (s1, _, a1, _), (s2, b2, _, st2) = events[-2], events[-1]
-    return Steady(b2, a1, s2 - s1, st2, s2 - 1, s1)
-
-
-def _workload_classes() -> tuple[type, type]:
-    """Subclasses of the built-in benchmark's workloads that take any policy (only their
-    constructors differ: the policy and its steady state are given instead of looked up)."""
-    from kvpolicy.perf import eviction as ev
-
-    class PolicyTorchWorkload(ev.TorchWorkload):  # type: ignore[misc, name-defined]
-        def __init__(self, policy: EvictionPolicy, label: str, steady: Steady, *, batch: int = 1, heads: int = 8,
-                     head_dim: int = 64, dtype: Any = None, device: str = "cpu", seed: int = 0) -> None:
-            import torch
-
-            from kvpolicy_torch import LayerCache
-
-            size = steady.size
-            self.name, self.size, self.batch, self.heads = label, size, batch, heads
-            self.policy = policy
-            self.period = steady.period if steady.period > 1 else EVERY_STEP_ROUND
-            g = torch.Generator().manual_seed(seed)
-            dtype = dtype or torch.float32
-            self.layer = LayerCache(policy)
-            kv = torch.randn(batch, heads, size, head_dim, generator=g, dtype=dtype).to(device)
-            if policy.capacity is None:  # grow the storage once, outside the timed region
-                big = torch.zeros(batch, heads, size + self.period + 1, head_dim, dtype=dtype, device=device)
-                self.layer.append(big, big)
-                self.layer.length = 0
-                self.layer.n_seen = 0
-            self.layer.append(kv[:, :, : size - 1], kv[:, :, : size - 1])
-            self.layer.accumulate(torch.rand(batch, heads, size - 1, generator=g).to(device=device, dtype=self.layer.scores.dtype))
-            self.token = kv[:, :, :1].clone()
-            self._before = ev._Snapshot(size - 1, steady.seen_before, dict(steady.state))
-            self._after = ev._Snapshot(steady.after, steady.seen_after, dict(steady.state))
-            self._pos0 = self.layer._pos.clone()  # type: ignore[union-attr]
-            self._scores0 = self.layer._scores.clone()  # type: ignore[union-attr]
-
-    class PolicyNumpyWorkload(ev.NumpyWorkload):  # type: ignore[misc, name-defined]
-        def __init__(self, policy: EvictionPolicy, label: str, steady: Steady, *, batch: int = 1, heads: int = 8,
-                     seed: int = 0, **_: Any) -> None:
-            size = steady.size
-            self.name, self.size, self.batch, self.heads = label, size, batch, heads
-            self.policy = policy
-            self.period = steady.period if steady.period > 1 else EVERY_STEP_ROUND
-            rng = np.random.default_rng(seed)
-            slots = size + 1 if policy.capacity is not None else size + self.period + 1
-            self.pos = np.zeros((batch, heads, slots), dtype=np.int64)
-            self.pos[...] = np.arange(slots)
-            self.scores = np.zeros((batch, heads, slots))
-            self.scores[..., : size - 1] = rng.random((batch, heads, size - 1))
-            self._pos0, self._scores0 = self.pos.copy(), self.scores.copy()
-            self._before = ev._Snapshot(size - 1, steady.seen_before, dict(steady.state))
-            self._after = ev._Snapshot(steady.after, steady.seen_after, dict(steady.state))
-            self.length, self.n_seen, self.state = 0, 0, {}
-            self.phase = "decode"
-
-    return PolicyTorchWorkload, PolicyNumpyWorkload
-
-
 def _label(policy_factory: Any) -> str:
     from kvpolicy.registry import Preset
 
@@ -210,15 +99,14 @@ def policy_workload(
     ``one_eviction()``; ``reset_after_eviction()`` then ``decode_round()`` (``period`` decoded
     tokens); the pair pytest-benchmark's ``benchmark.pedantic(fn, setup=...)`` takes.
     ``steady`` (a :class:`Steady`) and ``policy`` are attributes."""
+    from kvpolicy.perf.eviction import NumpyWorkload, TorchWorkload
+
     policy = size_factory(policy_factory)(size)
     steady = steady_state(policy, size)
-    torch_cls, numpy_cls = _workload_classes()
-    cls = {"torch": torch_cls, "numpy": numpy_cls}.get(backend)
+    cls = {"torch": TorchWorkload, "numpy": NumpyWorkload}.get(backend)
     if cls is None:
         raise ValueError(f"backend must be 'torch' or 'numpy', got {backend!r}")
-    w = cls(policy, label or _label(policy_factory), steady, batch=batch, heads=heads, head_dim=head_dim, seed=seed)
-    w.steady = steady
-    return w
+    return cls(policy, steady, label=label or _label(policy_factory), batch=batch, heads=heads, head_dim=head_dim, seed=seed)
 
 
 @dataclass

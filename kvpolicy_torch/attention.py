@@ -1,0 +1,87 @@
+"""Decode attention over a slot cache, with the scores the policies need, and RoPE re-rotation."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["decode_attention", "rope_rotate"]
+
+
+def rope_rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[..., head_dim]`` by ``delta`` positions with half-split RoPE (Llama's
+    ``rotate_half`` pairing ``(i, i + head_dim / 2)``); ``delta`` broadcasts against ``x[..., 0]``.
+
+    RoPE scores depend only on the difference of the query's and the key's positions, so moving a
+    key by ``delta`` or its query by ``-delta`` gives the same score. Angles are computed as
+    transformers computes them (``float32(delta) * inv_freq``), in float32.
+
+    Example:
+        >>> x = torch.tensor([[1.0, 0.0]])
+        >>> rope_rotate(rope_rotate(x, torch.tensor([3]), torch.tensor([0.5])), torch.tensor([-3]), torch.tensor([0.5]))
+        tensor([[1.0000, 0.0000]])
+    """
+    angles = delta.to(torch.float32)[..., None] * inv_freq.to(device=x.device, dtype=torch.float32)
+    cos, sin = angles.cos(), angles.sin()
+    half = x.shape[-1] // 2
+    if 2 * inv_freq.shape[-1] != x.shape[-1]:
+        raise ValueError(f"half-split RoPE needs head_dim = 2 * len(inv_freq), got {x.shape[-1]} and {inv_freq.shape[-1]}")
+    xf = x.to(torch.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    *,
+    bias: torch.Tensor | None = None,
+    row_scale: torch.Tensor | None = None,
+    prefix: tuple[int, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one query per head over a cache's slots, and what each slot received, in one
+    pass over the keys.
+
+    Args:
+        query: ``[batch, q_heads, 1, head_dim]``; key, value: ``[batch, kv_heads, n, head_dim]``
+            (a ``[batch, kv_heads, lo:hi]`` view of a cache's storage reshapes without a copy).
+        scaling: the logit scale.
+        bias: ``[batch, kv_heads, n]`` additive (``0`` or ``-inf`` at holes), or ``None``.
+        row_scale: ``[batch]`` extra logit factor per row (BUZZ's log n), or ``None``.
+        prefix: ``(k, query_k)``: the logits of slots ``[0, k)`` are computed with ``query_k``
+            (``query`` rotated back by those keys' pos-shift: StreamingLLM's sinks), or ``None``.
+
+    Returns:
+        ``(out, received)``: ``out`` ``[batch, 1, q_heads, head_dim]`` (the layout transformers'
+        attention functions return) and ``received`` ``[batch, kv_heads, n]`` float32 (float64 for
+        float64 inputs), the probabilities summed over each KV head's query heads.
+
+    GQA needs no copy: the ``r`` query heads of a KV head are the rows of one ``[r, d] x [d, n]``
+    product. Logits are computed in the inputs' dtype and the softmax in float32 (float64 for
+    float64), as SDPA's math path does.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+        >>> out, received = decode_attention(q, k, v, 8 ** -0.5)
+        >>> out.shape, received.shape, bool(torch.allclose(received.sum(-1), torch.full((1, 2), 2.0)))
+        (torch.Size([1, 1, 4, 8]), torch.Size([1, 2, 5]), True)
+    """
+    b, hq, _, d = query.shape
+    g, n, dv = key.shape[1], key.shape[2], value.shape[-1]
+    r = hq // g
+    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    # query head g * r + i attends with KV head g: [b * g, r, d] x [b * g, d, n]
+    logits = torch.bmm(query.reshape(b * g, r, d), key.reshape(b * g, n, d).transpose(1, 2)).to(work).view(b, g, r, n)
+    if prefix is not None and prefix[0]:
+        k = prefix[0]
+        head = torch.bmm(prefix[1].reshape(b * g, r, d), key[:, :, :k].reshape(b * g, k, d).transpose(1, 2))
+        logits[..., :k] = head.to(work).view(b, g, r, k)
+    logits.mul_(scaling)
+    if row_scale is not None:
+        logits.mul_(row_scale.to(work).view(b, 1, 1, 1))
+    if bias is not None:
+        logits.add_(bias.to(work)[:, :, None, :])
+    probs = torch.softmax(logits, dim=-1)  # [b, g, r, n]
+    out = torch.bmm(probs.view(b * g, r, n).to(value.dtype), value.reshape(b * g, n, dv))  # [b * g, r, dv]
+    return out.view(b, 1, hq, dv), probs.sum(dim=2)
