@@ -22,7 +22,7 @@ from .policies import (
     fixed_point_middle,
     threshold_ratio,
 )
-from .policy import CacheView, DecodeEviction, EvictionPolicy, LogNScaling
+from .policy import CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling
 from .registry import (
     ENTRY_POINT_GROUP,
     Preset,
@@ -38,6 +38,7 @@ __all__ = [
     "BUZZ",
     "CacheView",
     "DecodeEviction",
+    "DeferredScoresView",
     "ENTRY_POINT_GROUP",
     "EvictionPolicy",
     "FullCache",

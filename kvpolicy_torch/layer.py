@@ -35,10 +35,10 @@ from .ops import first_argmin
 
 __all__ = ["LayerCache", "LayerSnapshot", "PrefixShift"]
 
-_MIN_GROWTH = 256
+_MIN_GROWTH = 16  # slots an unbounded store grows by at least
 #: Unbounded policies (the full cache) grow their storage by this factor (amortised copies, and
-#: a peak of at most ~1/8 unused slots instead of a doubling's 1/2).
-_GROWTH = 1.125
+#: at most 1/10 unused slots instead of a doubling's 1/2).
+_GROWTH = 1.1
 
 
 class PrefixShift(NamedTuple):
@@ -77,7 +77,7 @@ class LayerCache:
     over the query heads of its KV head and over the real queries), then :meth:`evict`.
 
     Storage is allocated once to the policy's ``capacity`` (plus ``slack`` slots for policies that
-    evict one token at a time); unbounded policies grow by 1/8. A prefill chunk that does not fit
+    evict one token at a time); unbounded policies grow by 1/10 (or are sized from ``reserve``). A prefill chunk that does not fit
     is held transiently until the eviction brings the layer back under capacity.
 
     Args:
@@ -144,6 +144,7 @@ class LayerCache:
         self._states: list[dict[str, int]] = []
         self._fifo: list[int | None] = []  # "oldest" rule: slot of the oldest token after the sinks
         self._range = (0, 0)  # slots [lo, hi) the last append returned
+        self._bias_needed = False  # whether a slot of that range is a hole (host-side, set by append)
         self._chunk: tuple[int, int, torch.Tensor | None] | None = None  # (start, q, valid [b, q]) of a chunk
         self._phase = "decode"
 
@@ -322,7 +323,7 @@ class LayerCache:
         """Additive attention bias ``[batch, kv_heads, n]`` (``0`` or ``-inf``) of the slots the last
         decode :meth:`append` returned, or ``None`` when none of them is a hole."""
         self._require()
-        if not self._needs_bias():
+        if not self._bias_needed:
             return None
         lo, hi = self._range
         return self._bias[:, :, lo:hi]  # type: ignore[index]
@@ -332,6 +333,8 @@ class LayerCache:
         if self.static_shapes or self._extra is not None:
             return True
         lo, hi = self._range
+        if lo == 0 and self._count == self._front and all(f == hi for f in self._front):
+            return False  # the common case, decided without a loop
         for r in range(self.batch):
             first = self._first(r)
             if first != lo or self._front[r] != hi or self._front[r] - first != self._count[r]:
@@ -409,7 +412,8 @@ class LayerCache:
                 attended, scored or kept. Read once per chunk (one sync); decode tokens are real.
             real: per-row counts of True in ``valid`` when the caller already has them on the host.
         """
-        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+        ks, vs = keys.shape, values.shape
+        if len(ks) != 4 or len(vs) != 4 or ks[0] != vs[0] or ks[1] != vs[1] or ks[2] != vs[2]:
             raise ValueError(
                 "keys and values must be [batch, kv_heads, q, head_dim] with equal first three dims, "
                 f"got {tuple(keys.shape)} and {tuple(values.shape)}"
@@ -419,12 +423,12 @@ class LayerCache:
                 "append() called while the previous step was not evicted: call accumulate() and evict() "
                 "after each attention (with transformers, use the 'kvpolicy_sdpa' attention implementation)"
             )
-        b, h, q, d = keys.shape
+        b, h, q, d = ks
         if q == 0:
             raise ValueError("keys must hold at least one token (q >= 1)")
         if self._k is None:
             self._start(keys, values)
-        else:
+        elif (b, h, d, vs[3], keys.dtype, values.dtype, keys.device) != self._like:
             self._check_like(keys, values)
         if valid is not None:
             if valid.shape != (b, q):
@@ -451,13 +455,15 @@ class LayerCache:
         capacity = self.policy.capacity
         per_slot = keys.shape[1] * (keys.shape[3] * keys.element_size() + values.shape[3] * values.element_size())
         if capacity is None:
-            slots = max(q, self.reserve or 0, _MIN_GROWTH)
+            slots = max(q, self.reserve or 0)
         else:
             slots = capacity + self._slack(capacity, per_slot)
         self._seen, self._count, self._front = [0] * b, [0] * b, [0] * b
         self._states = [self.policy.init_state() for _ in range(b)]
         self._fifo = [None] * b
         self._allocate(keys, values, slots)
+        # what later appends must match (one tuple comparison per step; _check_like says what differs)
+        self._like = (b, keys.shape[1], keys.shape[3], values.shape[3], keys.dtype, values.dtype, keys.device)
 
     def _check_like(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         k, v = self._k, self._v
@@ -474,10 +480,28 @@ class LayerCache:
             raise ValueError(f"keys moved from {k.device} to {keys.device}")
 
     def _append_one(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        front, seen, count = self._front, self._seen, self._count
+        s = front[0]
+        if len(front) == 1 and s < self._k.shape[2]:  # type: ignore[union-attr]
+            # one row (the common case): the same writes with no per-row bookkeeping
+            self._k.select(2, s).copy_(keys.select(2, 0))  # type: ignore[union-attr]
+            self._v.select(2, s).copy_(values.select(2, 0))  # type: ignore[union-attr]
+            self._pos.select(2, s).fill_(seen[0])  # type: ignore[union-attr]
+            self._scores.select(2, s).fill_(0)  # type: ignore[union-attr]
+            self._bias.select(2, s).fill_(0)  # type: ignore[union-attr]
+            front[0] = s + 1
+            seen[0] += 1
+            count[0] += 1
+            self.columns += 1
+            self._chunk = None
+            lo = self._first(0)
+            self._range = (0 if self.static_shapes else lo, self.slots if self.static_shapes else s + 1)
+            self._bias_needed = self.static_shapes or s + 1 - lo != count[0]
+            return
         full = [r for r, f in enumerate(self._front) if f >= self.slots]
         if full:
             if self.policy.capacity is None:
-                self._allocate(keys, values, max(self.slots + 1, math.ceil(self.slots * _GROWTH)))
+                self._allocate(keys, values, max(self.slots + _MIN_GROWTH, math.ceil(self.slots * _GROWTH)))
             else:
                 self._compact_rows([r for r in full if self._count[r] < self._front[r]])
                 if any(self._front[r] >= self.slots for r in full):
@@ -487,15 +511,16 @@ class LayerCache:
         front, seen = self._front, self._seen
         k, v, pos, scores, bias = self._tensors()
         if all(f == front[0] for f in front):
+            # select + copy_/fill_: a decode step's writes are tiny, and indexing costs more than them
             s = front[0]
-            k[:, :, s] = keys[:, :, 0]
-            v[:, :, s] = values[:, :, 0]
+            k.select(2, s).copy_(keys.select(2, 0))
+            v.select(2, s).copy_(values.select(2, 0))
             if all(x == seen[0] for x in seen):
-                pos[:, :, s] = seen[0]  # a host scalar: no index tensor
+                pos.select(2, s).fill_(seen[0])  # a host scalar: no index tensor
             else:
-                pos[:, :, s] = torch.tensor(seen, device=pos.device)[:, None]
-            scores[:, :, s] = 0
-            bias[:, :, s] = 0
+                pos.select(2, s).copy_(torch.tensor(seen, device=pos.device)[:, None])
+            scores.select(2, s).fill_(0)
+            bias.select(2, s).fill_(0)
         else:  # rows on their own schedules: one slot per row
             dev = k.device
             rows = torch.arange(self.batch, device=dev)
@@ -514,6 +539,7 @@ class LayerCache:
         hi = self.slots if self.static_shapes else max(front)
         lo = 0 if self.static_shapes else min(self._first(r) for r in range(self.batch))
         self._range = (lo, hi)
+        self._bias_needed = self._needs_bias()
 
     def _append_chunk(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, real: list[int]) -> None:
         b, h, q, _ = keys.shape
@@ -539,7 +565,7 @@ class LayerCache:
         if start + q <= self.slots:
             for t, new in zip(self._tensors(), (keys, values, new_pos, new_scores, new_bias)):
                 t[:, :, start : start + q] = new
-            self._range = (0, self.slots if self.static_shapes else start + q)
+            self._range = (0, start + q)  # a chunk ends the range (received_attention reads its keys as the last q), static or not
         else:  # the prompt exceeds the storage: attention needs all of it for this step
             old = [t[:, :, :start] for t in self._tensors()]
             self._extra = tuple(torch.cat([o, n], dim=2) for o, n in zip(old, (keys, values, new_pos, new_scores, new_bias)))
@@ -550,6 +576,7 @@ class LayerCache:
             self._front[r] = start + q
         self.columns += q
         self._chunk = (start, q, valid)
+        self._bias_needed = self._needs_bias()
 
     def accumulate(self, received: torch.Tensor) -> None:
         """Add ``received`` ``[batch, kv_heads, n]`` (the attention each returned slot just received,
@@ -570,8 +597,9 @@ class LayerCache:
         self._require()
         rule = self.rule
         if self._phase == "decode" and rule is not None and self._extra is None:
-            rows = [r for r, c in enumerate(self._count) if c == rule.limit + 1]
-            if any(c > rule.limit + 1 for c in self._count):
+            over = rule.limit + 1
+            rows = list(range(self.batch)) if all(c == over for c in self._count) else [r for r, c in enumerate(self._count) if c == over]
+            if len(rows) < self.batch and any(c > over for c in self._count):
                 rounds = self._evict_general()
             elif rows:
                 self._evict_one(rule, rows)
@@ -597,9 +625,9 @@ class LayerCache:
                 self._fifo[r] += 1  # type: ignore[operator]
             if every and all(s == slots[0] for s in slots):
                 s = slots[0]
-                pos[:, :, s] = -1
-                scores[:, :, s] = math.inf
-                bias[:, :, s] = -math.inf
+                pos.select(2, s).fill_(-1)
+                scores.select(2, s).fill_(math.inf)
+                bias.select(2, s).fill_(-math.inf)
             else:
                 dev = pos.device
                 r_t, s_t = torch.tensor(rows, device=dev), torch.tensor(slots, device=dev)
@@ -760,6 +788,7 @@ class LayerCache:
             if fill is not None:
                 t[:, :, n:] = fill
         self._range = (0, n)
+        self._bias_needed = self._needs_bias()
 
     # ------------------------------------------------------------------ ordered <-> slots
     def to_slots(self, ordered: torch.Tensor) -> torch.Tensor:
@@ -818,6 +847,7 @@ class LayerCache:
                         for r in rows:
                             t[r, :, f:] = fill  # type: ignore[index]
         self._range = (0, max(self._front))
+        self._bias_needed = self._needs_bias()
         self._phase = "decode"
 
     # ------------------------------------------------------------------ batch ops (beam search etc.)
