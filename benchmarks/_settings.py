@@ -9,6 +9,11 @@
   (default ``512,2048``; the full grid is ``kvpolicy bench``'s job).
 * ``KVPOLICY_BENCH_THREADS``: torch threads (default: torch's own default).
 * ``KVPOLICY_BENCH_JSON``: write every measurement and the fitted slopes to this file.
+* ``KVPOLICY_BENCH_ENDURANCE_TOKENS``: tokens of the endurance benchmark (default 1,200 quick,
+  100,000 full); ``KVPOLICY_BENCH_ENDURANCE_KEPT``: the policies' capacity (default 320);
+  ``KVPOLICY_BENCH_ENDURANCE_TIME_TOL``: how far the last decile's per-token time may be from the
+  first's (default 0.05 full; 1.0 quick, where a short run on a shared CI machine is noise-bound:
+  it still catches a cost that grows with the tokens seen).
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ JSON_OUT = os.environ.get("KVPOLICY_BENCH_JSON")
 #: Fewest complexity measurements a quick run must record (it fails otherwise: no silent no-op).
 MIN_RECORDED_QUICK = 20
 
+ENDURANCE_TOKENS = int(os.environ.get("KVPOLICY_BENCH_ENDURANCE_TOKENS", "1200" if QUICK else "100000"))
+ENDURANCE_KEPT = int(os.environ.get("KVPOLICY_BENCH_ENDURANCE_KEPT", "320"))
+ENDURANCE_TIME_TOL = float(os.environ.get("KVPOLICY_BENCH_ENDURANCE_TIME_TOL", "1.0" if QUICK else "0.05"))
+
 #: Measurements collected during a session (the conftest fits slopes and prints the summary).
 RECORDS: list[dict] = []
 DECODE: list[dict] = []
+ENDURANCE: list = []  # kvpolicy.perf.endurance.EnduranceResult

@@ -62,7 +62,7 @@ def _slope_rows() -> list[tuple[str, str, int, int, str, float, int]]:
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    if not RECORDS and not DECODE:
+    if not RECORDS and not DECODE and not _settings.ENDURANCE:
         return
     tr = terminalreporter
     if RECORDS:
@@ -78,16 +78,30 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
                 f"{r['context']:6d} {r['label']:24s} {r['tokens_per_s']:8.2f} tok/s  x{r['ratio_vs_dynamic']:.2f}"
                 f"  kv {r['kv_bytes'] / 2**20:8.2f} MiB"
             )
+    if _settings.ENDURANCE:
+        from kvpolicy.perf.endurance import markdown, summary_line
+
+        tr.write_sep("=", "endurance: last / first decile after the warm-up (1.0 = flat)")
+        for result in _settings.ENDURANCE:
+            tr.write_line(summary_line(result))
+        tr.write_line("")
+        tr.write_line(markdown(_settings.ENDURANCE))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if _settings.JSON_OUT and (RECORDS or DECODE):
+    if _settings.JSON_OUT and (RECORDS or DECODE or _settings.ENDURANCE):
         slopes_out = [
             dict(zip(("backend", "policy", "batch", "heads", "measure", "slope", "points"), row)) for row in _slope_rows()
         ] if RECORDS else []
-        Path(_settings.JSON_OUT).write_text(json.dumps({"records": RECORDS, "slopes": slopes_out, "decode": DECODE}, indent=1))
+        endurance = [r.as_dict() for r in _settings.ENDURANCE]
+        Path(_settings.JSON_OUT).write_text(
+            json.dumps({"records": RECORDS, "slopes": slopes_out, "decode": DECODE, "endurance": endurance}, indent=1)
+        )
     disabled = session.config.getoption("benchmark_disable", False)
-    if _settings.QUICK and not disabled and exitstatus in (0, 5) and len(RECORDS) < _settings.MIN_RECORDED_QUICK:
+    # the floor applies when the eviction-complexity benchmarks were collected (running only the
+    # endurance file, say, records none of them)
+    complexity = any("test_eviction_complexity" in item.nodeid for item in session.items)
+    if _settings.QUICK and not disabled and exitstatus in (0, 5) and complexity and len(RECORDS) < _settings.MIN_RECORDED_QUICK:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             reporter.write_line(

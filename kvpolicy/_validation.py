@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import numbers
+from typing import TYPE_CHECKING
 
-__all__ = ["check_int", "check_float", "check_choice"]
+import numpy as np
+
+if TYPE_CHECKING:
+    from .policy import EvictionPolicy
+
+__all__ = ["check_int", "check_float", "check_choice", "check_bool", "check_eviction_policy"]
 
 
 def check_int(name: str, value: object, *, minimum: int = 1, maximum: int | None = None) -> int:
@@ -44,3 +50,33 @@ def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
     return value  # type: ignore[return-value]
+
+
+def check_bool(name: str, value: object, *, allow_none: bool = False) -> bool | None:
+    """Return ``value`` as a bool, or raise ``ValueError`` naming ``name``.
+
+    Only ``True`` and ``False`` (and NumPy's ``np.True_``/``np.False_``) are accepted: a truthy
+    string such as ``"no"`` or a number would otherwise silently switch a flag on. With
+    ``allow_none``, ``None`` (usually "decide automatically") is returned as is.
+    """
+    if allow_none and value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    allowed = "True, False or None" if allow_none else "True or False"
+    raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def check_eviction_policy(name: str, value: object) -> "EvictionPolicy":
+    """Return ``value`` if it is an :class:`~kvpolicy.EvictionPolicy` instance, else raise
+    ``ValueError`` naming ``name`` (and saying how to build one from a registered name)."""
+    from .policy import EvictionPolicy  # here: kvpolicy.policy itself imports this module
+
+    if isinstance(value, EvictionPolicy):
+        return value
+    hint = ""
+    if isinstance(value, str):
+        hint = f"; build one by name with kvpolicy.create_policy({value!r}, ...) or kvpolicy.make_policy({value!r}, budget, ...)"
+    elif isinstance(value, type) and issubclass(value, EvictionPolicy):
+        hint = f"; instantiate the class first, e.g. {value.__name__}(...)"
+    raise ValueError(f"{name} must be an EvictionPolicy instance (e.g. kvpolicy.BUZZ()), got {value!r}{hint}")

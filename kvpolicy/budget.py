@@ -116,7 +116,23 @@ def _replay_sizes(policy: EvictionPolicy, context_length: int, prompt_length: in
 
 
 def realised_budget(sizes: np.ndarray, context_length: int, prompt_length: int = 0) -> float:
-    """Average of ``sizes`` over the full cache's average on the same decode steps."""
+    """Average of ``sizes`` over the full cache's average on the same decode steps.
+
+    Defined over decode steps only, so a run needs at least one: ``prompt_length <
+    context_length``, and ``sizes`` holds one size per decode step.
+
+    Example:
+        >>> realised_budget(np.asarray([1, 2, 2, 2]), 4)
+        0.7
+    """
+    context_length = check_int("context_length", context_length, minimum=1)
+    prompt_length = check_int("prompt_length", prompt_length, minimum=0, maximum=context_length - 1)
+    sizes = np.asarray(sizes)
+    if sizes.shape != (context_length - prompt_length,):
+        raise ValueError(
+            f"sizes must hold one size per decode step, shape ({context_length - prompt_length},), "
+            f"got {sizes.shape}"
+        )
     full = np.arange(prompt_length + 1, context_length + 1, dtype=np.float64)
     return float(np.mean(sizes) / np.mean(full))
 
@@ -213,7 +229,7 @@ def plan_policy(
     budget = check_float("budget", budget, low=0.0, high=1.0, low_open=True)
     context_length = check_int("context_length", context_length, minimum=1)
     prompt_length = check_int("prompt_length", prompt_length, minimum=0, maximum=context_length - 1)
-    entry = get_policy(name) if isinstance(name, str) else name
+    entry = _entry(name)
     overrides = _ratio_overrides(entry, threshold_ratio, overrides)
     full_avg = float(np.mean(np.arange(prompt_length + 1, context_length + 1)))
 
@@ -321,6 +337,19 @@ def plan_capacity(
     avg = float(np.mean(sizes))
     return PolicyPlan(policy, capacity / full_avg, avg / full_avg, context_length, prompt_length, avg, full_avg,
                       threshold_ratio, capacity)
+
+
+def _entry(name: object) -> type[EvictionPolicy] | Preset:
+    """The registry entry ``name`` stands for: a registered name, a policy class or a preset."""
+    if isinstance(name, str):
+        return get_policy(name)
+    if isinstance(name, Preset) or (isinstance(name, type) and issubclass(name, EvictionPolicy)):
+        return name
+    hint = " (an instance: pass its class, or use it as is)" if isinstance(name, EvictionPolicy) else ""
+    raise ValueError(
+        "name must be a registered policy name (see kvpolicy.available_policies()), an EvictionPolicy "
+        f"subclass or a Preset; got {name!r}{hint}"
+    )
 
 
 def make_policy(

@@ -216,6 +216,9 @@ def load(
     """
     import torch
 
+    from ._validation import check_bool
+
+    progress = check_bool("progress", progress)
     target_dtype = resolve_dtype(dtype, device)
     name = os.fspath(name_or_path)
 

@@ -47,7 +47,8 @@ class CacheView:
         positions: ``[batch, kv_heads, n]`` integer original positions of the cached tokens,
             ascending along the last axis (slot order is position order).
         scores: ``[batch, kv_heads, n]`` accumulated attention each cached token has received
-            (summed over the query heads of its KV head, over all queries so far).
+            (summed over the query heads of its KV head, over all queries so far). Policies rank
+            :attr:`ranking_scores`, in which a NaN score counts as ``-inf`` (see there).
         n_seen: tokens processed so far in this sequence, the ones just appended included.
         state: the policy's own per-layer state: a small dict of host ints the policy may update
             when it evicts (e.g. BUZZ's count of "old" middle tokens).
@@ -61,6 +62,26 @@ class CacheView:
     n_seen: int
     state: dict[str, int] = field(default_factory=dict)
     phase: Literal["prefill", "decode"] = "decode"
+
+    @cached_property
+    def ranking_scores(self) -> Array:
+        """:attr:`scores` with every NaN replaced by ``-inf``: what score-reading policies rank.
+
+        The rule for a NaN score (an overflow upstream, e.g. in half precision): it counts as the
+        lowest possible score, so H2O evicts such a token first and it never wins a BUZZ segment
+        unless every token of the segment is NaN (then the earliest wins, as on any tie). Without
+        it, sort and argmax would each place NaN wherever their library does, differently for
+        ``argmin`` and ``argsort``. ``+inf`` and ``-inf`` scores rank as themselves. One
+        element-wise pass on the device, no host sync.
+
+        Example:
+            >>> import numpy as np
+            >>> view = CacheView(np.arange(3)[None, None], np.array([[[0.5, np.nan, 1.0]]]), 3)
+            >>> view.ranking_scores.tolist()
+            [[[0.5, -inf, 1.0]]]
+        """
+        xp = self.xp
+        return xp.where(xp.isnan(self.scores), -xp.inf, self.scores)
 
     @property
     def n_cached(self) -> int:
@@ -222,7 +243,7 @@ class DecodeEviction:
             # positions ascend, so the victim is the first slot at or above `sink`
             victim = xp.sum(xp.astype(view.positions < self.sink, xp.int64), axis=-1)  # [batch, heads]
         else:
-            victim = xp.argmin(view.scores[..., : n - self.recent], axis=-1)  # first minimum: earliest
+            victim = xp.argmin(view.ranking_scores[..., : n - self.recent], axis=-1)  # first minimum: earliest; NaN as -inf
         rest = view.arange(n - 1)
         return rest + xp.astype(rest >= victim[..., None], xp.int64)
 

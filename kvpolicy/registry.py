@@ -133,6 +133,10 @@ def available_policies() -> dict[str, "type[EvictionPolicy] | Preset"]:
 
 def get_policy(name: str) -> "type[EvictionPolicy] | Preset":
     """The class (or preset) registered as ``name``; ``ValueError`` listing the known names."""
+    if not isinstance(name, str):
+        raise ValueError(
+            f"policy name must be a string (one of {', '.join(sorted(available_policies()))}), got {name!r}"
+        )
     key = normalize_name(name)
     if key not in _REGISTRY:
         _load_entry_points()

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvpolicy._validation import check_int
+from kvpolicy._validation import check_eviction_policy, check_int
 from kvpolicy.policy import CacheView, EvictionPolicy
 
-__all__ = ["Trace", "replay", "softmax"]
+__all__ = ["Trace", "replay", "softmax", "validate_logits", "validate_values"]
 
 
 def softmax(logits: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -47,9 +47,18 @@ class Trace:
 
     @property
     def realised_budget(self) -> float:
-        """Average decode-step size over the full cache's (see :mod:`kvpolicy.budget`)."""
+        """Average decode-step size over the full cache's (see :mod:`kvpolicy.budget`).
+
+        Defined over decode steps: a trace whose prompt is every token (``prompt_len ==
+        steps``) has none, and raises ``ValueError``.
+        """
         from kvpolicy.budget import realised_budget
 
+        if self.prompt_len >= self._steps:
+            raise ValueError(
+                f"realised_budget needs at least one decode step: prompt_len must be < steps, "
+                f"got prompt_len = steps = {self._steps} (replay with a shorter prompt_len)"
+            )
         return realised_budget(self.sizes, self._steps, self.prompt_len)
 
     def output_error(self) -> np.ndarray:
@@ -59,6 +68,58 @@ class Trace:
         num = np.linalg.norm(self.outputs - self.full_outputs, axis=-1)
         den = np.maximum(np.linalg.norm(self.full_outputs, axis=-1), 1e-300)
         return num / den
+
+
+def _real_array(name: str, x: object) -> np.ndarray:
+    x = np.asarray(x)
+    if np.iscomplexobj(x):
+        raise ValueError(f"{name} must be real numbers, got a complex array (dtype {x.dtype}); pass x.real if meant")
+    if x.dtype == object or not (np.issubdtype(x.dtype, np.number) or np.issubdtype(x.dtype, np.bool_)):
+        raise ValueError(f"{name} must be a real numeric array, got dtype {x.dtype}")
+    return x.astype(np.float64, copy=False)
+
+
+def validate_logits(logits: object) -> np.ndarray:
+    """``logits`` as a float64 ``[steps, heads, steps]`` array, or ``ValueError``.
+
+    Refused: another shape, complex or non-numeric values, and any NaN or infinite logit a query
+    reads (``logits[t, h, j]`` with ``j <= t``; the error names the step ``t`` and head ``h``):
+    a softmax over them is NaN, and a NaN score would decide an eviction arbitrarily. Entries
+    above the diagonal are never read and may hold anything (e.g. ``-inf`` or NaN padding).
+
+    Example:
+        >>> import numpy as np
+        >>> x = np.zeros((3, 1, 3)); x[2, 0, 1] = np.nan
+        >>> validate_logits(x)
+        Traceback (most recent call last):
+        ...
+        ValueError: logits must be finite where a query reads them (key j <= step t): logits[2, 0, 1] is nan (step 2, head 0)
+    """
+    logits = _real_array("logits", logits)
+    if logits.ndim != 3 or logits.shape[0] != logits.shape[2] or logits.shape[0] == 0:
+        raise ValueError(
+            f"logits must have shape [steps, heads, steps] with steps >= 1, got {tuple(logits.shape)}"
+        )
+    steps = logits.shape[0]
+    causal = np.tril(np.ones((steps, steps), dtype=bool))[:, None, :]
+    bad = ~np.isfinite(logits) & causal
+    if bad.any():
+        t, h, j = (int(i) for i in np.argwhere(bad)[0])  # the first in step, head, key order
+        raise ValueError(
+            "logits must be finite where a query reads them (key j <= step t): "
+            f"logits[{t}, {h}, {j}] is {logits[t, h, j]} (step {t}, head {h})"
+        )
+    return logits
+
+
+def validate_values(values: object, steps: int, heads: int) -> np.ndarray:
+    """``values`` as a float64 ``[steps, heads, d]`` array, or ``ValueError`` (shape, complex)."""
+    values = _real_array("values", values)
+    if values.ndim != 3 or values.shape[:2] != (steps, heads):
+        raise ValueError(
+            f"values must have shape [steps, heads, d] = [{steps}, {heads}, d], got {tuple(values.shape)}"
+        )
+    return values
 
 
 def _scale(policy: EvictionPolicy, n_keys: np.ndarray) -> np.ndarray:
@@ -79,7 +140,8 @@ def replay(
     Args:
         policy: any :class:`~kvpolicy.EvictionPolicy`.
         logits: ``[steps, heads, steps]``; ``logits[t, h, j]`` is the logit of query ``t`` on key
-            ``j`` in head ``h`` (only ``j <= t`` is read).
+            ``j`` in head ``h`` (only ``j <= t`` is read, and must be finite: a NaN or infinite
+            logit raises ``ValueError`` naming its step and head, see :func:`validate_logits`).
         prompt_len: the first ``prompt_len`` tokens are one prefill (causal softmax per prompt
             row, scores summed over the rows), then one token per step.
         values: optional ``[steps, heads, d]`` value vectors, to compute attention outputs.
@@ -96,19 +158,12 @@ def replay(
         >>> trace.kept[5].tolist()
         [[0, 4, 5]]
     """
-    logits = np.asarray(logits, dtype=np.float64)
-    if logits.ndim != 3 or logits.shape[0] != logits.shape[2] or logits.shape[0] == 0:
-        raise ValueError(
-            f"logits must have shape [steps, heads, steps] with steps >= 1, got {tuple(logits.shape)}"
-        )
+    policy = check_eviction_policy("policy", policy)
+    logits = validate_logits(logits)
     steps, heads, _ = logits.shape
     prompt_len = check_int("prompt_len", prompt_len, minimum=0, maximum=steps)
     if values is not None:
-        values = np.asarray(values, dtype=np.float64)
-        if values.ndim != 3 or values.shape[:2] != (steps, heads):
-            raise ValueError(
-                f"values must have shape [steps, heads, d] = [{steps}, {heads}, d], got {tuple(values.shape)}"
-            )
+        values = validate_values(values, steps, heads)
 
     state = policy.init_state()
     positions = np.zeros((1, heads, 0), dtype=np.int64)

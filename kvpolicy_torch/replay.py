@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvpolicy._validation import check_int
+from kvpolicy._validation import check_eviction_policy, check_int
 from kvpolicy.policy import EvictionPolicy
-from kvpolicy_numpy.replay import Trace
+from kvpolicy_numpy.replay import Trace, validate_logits, validate_values
 
 from .layer import LayerCache
 
@@ -21,6 +21,14 @@ def _scales(policy: EvictionPolicy, n_keys: torch.Tensor) -> torch.Tensor:
     return policy.log_n.scales(n_keys)
 
 
+def _host(x: np.ndarray | torch.Tensor) -> np.ndarray:
+    """A NumPy copy of a tensor (complex kept complex, so it is refused rather than cast)."""
+    if not isinstance(x, torch.Tensor):
+        return np.asarray(x)
+    x = x.detach().cpu()
+    return x.numpy() if x.is_complex() or x.dtype == torch.bool else x.to(torch.float64).numpy()
+
+
 def replay(
     policy: EvictionPolicy,
     logits: np.ndarray | torch.Tensor,
@@ -32,7 +40,7 @@ def replay(
 ) -> Trace:
     """Replay ``policy`` on given logits through the torch backend's :class:`LayerCache`.
 
-    Same arguments and result as :func:`kvpolicy_numpy.replay` (arrays in the trace are NumPy);
+    Same arguments, checks and result as :func:`kvpolicy_numpy.replay` (arrays in the trace are NumPy);
     ``device`` and ``dtype`` pick where and in what precision the torch side runs.
 
     Example:
@@ -41,19 +49,16 @@ def replay(
         >>> replay(StreamingLLM(sink=1, window=2), np.zeros((6, 1, 6))).kept[5].tolist()
         [[0, 4, 5]]
     """
-    logits_t = torch.as_tensor(logits, dtype=dtype, device=device)
-    if logits_t.ndim != 3 or logits_t.shape[0] != logits_t.shape[2] or logits_t.shape[0] == 0:
-        raise ValueError(
-            f"logits must have shape [steps, heads, steps] with steps >= 1, got {tuple(logits_t.shape)}"
-        )
+    policy = check_eviction_policy("policy", policy)
+    # The reference's checks (shape, real, finite where read), on the host: replay is a tool, not
+    # the decode hot path, so one transfer here is fine and both backends refuse the same inputs.
+    logits_t = torch.as_tensor(validate_logits(_host(logits)), dtype=dtype, device=device)
+    if logits_t.dtype != torch.float64:
+        validate_logits(_host(logits_t))  # finite in float64 may overflow in a narrower dtype
     steps, heads, _ = logits_t.shape
     prompt_len = check_int("prompt_len", prompt_len, minimum=0, maximum=steps)
     if values is not None:
-        values_t = torch.as_tensor(values, dtype=dtype, device=device)
-        if values_t.ndim != 3 or tuple(values_t.shape[:2]) != (steps, heads):
-            raise ValueError(
-                f"values must have shape [steps, heads, d] = [{steps}, {heads}, d], got {tuple(values_t.shape)}"
-            )
+        values_t = torch.as_tensor(validate_values(_host(values), steps, heads), dtype=dtype, device=device)
     else:
         values_t = torch.zeros(steps, heads, 1, dtype=dtype, device=device)
 

@@ -214,6 +214,9 @@ def split_sizes(total: int, tp_size: int, *, kv_heads: int | None, grain: int = 
         >>> split_sizes(13824, 8, kv_heads=40, by_heads=False)  # Llama-2-13B's MLP
         [1728, 1728, 1728, 1728, 1728, 1728, 1728, 1728]
     """
+    from kvpolicy._validation import check_bool
+
+    by_heads = check_bool("by_heads", by_heads)
     sizes = []
     for rank in range(tp_size):
         if by_heads and kv_heads is not None and total % kv_heads == 0:

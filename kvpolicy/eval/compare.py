@@ -451,6 +451,10 @@ def evaluate(
     """Run every task's configurations; return the results (the ``tasks`` part of results.json)."""
     import torch
 
+    from .._validation import check_bool
+
+    progress = check_bool("progress", progress)
+
     engine = Engine(model, tok)
     prepared = []
     total = 0

@@ -107,6 +107,11 @@ class SummaryExample:
     title: str = ""
     meta: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
+    def __post_init__(self) -> None:
+        from .._validation import check_bool
+
+        check_bool("is_prompt", self.is_prompt)
+
 
 @dataclass(frozen=True)
 class Passage:
@@ -115,6 +120,11 @@ class Passage:
     title: str
     text: str
     is_gold: bool = False
+
+    def __post_init__(self) -> None:
+        from .._validation import check_bool
+
+        check_bool("is_gold", self.is_gold)
 
 
 @dataclass(frozen=True)
@@ -828,6 +838,9 @@ def load_wiki_articles(
     default) disambiguation pages are skipped; articles shorter than ``min_words`` words
     after stripping are dropped. Returned in dump order.
     """
+    from .._validation import check_bool
+
+    include_disambiguation = check_bool("include_disambiguation", include_disambiguation)
     if path is not None:
         p = _require_file(path, "Wikipedia XML dump")
     else:
@@ -1062,8 +1075,11 @@ def make_needle_example(
     no sentence end. ``meta`` records ``depth``, the realised ``actual_depth`` (fraction
     of the haystack before the needle) and the unit counts.
     """
+    from .._validation import check_bool
+
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
+    snap_to_sentence = check_bool("snap_to_sentence", snap_to_sentence)
     codec: Codec
     if tokenizer is None:
         codec = CharCodec()

@@ -391,6 +391,12 @@ class TaskOptions:
     equalise: str = "both"  # stream: "mean", "capacity" or "both"
     short: bool = False  # stream: the short version of the default run
 
+    def __post_init__(self) -> None:
+        from .._validation import check_bool
+
+        for name in ("include_short_answers", "equal_prompts"):
+            check_bool(name, getattr(self, name))
+
 
 # =========================================================================== tasks
 class Task:

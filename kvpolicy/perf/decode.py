@@ -84,6 +84,11 @@ class PolicySpec:
     planner: Callable[[float | None, int, int], Any]
     budgeted: bool = True
 
+    def __post_init__(self) -> None:
+        from kvpolicy._validation import check_bool
+
+        check_bool("budgeted", self.budgeted)
+
     @classmethod
     def named(cls, name: str) -> "PolicySpec":
         """A registered policy, planned with :func:`kvpolicy.plan_policy`."""
@@ -124,7 +129,9 @@ def standard_candidates(
     the policy's bookkeeping costs.
     """
     from kvpolicy import H2O, FullCache
+    from kvpolicy._validation import check_bool
 
+    capture_only, full = check_bool("capture_only", capture_only), check_bool("full", full)
     total = context + decode_tokens
     out = [Candidate("DynamicCache")]
     if full:

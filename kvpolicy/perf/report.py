@@ -38,6 +38,9 @@ def machine(*, shared: bool | None = None) -> dict[str, Any]:
     (above half the cores: other work was running)."""
     import importlib.metadata as md
 
+    from kvpolicy._validation import check_bool
+
+    shared = check_bool("shared", shared, allow_none=True)
     cores = os.cpu_count() or 1
     try:
         load = os.getloadavg()[0]

@@ -9,7 +9,8 @@ more, one eviction runs:
 * old tokens are interval-sampled with ``s_hat = floor((s + 1) / 2)``: of each group of
   ``s_hat`` consecutive old tokens, the first is kept (``interval_keep="last"`` keeps the last);
 * new tokens are split from their start into segments of ``stride`` (the last, partial segment
-  included) and each segment keeps its highest-score token (ties: the earliest position);
+  included) and each segment keeps its highest-score token (ties: the earliest position; a NaN
+  score counts as ``-inf``, see :attr:`kvpolicy.CacheView.ranking_scores`);
 * the survivors become the old tokens.
 
 After a prefill the rule repeats (survivors are then all old) until the middle is below the
@@ -22,7 +23,7 @@ from typing import Any, Literal
 
 import math
 
-from .._validation import check_choice, check_float, check_int
+from .._validation import check_bool, check_choice, check_float, check_int
 from ..policy import Array, CacheView, EvictionPolicy, LogNScaling, Selection
 from ..registry import register_policy
 
@@ -155,8 +156,10 @@ class BUZZ(EvictionPolicy):
         self.threshold = check_int("threshold", threshold, minimum=t_min)
         self.s_hat = small_stride(self.stride)
         self.interval_keep = check_choice("interval_keep", interval_keep, ("first", "last"))
-        self.log_n = LogNScaling(log_base, log_floor) if log_n else None
-        self._log_args = (bool(log_n), float(log_base), float(log_floor))
+        log_n = check_bool("log_n", log_n)
+        scaling = LogNScaling(log_base, log_floor)  # validated even when unused: no silent typo
+        self.log_n = scaling if log_n else None
+        self._log_args = (log_n, float(scaling.base), float(scaling.floor))
 
     @property
     def capacity(self) -> int:
@@ -187,7 +190,7 @@ class BUZZ(EvictionPolicy):
         n_seg = -(-n_new // self.stride)
         parts = [view.arange(self.sink), old_slots]
         if n_seg:
-            scores = view.scores[..., start_new : start_new + n_new]
+            scores = view.ranking_scores[..., start_new : start_new + n_new]
             pad = n_seg * self.stride - n_new
             if pad:
                 filler = xp.full(

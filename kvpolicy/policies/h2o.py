@@ -15,8 +15,9 @@ class H2O(EvictionPolicy):
 
     While the cache holds more than ``heavy + recent`` tokens, evict the token with the lowest
     accumulated score outside the last ``recent`` positions (ties: the earliest position goes
-    first). Evicting one at a time or all at once is the same here, since scores do not change
-    between evictions of one step: the decision is one stable argsort.
+    first; a NaN score counts as ``-inf``, see :attr:`kvpolicy.CacheView.ranking_scores`).
+    Evicting one at a time or all at once is the same here, since scores do not change between
+    evictions of one step: the decision is one stable argsort.
 
     Parameters:
         heavy: heavy-hitter tokens kept outside the recent window (>= 1).
@@ -47,17 +48,18 @@ class H2O(EvictionPolicy):
         xp = view.xp
         candidates = n - self.recent
         n_evict = n - self.heavy - self.recent
+        scores = view.ranking_scores[..., :candidates]
         if n_evict == 1:
             # A decode step evicts one token: the first minimum (argmin returns the earliest of a
             # tie, as the stable sort below would evict it), and every other slot in order.
             # O(n) instead of a sort.
-            lowest = xp.argmin(view.scores[..., :candidates], axis=-1)  # [batch, heads]
+            lowest = xp.argmin(scores, axis=-1)  # [batch, heads]
             rest = view.arange(candidates - 1)
             heavy_slots = rest + xp.astype(rest >= lowest[..., None], xp.int64)
             return view.keep(heavy_slots, view.arange(candidates, n))
         # Stable ascending sort: equal scores keep slot (= position) order, so the earliest
         # of a tie is evicted first.
-        order = xp.argsort(view.scores[..., :candidates], axis=-1, stable=True)
+        order = xp.argsort(scores, axis=-1, stable=True)
         heavy_slots = xp.sort(order[..., n_evict:], axis=-1)
         return view.keep(heavy_slots, view.arange(candidates, n))
 

@@ -47,6 +47,7 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
+from kvpolicy._validation import check_bool
 from kvpolicy.policy import EvictionPolicy
 
 from . import _format
@@ -255,6 +256,7 @@ def compare_backends(
     or ``[batch, steps, query_heads, steps]``; ``group`` query heads share a KV head. Torch takes
     part when installed (``torch=None``), must (``True``) or does not (``False``).
     """
+    torch = check_bool("torch", torch, allow_none=True)
     logits = np.asarray(logits, dtype=np.float64)
     if logits.ndim == 3:
         logits = logits[None]
@@ -396,7 +398,8 @@ def check_policy(
     unknown = sorted(set(chosen) - set(PROPERTIES))
     if unknown:
         raise ValueError(f"unknown checks {unknown}; choose from {', '.join(PROPERTIES)}")
-    use_torch = torch_available() if torch is None else bool(torch)
+    torch = check_bool("torch", torch, allow_none=True)
+    use_torch = torch_available() if torch is None else torch
     if use_torch and not torch_available():
         raise ImportError("check_policy(torch=True) needs torch installed")
     base = settings if settings is not None else selected_settings()

@@ -47,6 +47,9 @@ def _profiles() -> dict[str, settings]:
 def register_profiles(*, plain_names: bool = True) -> None:
     """Register ``kvpolicy-dev`` / ``kvpolicy-ci`` / ``kvpolicy-thorough`` and, unless
     ``plain_names=False``, ``dev`` / ``ci`` / ``thorough`` too (only names not already taken)."""
+    from kvpolicy._validation import check_bool
+
+    plain_names = check_bool("plain_names", plain_names)
     existing = set(getattr(settings, "_profiles", {}))
     for name, profile in _profiles().items():
         settings.register_profile(_PREFIX + name, profile)

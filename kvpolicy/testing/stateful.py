@@ -27,6 +27,7 @@ from hypothesis import settings as Settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
+from kvpolicy._validation import check_bool
 from kvpolicy.policy import EvictionPolicy
 
 from . import _format
@@ -175,6 +176,7 @@ def replay_events(
     final ``[batch, heads, n]`` positions; raises :class:`ContractViolation` like the machine."""
     from ._util import torch_available
 
+    torch = check_bool("torch", torch, allow_none=True)
     run = _Run(policy, batch, heads, policy_invariants(policy, invariants), torch_available() if torch is None else torch, _as_list(invariants))
     for event in events:
         run.apply(tuple(event))
@@ -259,6 +261,7 @@ def policy_machine(
     from ._util import torch_available
 
     strategy = policies(policy_factory, params)
+    torch = check_bool("torch", torch, allow_none=True)
     use_torch = torch_available() if torch is None else torch
     return type(
         "PolicyMachine",
@@ -277,6 +280,7 @@ def run_machine(
     label: str = "",
 ) -> None:
     """Run the machine for ``strategy`` under ``settings`` (``steps`` rules per run)."""
+    torch = check_bool("torch", torch)
     machine = type(
         "PolicyMachine",
         (PolicyMachine,),

@@ -352,6 +352,9 @@ def bench_specs(
 def bench_report(entries: Sequence[dict[str, Any]], out: str | Path, plots: bool = True) -> list[str]:
     """Markdown lines (tables, slopes, PNG links) for :func:`bench_specs`' entries; writes one
     ``complexity_<policy>.png`` per timed policy when ``plots``."""
+    from kvpolicy._validation import check_bool
+
+    plots = check_bool("plots", plots)
     lines: list[str] = []
     for e in entries:
         if "skipped" in e:
