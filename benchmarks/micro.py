@@ -51,8 +51,7 @@ def score_product(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from test_score_product import received_attention_before
 
-    from kvpolicy_integrations.hf import _fused_decode_attention
-    from kvpolicy_torch import received_attention
+    from kvpolicy_torch import decode_attention, received_attention
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     print("| keys | einsum (before) | decode fast path | SDPA | SDPA + fast path | fused |  (us: fastest / median)")
@@ -65,7 +64,7 @@ def score_product(args: argparse.Namespace) -> None:
             "fast": lambda: received_attention(q, k, 0.125),
             "sdpa": lambda: sdpa(q, k, v, scale=0.125, enable_gqa=True),
             "sdpa+fast": lambda: (sdpa(q, k, v, scale=0.125, enable_gqa=True), received_attention(q, k, 0.125)),
-            "fused": lambda: _fused_decode_attention(q, k, v, None, 0.125),
+            "fused": lambda: decode_attention(q, k, v, 0.125),
         })
         print(f"| {n:,} | " + " | ".join(_us(res[x]) for x in ("einsum", "fast", "sdpa", "sdpa+fast", "fused")) + " |")
 
@@ -131,24 +130,22 @@ def h2o_select(args: argparse.Namespace) -> None:
 
 
 def pos_shift(args: argparse.Namespace) -> None:
+    """StreamingLLM's pos-shift per decode step and layer: today the query rotated back for the
+    sinks (LayerCache.shift() is a PrefixShift), against re-rotating every kept key (the general
+    rule, which the layout used for every policy before)."""
     import torch
 
-    import kvpolicy_integrations.hf as hf
-    from kvpolicy import StreamingLLM
-    from kvpolicy.models import tiny_llama
+    from kvpolicy_torch import rope_rotate
 
-    model = tiny_llama(num_layers=1, heads=9, kv_heads=3, head_dim=64)
-    inv = next(m.inv_freq for m in model.modules() if hasattr(m, "inv_freq"))
-    print(f"{hf.__file__}\n| kept tokens | one layer's re-rotation |  (us: fastest / median)")
-    for n in (128, 2048):
-        layer = hf.EvictingLayer(StreamingLLM(4, n - 5), 0, positions="cache", inv_freq=inv)
-        kv = torch.randn(1, 3, n + 300, 64)
-        layer.lazy_initialization(kv, kv)
-        layer.store.append(kv, kv)
-        layer.store.evict()
-        keys = layer.store.keys
-        res = _rounds({"shift": lambda: layer._shift_to_slots(keys)}, rounds=100)
-        print(f"| {n:,} | {_us(res['shift'])} |")
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    print("| kept tokens | rotate the query (sinks) | re-rotate every key |  (us: fastest / median)")
+    for n in (128, 2048, 8192):
+        q = torch.randn(1, 9, 1, 64)
+        keys = torch.randn(1, 3, n, 64)
+        delta = torch.randint(0, 5000, (1, 3, n))
+        row = torch.tensor([4000]).view(-1, 1, 1)
+        res = _rounds({"query": lambda: rope_rotate(q, -row, inv), "keys": lambda: rope_rotate(keys, delta, inv)}, rounds=50)
+        print(f"| {n:,} | {_us(res['query'])} | {_us(res['keys'])} |")
 
 
 def plan(args: argparse.Namespace) -> None:

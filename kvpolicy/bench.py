@@ -327,7 +327,8 @@ def _decode_report(data: dict[str, Any], out: Path, plots: bool) -> list[str]:
             f"Model `{data['model']}` ({info['layers']} layers, {info['heads']} query / {info['kv_heads']} KV heads, "
             f"head_dim {info['head_dim']}, {info['dtype']}), batch 1, {data['rounds']} interleaved rounds of "
             f"{data['steps']} decode steps per candidate; ratio = median over rounds of DynamicCache s/step over the "
-            "candidate's (> 1: faster).",
+            "candidate's (> 1: faster); share of limit = median over rounds of the limit's s/step over the "
+            "candidate's (the limit of a budget: a DynamicCache holding only that share of the prompt).",
             "",
         ]
         for ctx in sorted({r["context"] for r in rows}):
@@ -335,15 +336,18 @@ def _decode_report(data: dict[str, Any], out: Path, plots: bool) -> list[str]:
             lines += [f"### Context {ctx:,} (prefill {data['prefill_seconds'].get(ctx, data['prefill_seconds'].get(str(ctx), 0)):.0f} s, shared)", ""]
             table = []
             for r in sub:
+                share = r.get("share_of_limit")
                 table.append([
                     r["label"], f"{r['tokens_per_s']:.2f}", f"{r['ratio_vs_dynamic']:.2f}",
-                    f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}", f"{r['kv_bytes'] / 2**20:.1f}",
+                    f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}", "-" if share is None else f"{share:.0%}",
+                    f"{r['kv_bytes'] / 2**20:.1f}",
                     f"{r['allocated_bytes'] / 2**20:.1f}", f"{r['memory_ratio']:.2f}", f"{r['kept']:.0f}",
                     "-" if r["capacity"] is None else r["capacity"], r["evictions"],
                 ])
             lines.append(markdown_table(
-                ["cache", "tokens/s", "x DynamicCache", "range", "KV MiB held", "MiB allocated", "KV vs Dynamic", "kept/layer", "capacity", "evictions"],
-                table, "l" + "r" * 9))
+                ["cache", "tokens/s", "x DynamicCache", "range", "share of limit", "KV MiB held", "MiB allocated",
+                 "KV vs Dynamic", "kept/layer", "capacity", "evictions"],
+                table, "l" + "r" * 10))
             lines.append("")
         if plots:
             path = plot_decode(rows, out / "decode.png", title=f"Decode on {data['model']} (CPU): speed relative to DynamicCache, and KV memory")

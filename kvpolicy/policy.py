@@ -226,6 +226,13 @@ class EvictionPolicy(ABC):
     #: Optional log-n logit scaling (BUZZ with log n); ``None`` means plain attention.
     log_n: LogNScaling | None = None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A subclass that redefines select() but not decode_eviction must not inherit its parent's
+        # rule: backends would apply the parent's eviction instead of the new select().
+        if "select" in cls.__dict__ and "decode_eviction" not in cls.__dict__:
+            cls.decode_eviction = property(lambda self: None, doc=EvictionPolicy.decode_eviction.__doc__)  # type: ignore[assignment]
+
     @property
     def decode_eviction(self) -> DecodeEviction | None:
         """The policy's one-token decode eviction, if it has one (see :class:`DecodeEviction`):

@@ -144,6 +144,7 @@ class LayerCache:
         self._states: list[dict[str, int]] = []
         self._fifo: list[int | None] = []  # "oldest" rule: slot of the oldest token after the sinks
         self._range = (0, 0)  # slots [lo, hi) the last append returned
+        self._bias_needed = False  # whether a slot of that range is a hole (host-side, set by append)
         self._chunk: tuple[int, int, torch.Tensor | None] | None = None  # (start, q, valid [b, q]) of a chunk
         self._phase = "decode"
 
@@ -322,7 +323,7 @@ class LayerCache:
         """Additive attention bias ``[batch, kv_heads, n]`` (``0`` or ``-inf``) of the slots the last
         decode :meth:`append` returned, or ``None`` when none of them is a hole."""
         self._require()
-        if not self._needs_bias():
+        if not self._bias_needed:
             return None
         lo, hi = self._range
         return self._bias[:, :, lo:hi]  # type: ignore[index]
@@ -332,6 +333,8 @@ class LayerCache:
         if self.static_shapes or self._extra is not None:
             return True
         lo, hi = self._range
+        if lo == 0 and self._count == self._front and all(f == hi for f in self._front):
+            return False  # the common case, decided without a loop
         for r in range(self.batch):
             first = self._first(r)
             if first != lo or self._front[r] != hi or self._front[r] - first != self._count[r]:
@@ -487,15 +490,16 @@ class LayerCache:
         front, seen = self._front, self._seen
         k, v, pos, scores, bias = self._tensors()
         if all(f == front[0] for f in front):
+            # select + copy_/fill_: a decode step's writes are tiny, and indexing costs more than them
             s = front[0]
-            k[:, :, s] = keys[:, :, 0]
-            v[:, :, s] = values[:, :, 0]
+            k.select(2, s).copy_(keys.select(2, 0))
+            v.select(2, s).copy_(values.select(2, 0))
             if all(x == seen[0] for x in seen):
-                pos[:, :, s] = seen[0]  # a host scalar: no index tensor
+                pos.select(2, s).fill_(seen[0])  # a host scalar: no index tensor
             else:
-                pos[:, :, s] = torch.tensor(seen, device=pos.device)[:, None]
-            scores[:, :, s] = 0
-            bias[:, :, s] = 0
+                pos.select(2, s).copy_(torch.tensor(seen, device=pos.device)[:, None])
+            scores.select(2, s).fill_(0)
+            bias.select(2, s).fill_(0)
         else:  # rows on their own schedules: one slot per row
             dev = k.device
             rows = torch.arange(self.batch, device=dev)
@@ -514,6 +518,7 @@ class LayerCache:
         hi = self.slots if self.static_shapes else max(front)
         lo = 0 if self.static_shapes else min(self._first(r) for r in range(self.batch))
         self._range = (lo, hi)
+        self._bias_needed = self._needs_bias()
 
     def _append_chunk(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, real: list[int]) -> None:
         b, h, q, _ = keys.shape
@@ -550,6 +555,7 @@ class LayerCache:
             self._front[r] = start + q
         self.columns += q
         self._chunk = (start, q, valid)
+        self._bias_needed = self._needs_bias()
 
     def accumulate(self, received: torch.Tensor) -> None:
         """Add ``received`` ``[batch, kv_heads, n]`` (the attention each returned slot just received,
@@ -570,8 +576,9 @@ class LayerCache:
         self._require()
         rule = self.rule
         if self._phase == "decode" and rule is not None and self._extra is None:
-            rows = [r for r, c in enumerate(self._count) if c == rule.limit + 1]
-            if any(c > rule.limit + 1 for c in self._count):
+            over = rule.limit + 1
+            rows = list(range(self.batch)) if all(c == over for c in self._count) else [r for r, c in enumerate(self._count) if c == over]
+            if len(rows) < self.batch and any(c > over for c in self._count):
                 rounds = self._evict_general()
             elif rows:
                 self._evict_one(rule, rows)
@@ -597,9 +604,9 @@ class LayerCache:
                 self._fifo[r] += 1  # type: ignore[operator]
             if every and all(s == slots[0] for s in slots):
                 s = slots[0]
-                pos[:, :, s] = -1
-                scores[:, :, s] = math.inf
-                bias[:, :, s] = -math.inf
+                pos.select(2, s).fill_(-1)
+                scores.select(2, s).fill_(math.inf)
+                bias.select(2, s).fill_(-math.inf)
             else:
                 dev = pos.device
                 r_t, s_t = torch.tensor(rows, device=dev), torch.tensor(slots, device=dev)
@@ -760,6 +767,7 @@ class LayerCache:
             if fill is not None:
                 t[:, :, n:] = fill
         self._range = (0, n)
+        self._bias_needed = self._needs_bias()
 
     # ------------------------------------------------------------------ ordered <-> slots
     def to_slots(self, ordered: torch.Tensor) -> torch.Tensor:
@@ -818,6 +826,7 @@ class LayerCache:
                         for r in rows:
                             t[r, :, f:] = fill  # type: ignore[index]
         self._range = (0, max(self._front))
+        self._bias_needed = self._needs_bias()
         self._phase = "decode"
 
     # ------------------------------------------------------------------ batch ops (beam search etc.)

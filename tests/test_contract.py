@@ -616,3 +616,28 @@ def test_bench_command_times_a_third_party_factory(tmp_path) -> None:
     report = (out / "report.md").read_text()
     assert "test_contract:EveryOther" in report and "per token k" in report
     assert (out / "complexity_sized_window.png").exists() and (out / "complexity_EveryOther.png").exists()
+
+
+def test_a_wrong_decode_eviction_is_caught() -> None:
+    """A policy whose declared one-token eviction disagrees with its select() (here: protects one
+    recent token fewer) is caught by the kit, on the NumPy side alone."""
+    from kvpolicy import DecodeEviction
+    from kvpolicy.testing import compare_backends
+
+    class WrongRule(H2O):
+        @property
+        def decode_eviction(self):
+            return DecodeEviction(limit=self.heavy + self.recent, victim="lowest", recent=self.recent - 1)
+
+    logits = make_logits(16, 2, kind="onehot", seed=3, batch=1)
+    compare_backends(H2O(heavy=2, recent=2), logits, 0, group=1, torch=False)
+    with pytest.raises(ContractViolation, match="declares DecodeEviction"):
+        compare_backends(WrongRule(heavy=2, recent=2), logits, 0, group=1, torch=False)
+
+
+def test_redefining_select_drops_the_inherited_decode_eviction() -> None:
+    class Mine(H2O):
+        def select(self, view):
+            return super().select(view)
+
+    assert H2O(2, 2).decode_eviction is not None and Mine(2, 2).decode_eviction is None

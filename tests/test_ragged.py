@@ -50,8 +50,9 @@ def _left_pad(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, 
 
 def _generate(model, ids, mask, cache, n):
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, past_key_values=cache,
-                             pad_token_id=0)
+        # min_new_tokens: no row stops early at EOS (a batch would pad it, a lone prompt stop)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             past_key_values=cache, pad_token_id=0)
     return out[:, ids.shape[1] :]
 
 

@@ -54,12 +54,16 @@ class Candidate:
         policy: an :class:`~kvpolicy.EvictionPolicy`, or ``None`` for transformers' ``DynamicCache``.
         budget: the budget the policy was planned for (``None``: not planned).
         cache_options: extra keyword arguments of :class:`~kvpolicy_integrations.hf.EvictingCache`.
+        keep_last: for a ``DynamicCache``: hold only the last ``keep_last`` prompt tokens (the
+            *limit* of a budget: a plain cache attending to as many keys as the policy keeps,
+            paying no scoring and no eviction).
     """
 
     label: str
     policy: Any = None
     budget: float | None = None
     cache_options: dict[str, Any] = field(default_factory=dict)
+    keep_last: int | None = None
 
     @property
     def is_dynamic(self) -> bool:
@@ -102,8 +106,10 @@ def standard_candidates(
     budgets: Sequence[float] = (0.1, 0.25, 0.5),
     capture_only: bool = True,
     full: bool = True,
+    limits: bool = True,
 ) -> list[Candidate]:
-    """``DynamicCache``, our ``FullCache``, a capture-only cache, and ``policies`` x ``budgets``.
+    """``DynamicCache``, our ``FullCache``, a capture-only cache, the limit of each budget, and
+    ``policies`` x ``budgets``.
 
     Policies (registry names or :class:`PolicySpec`) are planned for a run of ``context`` prompt
     tokens and ``decode_tokens`` decoded ones.
@@ -111,6 +117,11 @@ def standard_candidates(
     The capture-only candidate is H2O with a capacity above the whole run: it never evicts, so
     its cost over ``FullCache`` is the cost of capturing scores (the score product, the
     accumulation, the eviction check): the "score-capture overhead".
+
+    The limit of budget ``b`` (``"limit 25%"``) is a ``DynamicCache`` holding only the last
+    ``b x context`` prompt tokens: it attends to as many keys as a policy planned for ``b`` keeps
+    on average, and does no scoring and no eviction, so a policy's speed as a share of it is what
+    the policy's bookkeeping costs.
     """
     from kvpolicy import H2O, FullCache
 
@@ -120,6 +131,8 @@ def standard_candidates(
         out.append(Candidate("FullCache", FullCache()))
     if capture_only:
         out.append(Candidate("capture only", H2O(heavy=total, recent=total)))
+    if limits:
+        out += [Candidate(f"limit {b:.0%}", budget=b, keep_last=max(1, round(b * context))) for b in budgets]
     for entry in policies:
         spec = PolicySpec.named(entry) if isinstance(entry, str) else entry
         if not spec.budgeted:
@@ -183,9 +196,10 @@ def build_cache(model: Any, candidate: Candidate, pre: Prefill, *, score_seed: i
 
     if candidate.is_dynamic:
         cache = DynamicCache(config=model.config)
+        last = candidate.keep_last or pre.context
         with torch.no_grad():
             for i, (k, v) in enumerate(zip(pre.keys, pre.values)):
-                cache.update(k, v, i)  # DynamicLayer.update concatenates: a copy
+                cache.update(k[:, :, -last:].contiguous(), v[:, :, -last:].contiguous(), i)  # a copy, as update concatenates
         return cache
     from kvpolicy_integrations.hf import EvictingCache
 
@@ -276,6 +290,7 @@ class DecodeResult:
     capacity: int | None
     evictions: int
     steps: int
+    share_of_limit: list[float] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -309,6 +324,8 @@ class DecodeResult:
             "capacity": self.capacity,
             "evictions": self.evictions,
             "steps": self.steps,
+            "share_of_limit": None if self.share_of_limit is None else statistics.median(self.share_of_limit),
+            "share_of_limit_rounds": self.share_of_limit,
         }
 
 
@@ -362,10 +379,13 @@ def measure_decode(
             if on_step is not None:
                 on_step(candidates[i].label)
     dyn_bytes = cache_bytes(caches[0])[0]
+    limit_of = {c.budget: j for j, c in enumerate(candidates) if c.is_dynamic and c.keep_last is not None}
     results = []
     for i, (cand, cache) in enumerate(zip(candidates, caches)):
         held, alloc = cache_bytes(cache)
         ratios = [times[0][r] / times[i][r] for r in range(rounds)]
+        j = limit_of.get(cand.budget) if not cand.is_dynamic else None
+        share = None if j is None else [times[j][r] / times[i][r] for r in range(rounds)]
         results.append(
             DecodeResult(
                 label=cand.label,
@@ -382,6 +402,7 @@ def measure_decode(
                 capacity=None if cand.is_dynamic else cand.policy.capacity,
                 evictions=_evictions(cache) - evictions0[i],
                 steps=rounds * steps,
+                share_of_limit=share,
             )
         )
     del caches
@@ -423,7 +444,8 @@ def step_timers() -> Iterator[_Timers]:
 
     Categories: ``attention`` (SDPA), ``attention+scores (fused)`` (the fused decode path),
     ``score product`` (``received_attention``), ``accumulate``, ``evict``, ``cache update``
-    (append / ``torch.cat``), ``pos-shift`` (re-rotating keys, ``positions="cache"``) and
+    (append / ``torch.cat``), ``pos-shift`` (``rope_rotate``: StreamingLLM's query rotated back
+    for its sinks, or keys re-rotated for other policies with ``positions="cache"``) and
     ``attention glue`` (the rest of kvpolicy's attention function: checks, bookkeeping).
     """
     from transformers.cache_utils import DynamicLayer
@@ -447,11 +469,11 @@ def step_timers() -> Iterator[_Timers]:
     try:
         patch(hf, "sdpa_attention_forward", "attention")
         patch(hf, "received_attention", "score product")
-        patch(hf, "_fused_decode_attention", "attention+scores (fused)")
+        patch(hf, "decode_attention", "attention+scores (fused)")
         patch(LayerCache, "accumulate", "accumulate")
         patch(LayerCache, "evict", "evict")
         patch(hf.EvictingLayer, "update", "cache update")
-        patch(hf.EvictingLayer, "_shift_to_slots", "pos-shift")
+        patch(hf, "rope_rotate", "pos-shift")
         patch(DynamicLayer, "update", "cache update")
         if "sdpa" in mapping:
             mapping["sdpa"] = timers.wrap("attention", mapping["sdpa"])

@@ -61,6 +61,34 @@ def check_keep(policy: EvictionPolicy, view: CacheView, keep: Any) -> np.ndarray
     return arr
 
 
+def check_decode_eviction(policy: EvictionPolicy, view: CacheView, keep: Any, state_before: dict[str, int]) -> None:
+    """A declared :class:`~kvpolicy.DecodeEviction` must mean what ``select`` does: nothing to
+    evict up to ``limit`` tokens; at ``limit + 1`` exactly the rule's keep, state untouched
+    (backends apply the rule instead of calling ``select``)."""
+    rule = policy.decode_eviction
+    if rule is None:
+        return
+    n = view.n_cached
+    if n <= rule.limit and keep is not None:
+        raise ContractViolation(
+            f"{policy!r} declares {rule!r} but evicted at {n} tokens (<= limit {rule.limit}); backends "
+            "would not have asked it"
+        )
+    if n == rule.limit + 1:
+        scores = view.scores if policy.selection == "per_head" else np.broadcast_to(
+            np.sum(view.scores, axis=1, keepdims=True), view.scores.shape
+        )
+        want = np.asarray(rule.keep(CacheView(view.positions, scores, view.n_seen, dict(view.state), view.phase)))
+        got = None if keep is None else np.asarray(keep)
+        if got is None or got.shape != want.shape or not np.array_equal(got, want):
+            raise ContractViolation(
+                f"{policy!r} declares {rule!r}, but at {n} tokens select() kept {_fmt(got)} where the rule keeps "
+                f"{_fmt(want)} (backends apply the rule in O(1) instead of calling select)"
+            )
+        if state_before != view.state:
+            raise ContractViolation(f"{policy!r} declares {rule!r} but its state changed at a one-token eviction")
+
+
 def probe_host_decision(policy: EvictionPolicy, view: CacheView) -> tuple[int | None, dict[str, Any]]:
     """Ask ``policy`` on ``view`` with negated scores and a copy of its state: ``(kept count or
     None, state after)``. Whether to evict and how many to keep must come out the same as with
@@ -101,6 +129,7 @@ class NumpyCache:
         rounds: list[tuple[int, int]] = []
         while True:
             view = CacheView(self.positions, self.scores, self.n_seen, self.state, self.phase)  # type: ignore[arg-type]
+            state_before = dict(self.state)
             if self.probe:
                 probed = probe_host_decision(self.policy, view)
             keep = self.policy.evict(view)
@@ -119,6 +148,7 @@ class NumpyCache:
                         f"{self.policy!r}: the state after an eviction depends on the score values "
                         f"({self.state} with the real scores, {probed[1]} with other scores); state holds host ints"
                     )
+            check_decode_eviction(self.policy, view, keep, state_before)
             if keep is None:
                 return rounds
             arr = check_keep(self.policy, view, keep)
