@@ -20,9 +20,10 @@ For each prompt length ``N`` (``--contexts``) this driver (main ``.venv``, impor
 
 Our candidates (25% budget by default, ``--budget``; policies planned with
 ``kvpolicy.plan_policy(name, budget, context_length=N + S, prompt_length=N)``, ``S`` the decoded
-tokens): transformers' ``DynamicCache`` (full), **the limit** (a ``DynamicCache`` prefilled with only
-the last ``int(N * budget)`` prompt tokens at their original positions: it attends to as many keys
-as a policy keeps and does no scoring and no eviction), StreamingLLM, H2O, the local window and
+tokens): transformers' ``DynamicCache`` (full), **the limit** (a ``DynamicCache`` holding only the
+last ``round(N * budget)`` prompt tokens at their original positions, ``kvpolicy.perf.decode``'s
+``Candidate(keep_last=...)``: it attends to as many keys as a policy keeps and does no scoring and
+no eviction), StreamingLLM, H2O, the local window and
 BUZZ through ``EvictingCache``. kvpress's: ``DynamicCache`` (transformers 5.2), and
 ``StreamingLLMPress`` / ``KnormPress`` at ``compression_ratio = 1 - budget`` as prefill presses,
 each combined with a ``DecodingPress`` of the same kind (``compression_interval`` 64) that brings
@@ -121,7 +122,6 @@ class OurSide:
     model: Any
     cands: list[Ours]
     prefill_s: float
-    limit_prefill_s: float
     steps_done: int = 0
     kept_after_prefill: dict[str, float] = field(default_factory=dict)
 
@@ -186,24 +186,17 @@ def build_ours(model: Any, prompt: list[int], *, budget: float, decode_tokens: i
         prefill_s = time.perf_counter() - start
         first = out.logits[:, -1:].argmax(-1)
 
-        # The limit: only the last `keep` prompt tokens, prefilled at their original positions.
-        keep = max(1, int(n * budget))
-        limit = DynamicCache(config=model.config)
-        start = time.perf_counter()
-        out = model(
-            input_ids=ids[:, n - keep :], past_key_values=limit, position_ids=torch.arange(n - keep, n)[None],
-            use_cache=True, logits_to_keep=1,
-        )
-        limit_prefill_s = time.perf_counter() - start
-        limit_first = out.logits[:, -1:].argmax(-1)
-
     pre = Prefill([layer.keys for layer in full.layers], [layer.values for layer in full.layers], n, 1, prefill_s)
-    cands = [Ours("DynamicCache", full, first, n), Ours(f"limit (last {budget:.0%})", limit, limit_first, n)]
+    # The limit: kvpolicy.perf.decode's definition (a DynamicCache holding the last round(b x n)
+    # prompt tokens, at their original positions), as in `kvpolicy bench --what decode`.
+    limit = Candidate(f"limit {budget:.0%}", budget=budget, keep_last=max(1, round(budget * n)))
+    cands = [Ours("DynamicCache", full, first, n), Ours(limit.label, build_cache(model, limit, pre), first.clone(), n)]
     for name, label in POLICIES:
         policy = plan_policy(name, budget, context_length=n + decode_tokens, prompt_length=n).policy
         cache = build_cache(model, Candidate(f"{label} {budget:.0%}", policy, budget), pre)
         cands.append(Ours(f"{label} {budget:.0%}", cache, first.clone(), n, policy.capacity, repr(policy)))
-    side = OurSide(model, cands, prefill_s, limit_prefill_s)
+    del pre
+    side = OurSide(model, cands, prefill_s)
     side.kept_after_prefill = {c.label: kept_tokens(c.cache) for c in cands}
     return side
 
@@ -346,7 +339,7 @@ def measure_context(
         "context": n,
         "prompt": prompt_note,
         "decode_tokens": decode_tokens,
-        "prefill_s": {"kvpolicy DynamicCache": ours.prefill_s, "kvpolicy limit": ours.limit_prefill_s,
+        "prefill_s": {"kvpolicy DynamicCache": ours.prefill_s,
                       **({f"kvpress {k}": v["prefill_s"] for k, v in their_info["candidates"].items()}
                          if their_info else {})},
         "kvpress": {"command": theirs.command, "info": their_summary["info"]} if theirs is not None else None,
