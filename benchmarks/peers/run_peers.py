@@ -38,7 +38,7 @@ venv it prints why and exits 0 (``--ours-only`` measures our side alone).
 Example (from the repository root)::
 
     benchmarks/peers/setup_kvpress.sh            # once: .venv-kvpress
-    PYTHONPATH=.:integrations .venv/bin/python benchmarks/peers/run_peers.py --contexts 2048,4096
+    .venv/bin/python benchmarks/peers/run_peers.py --contexts 2048,4096   # uses this tree's kvpolicy
 """
 
 from __future__ import annotations
