@@ -1,27 +1,31 @@
 """GPU decode benchmark: a Llama-2-7B-shaped model with random bf16 weights.
 
-For each batch size (1, 4, 8) and context (2k ... 32k): tokens/s and peak memory of
-transformers' ``DynamicCache``, kvpolicy's ``FullCache``, and BUZZ / H2O / StreamingLLM at 25%,
-plus the memory-bandwidth floor of every candidate: the bytes one decode step must read (all
-weights, and the keys and values the cache holds) divided by the device's measured copy
-bandwidth. Targets (issue 7): BUZZ at 25% within 1.5x of its floor, and at 32k at least 2x the
-tokens/s of the full cache.
+For each batch size (1, 4, 8) and context (2k ... 32k): prefill time, decode tokens/s (steps
+that evict and steps that do not, apart), KV bytes and peak memory beyond the weights of
+transformers' ``DynamicCache`` (through transformers' own SDPA attention), kvpolicy's
+``FullCache``, and BUZZ / H2O / StreamingLLM at 25%, plus the memory-bandwidth floor of every
+candidate: the bytes one decode step must read (all weights, and the keys and values the cache
+holds) divided by the device's measured copy bandwidth. Targets (issue 7): BUZZ at 25% within
+1.5x of its floor, and at 32k at least 2x the tokens/s of the full cache.
 
-Run it on a machine with a GPU (about 14 GB of weights; the full caches at 32k need 17 GB per
-batch row, so the largest batch x context points are skipped when they do not fit)::
+Run it on a machine with a GPU (about 13 GiB of weights; the full caches at 32k need 16 GiB per
+batch row, so the batch x context points that do not fit are skipped, from each candidate's own
+planned bytes against the free memory after ``empty_cache()``)::
 
     python benchmarks/gpu_decode.py --out gpu-results            # the grid of the issue
     python benchmarks/gpu_decode.py --batches 1 --contexts 2048,32768 --steps 16
 
-and paste ``gpu-results/report.md`` into ``docs/performance.md``. ``--tiny`` runs the same logic
-on a 2-layer model with small contexts (the test suite does that on CPU).
+and paste ``gpu-results/report.md`` into ``docs/performance.md``. ``--tiny --device cpu`` runs
+every code path on a 2-layer model with small contexts (tests/test_gpu_decode.py does).
 
-How a cache is filled: the model's weights are random, so the prompt is random too; its keys and
-values are drawn layer by layer (never the whole model's at once) and loaded into each cache, an
-evicting cache then evicts once, as after a one-shot prefill: decode speed depends on how many
-tokens a cache holds, not on which. Candidates run one after another (a GPU's timing noise is
-small; memory does not allow holding every cache at once); each is timed with CUDA events over
-``--steps`` decode steps after ``--warmup`` steps.
+How a run goes, per candidate: the model is built on the meta device, materialised on the device
+in the target dtype, and its rotary embedding rebuilt by transformers' own constructor (the meta
+build leaves ``inv_freq`` uninitialised). A random prompt (the weights are random) is prefilled
+through the model in ``--prefill-chunk`` chunks, so the evicting caches capture real scores and
+evict as in a real run; ``prefill_s`` times it. Then ``--warmup`` decode steps and at least
+``--steps`` timed ones, extended (up to ``--max-steps``) until the policy has evicted during
+the timed steps at least once. Each step is timed on its own (CUDA events, one sync at the
+end), and the caches' eviction counters (host ints) say which steps evicted.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ def build_model(shape: dict[str, Any], device: str, dtype: Any, seed: int = 0) -
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from kvpolicy.models import rebuild_rotary
+
     config = LlamaConfig(**shape, attn_implementation="sdpa", pad_token_id=0, bos_token_id=1, eos_token_id=2)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -80,12 +86,7 @@ def build_model(shape: dict[str, Any], device: str, dtype: Any, seed: int = 0) -
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=g)
-        for module in model.modules():  # buffers the meta init left empty (rotary inv_freq)
-            if hasattr(module, "inv_freq") and hasattr(module, "rope_init_fn"):
-                inv_freq, scaling = module.rope_init_fn(module.config, device)
-                module.inv_freq = inv_freq
-                module.original_inv_freq = inv_freq
-                module.attention_scaling = scaling
+    rebuild_rotary(model, device)  # to_empty left inv_freq uninitialised
     return model.eval()
 
 
@@ -144,52 +145,83 @@ def candidates(context: int, decode_tokens: int, budget: float, unfused: bool = 
     return out
 
 
-def fill_cache(model: Any, policy: Any, batch: int, context: int, seed: int = 0, **options: Any) -> Any:
-    """A cache of ``policy`` (``None``: ``DynamicCache``) holding a random ``context``-token prompt."""
-    import torch
+def make_cache(model: Any, policy: Any, *, fused_decode: bool = True) -> Any:
+    """``DynamicCache`` (``policy=None``) with transformers' own SDPA attention, else an
+    ``EvictingCache`` (which switches the model to ``kvpolicy_sdpa``)."""
     from transformers import DynamicCache
 
     from kvpolicy_integrations.hf import EvictingCache
 
-    cfg = model.config
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    kv, d = cfg.num_key_value_heads, cfg.head_dim
-    g = torch.Generator(device=device).manual_seed(seed)
-    cache = DynamicCache(config=cfg) if policy is None else EvictingCache(policy, model, **options)
+    if policy is None:
+        model.set_attn_implementation("sdpa")  # an EvictingCache of an earlier row switched it
+        return DynamicCache(config=model.config)
+    return EvictingCache(policy, model, fused_decode=fused_decode)
+
+
+def evictions(cache: Any) -> int:
+    """Eviction rounds so far, all layers (host ints; 0 for a ``DynamicCache``)."""
+    return sum(getattr(getattr(layer, "store", None), "evictions", 0) for layer in cache.layers)
+
+
+def prefill(model: Any, cache: Any, ids: Any, chunk: int) -> int:
+    """Run the prompt through the model in chunks of ``chunk`` tokens; returns the forwards run."""
+    import torch
+
+    batch, n = ids.shape
+    forwards = 0
     with torch.no_grad():
-        for i in range(cfg.num_hidden_layers):
-            k = torch.randn(batch, kv, context, d, generator=g, device=device, dtype=dtype)
-            v = torch.randn(batch, kv, context, d, generator=g, device=device, dtype=dtype)
-            if policy is None:
-                cache.update(k, v, i)
-                continue
-            layer = cache.layers[i]
-            layer.lazy_initialization(k, v)
-            layer.store.append(k, v)
-            if policy.uses_scores:
-                layer.store.accumulate(torch.rand(layer.store.scores.shape, generator=g, device=device))
-            layer.store.evict()
-            del k, v
-    return cache
+        for start in range(0, n, chunk):
+            part = ids[:, start : start + chunk]
+            pos = torch.arange(start, start + part.shape[1], device=ids.device).expand(batch, -1)
+            model(input_ids=part, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+            forwards += 1
+    return forwards
+
+
+def _mark(device: str) -> Any:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _elapsed(a: Any, b: Any) -> float:
+    return a.elapsed_time(b) / 1e3 if hasattr(a, "elapsed_time") else b - a
+
+
+def decode_steps(
+    model: Any, cache: Any, ids: Any, position: int, *, min_steps: int | None = None, until_eviction: bool = False
+) -> tuple[list[float], list[bool]]:
+    """Decode steps from ``position``, one per column of ``ids`` (``[batch, steps]``): each step's
+    seconds (one sync at the end) and whether it evicted (the caches' eviction counters, host
+    ints). With ``until_eviction`` it stops after ``min_steps`` once a step has evicted (or at
+    the last column)."""
+    import torch
+
+    device = str(ids.device)
+    batch, steps = ids.shape
+    marks, evicted = [_mark(device)], []
+    with torch.no_grad():
+        for t in range(steps):
+            before = evictions(cache)
+            pos = torch.full((batch, 1), position + t, dtype=torch.long, device=ids.device)
+            model(input_ids=ids[:, t : t + 1], past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+            evicted.append(evictions(cache) > before)
+            marks.append(_mark(device))
+            if min_steps is not None and t + 1 >= min_steps and (not until_eviction or any(evicted)):
+                break
+    _sync(device)
+    return [_elapsed(marks[i], marks[i + 1]) for i in range(len(evicted))], evicted
 
 
 def held_kv_bytes(cache: Any) -> int:
+    """Bytes of keys and values a cache holds now."""
     if hasattr(cache, "kv_bytes"):
         return int(cache.kv_bytes)
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-
-
-def decode_steps(model: Any, cache: Any, batch: int, position: int, steps: int, vocab: int) -> int:
-    import torch
-
-    device = next(model.parameters()).device
-    ids = torch.randint(3, vocab, (batch, steps), device=device)
-    with torch.no_grad():
-        for t in range(steps):
-            pos = torch.full((batch, 1), position + t, dtype=torch.long, device=device)
-            model(input_ids=ids[:, t : t + 1], past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
-    return position + steps
 
 
 def kv_bytes_per_token(model: Any, batch: int) -> int:
@@ -198,7 +230,50 @@ def kv_bytes_per_token(model: Any, batch: int) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * esize * batch
 
 
+def planned_bytes(model: Any, policy: Any, batch: int, context: int, new_tokens: int, chunk: int) -> int:
+    """Device bytes a candidate needs besides the weights (the memory gate; an upper estimate).
+
+    Cache: ``DynamicCache`` holds every token plus, for a moment, one layer's ``torch.cat`` copy;
+    an evicting cache allocates its policy's ``capacity`` (``FullCache``: every token) for keys,
+    values, int64 positions and float32 scores, plus one layer's overflow and gathered copy
+    while a prefill chunk exceeds the capacity. Workspace: the score capture's logits
+    (``kvpolicy_torch.scores.DEFAULT_WORKSPACE_BYTES``), one chunk's activations
+    (hidden and MLP, float32 upper bound) and its SDPA mask.
+    """
+    from kvpolicy_torch.scores import DEFAULT_WORKSPACE_BYTES
+
+    cfg = model.config
+    layers = cfg.num_hidden_layers
+    kv_tok = kv_bytes_per_token(model, batch)
+    total = context + new_tokens
+    c = min(chunk, context)
+    if policy is None:
+        cache = kv_tok * total + kv_tok * total // layers
+        scores = 0
+    else:
+        slots = policy.capacity if policy.capacity is not None else total
+        store_tok = batch * layers * cfg.num_key_value_heads * (8 + 4)
+        per_tok = kv_tok + store_tok
+        cache = per_tok * slots + 2 * (min(slots, total) + c) * per_tok // layers
+        scores = DEFAULT_WORKSPACE_BYTES if policy.uses_scores else 0
+    activations = batch * c * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4
+    mask = batch * c * (total + c) * 4
+    return cache + scores + activations + mask
+
+
+def free_device_bytes(device: str) -> float:
+    """Free device memory after returning the allocator's cached blocks (``inf`` on CPU)."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return math.inf
+    torch.cuda.empty_cache()
+    return float(torch.cuda.mem_get_info(device)[0])
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    import statistics
+
     import torch
 
     from kvpolicy.perf.report import machine, machine_line, markdown_table
@@ -210,51 +285,76 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = copy_bandwidth(device, nbytes=(1 << 24) if args.tiny else (1 << 30))
     host = machine(shared=None)
-    if torch.device(device).type == "cuda":
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
         host["gpu"] = torch.cuda.get_device_name(device)
     rows: list[dict[str, Any]] = []
     vocab = shape["vocab_size"]
-    cuda = torch.device(device).type == "cuda"
+    planned_new = args.warmup + args.steps
     for batch in args.batches:
         for context in args.contexts:
-            full_need = kv_bytes_per_token(model, batch) * (context + args.warmup + args.steps)
-            for label, policy in candidates(context, args.warmup + args.steps, args.budget, args.unfused):
+            g = torch.Generator().manual_seed(context * 100 + batch)
+            prompt = torch.randint(3, vocab, (batch, context), generator=g).to(device)
+            for label, policy in candidates(context, planned_new, args.budget, args.unfused):
                 row: dict[str, Any] = {"batch": batch, "context": context, "label": label, "policy": repr(policy) if policy else "DynamicCache"}
-                free = torch.cuda.mem_get_info(device)[0] if cuda else math.inf
-                need = full_need * (2 if policy is None else 1) + (kv_bytes_per_token(model, batch) * context if policy is not None else 0)
-                if need > free * 0.9:  # DynamicCache's torch.cat holds two copies for a moment
-                    row["skipped"] = f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"
+                evicts = policy is not None and policy.capacity is not None
+                steps = max(args.steps, args.max_steps) if evicts else args.steps  # at most; stops at the first eviction
+                need = planned_bytes(model, policy, batch, context, args.warmup + steps, args.prefill_chunk)
+                free = free_device_bytes(device)
+                row["planned_bytes"] = need
+                if need > 0.95 * free:
+                    row["skipped"] = f"needs ~{need / 2**30:.1f} GiB beyond the weights, {free / 2**30:.1f} GiB free"
                     rows.append(row)
                     print(f"b{batch} {context} {label}: skipped ({row['skipped']})", file=sys.stderr)
                     continue
                 if cuda:
-                    torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats(device)
+                baseline = torch.cuda.memory_allocated(device) if cuda else 0
+                ids = torch.randint(3, vocab, (batch, args.warmup + steps), generator=g).to(device)
+                cache = None
                 try:
-                    cache = fill_cache(model, policy, batch, context, **({"fused_decode": False} if "unfused" in label else {}))
-                    pos = decode_steps(model, cache, batch, context, args.warmup, vocab)
+                    cache = make_cache(model, policy, fused_decode="unfused" not in label)
                     _sync(device)
                     stop = _timer(device)
-                    decode_steps(model, cache, batch, pos, args.steps, vocab)
-                    seconds = stop() / args.steps
+                    forwards = prefill(model, cache, prompt, args.prefill_chunk)
+                    prefill_s = stop()
+                    decode_steps(model, cache, ids[:, : args.warmup], context)  # warm-up, untimed
+                    seconds, evicted = decode_steps(
+                        model, cache, ids[:, args.warmup :], context + args.warmup, min_steps=args.steps, until_eviction=evicts
+                    )
                 except torch.OutOfMemoryError as e:  # pragma: no cover - GPU only
                     row["skipped"] = f"out of memory: {str(e).splitlines()[0]}"
                     rows.append(row)
-                    cache = None
+                    del cache
                     continue
                 held = held_kv_bytes(cache)
                 floor = (weight_bytes + held) / bandwidth
+                quiet = [s for s, e in zip(seconds, evicted) if not e]
+                busy = [s for s, e in zip(seconds, evicted) if e]
+                per_step = sum(seconds) / len(seconds)
                 row.update(
-                    tokens_per_s=batch / seconds,
-                    seconds_per_step=seconds,
+                    prefill_s=prefill_s,
+                    prefill_tokens_per_s=batch * context / prefill_s,
+                    decode_steps=len(seconds),
+                    forwards=forwards + args.warmup + len(seconds),
+                    evicting_steps=len(busy),
+                    tokens_per_s=batch / per_step,
+                    seconds_per_step=per_step,
+                    step_s_no_eviction=statistics.median(quiet) if quiet else None,
+                    step_s_eviction=statistics.mean(busy) if busy else None,
                     kv_bytes=held,
-                    peak_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
+                    allocated_bytes=int(getattr(cache, "allocated_bytes", held)),
+                    peak_beyond_weights=(torch.cuda.max_memory_allocated(device) - baseline) if cuda else None,
                     floor_seconds=floor,
                     floor_tokens_per_s=batch / floor,
-                    over_floor=seconds / floor,
+                    over_floor=per_step / floor,
                 )
                 rows.append(row)
-                print(f"b{batch} {context} {label}: {row['tokens_per_s']:.1f} tok/s, {row['over_floor']:.2f}x floor", file=sys.stderr)
+                print(
+                    f"b{batch} {context} {label}: prefill {prefill_s:.2f} s, {row['tokens_per_s']:.1f} tok/s, "
+                    f"{len(busy)}/{len(seconds)} steps evicted, {row['over_floor']:.2f}x floor",
+                    file=sys.stderr,
+                )
                 del cache
     # ratios to the full cache (ours and transformers') within each (batch, context)
     for r in rows:
@@ -277,17 +377,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
+    gib = lambda b: "-" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
+    ms = lambda s: "-" if s is None else f"{s * 1e3:.1f}"  # noqa: E731
     table = []
     for r in rows:
         if "skipped" in r:
-            table.append([r["batch"], r["context"], r["label"], "-", "-", "-", "-", "-", "-", r["skipped"]])
+            table.append([r["batch"], r["context"], r["label"], *["-"] * 11, r["skipped"]])
             continue
         table.append([
-            r["batch"], r["context"], r["label"], f"{r['tokens_per_s']:.1f}",
+            r["batch"], r["context"], r["label"], f"{r['prefill_s']:.2f}", f"{r['tokens_per_s']:.1f}",
             f"{r.get('vs_DynamicCache', float('nan')):.2f}", f"{r.get('vs_FullCache', float('nan')):.2f}",
-            f"{r['kv_bytes'] / 2**30:.2f}", "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}",
-            f"{r['floor_tokens_per_s']:.1f}", f"{r['over_floor']:.2f}",
-        ])
+            ms(r["step_s_no_eviction"]), ms(r["step_s_eviction"]), f"{r['evicting_steps']}/{r['decode_steps']}",
+            gib(r["kv_bytes"]), gib(r["peak_beyond_weights"]), f"{r['floor_tokens_per_s']:.1f}", f"{r['over_floor']:.2f}", "",
+        ])  # fmt: skip
     lines = [
         "# GPU decode benchmark",
         "",
@@ -295,13 +397,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "",
         f"Machine: {machine_line(host)}. Model: {result['shape']} shape, random {args.dtype} weights "
         f"({weight_bytes / 2**30:.2f} GiB); copy bandwidth {bandwidth / 1e9:.0f} GB/s; budget {args.budget:.0%}; "
-        f"{args.steps} timed decode steps after {args.warmup}.",
+        f"prefill in chunks of {args.prefill_chunk}; at least {args.steps} timed decode steps after {args.warmup}, "
+        f"more (up to {args.max_steps}) until each policy has evicted during decode. Step times: median of the steps "
+        "that did not evict, mean of those that did. Peak: the allocator's peak during the candidate, minus what was "
+        "allocated before it (the weights).",
         "",
         markdown_table(
-            ["batch", "context", "cache", "tokens/s", "x Dynamic", "x FullCache", "KV GiB", "peak GiB", "floor tok/s", "time / floor"],
+            ["batch", "context", "cache", "prefill s", "tokens/s", "x Dynamic", "x FullCache", "step ms", "evicting step ms",
+             "evicting steps", "KV GiB", "peak GiB beyond weights", "floor tok/s", "time / floor", "note"],
             table,
-            "rrl" + "r" * 7,
-        ),
+            "rrl" + "r" * 11 + "l",
+        ),  # fmt: skip
         "",
     ]
     (out / "report.md").write_text("\n".join(lines))
@@ -318,6 +424,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=0.25)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--max-steps", type=int, default=4096, help="cap on the decode steps run to see a policy evict (default 4096)")
+    p.add_argument("--prefill-chunk", type=int, default=4096, help="prefill the prompt in chunks of this many tokens (default 4096)")
     p.add_argument("--unfused", action="store_true", help="also BUZZ with fused_decode=False (SDPA + the extra score product)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (tests the logic on CPU)")
     p.add_argument("--out", default="gpu-results")

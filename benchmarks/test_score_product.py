@@ -4,7 +4,7 @@
 * ``received_attention``: today's, with the q=1 fast path (one batched matmul);
 * ``sdpa``: the attention output alone (what a cache that reads no scores pays);
 * ``sdpa + received_attention``: the unfused decode path (``fused_decode=False``);
-* ``fused``: ``_fused_decode_attention``, output and scores in one pass over the keys.
+* ``fused``: ``kvpolicy_torch.decode_attention``, output and scores in one pass over the keys.
 
 Shapes of the embedded model (9 query heads, 3 KV heads, head_dim 64), batch 1.
 """
@@ -18,8 +18,7 @@ pytest.importorskip("transformers")
 
 import _settings  # noqa: E402
 
-from kvpolicy_integrations.hf import _fused_decode_attention  # noqa: E402
-from kvpolicy_torch import received_attention  # noqa: E402
+from kvpolicy_torch import decode_attention, received_attention  # noqa: E402
 from kvpolicy_torch.scores import group_query_heads  # noqa: E402
 
 SIZES = (512, 2048) if _settings.QUICK else (512, 2048, 8192, 32768)
@@ -65,7 +64,7 @@ VARIANTS = {
     "received_attention": lambda q, k, v: received_attention(q, k, 0.125),
     "sdpa": _sdpa,
     "sdpa + received_attention": lambda q, k, v: (_sdpa(q, k, v), received_attention(q, k, 0.125)),
-    "fused": lambda q, k, v: _fused_decode_attention(q, k, v, None, 0.125),
+    "fused": lambda q, k, v: decode_attention(q, k, v, 0.125),
 }
 
 
@@ -80,6 +79,6 @@ def test_decode_score_product(benchmark, variant, n):
     # all variants agree on what they compute
     ref = received_attention_before(q, k, 0.125)
     torch.testing.assert_close(received_attention(q, k, 0.125), ref, rtol=1e-5, atol=1e-6)
-    out, received = _fused_decode_attention(q, k, v, None, 0.125)
+    out, received = decode_attention(q, k, v, 0.125)
     torch.testing.assert_close(received, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out.transpose(1, 2), _sdpa(q, k, v), rtol=1e-5, atol=1e-6)

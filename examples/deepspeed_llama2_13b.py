@@ -2,15 +2,26 @@
 
 Launch one process per GPU (every rank runs this script with the same arguments)::
 
+    # 1. fp32 parity first: 1 GPU writes its tokens, 2 GPUs must generate the same (exit 3 if not)
+    deepspeed --num_gpus 1 examples/deepspeed_llama2_13b.py --model /models/Llama-2-13b-hf \\
+        --dtype fp32 --context 2048 --max-new-tokens 32 --save-tokens parity.json
+    deepspeed --num_gpus 2 examples/deepspeed_llama2_13b.py --model /models/Llama-2-13b-hf \\
+        --dtype fp32 --context 2048 --max-new-tokens 32 --compare-tokens parity.json
+    # 2. the bf16 runs
     deepspeed --num_gpus 4 examples/deepspeed_llama2_13b.py --model /models/Llama-2-13b-hf \\
         --policy buzz --budget 0.25 --context 16384 --max-new-tokens 128
 
     # the memory arithmetic only (no GPU, no weights, no DeepSpeed launch):
     python examples/deepspeed_llama2_13b.py --plan-only --tp 2 4 8
 
-    # a smoke run with random weights of Llama-2-13B's shape (no checkpoint needed);
-    # --layers/--head-dim shrink it for a CPU machine:
-    deepspeed --num_gpus 2 examples/deepspeed_llama2_13b.py --random-weights --context 4096
+    # random weights of Llama-2-13B's shape (no checkpoint); --layers N / --head-dim D shrink it
+    # (N layers instead of 40, hidden 40 * D) for a CPU machine:
+    deepspeed --num_gpus 2 examples/deepspeed_llama2_13b.py --random-weights --layers 2 --head-dim 4 --context 300
+
+Every rank takes its device from LOCAL_RANK before building anything, builds the model on the
+``meta`` device, lets AutoTP shard it there, and fills only its own shard on its own device in
+the target dtype: seeded random values (the same model for every rank and tp size) or its slices
+of the safetensors checkpoint. No rank holds the whole model, on the device or in host RAM.
 
 Rank 0 prints the head split, the policy, prefill and decode throughput, peak memory and the
 cache's size against a full cache. ``--policy none`` runs the baseline: transformers'
@@ -28,6 +39,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 GIB = 2**30
+#: kvpolicy_torch.scores.DEFAULT_WORKSPACE_BYTES (the bound on one score block's logits), restated so
+#: that --plan-only needs no torch import.
+SCORE_WORKSPACE_BYTES = 256 << 20
+#: What torch can allocate on an "80 GB" H100 (SXM or PCIe): nvidia-smi reports 81,559 MiB
+#: (79.65 GiB) of memory, and the CUDA context (cuBLAS, NCCL, kernels) takes about 0.5 GiB of it
+#: before torch's first allocation. An assumption until the first GPU run measures
+#: torch.cuda.mem_get_info() (docs/deepspeed.md says so).
+H100_USABLE_GIB = 79.1
 
 #: Llama-2-13B (meta-llama/Llama-2-13b-hf config.json).
 LLAMA2_13B = dict(
@@ -149,13 +168,14 @@ def rank_memory(
         keys = cached + c  # keys one prefill chunk attends to
         per_layer = (kv_tok + layout.store_bytes_per_token(0)) // g.layers
         transient = 2 * keys * per_layer  # overflow concat, then the gathered copy
-        # received_attention: two live [q_heads, min(chunk, 512), keys] fp32 blocks, plus an fp32
-        # copy of the layer's keys; SDPA's mask as above.
-        workspace = keys * (2 * shard.n_q_heads * min(c, 512) * 4 + shard.n_kv_heads * g.head_dim * 4 + mask)
+        # received_attention: one block's float32 logits, bounded by its workspace (256 MiB; the
+        # 16-bit keys are upcast a chunk at a time within the same bound), plus the block's
+        # reciprocal row sums; SDPA's mask as above.
+        workspace = keys * mask + 2 * SCORE_WORKSPACE_BYTES
     return RankMemory(tp, policy, context, cached, weights, kv, store, transient, workspace, int(reserve_gib * GIB))
 
 
-def max_context(model: Any, tp: int, *, gpu_gib: float = 80.0, **kwargs: Any) -> RankMemory:
+def max_context(model: Any, tp: int, *, gpu_gib: float = H100_USABLE_GIB, **kwargs: Any) -> RankMemory:
     """The longest context whose :func:`rank_memory` fits ``gpu_gib`` (bisection on tokens)."""
     limit = int(gpu_gib * GIB)
     weights = max(weight_bytes_per_rank(model, tp, kwargs.get("dtype_bytes", 2)))
@@ -226,10 +246,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bf16", choices=["fp16", "bf16", "fp32"])
     ap.add_argument("--prefill-chunk", type=int, default=4096, help="prefill the prompt in chunks of this many tokens")
     ap.add_argument("--plan-only", action="store_true", help="print the memory arithmetic and exit (no GPU needed)")
-    ap.add_argument("--gpu-gib", type=float, default=80.0, help="GPU memory for --plan-only (default 80)")
-    ap.add_argument("--reserve-gib", type=float, default=3.0, help="CUDA context + allocator + activations reserve (default 3)")
-    ap.add_argument("--layers", type=int, default=None, help="with --random-weights: fewer layers (CPU smoke tests)")
-    ap.add_argument("--head-dim", type=int, default=None, help="with --random-weights: smaller heads (CPU smoke tests)")
+    ap.add_argument("--gpu-gib", type=float, default=H100_USABLE_GIB,
+                    help="GPU memory torch can use, for --plan-only (default 79.1: an 80 GB H100, see docs/deepspeed.md)")
+    ap.add_argument("--reserve-gib", type=float, default=3.0, help="cuBLAS/NCCL workspaces, allocator slack and a chunk's activations, GiB (default 3)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="with --random-weights/--plan-only: this many layers instead of 40 (CPU smoke runs)")
+    ap.add_argument("--head-dim", type=int, default=None,
+                    help="with --random-weights/--plan-only: head_dim instead of 128; hidden = 40 x head_dim (CPU smoke runs)")
+    ap.add_argument("--save-tokens", type=Path, default=None, help="rank 0 writes the generated tokens and first-step logits here (parity reference)")
+    ap.add_argument("--compare-tokens", type=Path, default=None,
+                    help="compare with a --save-tokens file: exit 3 if any generated token differs (the fp32 parity step)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # from the DeepSpeed launcher
     args = ap.parse_args(argv)
@@ -251,17 +277,105 @@ def _shape_overrides(args: argparse.Namespace) -> dict[str, int]:
     return out
 
 
-def _random_model(args: argparse.Namespace, dtype: Any, device: str) -> Any:
-    """Llama-2-13B-shaped, random weights, built directly on ``device`` (same seed on every rank,
-    so the replicated weights agree)."""
-    import torch
-    from transformers import LlamaForCausalLM
+def local_device() -> str:
+    """This rank's device, from ``LOCAL_RANK`` (set by the launcher), made current.
 
-    config = llama2_13b_config(**_shape_overrides(args), eos_token_id=None, attn_implementation="sdpa")
-    torch.manual_seed(args.seed)
-    with torch.device(device):
+    Read *before* building anything: ``accel.current_device_name()`` is ``cuda:0`` on every rank
+    until something calls ``set_device``, so inputs would land on the wrong GPU."""
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    if accel.device_name() == "cpu":
+        return "cpu"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    accel.set_device(local_rank)
+    return accel.device_name(local_rank)
+
+
+def random_fill(seed: int, device: str) -> Any:
+    """``fill(name, shape)`` for :func:`kvpolicy.deepspeed.materialize_shards`: the *unsharded*
+    parameter, seeded by ``seed`` and its name (so every rank and every tp size sees the same
+    model), generated on ``device`` one parameter at a time: norms 1, the rest N(0, 0.02)."""
+    import zlib
+
+    import torch
+
+    def fill(name: str, shape: tuple[int, ...]) -> Any:
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, device=device)
+        g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.empty(shape, device=device).normal_(0.0, 0.02, generator=g)
+
+    return fill
+
+
+def checkpoint_fill(model_dir: str | Path) -> Any:
+    """``fill(name, shape)`` reading a safetensors checkpoint lazily: it returns a function of an
+    index tuple, so a rank reads only its shard's bytes (memory-mapped), never the whole model."""
+    import json
+
+    from safetensors import safe_open
+
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = {k: root / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    elif (root / "model.safetensors").exists():
+        weight_map = None
+    else:
+        raise SystemExit(
+            f"{root} has no model.safetensors or model.safetensors.index.json: this runbook reads safetensors "
+            "shards per rank (meta-llama/Llama-2-13b-hf ships them; for .bin checkpoints convert first, e.g. "
+            "AutoModelForCausalLM.from_pretrained(path).save_pretrained(out, safe_serialization=True))"
+        )
+    handles: dict[Path, Any] = {}
+
+    def fill(name: str, shape: tuple[int, ...]) -> Any:
+        file = (root / "model.safetensors") if weight_map is None else weight_map.get(name)
+        if file is None and name == "lm_head.weight":  # tied embeddings
+            name, file = "model.embed_tokens.weight", weight_map.get("model.embed_tokens.weight")  # type: ignore[union-attr]
+        if file is None:
+            raise SystemExit(f"{name} is not in the checkpoint {root}")
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        part = handles[file].get_slice(name)
+        if tuple(part.get_shape()) != tuple(shape):
+            raise SystemExit(f"{name}: checkpoint shape {tuple(part.get_shape())}, model shape {tuple(shape)}")
+        return lambda index: part[index]
+
+    return fill
+
+
+def build_engine(args: argparse.Namespace, dtype: Any, device: str, tp: int, rank: int, context: int) -> tuple[Any, int]:
+    """``(engine, bytes this rank filled)``: the model is created on ``meta``,
+    sharded there by AutoTP, given storage on this rank's device in ``dtype`` (``to_empty`` of
+    the shard only) and filled parameter by parameter: seeded random values, or this rank's
+    slices of the safetensors checkpoint. No rank ever holds the whole model, on device or host."""
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from kvpolicy import FullCache
+    from kvpolicy.deepspeed import init_inference, materialize_shards
+    from kvpolicy.models import rebuild_rotary
+
+    if args.random_weights:
+        config = llama2_13b_config(**_shape_overrides(args), eos_token_id=None)
+    else:
+        config = AutoConfig.from_pretrained(args.model)
+    with torch.device("meta"):
         model = LlamaForCausalLM(config).to(dtype)
-    return model.eval()
+    model.set_attn_implementation("sdpa")
+    full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    # FullCache is the probe policy; generate() plans --policy for --budget per run
+    engine = init_inference(model, FullCache(), budget=args.budget, tp_size=tp, dtype=dtype, context_length=context)
+    fill = random_fill(args.seed, device) if args.random_weights else checkpoint_fill(args.model)
+    written = materialize_shards(engine.module, full_shapes, fill, tp_size=tp, rank=rank)
+    rebuild_rotary(engine.module, device)
+    engine.module.eval()
+    placed = {str(p.device) for p in engine.module.parameters()}
+    if placed != {device}:
+        raise RuntimeError(f"rank {rank}: parameters on {sorted(placed)}, expected all on {device}")
+    return engine, written
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer: Any, vocab: int) -> Any:
@@ -287,44 +401,51 @@ def _prompt_ids(args: argparse.Namespace, tokenizer: Any, vocab: int) -> Any:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    import json
+
     import torch
     from deepspeed.accelerator import get_accelerator
     from transformers import DynamicCache
 
-    from kvpolicy.deepspeed import init_inference
+    from kvpolicy.deepspeed import check_launcher_env
 
+    check_launcher_env()  # torchrun without LOCAL_SIZE: a clear error, not a segfault in the first all-reduce
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     rank = int(os.environ.get("RANK", "0"))
     tp = args.tp[0] if args.tp else int(os.environ.get("WORLD_SIZE", "1"))
     accel = get_accelerator()
-    device = accel.current_device_name()
+    device = local_device()  # cuda:<LOCAL_RANK> (made current) or cpu
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
 
-    tokenizer = None
     t0 = time.perf_counter()
-    if args.random_weights:
-        model = _random_model(args, dtype, device)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer, vocab = None, llama2_13b_config(**_shape_overrides(args)).vocab_size
+    if not args.random_weights:
+        from transformers import AutoConfig, AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa").eval()
-    ids = _prompt_ids(args, tokenizer, model.config.vocab_size)
+        vocab = AutoConfig.from_pretrained(args.model).vocab_size
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.model)
+        except (OSError, ValueError):  # a checkpoint without a tokenizer (the CPU smoke run's): random prompt ids
+            if args.prompt_file is not None:
+                raise SystemExit(f"--prompt-file needs a tokenizer, and {args.model} has none")
+            say(f"[load] {args.model} has no tokenizer: a random {args.context}-token prompt")
+    ids = _prompt_ids(args, tokenizer, vocab)
     prompt_len = int(ids.shape[1])
     context = prompt_len + args.max_new_tokens
-    from kvpolicy import FullCache
-
-    policy: Any = FullCache() if args.policy in ("none", "full") else args.policy
-    engine = init_inference(model, policy, budget=args.budget, tp_size=tp, dtype=dtype, context_length=context)
-    say(f"[load] {time.perf_counter() - t0:.1f} s; {engine.layout.describe()}")
-    ids = ids.to(device)
+    engine, written = build_engine(args, dtype, device, tp, rank, context)
+    say(f"[load] {time.perf_counter() - t0:.1f} s on {device}, {written / GIB:.2f} GiB of weights on rank 0; {engine.layout.describe()}")
+    ids = ids.to(device)  # every rank: its own device
     gen: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, do_sample=False, min_new_tokens=args.max_new_tokens)
+    gen.update(output_scores=True, return_dict_in_generate=True)
     if args.prefill_chunk and prompt_len > args.prefill_chunk:
         gen["prefill_chunk_size"] = args.prefill_chunk
     if args.policy == "none":
         gen["past_key_values"] = DynamicCache(config=engine.module.config)
     else:
-        gen["policy"] = engine.resolve_policy(prompt_len, args.max_new_tokens)
+        from kvpolicy import FullCache
+
+        policy: Any = FullCache() if args.policy == "full" else args.policy
+        gen["policy"] = engine.resolve_policy(prompt_len, args.max_new_tokens, policy)
         say(f"[policy] {gen['policy']!r}: capacity {gen['policy'].capacity} tokens per head and layer")
 
     stamps: list[float] = []
@@ -341,21 +462,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t1 = time.perf_counter()
     out = engine.generate(ids, logits_processor=[_Clock()], **gen)
     accel.synchronize()
+    tokens = out.sequences
     t_prefill = stamps[0] - t1  # the prompt's forward (all chunks) and the first token
     decode_tokens = len(stamps) - 1
     t_decode = stamps[-1] - stamps[0]
     peak = accel.max_memory_allocated() if hasattr(accel, "max_memory_allocated") else 0
     result = {
-        "tp": tp, "rank": rank, "policy": args.policy, "prompt_tokens": prompt_len, "new_tokens": out.shape[1] - prompt_len,
-        "prefill_s": t_prefill, "prefill_tok_per_s": prompt_len / t_prefill,
+        "tp": tp, "rank": rank, "device": device, "policy": args.policy, "prompt_tokens": prompt_len,
+        "new_tokens": tokens.shape[1] - prompt_len, "prefill_s": t_prefill, "prefill_tok_per_s": prompt_len / t_prefill,
         "decode_tok_per_s": decode_tokens / t_decode if decode_tokens else None, "peak_memory_gib": peak / GIB,
+        "weights_gib": written / GIB,
     }  # fmt: skip
     cache = engine.last_cache if args.policy != "none" else None
     if cache is not None:
         result.update(cache_gib=cache.kv_bytes / GIB, full_cache_gib=cache.full_kv_bytes() / GIB, cached_tokens=cache.lengths()[0])
     say(f"[run] {result}")
     if tokenizer is not None:
-        say("[text] " + tokenizer.decode(out[0, prompt_len:], skip_special_tokens=True))
+        say("[text] " + tokenizer.decode(tokens[0, prompt_len:], skip_special_tokens=True))
+    generated = tokens[0, prompt_len:].tolist()
+    first_logits = out.scores[0][0].float().cpu()
+    if args.save_tokens and rank == 0:
+        args.save_tokens.write_text(json.dumps({"tp": tp, "dtype": args.dtype, "tokens": generated, "first_logits": first_logits.tolist()}))
+        say(f"[parity] wrote {len(generated)} tokens to {args.save_tokens}")
+    if args.compare_tokens:
+        ref = json.loads(args.compare_tokens.read_text())
+        same = next((i for i, (a, b) in enumerate(zip(generated, ref["tokens"])) if a != b), None)
+        drift = float((first_logits - torch.tensor(ref["first_logits"])).abs().max())
+        result.update(parity_first_difference=same, parity_logit_drift=drift)
+        if same is not None or len(generated) != len(ref["tokens"]):
+            say(f"[parity] FAILED: tp {tp} differs from tp {ref['tp']} at generated token {same} (first-step logits drift {drift:.2e})")
+            raise SystemExit(3)
+        say(f"[parity] OK: tp {tp} generated the same {len(generated)} tokens as tp {ref['tp']} ({args.dtype}); first-step logits differ by at most {drift:.2e}")
     return result
 
 

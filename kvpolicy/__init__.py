@@ -11,7 +11,7 @@ Example:
     True
 """
 
-from .budget import PolicyPlan, make_policy, plan_policy, realised_budget, simulate_sizes
+from .budget import PolicyPlan, make_policy, plan_capacity, plan_policy, realised_budget, simulate_sizes
 from .policies import (
     BUZZ,
     H2O,
@@ -22,7 +22,7 @@ from .policies import (
     fixed_point_middle,
     threshold_ratio,
 )
-from .policy import CacheView, DecodeEviction, EvictionPolicy, LogNScaling
+from .policy import CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling
 from .registry import (
     ENTRY_POINT_GROUP,
     Preset,
@@ -38,6 +38,7 @@ __all__ = [
     "BUZZ",
     "CacheView",
     "DecodeEviction",
+    "DeferredScoresView",
     "ENTRY_POINT_GROUP",
     "EvictionPolicy",
     "FullCache",
@@ -53,6 +54,7 @@ __all__ = [
     "fixed_point_middle",
     "get_policy",
     "make_policy",
+    "plan_capacity",
     "plan_policy",
     "realised_budget",
     "register_policy",

@@ -10,6 +10,7 @@ never on scores, so the plan replays the real policy code on placeholder scores 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from ._validation import check_float, check_int
 from .policy import CacheView, EvictionPolicy
 from .registry import Preset, get_policy
 
-__all__ = ["PolicyPlan", "make_policy", "plan_policy", "simulate_sizes", "realised_budget"]
+__all__ = ["PolicyPlan", "make_policy", "plan_policy", "plan_capacity", "simulate_sizes", "realised_budget"]
 
 
 def simulate_sizes(policy: EvictionPolicy, context_length: int, prompt_length: int = 0) -> np.ndarray:
@@ -131,6 +132,10 @@ class PolicyPlan:
     prompt_length: int
     average_size: float
     full_average_size: float
+    #: The ``T / w`` BUZZ was planned with (``None``: the theorem's, or not BUZZ).
+    threshold_ratio: float | None = None
+    #: Set by :func:`plan_capacity`: the capacity the plan had to stay within.
+    requested_capacity: int | None = None
 
     @property
     def capacity(self) -> int | None:
@@ -147,6 +152,8 @@ class PolicyPlan:
             "capacity": self.capacity,
             "average_size": self.average_size,
             "full_average_size": self.full_average_size,
+            **({"threshold_ratio": self.threshold_ratio} if self.threshold_ratio is not None else {}),
+            **({"requested_capacity": self.requested_capacity} if self.requested_capacity is not None else {}),
         }
 
     def __str__(self) -> str:
@@ -160,8 +167,23 @@ class PolicyPlan:
             + (f" ({self.prompt_length} prefilled)" if self.prompt_length else "")
             + "\n"
             f"average size      {self.average_size:.1f} (full cache: {self.full_average_size:.1f})\n"
-            f"budget            requested {self.requested_budget:.1%}, realised {self.realised_budget:.1%}"
+            + (f"capacity limit    {self.requested_capacity} (equal capacity)\n" if self.requested_capacity is not None else "")
+            + f"budget            requested {self.requested_budget:.1%}, realised {self.realised_budget:.1%}"
         )
+
+
+def _ratio_overrides(entry: Any, threshold_ratio: float | None, overrides: dict[str, Any]) -> dict[str, Any]:
+    """``overrides`` plus a validated ``threshold_ratio`` (BUZZ only)."""
+    if threshold_ratio is None:
+        return dict(overrides)
+    from .policies.buzz import BUZZ, check_ratio
+
+    cls = entry.cls if isinstance(entry, Preset) else entry
+    if not (isinstance(cls, type) and issubclass(cls, BUZZ)):
+        raise ValueError(f"threshold_ratio applies to BUZZ (and its presets) only, not {cls.name!r}")
+    if "threshold" in overrides:
+        raise ValueError("give threshold or threshold_ratio, not both")
+    return {**overrides, "threshold_ratio": check_ratio(threshold_ratio)}
 
 
 def plan_policy(
@@ -170,22 +192,29 @@ def plan_policy(
     *,
     context_length: int,
     prompt_length: int = 0,
+    threshold_ratio: float | None = None,
     **overrides: Any,
 ) -> PolicyPlan:
     """Resolve a policy's parameters so its realised budget is as close as possible to ``budget``.
 
     ``overrides`` fix parameters (e.g. ``stride=4``, ``sink=1``); the remaining size knob is
     searched (bisection over the policy's ``from_size``) against an exact size simulation.
+    ``threshold_ratio`` (BUZZ only, > 0): plan with ``T = round(threshold_ratio * w)`` instead of
+    the theorem's ratio (the smallest legal threshold, 3, still applies).
 
     Example:
         >>> plan = plan_policy("buzz", 0.3, context_length=2048)
         >>> abs(plan.realised_budget - 0.3) < 0.05
+        True
+        >>> p = plan_policy("buzz", 0.3, context_length=2048, threshold_ratio=2.5).policy
+        >>> p.threshold == round(2.5 * p.window)
         True
     """
     budget = check_float("budget", budget, low=0.0, high=1.0, low_open=True)
     context_length = check_int("context_length", context_length, minimum=1)
     prompt_length = check_int("prompt_length", prompt_length, minimum=0, maximum=context_length - 1)
     entry = get_policy(name) if isinstance(name, str) else name
+    overrides = _ratio_overrides(entry, threshold_ratio, overrides)
     full_avg = float(np.mean(np.arange(prompt_length + 1, context_length + 1)))
 
     def build(size: int) -> EvictionPolicy:
@@ -234,7 +263,64 @@ def plan_policy(
         bisect = (hi - lo) * 2 > width  # interpolation stalled: halve next time
     candidates = [evaluate(lo)] + ([evaluate(lo - 1)] if lo > entry.min_size else [])
     policy, realised, avg = min(candidates, key=lambda c: abs(c[1] - budget))
-    return PolicyPlan(policy, budget, realised, context_length, prompt_length, avg, full_avg)
+    return PolicyPlan(policy, budget, realised, context_length, prompt_length, avg, full_avg, threshold_ratio)
+
+
+def plan_capacity(
+    name: str | type[EvictionPolicy] | Preset,
+    capacity: int,
+    *,
+    context_length: int,
+    prompt_length: int = 0,
+    threshold_ratio: float | None = None,
+    **overrides: Any,
+) -> PolicyPlan:
+    """The largest policy whose :attr:`~kvpolicy.EvictionPolicy.capacity` (peak tokens per head
+    and layer, i.e. peak memory) is at most ``capacity``: the *equal-capacity* counterpart of
+    :func:`plan_policy`'s equal mean size. The plan reports the average size and realised budget
+    this policy reaches on the described run (BUZZ's average is well below its capacity).
+
+    Example:
+        >>> plan = plan_capacity("buzz", 50, context_length=1056, prompt_length=32)
+        >>> plan.capacity <= 50, round(plan.average_size) < 50
+        (True, True)
+        >>> plan_capacity("streaming_llm", 50, context_length=1056, prompt_length=32).capacity
+        50
+    """
+    capacity = check_int("capacity", capacity, minimum=1)
+    context_length = check_int("context_length", context_length, minimum=1)
+    prompt_length = check_int("prompt_length", prompt_length, minimum=0, maximum=context_length - 1)
+    entry = get_policy(name) if isinstance(name, str) else name
+    overrides = _ratio_overrides(entry, threshold_ratio, overrides)
+    cls = entry.cls if isinstance(entry, Preset) else entry
+    if cls.name == "full":
+        raise ValueError("the full cache has no capacity limit (it keeps every token): plan it without one")
+    full_avg = float(np.mean(np.arange(prompt_length + 1, context_length + 1)))
+
+    def cap(size: int) -> float:
+        c = entry.from_size(size, **dict(overrides)).capacity
+        return math.inf if c is None else c
+
+    lo = entry.min_size
+    if cap(lo) > capacity:
+        raise ValueError(
+            f"capacity {capacity} is below the smallest {cls.name} can have ({cap(lo):g}); allowed range: >= {cap(lo):g}"
+        )
+    hi = max(lo, capacity)
+    while cap(hi) <= capacity:  # capacities grow at least one token per size step for the built-ins
+        hi *= 2
+    # the largest size whose capacity fits: cap(lo) <= capacity < cap(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if cap(mid) <= capacity:
+            lo = mid
+        else:
+            hi = mid
+    policy = entry.from_size(lo, **dict(overrides))
+    sizes = simulate_sizes(policy, context_length, prompt_length)
+    avg = float(np.mean(sizes))
+    return PolicyPlan(policy, capacity / full_avg, avg / full_avg, context_length, prompt_length, avg, full_avg,
+                      threshold_ratio, capacity)
 
 
 def make_policy(
@@ -243,13 +329,14 @@ def make_policy(
     *,
     context_length: int,
     prompt_length: int = 0,
+    threshold_ratio: float | None = None,
     **overrides: Any,
 ) -> EvictionPolicy:
     """A policy whose realised budget on the described run is closest to ``budget``.
 
     For BUZZ the threshold comes from the parameter-estimation theorem
-    (:func:`kvpolicy.estimate_threshold`) unless overridden. Use :func:`plan_policy` to also get
-    the realised budget and average size.
+    (:func:`kvpolicy.estimate_threshold`) unless overridden, or from ``threshold_ratio`` (``T / w``,
+    BUZZ only). Use :func:`plan_policy` to also get the realised budget and average size.
 
     Example:
         >>> from kvpolicy import make_policy
@@ -257,5 +344,6 @@ def make_policy(
         H2O(heavy=68, recent=68)
     """
     return plan_policy(
-        name, budget, context_length=context_length, prompt_length=prompt_length, **overrides
+        name, budget, context_length=context_length, prompt_length=prompt_length, threshold_ratio=threshold_ratio,
+        **overrides,
     ).policy

@@ -143,6 +143,9 @@ def _add_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, required=True, help="tokens in the run (prompt included)")
     p.add_argument("--prompt", type=int, default=0, help="tokens prefilled at once (default 0)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="fix a parameter, e.g. --set stride=4")
+    p.add_argument("--threshold-ratio", type=float, default=None, metavar="T/W",
+                   help="BUZZ only: threshold / window ratio (> 0; default: the theorem's, 4.33 for stride 5; "
+                   "the paper authors' code uses 2.5)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -151,7 +154,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     overrides = _parse_sets(args.set)
     entry = _check_overrides(args.name, overrides)
-    plan = plan_policy(entry, args.budget, context_length=args.context, prompt_length=args.prompt, **overrides)
+    plan = plan_policy(entry, args.budget, context_length=args.context, prompt_length=args.prompt,
+                       threshold_ratio=args.threshold_ratio, **overrides)
     if args.json:
         print(json.dumps(plan.as_dict(), indent=2))
     else:

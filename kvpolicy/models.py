@@ -45,6 +45,7 @@ __all__ = [
     "describe",
     "embedded_gguf_path",
     "load",
+    "rebuild_rotary",
     "resolve_dtype",
     "tiny_llama",
 ]
@@ -516,6 +517,39 @@ def describe(model: PreTrainedModel) -> dict[str, Any]:
         "device": str(first.device) if first is not None else None,
         "attn_implementation": getattr(config, "_attn_implementation", None),
     }
+
+
+def rebuild_rotary(model: Any, device: Any) -> int:
+    """Rebuild every rotary embedding's buffers with transformers' own constructor on ``device``.
+
+    A model built on the ``meta`` device and materialised with ``to_empty`` (the way to create
+    a large model without allocating it twice) has uninitialised non-persistent buffers: the
+    rotary ``inv_freq``. transformers 5 computes them in the rotary module's ``__init__(config)``
+    (there is no ``rope_init_fn`` attribute to call), so a fresh module of the same class and
+    config gives exactly what a normally constructed model holds, in float32 as transformers
+    keeps it. Returns the number of modules rebuilt; raises ``RuntimeError`` if there is none.
+
+    Example:
+        >>> import torch
+        >>> m = tiny_llama().to_empty(device="cpu")  # inv_freq now holds whatever memory held
+        >>> rebuild_rotary(m, "cpu"), torch.equal(m.model.rotary_emb.inv_freq, tiny_llama().model.rotary_emb.inv_freq)
+        (1, True)
+    """
+    import torch
+
+    rebuilt = 0
+    for module in model.modules():
+        if not type(module).__name__.endswith("RotaryEmbedding"):
+            continue
+        with torch.device(device):
+            fresh = type(module)(module.config)
+        for name, buf in fresh.named_buffers(recurse=False):
+            setattr(module, name, buf)  # replaces the buffer, in its own dtype (float32)
+        module.attention_scaling = fresh.attention_scaling
+        rebuilt += 1
+    if not rebuilt:
+        raise RuntimeError("no rotary embedding found to rebuild: the model's RoPE would be uninitialised memory")
+    return rebuilt
 
 
 def tiny_llama(

@@ -26,7 +26,7 @@ from typing import Any, Callable, ClassVar, Literal
 
 from ._validation import check_choice, check_float, check_int
 
-__all__ = ["CacheView", "DecodeEviction", "EvictionPolicy", "LogNScaling", "Selection"]
+__all__ = ["CacheView", "DecodeEviction", "DeferredScoresView", "EvictionPolicy", "LogNScaling", "Selection"]
 
 Array = Any  # a NumPy ndarray or a torch.Tensor; anything array-api-compat understands
 Selection = Literal["per_head", "shared"]
@@ -77,8 +77,10 @@ class CacheView:
 
     @cached_property
     def xp(self) -> Any:
-        """Array namespace of the view's arrays (``array_api_compat.numpy`` or ``.torch``)."""
-        return array_namespace(self.scores)
+        """Array namespace of the view's arrays (``array_api_compat.numpy`` or ``.torch``).
+
+        Read from ``positions``, so asking for it never computes deferred scores."""
+        return array_namespace(self.positions)
 
     def arange(self, start: int, stop: int | None = None, step: int = 1) -> Array:
         """A 1-D int64 slot range on the view's device."""
@@ -87,7 +89,7 @@ class CacheView:
         xp = self.xp
         if stop is None:
             start, stop = 0, start
-        return xp.arange(start, stop, step, dtype=xp.int64, device=device(self.scores))
+        return xp.arange(start, stop, step, dtype=xp.int64, device=device(self.positions))
 
     def keep(self, *parts: Array) -> Array:
         """Concatenate slot indices into a ``[batch, heads, k]`` keep array.
@@ -107,6 +109,64 @@ class CacheView:
                 part = xp.broadcast_to(part[None, None, :], (self.batch, self.heads, part.shape[0]))
             shaped.append(xp.astype(part, xp.int64))
         return xp.concat(shaped, axis=-1)
+
+
+class DeferredScoresView(CacheView):
+    """A :class:`CacheView` whose ``scores`` are computed on first read, at most once.
+
+    :meth:`EvictionPolicy.evict` shows a shared selection this view: summing the scores over
+    heads and reducing them across tensor-parallel ranks (an all-reduce) then happens only if the
+    policy reads ``view.scores``, which the built-in policies do only once they have decided, from
+    host integers, to evict. A policy that reads scores before deciding still gets the right
+    answer; it only pays the reduction at every call.
+
+    Args:
+        positions, n_seen, state, phase: as for :class:`CacheView`.
+        compute_scores: called with no arguments on the first read of ``scores``; returns the
+            ``[batch, heads, n]`` scores.
+
+    Example:
+        >>> import numpy as np
+        >>> calls = []
+        >>> view = DeferredScoresView(np.arange(4)[None, None], lambda: calls.append(1) or np.ones((1, 1, 4)), 4)
+        >>> view.n_cached, view.scores_computed
+        (4, False)
+        >>> float(view.scores.sum()), float(view.scores.sum()), len(calls)
+        (4.0, 4.0, 1)
+    """
+
+    def __init__(
+        self,
+        positions: Array,
+        compute_scores: Callable[[], Array],
+        n_seen: int,
+        state: dict[str, int] | None = None,
+        phase: Literal["prefill", "decode"] = "decode",
+    ) -> None:
+        self._compute_scores = compute_scores
+        self._scores: Array | None = None
+        super().__init__(positions, None, n_seen, {} if state is None else state, phase)
+
+    @property  # type: ignore[override]
+    def scores(self) -> Array:
+        if self._scores is None:
+            self._scores = self._compute_scores()
+        return self._scores
+
+    @scores.setter
+    def scores(self, value: Array | None) -> None:
+        self._scores = value
+
+    @property
+    def scores_computed(self) -> bool:
+        """Whether ``scores`` has been read (and so computed) yet."""
+        return self._scores is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"DeferredScoresView(n_cached={self.n_cached}, n_seen={self.n_seen}, state={self.state!r}, "
+            f"phase={self.phase!r}, scores_computed={self.scores_computed})"
+        )
 
 
 @dataclass(frozen=True)
@@ -169,30 +229,40 @@ class DecodeEviction:
 
 @dataclass(frozen=True)
 class LogNScaling:
-    """BUZZ's "log n" attention: logits of a query that has seen ``n`` tokens are multiplied by
-    ``max(log_base(n), floor)``.
+    """BUZZ's "log n" attention (paper, section 3.5): the logits of a query that attends to ``n``
+    keys are multiplied by ``max(log_base(n), floor)``.
 
-    ``floor`` says how contexts shorter than ``base`` are treated: with the default ``1.0`` they
-    keep ordinary attention (the paper's intent that n = base "degrades to the traditional
-    formula", applied below it too); ``floor=0.0`` follows the formula literally and *softens*
-    attention for n < base.
+    ``n`` is the number of entries of the query's softmax, i.e. the keys it attends to: at a
+    decode step the cached keys (the new one included), for prompt row ``i`` of a one-shot
+    prefill ``i + 1`` (causal). ``base`` (512) is the length at which the scale is 1.
+
+    ``floor`` (default ``0.0``): the paper's formula as written, no floor, so a query attending to
+    fewer than ``base`` keys gets *softer* attention (scale below 1; ``log_512 50 = 0.63``).
+    ``floor=1.0`` is the earlier kvpolicy variant: contexts shorter than ``base`` keep ordinary
+    attention (the paper's "n = 512 degrades to the traditional formula" applied below 512 too).
+
+    Example:
+        >>> round(LogNScaling().scale(64), 4)
+        0.6667
+        >>> LogNScaling(floor=1.0).scale(64), LogNScaling().scale(512)
+        (1.0, 1.0)
     """
 
     base: float = 512.0
-    floor: float = 1.0
+    floor: float = 0.0
 
     def __post_init__(self) -> None:
         check_float("log_base", self.base, low=1.0, high=math.inf, low_open=True, high_open=True)
         check_float("log_floor", self.floor, low=0.0, high=math.inf, high_open=True)
 
-    def scale(self, n_seen: int) -> float:
-        """Scale for one query that has seen ``n_seen >= 1`` tokens (itself included)."""
-        return max(math.log(max(n_seen, 1)) / math.log(self.base), self.floor)
+    def scale(self, n: int) -> float:
+        """Scale for one query that attends to ``n >= 1`` keys (itself included)."""
+        return max(math.log(max(n, 1)) / math.log(self.base), self.floor)
 
-    def scales(self, n_seen: Array) -> Array:
-        """Vectorised :meth:`scale` for an array of counts (NumPy or Torch)."""
-        xp = array_namespace(n_seen)
-        s = xp.log(xp.astype(n_seen, xp.float64)) / math.log(self.base)
+    def scales(self, n: Array) -> Array:
+        """Vectorised :meth:`scale` for an array of key counts (NumPy or Torch)."""
+        xp = array_namespace(n)
+        s = xp.log(xp.astype(n, xp.float64)) / math.log(self.base)
         return xp.clip(s, min=self.floor)
 
 
@@ -286,23 +356,35 @@ class EvictionPolicy(ABC):
     ) -> Array | None:
         """Run one eviction decision; backends call this, not :meth:`select`.
 
-        With ``selection="shared"`` the scores are summed over heads (then passed through
-        ``reduce_scores``, e.g. an all-reduce across tensor-parallel ranks) and the chosen slots
-        are broadcast to every head.
+        With ``selection="shared"`` the policy decides on a :class:`DeferredScoresView` of one
+        head: its scores, summed over heads and passed through ``reduce_scores`` (e.g. an
+        all-reduce across tensor-parallel ranks), are computed only if :meth:`select` reads
+        them, i.e. only in a round that evicts. The chosen slots are broadcast to every head. A
+        policy that reads no scores (``uses_scores = False``) keeps the same slots on every head
+        either way, so its shared selection *is* its per-head selection.
+
+        Example (the all-reduce stand-in runs only in the round that evicts):
+            >>> import numpy as np
+            >>> from kvpolicy import H2O
+            >>> p, calls = H2O(heavy=2, recent=2, selection="shared"), []
+            >>> def reduce(s):
+            ...     calls.append(s.shape)
+            ...     return s
+            >>> view = lambda n: CacheView(np.arange(n)[None, None].repeat(2, 1), np.ones((1, 2, n)), n)
+            >>> p.evict(view(4), reduce) is None, calls
+            (True, [])
+            >>> p.evict(view(5), reduce).shape, calls
+            ((1, 2, 4), [(1, 1, 5)])
         """
-        if self.selection == "per_head":
+        if self.selection == "per_head" or not self.uses_scores:
             return self.select(view)
         xp = view.xp
-        summed = xp.sum(view.scores, axis=1, keepdims=True)
-        if reduce_scores is not None:
-            summed = reduce_scores(summed)
-        shared = CacheView(
-            positions=view.positions[:, :1, :],
-            scores=summed,
-            n_seen=view.n_seen,
-            state=view.state,
-            phase=view.phase,
-        )
+
+        def shared_scores() -> Array:
+            summed = xp.sum(view.scores, axis=1, keepdims=True)
+            return reduce_scores(summed) if reduce_scores is not None else summed
+
+        shared = DeferredScoresView(view.positions[:, :1, :], shared_scores, view.n_seen, view.state, view.phase)
         keep = self.select(shared)
         if keep is None:
             return None

@@ -61,10 +61,11 @@ class Trace:
         return num / den
 
 
-def _scale(policy: EvictionPolicy, n_seen: np.ndarray) -> np.ndarray:
+def _scale(policy: EvictionPolicy, n_keys: np.ndarray) -> np.ndarray:
+    """Log-n scale for queries attending to ``n_keys`` keys each (1 without log n)."""
     if policy.log_n is None:
-        return np.ones(n_seen.shape, dtype=np.float64)
-    return np.asarray(policy.log_n.scales(n_seen), dtype=np.float64)
+        return np.ones(n_keys.shape, dtype=np.float64)
+    return np.asarray(policy.log_n.scales(n_keys), dtype=np.float64)
 
 
 def replay(
@@ -84,7 +85,8 @@ def replay(
         values: optional ``[steps, heads, d]`` value vectors, to compute attention outputs.
 
     Per step ``t``: key ``t`` is appended; query ``t`` attends with a softmax over the kept keys
-    (logits times the policy's log-n scale, if any); each kept token's score grows by the
+    (logits times the policy's log-n scale, if any, with ``n`` the number of kept keys; prompt row
+    ``i`` attends to ``i + 1`` keys); each kept token's score grows by the
     probability it received; then the policy evicts, repeatedly until it returns ``None``.
 
     Example:
@@ -150,7 +152,8 @@ def replay(
         scores = np.concatenate([scores, np.zeros((1, heads, 1))], axis=-1)
         sizes.append(positions.shape[-1])
         cached = positions[0]  # [heads, n]
-        row = logits[t][head_index, cached] * _scale(policy, np.asarray([t + 1]))[0]
+        # log n: n = the keys this query attends to, i.e. the kept ones (paper, section 3.5)
+        row = logits[t][head_index, cached] * _scale(policy, np.asarray([cached.shape[-1]]))[0]
         probs = softmax(row)
         scores = scores + probs[None]
         if outputs is not None:

@@ -35,10 +35,10 @@ from .ops import first_argmin
 
 __all__ = ["LayerCache", "LayerSnapshot", "PrefixShift"]
 
-_MIN_GROWTH = 256
+_MIN_GROWTH = 16  # slots an unbounded store grows by at least
 #: Unbounded policies (the full cache) grow their storage by this factor (amortised copies, and
-#: a peak of at most ~1/8 unused slots instead of a doubling's 1/2).
-_GROWTH = 1.125
+#: at most 1/10 unused slots instead of a doubling's 1/2).
+_GROWTH = 1.1
 
 
 class PrefixShift(NamedTuple):
@@ -77,7 +77,7 @@ class LayerCache:
     over the query heads of its KV head and over the real queries), then :meth:`evict`.
 
     Storage is allocated once to the policy's ``capacity`` (plus ``slack`` slots for policies that
-    evict one token at a time); unbounded policies grow by 1/8. A prefill chunk that does not fit
+    evict one token at a time); unbounded policies grow by 1/10 (or are sized from ``reserve``). A prefill chunk that does not fit
     is held transiently until the eviction brings the layer back under capacity.
 
     Args:
@@ -412,7 +412,8 @@ class LayerCache:
                 attended, scored or kept. Read once per chunk (one sync); decode tokens are real.
             real: per-row counts of True in ``valid`` when the caller already has them on the host.
         """
-        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+        ks, vs = keys.shape, values.shape
+        if len(ks) != 4 or len(vs) != 4 or ks[0] != vs[0] or ks[1] != vs[1] or ks[2] != vs[2]:
             raise ValueError(
                 "keys and values must be [batch, kv_heads, q, head_dim] with equal first three dims, "
                 f"got {tuple(keys.shape)} and {tuple(values.shape)}"
@@ -422,12 +423,12 @@ class LayerCache:
                 "append() called while the previous step was not evicted: call accumulate() and evict() "
                 "after each attention (with transformers, use the 'kvpolicy_sdpa' attention implementation)"
             )
-        b, h, q, d = keys.shape
+        b, h, q, d = ks
         if q == 0:
             raise ValueError("keys must hold at least one token (q >= 1)")
         if self._k is None:
             self._start(keys, values)
-        else:
+        elif (b, h, d, vs[3], keys.dtype, values.dtype, keys.device) != self._like:
             self._check_like(keys, values)
         if valid is not None:
             if valid.shape != (b, q):
@@ -454,13 +455,15 @@ class LayerCache:
         capacity = self.policy.capacity
         per_slot = keys.shape[1] * (keys.shape[3] * keys.element_size() + values.shape[3] * values.element_size())
         if capacity is None:
-            slots = max(q, self.reserve or 0, _MIN_GROWTH)
+            slots = max(q, self.reserve or 0)
         else:
             slots = capacity + self._slack(capacity, per_slot)
         self._seen, self._count, self._front = [0] * b, [0] * b, [0] * b
         self._states = [self.policy.init_state() for _ in range(b)]
         self._fifo = [None] * b
         self._allocate(keys, values, slots)
+        # what later appends must match (one tuple comparison per step; _check_like says what differs)
+        self._like = (b, keys.shape[1], keys.shape[3], values.shape[3], keys.dtype, values.dtype, keys.device)
 
     def _check_like(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         k, v = self._k, self._v
@@ -477,10 +480,28 @@ class LayerCache:
             raise ValueError(f"keys moved from {k.device} to {keys.device}")
 
     def _append_one(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        front, seen, count = self._front, self._seen, self._count
+        s = front[0]
+        if len(front) == 1 and s < self._k.shape[2]:  # type: ignore[union-attr]
+            # one row (the common case): the same writes with no per-row bookkeeping
+            self._k.select(2, s).copy_(keys.select(2, 0))  # type: ignore[union-attr]
+            self._v.select(2, s).copy_(values.select(2, 0))  # type: ignore[union-attr]
+            self._pos.select(2, s).fill_(seen[0])  # type: ignore[union-attr]
+            self._scores.select(2, s).fill_(0)  # type: ignore[union-attr]
+            self._bias.select(2, s).fill_(0)  # type: ignore[union-attr]
+            front[0] = s + 1
+            seen[0] += 1
+            count[0] += 1
+            self.columns += 1
+            self._chunk = None
+            lo = self._first(0)
+            self._range = (0 if self.static_shapes else lo, self.slots if self.static_shapes else s + 1)
+            self._bias_needed = self.static_shapes or s + 1 - lo != count[0]
+            return
         full = [r for r, f in enumerate(self._front) if f >= self.slots]
         if full:
             if self.policy.capacity is None:
-                self._allocate(keys, values, max(self.slots + 1, math.ceil(self.slots * _GROWTH)))
+                self._allocate(keys, values, max(self.slots + _MIN_GROWTH, math.ceil(self.slots * _GROWTH)))
             else:
                 self._compact_rows([r for r in full if self._count[r] < self._front[r]])
                 if any(self._front[r] >= self.slots for r in full):
@@ -544,7 +565,7 @@ class LayerCache:
         if start + q <= self.slots:
             for t, new in zip(self._tensors(), (keys, values, new_pos, new_scores, new_bias)):
                 t[:, :, start : start + q] = new
-            self._range = (0, self.slots if self.static_shapes else start + q)
+            self._range = (0, start + q)  # a chunk ends the range (received_attention reads its keys as the last q), static or not
         else:  # the prompt exceeds the storage: attention needs all of it for this step
             old = [t[:, :, :start] for t in self._tensors()]
             self._extra = tuple(torch.cat([o, n], dim=2) for o, n in zip(old, (keys, values, new_pos, new_scores, new_bias)))

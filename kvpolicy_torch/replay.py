@@ -14,10 +14,11 @@ from .layer import LayerCache
 __all__ = ["replay"]
 
 
-def _scales(policy: EvictionPolicy, n_seen: torch.Tensor) -> torch.Tensor:
+def _scales(policy: EvictionPolicy, n_keys: torch.Tensor) -> torch.Tensor:
+    """Log-n scale for queries attending to ``n_keys`` keys each (1 without log n)."""
     if policy.log_n is None:
-        return torch.ones_like(n_seen, dtype=torch.float64)
-    return policy.log_n.scales(n_seen)
+        return torch.ones_like(n_keys, dtype=torch.float64)
+    return policy.log_n.scales(n_keys)
 
 
 def replay(
@@ -83,7 +84,7 @@ def replay(
         _, v_all = layer.append(dummy_keys, values_t[t][None, :, None, :])
         sizes.append(layer.length)
         cached = layer.slot_positions[0]  # [heads, n] in slot order, -1 at holes
-        scale = _scales(policy, torch.tensor([t + 1], device=device)).to(dtype)
+        scale = _scales(policy, torch.tensor([layer.length], device=device)).to(dtype)  # n = kept keys
         rows = torch.gather(logits_t[t], 1, cached.clamp(min=0)) * scale
         probs = torch.softmax(rows.masked_fill(cached < 0, float("-inf")), dim=-1)  # [heads, n]
         layer.accumulate(probs[None])

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
-__all__ = ["received_attention", "group_query_heads"]
+__all__ = ["DEFAULT_WORKSPACE_BYTES", "group_query_heads", "prefill_block_rows", "received_attention"]
 
 
 def group_query_heads(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -19,6 +22,46 @@ def group_query_heads(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return query.reshape(b, kv_heads, hq // kv_heads, q, d)
 
 
+#: Default bytes for one prefill block's float32 logits ``[batch, q_heads, block, keys]``
+#: (:func:`prefill_block_rows`): 256 MiB, small next to an 80 GB GPU's KV cache and large
+#: enough that the per-block overhead (a few kernel launches) is negligible.
+DEFAULT_WORKSPACE_BYTES = 256 << 20
+
+
+def prefill_block_rows(batch: int, q_heads: int, keys: int, *, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, itemsize: int = 4) -> int:
+    """Query rows per block so that one block's logits ``[batch, q_heads, rows, keys]`` fit in
+    ``workspace_bytes`` (at least 1 row).
+
+    Example:
+        >>> prefill_block_rows(1, 40, 32768)  # Llama-2-13B on one GPU, 32k keys: 51 rows per block
+        51
+        >>> prefill_block_rows(1, 9, 2048)
+        3640
+    """
+    per_row = max(1, batch * q_heads * keys * itemsize)
+    return max(1, workspace_bytes // per_row)
+
+
+@contextmanager
+def _tf32_for_16bit(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """Allow TF32 for float32 matmuls on CUDA while the operands are upcast 16-bit values.
+
+    TF32 keeps 10 mantissa bits: every float16 and bfloat16 value is exactly representable, and
+    a product of two is exact in float32, so with float32 accumulation the result equals the
+    IEEE float32 product up to summation order. Float32 inputs keep IEEE float32 (TF32 would
+    round them)."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    old = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = old
+
+
 def received_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -27,7 +70,8 @@ def received_attention(
     query_scale: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     query_valid: torch.Tensor | None = None,
-    block: int = 512,
+    block: int | None = None,
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
 ) -> torch.Tensor:
     """Attention each key received from the current queries, summed per KV head.
 
@@ -37,20 +81,38 @@ def received_attention(
             the first ``n - q`` are cached and visible to every query (causal within the chunk).
         scaling: the softmax scale (``1/sqrt(head_dim)``).
         query_scale: optional ``[q]`` or ``[batch, q]`` extra logit factor per query (BUZZ's log n).
-        mask: optional boolean ``[batch | 1, 1, q, n]`` (True: attend) replacing the causal rule
-            above (a slot cache with holes or a left-padded chunk: ``LayerCache.chunk_mask()``).
+        mask: optional boolean ``[batch | 1, 1, q, n]`` (True: attend), applied on top of the
+            causal rule above: holes of a slot cache and pads of a left-padded chunk
+            (``LayerCache.chunk_mask()``).
         query_valid: optional ``[batch, q]`` bool; False rows (pad queries) add nothing.
-        block: queries per block, bounding the ``[.., block, n]`` temporary during a long prefill.
+        block: queries per block during a prefill; default: as many as
+            :func:`prefill_block_rows` fits in ``workspace_bytes``, and at most an eighth of the
+            chunk (at least 64), so the causal blocks skip most of the masked product.
+        workspace_bytes: the bound on one block's float32 logits (when ``block`` is ``None``).
 
     Returns:
         ``[batch, kv_heads, n]`` float32 (float64 for float64 inputs): the softmax probabilities
         summed over the query heads of each KV head and over the queries.
+
+    A prefill never copies all keys to float32: logits are computed in float32 block by block,
+    each block only over the keys its rows can see (causal), and the softmax runs in place on the
+    block. Float32 keys are used as they are. 16-bit keys are upcast one key chunk at a time, and
+    on CUDA their product with the (unscaled, upcast) 16-bit queries runs in TF32, which is exact
+    for 16-bit operands (10 mantissa bits; products exact in float32, float32 accumulation); the
+    scale, the softmax and the sums stay IEEE float32. For float32 inputs the product follows
+    torch's global float32 matmul precision (IEEE unless TF32 was enabled globally).
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q, k = torch.randn(1, 4, 6, 8, generator=g), torch.randn(1, 2, 6, 8, generator=g)
+        >>> r = received_attention(q, k, 8 ** -0.5, block=2)
+        >>> r.shape, round(float(r.sum()), 4)  # 4 query heads x 6 rows, each row sums to 1
+        (torch.Size([1, 2, 6]), 24.0)
     """
     b, hq, q, d = query.shape
     kv_heads, n = keys.shape[1], keys.shape[2]
     work = torch.float64 if query.dtype == torch.float64 else torch.float32
-    grouped = group_query_heads(query, kv_heads).to(work)
-    k = keys.to(work)
+    grouped = group_query_heads(query, kv_heads)
     if query_scale is not None and query_scale.ndim == 1:
         query_scale = query_scale[None].expand(b, q)
     if q == 1 and mask is None and query_valid is None:
@@ -58,27 +120,54 @@ def received_attention(
         # over batch x kv_heads ([r, d] x [d, n]; a cache's [batch, heads, :n] view of its storage
         # reshapes without a copy) replaces the 5-D einsum, and the sum over the r query heads of
         # a KV head is the only reduction.
+        grouped, k = grouped.to(work), keys.to(work)
         r = hq // kv_heads
         logits = torch.bmm(grouped.reshape(b * kv_heads, r, d), k.reshape(b * kv_heads, n, d).transpose(1, 2))
         logits = logits.view(b, kv_heads, r, n) * scaling
         if query_scale is not None:
             logits = logits * query_scale[:, 0].view(b, 1, 1, 1).to(work)
         return torch.softmax(logits, dim=-1).sum(dim=2)
+    itemsize = torch.finfo(work).bits // 8
+    if block is None:
+        # The memory bound, and at least 8 blocks for a long chunk: block i multiplies only the
+        # keys its rows can see, so 8 blocks skip about 7/16 of the causal product.
+        block = min(prefill_block_rows(b, hq, n, workspace_bytes=workspace_bytes, itemsize=itemsize), max(64, -(-q // 8)))
     out = torch.zeros(b, kv_heads, n, dtype=work, device=keys.device)
     offset = n - q
-    for start in range(0, q, block):  # one block for a decode step; a few for a long prefill
+    cast = keys.dtype != work
+    above_diagonal = torch.ones(min(block, q), min(block, q), dtype=torch.bool, device=keys.device).triu_(1)
+    r = hq // kv_heads
+    for start in range(0, q, block):  # a few blocks for a long prefill
         stop = min(q, start + block)
-        logits = torch.einsum("bgrqd,bgnd->bgrqn", grouped[:, :, :, start:stop], k) * scaling
-        if query_scale is not None:
-            logits = logits * query_scale[:, None, None, start:stop, None].to(work)
-        if mask is not None:  # [b|1, 1, q, n] -> [b|1, 1, 1, block, n]
-            logits = logits.masked_fill(~mask[:, :, None, start:stop], float("-inf"))
-        elif q > 1:
-            rows = torch.arange(start, stop, device=keys.device)[:, None]
-            cols = torch.arange(n, device=keys.device)[None, :]
-            logits = logits.masked_fill(cols > offset + rows, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if query_valid is not None:
-            probs = probs * query_valid[:, None, None, start:stop, None].to(work)
-        out += probs.sum(dim=(2, 3))
+        rows = stop - start
+        visible = offset + stop  # keys past it are masked for every row of this block
+        qb = grouped[:, :, :, start:stop].to(work)  # small: [b, g, r, rows, d]
+        factor = torch.full((1, 1, 1, rows, 1), scaling, dtype=work, device=keys.device)
+        if query_scale is not None:  # [b, 1, 1, rows, 1]
+            factor = factor * query_scale[:, None, None, start:stop, None].to(work)
+        if not cast:  # float32/float64: fold the scale into the (small) query block
+            qb = (qb * factor).reshape(b, kv_heads, r * rows, d)  # one [r * rows, d] x [d, keys] product per KV head
+            logits = torch.matmul(qb, keys[:, :, :visible].mT)
+        else:  # upcast a key chunk at a time: never a float32 copy of all keys
+            qb = qb.reshape(b, kv_heads, r * rows, d)  # unscaled: exact 16-bit values, so TF32 is exact
+            logits = torch.empty(b, kv_heads, r * rows, visible, dtype=work, device=keys.device)
+            chunk = max(1, workspace_bytes // max(1, b * kv_heads * d * itemsize))
+            with _tf32_for_16bit(keys.dtype if query.dtype == keys.dtype else work, keys.device):  # the matmul only
+                for k0 in range(0, visible, chunk):
+                    k1 = min(visible, k0 + chunk)
+                    logits[..., k0:k1] = torch.matmul(qb, keys[:, :, k0:k1].to(work).mT)
+            logits.view(b, kv_heads, r, rows, visible).mul_(factor)  # before the mask: no -inf * 0
+        # causal within the chunk: row i sees keys up to offset + start + i; only the last `rows`
+        # columns can be masked
+        tail = logits.view(b, kv_heads, r, rows, visible)[..., offset + start : visible]
+        tail.masked_fill_(above_diagonal[:rows, :rows], float("-inf"))
+        if mask is not None:  # [b|1, 1, rows, visible] -> over the KV heads' r query heads
+            logits.view(b, kv_heads, r, rows, visible).masked_fill_(~mask[:, :, None, start:stop, :visible], float("-inf"))
+        # softmax in place (no second [.., rows, keys] tensor), its normalisation folded into the
+        # sum over query rows: one [1, r * rows] x [r * rows, keys] product per KV head
+        logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+        inv_total = logits.sum(dim=-1).reciprocal_()  # [b, g, r * rows]
+        if query_valid is not None:  # a pad query's row adds nothing
+            inv_total.view(b, kv_heads, r, rows).mul_(query_valid[:, None, None, start:stop].to(work))
+        out[..., :visible] += torch.matmul(inv_total[:, :, None, :], logits)[:, :, 0]
     return out

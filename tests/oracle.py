@@ -259,7 +259,7 @@ def oracle(
             caches[h].append(t)
             scores[h].append(0.0)
         result.sizes.append(len(caches[0]))
-        c = scale(t + 1)
+        c = scale(len(caches[0]))  # log n: n = the keys query t attends to (paper, section 3.5)
         row = np.asarray(
             [[logits[t, h, j] for j in caches[h]] for h in range(heads)], dtype=np.float64
         ) * np.float64(c)

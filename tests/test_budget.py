@@ -174,3 +174,83 @@ def test_policy_plan_is_printable() -> None:
     assert d["policy"] == "buzz" and d["capacity"] == plan.policy.capacity
     assert d["params"] == plan.policy.params()
     assert plan.capacity == plan.policy.sink + plan.policy.window + plan.policy.threshold
+
+
+# ---------------------------------------------------------------------------- T/w as a parameter
+@given(st.floats(1.0, 8.0), st.floats(0.1, 0.6), st.sampled_from([3, 4, 5, 7]))
+def test_threshold_ratio_round_trips_through_plan_policy(ratio, budget, stride) -> None:
+    from kvpolicy import plan_capacity
+
+    plan = plan_policy("buzz", budget, context_length=1056, prompt_length=32, threshold_ratio=ratio, stride=stride)
+    p = plan.policy
+    assert p.threshold == max(3, round(ratio * p.window))  # the ratio asked for (smallest legal T enforced)
+    assert plan.threshold_ratio == ratio and plan.as_dict()["threshold_ratio"] == ratio
+    # planning again with the same ratio at the realised budget gives back the same policy
+    again = plan_policy("buzz", plan.realised_budget, context_length=1056, prompt_length=32, threshold_ratio=ratio,
+                        stride=stride)
+    assert again.policy == p
+    assert make_policy("buzz", budget, context_length=1056, prompt_length=32, threshold_ratio=ratio, stride=stride) == p
+    assert BUZZ.from_size(p.window * 3, threshold_ratio=ratio, stride=stride).threshold == max(
+        3, round(ratio * BUZZ.from_size(p.window * 3, threshold_ratio=ratio, stride=stride).window))
+    cap = plan_capacity("buzz", 80, context_length=1056, prompt_length=32, threshold_ratio=ratio, stride=stride)
+    assert cap.capacity <= 80 and cap.policy.threshold == max(3, round(ratio * cap.policy.window))
+
+
+def test_threshold_ratio_default_is_the_theorem() -> None:
+    for budget in (0.1, 0.3, 0.5):
+        a = plan_policy("buzz", budget, context_length=2048)
+        b = plan_policy("buzz", budget, context_length=2048, threshold_ratio=None)
+        assert a.policy == b.policy
+        assert a.policy.threshold == estimate_threshold(5, a.policy.window)
+    assert BUZZ.from_size(100) == BUZZ.from_size(100, threshold_ratio=None)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: plan_policy("buzz", 0.3, context_length=512, threshold_ratio=0), "threshold_ratio must be in"),
+        (lambda: plan_policy("buzz", 0.3, context_length=512, threshold_ratio=-2.5), "threshold_ratio must be in"),
+        (lambda: plan_policy("buzz", 0.3, context_length=512, threshold_ratio=float("inf")), "threshold_ratio must be in"),
+        (lambda: plan_policy("buzz", 0.3, context_length=512, threshold_ratio="2.5"), "threshold_ratio must be a number"),
+        (lambda: plan_policy("h2o", 0.3, context_length=512, threshold_ratio=2.5), "applies to BUZZ"),
+        (lambda: make_policy("buzz", 0.3, context_length=512, threshold_ratio=2.5, threshold=40), "not both"),
+        (lambda: BUZZ.from_size(100, threshold_ratio=2.5, threshold=40), "not both"),
+        (lambda: BUZZ.from_size(100, threshold_ratio=0.0), "threshold_ratio must be in"),
+    ],
+)
+def test_threshold_ratio_is_validated(call, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_smallest_legal_threshold_still_enforced() -> None:
+    p = BUZZ.from_size(12, threshold_ratio=0.1)
+    assert p.threshold == 3
+    assert plan_policy("buzz_logn", 0.2, context_length=400, threshold_ratio=0.05).policy.threshold == 3
+
+
+# ---------------------------------------------------------------------------- equal capacity
+@given(st.sampled_from(["local", "streaming_llm", "h2o", "buzz", "buzz_logn"]), st.integers(20, 400))
+def test_plan_capacity_is_the_largest_policy_within_the_capacity(name, capacity) -> None:
+    from kvpolicy import plan_capacity
+    from kvpolicy.registry import get_policy
+
+    plan = plan_capacity(name, capacity, context_length=1056, prompt_length=32)
+    assert plan.capacity <= capacity and plan.requested_capacity == capacity
+    entry = get_policy(name)
+    fitting = [entry.from_size(s).capacity for s in range(entry.min_size, 2 * capacity)]
+    assert plan.capacity == max(c for c in fitting if c <= capacity)  # no policy of this kind fits better
+    sizes = simulate_sizes(plan.policy, 1056, 32)
+    assert plan.average_size == pytest.approx(float(np.mean(sizes)))
+    assert max(sizes) <= capacity
+
+
+def test_plan_capacity_errors() -> None:
+    from kvpolicy import plan_capacity
+
+    with pytest.raises(ValueError, match="no capacity limit"):
+        plan_capacity("full", 50, context_length=100)
+    with pytest.raises(ValueError, match="capacity 3 is below the smallest"):
+        plan_capacity("buzz", 3, context_length=100)
+    with pytest.raises(ValueError, match="capacity must be"):
+        plan_capacity("h2o", 0, context_length=100)

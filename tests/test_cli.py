@@ -201,3 +201,14 @@ def test_python_dash_m(tmp_path) -> None:
 def test_console_script_is_declared() -> None:
     text = (ROOT / "pyproject.toml").read_text()
     assert 'kvpolicy = "kvpolicy.cli:main"' in text
+
+
+def test_plan_threshold_ratio(capsys) -> None:
+    rc, out, _ = run(capsys, "plan", "buzz", "--budget", "0.3", "--context", "2048", "--threshold-ratio", "2.5", "--json")
+    plan = json.loads(out)
+    assert rc == 0 and plan["threshold_ratio"] == 2.5
+    assert plan["params"]["threshold"] == round(2.5 * plan["params"]["window"])
+    rc, _, err = run(capsys, "plan", "h2o", "--budget", "0.3", "--context", "2048", "--threshold-ratio", "2.5")
+    assert rc == 2 and "applies to BUZZ" in err
+    rc, _, err = run(capsys, "plan", "buzz", "--budget", "0.3", "--context", "2048", "--threshold-ratio", "-1")
+    assert rc == 2 and "threshold_ratio must be in" in err

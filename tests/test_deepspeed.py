@@ -145,17 +145,26 @@ def test_split_sizes_mirror_deepspeed(tp):
 def test_runbook_memory_arithmetic(example):
     model = example.meta_model(example.llama2_13b_config())
     gib = 2**30
+    limit = example.H100_USABLE_GIB * gib  # what torch can use of an 80 GB H100 (docs/deepspeed.md)
+    assert example.H100_USABLE_GIB < 80
     for tp in (2, 4, 8):
         full = example.max_context(model, tp, policy="none")
         buzz = example.max_context(model, tp, policy="buzz", budget=0.25)
         for m in (full, buzz):
-            assert m.total <= 80 * gib
-            assert example.rank_memory(model, tp, m.context + 64, policy=m.policy, budget=0.25).total > 80 * gib
+            assert m.total <= limit
+            assert example.rank_memory(model, tp, m.context + 64, policy=m.policy, budget=0.25).total > limit
         assert full.kv == full.context * 819_200 // tp
         assert buzz.cached_tokens < buzz.context / 2  # BUZZ keeps a third of the context at its peak
         assert buzz.context > 2 * full.context
     m = example.rank_memory(model, 2, 8192, policy="none")
     assert m.weights == 6_590_059_520 * 2
+    # the score capture's workspace is bounded (blocks of at most 256 MiB of logits), not per key
+    b = example.rank_memory(model, 2, 32768, policy="buzz", budget=0.25)
+    keys = b.cached_tokens + 4096
+    assert b.workspace == keys * 3 * 4096 + 2 * (256 << 20)
+    from kvpolicy_torch.scores import DEFAULT_WORKSPACE_BYTES
+
+    assert example.SCORE_WORKSPACE_BYTES == DEFAULT_WORKSPACE_BYTES
 
 
 def test_example_plan_only_prints_the_arithmetic(example, capsys):
@@ -315,3 +324,95 @@ def test_example_runs_random_weights_tp1(example):
     )  # fmt: skip
     assert result["tp"] == 1 and result["prompt_tokens"] == 300 and result["new_tokens"] == 4
     assert result["cached_tokens"] < 300 and result["decode_tok_per_s"] > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-rank materialisation (the runbook's meta-device path) and the launcher check
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 8])
+def test_parameter_shards_tile_every_parameter_and_match_the_weight_count(llama13b_small, tp):
+    from kvpolicy.deepspeed import parameter_shard
+
+    model = llama13b_small
+    geometry = ModelGeometry.from_config(model)
+    totals = [0] * tp
+    for name, p in model.named_parameters():
+        shards = [parameter_shard(name, tuple(p.shape), geometry, tp, r) for r in range(tp)]
+        if shards[0] is None:
+            assert all(s is None for s in shards)
+            for r in range(tp):
+                totals[r] += p.numel()
+            continue
+        dims = {s[0] for s in shards}
+        assert len(dims) == 1
+        (dim,) = dims
+        # contiguous, in rank order, covering the dimension exactly
+        assert shards[0][1] == 0 and shards[-1][2] == p.shape[dim]
+        assert all(a[2] == b[1] for a, b in zip(shards, shards[1:]))
+        for r, (_, start, stop) in enumerate(shards):
+            totals[r] += (stop - start) * (p.numel() // p.shape[dim])
+    assert totals == weight_numel_per_rank(model, tp)
+
+
+def test_materialize_shards_fills_this_ranks_slice_and_checks_shapes(llama13b_small):
+    """A rank's parameters, cut by hand as AutoTP would, are filled with exactly the slices of
+    the whole (seeded) tensors; a wrong local shape is refused."""
+    from kvpolicy.deepspeed import materialize_shards, parameter_shard
+
+    model = llama13b_small
+    geometry = ModelGeometry.from_config(model)
+    full = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    whole = {name: torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, (name, shape) in enumerate(full.items())}
+    tp, rank = 2, 1
+    params = {}
+    for name, shape in full.items():
+        s = parameter_shard(name, shape, geometry, tp, rank)
+        size = list(shape)
+        if s is not None:
+            size[s[0]] = s[2] - s[1]
+        params[name] = torch.nn.Parameter(torch.empty(size, dtype=torch.bfloat16), requires_grad=False)
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = model.config
+            for k, v in params.items():
+                self.register_parameter(k.replace(".", "__"), v)
+
+        def named_parameters(self, *args, **kwargs):  # the real names, as AutoTP's module has them
+            return iter(params.items())
+
+    holder = Holder()
+    written = materialize_shards(holder, full, lambda name, shape: whole[name], tp_size=tp, rank=rank, geometry=geometry)
+    assert written == sum(p.numel() * 2 for p in params.values())
+    q = "model.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(params[q], whole[q][80:160].to(torch.bfloat16))  # 20 heads x 4 of rank 1
+    lazy = materialize_shards(holder, full, lambda name, shape: (lambda index: whole[name][index]), tp_size=tp, rank=rank, geometry=geometry)
+    assert lazy == written
+    with pytest.raises(ValueError, match="AutoTP's rule gives"):
+        materialize_shards(holder, full, lambda name, shape: whole[name], tp_size=4, rank=0, geometry=geometry)
+
+
+@pytest.mark.parametrize(
+    ("env", "accelerator", "refused"),
+    [
+        ({"WORLD_SIZE": "2"}, "cpu", True),
+        ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, "cpu", True),
+        ({"WORLD_SIZE": "2", "LOCAL_SIZE": "2"}, "cpu", False),
+        ({"WORLD_SIZE": "2"}, "cuda", False),
+        ({"WORLD_SIZE": "1"}, "cpu", False),
+        ({}, "cpu", False),
+    ],
+)
+def test_launcher_env_check(env, accelerator, refused):
+    from kvpolicy.deepspeed import check_launcher_env
+
+    if refused:
+        with pytest.raises(ValueError, match="LOCAL_SIZE is not set") as err:
+            check_launcher_env(env, accelerator=accelerator)
+        hint = "LOCAL_SIZE=2 torchrun" if "LOCAL_WORLD_SIZE" in env else "LOCAL_SIZE=<processes on this node> torchrun"
+        assert "deepspeed --num_gpus 2" in str(err.value) and hint in str(err.value)
+    else:
+        check_launcher_env(env, accelerator=accelerator)

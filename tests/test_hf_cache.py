@@ -240,3 +240,20 @@ def test_generate_helper_reports_sizes(model):
     assert res.policy == plan_policy
     assert 0 < res.cache_ratio < 1
     assert max(res.cache_lengths) <= plan_policy.capacity
+
+
+def test_full_cache_allocates_what_it_needs(model):
+    """FullCache: sized once from max_tokens when known (generate() knows it), otherwise grown by
+    1/10 at a time: its keys and values never take more than 1.1x a tight cache."""
+    ids = _ids(batch=2, length=100)
+    for max_tokens in (None, 130):
+        cache = EvictingCache(FullCache(), model, max_tokens=max_tokens)
+        _greedy(model, ids, cache, n=30)
+        for layer in cache.layers:
+            store = layer.store
+            tight = store.kv_bytes  # 129 tokens held (the last generated one never enters)
+            allocated = store.kv_bytes // store.length * store.slots
+            assert store.length == 129
+            assert allocated <= 1.1 * tight, (max_tokens, store.slots)
+            if max_tokens is not None:
+                assert store.slots == max_tokens

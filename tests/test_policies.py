@@ -60,7 +60,8 @@ def reconstruct_scores(trace, logits: np.ndarray, policy, t: int) -> list[dict[i
     heads = logits.shape[1]
     scores: list[dict[int, float]] = [dict() for _ in range(heads)]
     for u in range(t + 1):
-        scale = np.float64(1.0) if policy.log_n is None else policy.log_n.scales(np.asarray([u + 1]))[0]
+        n_keys = 1 if u == 0 else trace.kept[u - 1].shape[-1] + 1  # log n: n = keys attended
+        scale = np.float64(1.0) if policy.log_n is None else policy.log_n.scales(np.asarray([n_keys]))[0]
         for h in range(heads):
             attended = ([] if u == 0 else trace.kept[u - 1][h].tolist()) + [u]
             probs = softmax(logits[u, h, attended] * scale)

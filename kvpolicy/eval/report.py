@@ -49,6 +49,13 @@ METRIC_NAMES = {
     "recall": "needle-word recall",
 }
 
+STREAM_CAPTION = {
+    "size": "Each cell: perplexity (measured average cache, capacity). Columns: fixed cache size, equal mean (the "
+            "average cache over the scored steps is the size) and equal capacity (the peak is the size), side by side.",
+    "budget": "Each cell: perplexity (measured average cache, capacity). Columns: requested budget (target = budget x "
+              "the full cache's average), equal mean and equal capacity side by side.",
+}
+
 #: The BUZZ paper's own numbers (Llama-2-7B unless said otherwise), for the separate table only.
 PAPER_TABLES: dict[str, dict[str, Any]] = {
     "summ": {
@@ -97,7 +104,22 @@ def _pct(x: float | None) -> str:
 
 
 def _name(p: str) -> str:
-    return NAMES.get(p, p)
+    if p in NAMES:
+        return NAMES[p]
+    base, sep, ratio = p.rpartition("_tw")
+    if sep and base in NAMES:
+        return f"{NAMES[base]} (T/w {ratio})"
+    return p
+
+
+def _row(cell: dict[str, Any]) -> str:
+    """A cell's table row: its policy, or ``buzz_tw<r>`` for BUZZ at another T/w (stream)."""
+    return cell.get("row") or cell["policy"]
+
+
+def _buzz_rows(task: dict[str, Any]) -> list[str]:
+    rows = dict.fromkeys(_row(c) for c in task["cells"])
+    return [r for r in _order(list(rows)) if r in BUZZES or r.startswith("buzz_tw")]
 
 
 def _order(policies: Sequence[str]) -> list[str]:
@@ -154,12 +176,12 @@ def verdicts(task: dict[str, Any]) -> list[str]:
     for c in task["cells"]:
         if c["kind"] in ("budget", "size"):
             groups.setdefault(c["label"], []).append(c)
-    full = next((c for c in task["cells"] if c["policy"] == "full"), None)
+    full = next((c for c in task["cells"] if _row(c) == "full"), None)
     any_se = False
-    for buzz in BUZZES:
+    for buzz in _buzz_rows(task):
         wins, losses, ties = [], [], []
         for label, cells in groups.items():
-            by = {c["policy"]: c for c in cells}
+            by = {_row(c): c for c in cells}
             if buzz not in by or _value(by[buzz], metric) is None:
                 continue
             base = [(p, _value(by[p], metric)) for p in BASELINES if p in by and _value(by[p], metric) is not None]
@@ -203,18 +225,19 @@ def verdicts(task: dict[str, Any]) -> list[str]:
         if any(se for *_, se in wins + losses):
             head += (f". Beyond 2 s.e.: {sig_w} of the {len(wins)} wins and {sig_l} of the {len(losses)} losses")
         lines.append(head + ".")
-    if "buzz" in {c["policy"] for c in task["cells"]} and "buzz_logn" in {c["policy"] for c in task["cells"]}:
+    if "buzz" in {_row(c) for c in task["cells"]} and "buzz_logn" in {_row(c) for c in task["cells"]}:
         def outputs(policy: str) -> dict[str, Any]:
             return {c["label"]: [(e["id"], e["scores"], e.get("text")) for e in c.get("samples", [])]
-                    for c in task["cells"] if c["policy"] == policy}
+                    for c in task["cells"] if _row(c) == policy}
 
         a, b = outputs("buzz"), outputs("buzz_logn")
         if a and a == b:
             longest = task["prompt_tokens"]["max"] + task["decode_steps_per_sample"]
+            floors = {p["params"].get("log_floor") for c in task["cells"] if _row(c) == "buzz_logn" for p in c["plans"]}
             lines.append(
                 "BUZZ (log n) gives exactly BUZZ's outputs here"
-                + (f": its logit scale max(log_512 n, 1) is 1 for every query that has seen at most 512 tokens, and "
-                   f"no query of this task sees more than {longest}." if longest <= 512 else ".")
+                + (f": its logit scale max(log_512 n, 1) is 1 for every query that attends to at most 512 keys, and "
+                   f"no query of this task attends to more than {longest}." if longest <= 512 and floors == {1.0} else ".")
             )
     if full is not None and _value(full, metric) == 0.0 and task["higher_is_better"]:
         lines.append(
@@ -223,10 +246,10 @@ def verdicts(task: dict[str, Any]) -> list[str]:
         )
     elif full is not None and _value(full, metric) is not None:
         fv = _value(full, metric)
-        for buzz in BUZZES:
+        for buzz in _buzz_rows(task):
             pts = []
             for label, cells in groups.items():
-                c = next((c for c in cells if c["policy"] == buzz), None)
+                c = next((c for c in cells if _row(c) == buzz), None)
                 if c is None or _value(c, metric) is None or c["kind"] != "budget":
                     continue
                 v = _value(c, metric)
@@ -271,15 +294,18 @@ def _pivot(task: dict[str, Any], kind: str) -> tuple[list[str], list[list[str]]]
     for c in cells:
         if c["label"] not in labels:
             labels.append(c["label"])
-    policies = _order(list(dict.fromkeys(c["policy"] for c in cells)))
+    policies = _order(list(dict.fromkeys(_row(c) for c in cells)))
     header = ["policy"] + labels
     rows = []
     for p in policies:
         row = [_name(p)]
         for lab in labels:
-            c = next((c for c in cells if c["policy"] == p and c["label"] == lab), None)
+            c = next((c for c in cells if _row(c) == p and c["label"] == lab), None)
             if c is None:
                 row.append("")
+            elif c.get("equalise"):  # stream: both equalisations side by side, each cell's mean and peak
+                cap = "-" if c.get("capacity") is None else str(c["capacity"])
+                row.append(f"{fmt(metric, _value(c, metric))} (avg {c['average_cache']:.0f}, cap {cap})")
             else:
                 row.append(f"{fmt(metric, _value(c, metric))} ({_pct(c['realised_budget'])})" if kind == "budget"
                            else f"{fmt(metric, _value(c, metric))} (avg {c['average_cache']:.0f})")
@@ -311,13 +337,15 @@ def console_summary(doc: dict[str, Any]) -> str:
         arrow = "higher is better" if task["higher_is_better"] else "lower is better"
         out.append(f"\n== {task['title']} [{task['name']}], {task['n_samples']} samples; "
                    f"{METRIC_NAMES[metric]}, {arrow}")
-        full = next((c for c in task["cells"] if c["policy"] == "full"), None)
+        full = next((c for c in task["cells"] if _row(c) == "full"), None)
         if full is not None:
             out.append(f"full cache: {fmt(metric, _value(full, metric))}")
         for kind, what in (("budget", "cell = value (realised budget); columns = requested budget"),
                            ("size", "cell = value (measured average cache size); columns = fixed cache size"),
                            ("ratio", "cell = value (measured average cache size); columns = T/w")):
             if _cells(task, kind):
+                if task["name"] == "stream":
+                    what = STREAM_CAPTION[kind]
                 out.append(what)
                 out.append(_text_table(*_pivot(task, kind)))
         for line in verdicts(task):
@@ -342,18 +370,18 @@ def _scale(metric: str, v: float | None) -> float | None:
 
 
 def _budget_panel(ax: Any, task: dict[str, Any], metric: str, cells: list[dict[str, Any]], title: str) -> None:
-    policies = _order(list(dict.fromkeys(c["policy"] for c in cells if c["kind"] == "budget")))
+    policies = _order(list(dict.fromkeys(_row(c) for c in cells if c["kind"] == "budget")))
     if len({c["label"] for c in cells if c["kind"] == "budget"}) == 1:  # one budget: bars, not lines
         bud = [c for c in cells if c["kind"] == "budget"]
         for i, p in enumerate(policies):
-            c = next(c for c in bud if c["policy"] == p)
+            c = next(c for c in bud if _row(c) == p)
             v = _scale(metric, c["metrics"].get(metric)) or 0.0
             ax.bar(i, v, color=COLORS.get(p), label=_name(p))
             ax.text(i, v, fmt(metric, c["metrics"].get(metric)), ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(policies)))
-        ax.set_xticklabels([f"{_name(p)}\n{_pct(next(c for c in bud if c['policy'] == p)['realised_budget'])}"
+        ax.set_xticklabels([f"{_name(p)}\n{_pct(next(c for c in bud if _row(c) == p)['realised_budget'])}"
                             for p in policies], fontsize=7)
-        full = next((c for c in cells if c["policy"] == "full"), None)
+        full = next((c for c in cells if _row(c) == "full"), None)
         if full is not None and full["metrics"].get(metric) is not None:
             ax.axhline(_scale(metric, full["metrics"][metric]), color="black", linestyle="--", linewidth=1.2,
                        label="Full cache")
@@ -365,11 +393,11 @@ def _budget_panel(ax: Any, task: dict[str, Any], metric: str, cells: list[dict[s
         return
     for p in policies:
         pts = sorted((100 * c["realised_budget"], _scale(metric, m)) for c in cells
-                     if c["policy"] == p and c["kind"] == "budget" and (m := c["metrics"].get(metric)) is not None)
+                     if _row(c) == p and c["kind"] == "budget" and (m := c["metrics"].get(metric)) is not None)
         if pts:
             ax.plot([x for x, _ in pts], [y for _, y in pts], label=_name(p), color=COLORS.get(p),
                     **STYLES.get(p, {"marker": "o", "linewidth": 1.4}))
-    full = next((c for c in cells if c["policy"] == "full"), None)
+    full = next((c for c in cells if _row(c) == "full"), None)
     if full is not None and full["metrics"].get(metric) is not None:
         ax.axhline(_scale(metric, full["metrics"][metric]), color="black", linestyle="--", linewidth=1.2, label="Full cache")
     ax.set_xlabel("realised KV cache budget (%)")
@@ -381,14 +409,14 @@ def _budget_panel(ax: Any, task: dict[str, Any], metric: str, cells: list[dict[s
 
 
 def plot_budget(task: dict[str, Any], path: Path, model: str) -> Path | None:
-    if not _cells(task, "budget"):
+    if not _cells(task, "budget") or task["name"] == "stream":
         return None
     plt = _plt()
     metrics = list(task["metrics"]) if task["name"] in ("summ",) else [task["metric"]]
     panels: list[tuple[str, list[dict[str, Any]], str]] = [(m, task["cells"], METRIC_NAMES[m]) for m in metrics]
     if task["metric"] == "ppl":
         panels = [("ppl", task["cells"], "all policies (log scale)"),
-                  ("ppl_zoom", [c for c in task["cells"] if c["policy"] != "local"], "zoom: local window left out")]
+                  ("ppl_zoom", [c for c in task["cells"] if _row(c) != "local"], "zoom: local window left out")]
     if task["name"] == "qa" and task["cells"] and task["cells"][0]["groups"]:
         keys = list(task["cells"][0]["groups"])
         panels = [(task["metric"], task["cells"], "average over gold positions")]
@@ -416,21 +444,63 @@ def plot_budget(task: dict[str, Any], path: Path, model: str) -> Path | None:
     return path
 
 
+def plot_stream(task: dict[str, Any], path: Path, model: str) -> Path | None:
+    """Stream task: perplexity against the measured average cache (equal-mean cells) and against
+    the capacity (equal-capacity cells), one line per row, the full cache as a reference line."""
+    cells = [c for c in task["cells"] if c.get("equalise") and c["metrics"].get(task["metric"]) is not None]
+    if task["name"] != "stream" or not cells:
+        return None
+    plt = _plt()
+    metric = task["metric"]
+    panels = [(eq, x) for eq, x in (("mean", "average_cache"), ("capacity", "capacity"))
+              if any(c["equalise"] == eq for c in cells)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels) + 1.0, 4.2), squeeze=False)
+    full = next((c for c in task["cells"] if _row(c) == "full"), None)
+    rows = _order(list(dict.fromkeys(_row(c) for c in cells)))
+    for ax, (eq, xkey) in zip(axes[0], panels):
+        for r in rows:
+            pts = sorted((c[xkey], c["metrics"][metric]) for c in cells
+                         if _row(c) == r and c["equalise"] == eq and c[xkey] is not None)
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], label=_name(r), color=COLORS.get(r),
+                        **STYLES.get(r, {"marker": "o", "linewidth": 1.4, "linestyle": ":"}))
+        if full is not None:
+            ax.axhline(full["metrics"][metric], color="black", linestyle="--", linewidth=1.2, label="Full cache")
+        ax.set_yscale("log")
+        ax.set_xlabel("measured average cache (tokens)" if eq == "mean" else "capacity: peak tokens per head and layer")
+        ax.set_ylabel(METRIC_NAMES[metric])
+        ax.set_title(f"equal {eq}" + (" (the paper's definition)" if eq == "mean" else " (equal peak memory)"), fontsize=9)
+        ax.grid(True, alpha=0.3)
+    handles, labels = {}, []
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in handles:
+                handles[lab] = h
+                labels.append(lab)
+    fig.legend([handles[x] for x in labels], labels, loc="lower center", ncol=min(len(labels), 4), frameon=False, fontsize=8)
+    fig.suptitle(f"{task['title']}\n{model}, n = {task['n_samples']} documents x {task['decode_steps_per_sample']} tokens",
+                 fontsize=10)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_sizes(task: dict[str, Any], path: Path, model: str) -> Path | None:
     cells = _cells(task, "size")
-    if not cells:
+    if not cells or task["name"] == "stream":
         return None
     plt = _plt()
     metric = task["metric"]
     sizes = sorted({c["size"] for c in cells})
-    policies = _order(list(dict.fromkeys(c["policy"] for c in cells)))
+    policies = _order(list(dict.fromkeys(_row(c) for c in cells)))
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     width = 0.8 / max(len(policies), 1)
     for j, p in enumerate(policies):
-        ys = [_scale(metric, next((c["metrics"].get(metric) for c in cells if c["policy"] == p and c["size"] == s), None)) for s in sizes]
+        ys = [_scale(metric, next((c["metrics"].get(metric) for c in cells if _row(c) == p and c["size"] == s), None)) for s in sizes]
         xs = [i + (j - (len(policies) - 1) / 2) * width for i in range(len(sizes))]
         ax.bar(xs, [y or 0 for y in ys], width=width, label=_name(p), color=COLORS.get(p))
-    full = next((c for c in task["cells"] if c["policy"] == "full"), None)
+    full = next((c for c in task["cells"] if _row(c) == "full"), None)
     if full is not None:
         ax.axhline(_scale(metric, full["metrics"][metric]), color="black", linestyle="--", label="Full cache")
     ax.set_xticks(range(len(sizes)))
@@ -456,7 +526,7 @@ def plot_tw(task: dict[str, Any], path: Path, model: str) -> Path | None:
     for m, style in (("rouge1", "o-"), ("rouge2", "s-"), ("rougeL", "^-"), ("mean", "D-")):
         ax.plot([c["ratio"] for c in cells], [100 * c["metrics"][m] for c in cells], style, label=METRIC_NAMES[m],
                 linewidth=2.2 if m == "mean" else 1.3)
-    full = next((c for c in task["cells"] if c["policy"] == "full"), None)
+    full = next((c for c in task["cells"] if _row(c) == "full"), None)
     if full is not None:
         ax.axhline(100 * full["metrics"]["mean"], color="black", linestyle="--", linewidth=1, label="Full cache (mean)")
     from ..policies.buzz import threshold_ratio
@@ -489,8 +559,8 @@ def plot_heatmap(task: dict[str, Any], path: Path, model: str) -> Path | None:
     keys = [tuple(k.split(",")) for k in cells[0]["groups"]]
     lengths = sorted({int(k[0]) for k in keys})
     depths = sorted({float(k[1]) for k in keys})
-    policies = _order(list(dict.fromkeys(c["policy"] for c in cells)))
-    labels = [lab for lab in dict.fromkeys(c["label"] for c in cells if c["policy"] != "full")]
+    policies = _order(list(dict.fromkeys(_row(c) for c in cells)))
+    labels = [lab for lab in dict.fromkeys(c["label"] for c in cells if _row(c) != "full")]
     nrows, ncols = len(policies), max(len(labels), 1)
     fig, axes = plt.subplots(nrows, ncols, figsize=(2.4 * ncols + 1.4, 1.55 * nrows + 1.0), squeeze=False,
                              layout="constrained")
@@ -499,12 +569,12 @@ def plot_heatmap(task: dict[str, Any], path: Path, model: str) -> Path | None:
         for j in range(ncols):
             ax = axes[i][j]
             if p == "full":
-                c = next(c for c in cells if c["policy"] == "full")
+                c = next(c for c in cells if _row(c) == "full")
                 if j > 0:
                     ax.axis("off")
                     continue
             else:
-                c = next((c for c in cells if c["policy"] == p and c["label"] == labels[j]), None)
+                c = next((c for c in cells if _row(c) == p and c["label"] == labels[j]), None)
                 if c is None:
                     ax.axis("off")
                     continue
@@ -549,7 +619,7 @@ def _task_md(task: dict[str, Any], plots: list[Path], out_dir: Path) -> str:
     lines.append("")
     lines.append(f"Reproduce this table: `{task['command']}`")
     lines.append("")
-    full = next((c for c in task["cells"] if c["policy"] == "full"), None)
+    full = next((c for c in task["cells"] if _row(c) == "full"), None)
     if full is not None:
         lines.append(f"Full cache: **{fmt(metric, _value(full, metric))}**")
         lines.append("")
@@ -557,6 +627,8 @@ def _task_md(task: dict[str, Any], plots: list[Path], out_dir: Path) -> str:
                        ("size", "Each cell: value (measured average cache size in tokens). Columns: fixed average cache size (the same for every policy)."),
                        ("ratio", "Each cell: value (measured average cache size). Columns: T/w.")):
         if _cells(task, kind):
+            if task["name"] == "stream":
+                what = STREAM_CAPTION[kind]
             lines.append(what)
             lines.append("")
             lines.append(_md_table(*_pivot(task, kind)))
@@ -569,16 +641,19 @@ def _task_md(task: dict[str, Any], plots: list[Path], out_dir: Path) -> str:
         lines.append("")
     # every cell
     extra = [m for m in task["metrics"] if m != metric] + [metric]
-    header = ["policy", "requested", "realised", "avg cache", "full avg"] + [METRIC_NAMES[m] for m in extra] + ["vs full", "decode s"]
+    header = (["policy", "requested", "equalised", "realised", "avg cache", "capacity", "full avg"]
+              + [METRIC_NAMES[m] for m in extra] + ["vs full", "decode s"])
     rows = []
     fv = _value(full, metric) if full is not None else None
     for c in task["cells"]:
         v = _value(c, metric)
-        delta = "-" if fv is None or v is None or c["policy"] == "full" else (
+        delta = "-" if fv is None or v is None or _row(c) == "full" else (
             f"{v / fv:.2f}x" if metric == "ppl" else f"{100 * (v - fv):+.1f}")
         req = _pct(c["requested_budget"]) if c["kind"] in ("budget", "full") else (
             f"size {c['size']}" if c["kind"] == "size" else f"T/w {c['ratio']:g}")
-        rows.append([_name(c["policy"]), req, _pct(c["realised_budget"]), f"{c['average_cache']:.1f}",
+        cap = c.get("capacity")
+        rows.append([_name(_row(c)), req, c.get("equalise") or "mean", _pct(c["realised_budget"]),
+                     f"{c['average_cache']:.1f}", "unbounded" if cap is None else str(cap),
                      f"{c['full_average_cache']:.1f}"] + [fmt(m, c["metrics"].get(m)) for m in extra]
                     + [delta, f"{c['seconds']:.1f}"])
     lines.append("<details><summary>Every cell: requested and realised budgets side by side, average cache sizes, all metrics</summary>")
@@ -591,7 +666,7 @@ def _task_md(task: dict[str, Any], plots: list[Path], out_dir: Path) -> str:
     if groups and task["name"] == "qa":
         keys = list(groups[0]["groups"])
         header = ["policy", "requested", "realised"] + [f"gold at {k}" for k in keys] + ["average"]
-        rows = [[_name(c["policy"]), c["label"], _pct(c["realised_budget"])]
+        rows = [[_name(_row(c)), c["label"], _pct(c["realised_budget"])]
                 + [fmt(metric, c["groups"][k].get(metric)) for k in keys] + [fmt(metric, _value(c, metric))]
                 for c in groups]
         lines.append("By position of the gold document:")
@@ -607,7 +682,7 @@ def _task_md(task: dict[str, Any], plots: list[Path], out_dir: Path) -> str:
         plans = c["plans"]
         for i, p in enumerate(plans[:4]):
             params = ", ".join(f"{k}={v}" for k, v in p["params"].items()) or "-"
-            rows.append([_name(c["policy"]) if i == 0 else "", c["label"] if i == 0 else "", params,
+            rows.append([_name(_row(c)) if i == 0 else "", c["label"] if i == 0 else "", params,
                          str(p["capacity"]), _pct(p["realised_budget"]), f"{p['average_size']:.1f}",
                          f"{p['prompt_length']} / {p['context_length']}"])
         if len(plans) > 4:
@@ -622,7 +697,7 @@ def _task_md(task: dict[str, Any], plots: list[Path], out_dir: Path) -> str:
     lines.append("<details><summary>The command behind each cell</summary>")
     lines.append("")
     for c in task["cells"]:
-        lines.append(f"- {_name(c['policy'])} {c['label']}: `{c['command']}`")
+        lines.append(f"- {_name(_row(c))} {c['label']}: `{c['command']}`")
     lines.append("")
     lines.append("</details>")
     lines.append("")
@@ -656,7 +731,8 @@ def write_report(doc: dict[str, Any], out_dir: str | Path) -> dict[str, Any]:
     sections = []
     for name, task in doc["tasks"].items():
         plots = []
-        for fn, suffix in ((plot_budget, "budget"), (plot_sizes, "sizes"), (plot_tw, "tw"), (plot_heatmap, "heatmap")):
+        for fn, suffix in ((plot_budget, "budget"), (plot_sizes, "sizes"), (plot_stream, "stream"), (plot_tw, "tw"),
+                           (plot_heatmap, "heatmap")):
             p = fn(task, out / f"{name}_{suffix}.png", model)
             if p is not None:
                 plots.append(p)

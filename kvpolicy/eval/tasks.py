@@ -152,6 +152,18 @@ class CacheConfig:
     stride: int = 5
     sink: int = 4
     chunk: int | None = None  # prefill the prompt in chunks of this many tokens (each chunk evicts)
+    #: ``"mean"``: the budget / size is the average cache size (the paper's definition);
+    #: ``"capacity"``: it is the peak (capacity per head and layer, i.e. peak memory).
+    equalise: str = "mean"
+    #: BUZZ planned with this T/w (``threshold_ratio``) instead of the theorem's; a row of its own.
+    variant_ratio: float | None = None
+    #: Say the equalisation in the label (tasks that report both).
+    show_equalise: bool = False
+
+    @property
+    def row(self) -> str:
+        """The table row: the policy, or ``buzz_tw<r>`` for a BUZZ at another T/w."""
+        return self.policy if self.variant_ratio is None else f"{self.policy}_tw{self.variant_ratio:g}"
 
     @property
     def label(self) -> str:
@@ -160,8 +172,10 @@ class CacheConfig:
         if self.ratio is not None:
             return f"T/w={self.ratio:g}"
         if self.size is not None:
-            return f"size {self.size}"
-        return f"{self.budget:.0%}" if self.budget is not None else "?"
+            base = f"size {self.size}"
+        else:
+            base = f"{self.budget:.0%}" if self.budget is not None else "?"
+        return f"{base}, equal {self.equalise}" if self.show_equalise else base
 
     @property
     def kind(self) -> str:
@@ -172,7 +186,7 @@ class CacheConfig:
     def build(self, prompt_length: int, context_length: int) -> tuple[Any, dict[str, Any]]:
         """``(policy, plan)`` for a run of ``context_length`` tokens of which ``prompt_length``
         are prefilled; ``plan`` is :meth:`kvpolicy.PolicyPlan.as_dict` (or its equivalent)."""
-        from ..budget import plan_policy, simulate_sizes
+        from ..budget import plan_capacity, plan_policy, simulate_sizes
         from ..policies import BUZZ, FullCache
 
         full_avg = float(np.mean(np.arange(prompt_length + 1, context_length + 1)))
@@ -182,8 +196,20 @@ class CacheConfig:
             if self.chunk:
                 plan["prefill_chunk"] = self.chunk
             return policy, plan
+        extra = {} if self.variant_ratio is None else {"threshold_ratio": self.variant_ratio}
+        if self.kind in ("budget", "size") and self.equalise == "capacity":
+            # Equal capacity: every policy's peak (tokens per head and layer) is the target: the
+            # size itself, or budget x the full cache's average.
+            target = self.size if self.kind == "size" else max(1, int(round(self.budget * full_avg)))
+            plan = plan_capacity(self.policy, target, context_length=context_length, prompt_length=prompt_length, **extra)
+            d = plan.as_dict()
+            d["requested_budget"] = self.budget
+            if self.kind == "size":
+                d["requested_size"] = self.size
+            return plan.policy, d
         if self.kind == "budget":
-            plan = plan_policy(self.policy, self.budget, context_length=context_length, prompt_length=prompt_length)
+            plan = plan_policy(self.policy, self.budget, context_length=context_length, prompt_length=prompt_length,
+                               **extra)
             return plan.policy, plan.as_dict()
         if self.kind == "size":
             # A fixed cache size means the same *average* number of keys per decode step for every
@@ -191,7 +217,8 @@ class CacheConfig:
             # averages more than size after a long prefill, since its middle refills up to T).
             if self.size >= full_avg:
                 raise ValueError(f"cache size {self.size} is not below the full cache's average {full_avg:.0f} on this run")
-            plan = plan_policy(self.policy, self.size / full_avg, context_length=context_length, prompt_length=prompt_length)
+            plan = plan_policy(self.policy, self.size / full_avg, context_length=context_length, prompt_length=prompt_length,
+                               **extra)
             d = plan.as_dict()
             d["requested_budget"] = None
             d["requested_size"] = self.size
@@ -258,18 +285,13 @@ def simulate_chunked_sizes(policy: Any, prompt_length: int, decode_steps: int, c
 
 
 def tw_window(ratio: float, size: int, stride: int = 5, sink: int = 4) -> int:
-    """The BUZZ window ``w`` (threshold ``round(ratio * w)``) whose long-run average cache is ``size``.
+    """The BUZZ window ``w`` (threshold ``round(ratio * w)``) whose long-run average cache is
+    ``size``: :func:`kvpolicy.policies.buzz.window_for_size` (the paper's "fixed cache size" for
+    every T/w; a short run's average depends on where it stops in the eviction cycle, the report
+    shows the measured one)."""
+    from ..policies.buzz import window_for_size
 
-    In steady state the middle grows from the post-eviction fixed point ``a* = T / r*`` (``r*`` the
-    theorem's ratio, 4.33 for stride 5, whatever ``T``) to ``T``, so the cache averages
-    ``sink + w + (a* + T) / 2 = sink + w * (1 + ratio * (1 + 1/r*) / 2)``: the paper's "fixed cache
-    size" for every T/w. (A short run's average depends on where it stops in the eviction cycle;
-    the report shows the measured one.)
-    """
-    from ..policies.buzz import threshold_ratio
-
-    r_star = threshold_ratio(stride)
-    return max(1, int(round((size - sink) / (1 + ratio * (1 + 1 / r_star) / 2))))
+    return window_for_size(size, stride=stride, sink=sink, ratio=ratio)
 
 
 # =========================================================================== data sources
@@ -362,6 +384,12 @@ class TaskOptions:
     tw_stride: int = 5
     tw_chunk: int | None = 32
     equal_prompts: bool = False
+    stream_tokens: int | None = None  # stream: tokens fed one at a time and scored (default 1024)
+    stream_prefill: int = 32  # stream: tokens prefilled at once first
+    stream_sizes: tuple[int, ...] | None = None  # stream: fixed cache sizes (default 50, 100)
+    stream_ratios: tuple[float, ...] = (2.5,)  # stream: BUZZ also run at these T/w
+    equalise: str = "both"  # stream: "mean", "capacity" or "both"
+    short: bool = False  # stream: the short version of the default run
 
 
 # =========================================================================== tasks
@@ -504,6 +532,117 @@ class PerplexityTask(Task):
     def cli_flags(self) -> list[str]:
         flags = [f"--ppl-tokens {self.opt.ppl_tokens}"]
         return flags
+
+
+# --------------------------------------------------------------------------- streaming perplexity
+#: The short stream task of the default ``kvpolicy compare`` run (the full protocol is
+#: ``--tasks stream``): documents, scored tokens, fixed cache sizes; no budgets, no T/w variant.
+STREAM_SHORT = {"samples": 4, "tokens": 128, "sizes": (50,)}
+
+
+class StreamTask(PerplexityTask):
+    """The paper's perplexity protocol: a short prefill (``--stream-prefill``, 32 tokens), then
+    ``--stream-tokens`` (1,024) tokens per document fed one at a time through the evicting cache,
+    each next-token prediction scored, at fixed cache sizes (the paper's 50 and 100) and budgets,
+    with two equalisations side by side (``--equalise``): equal *mean* cache size and equal
+    *capacity* (peak tokens per head and layer). BUZZ also runs at the T/w of ``--tw-ratios``."""
+
+    name = "stream"
+    title = "Streaming perplexity (short prefill, then token by token)"
+    kind = "stream"
+    default_samples = 16
+
+    @property
+    def n_samples(self) -> int:
+        if self.opt.samples is not None:
+            return self.opt.samples
+        return STREAM_SHORT["samples"] if self.opt.short else self.default_samples
+
+    @property
+    def tokens(self) -> int:
+        if self.opt.stream_tokens is not None:
+            return self.opt.stream_tokens
+        return STREAM_SHORT["tokens"] if self.opt.short else 1024
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        if self.opt.stream_sizes is not None:
+            return tuple(self.opt.stream_sizes)
+        return tuple(STREAM_SHORT["sizes"]) if self.opt.short else (50, 100)
+
+    @property
+    def ratios(self) -> tuple[float, ...]:
+        return () if self.opt.short else tuple(self.opt.stream_ratios)
+
+    @property
+    def equalisations(self) -> tuple[str, ...]:
+        eq = self.opt.equalise
+        if eq not in ("mean", "capacity", "both"):
+            raise ValueError(f"--equalise must be one of 'mean', 'capacity', 'both'; got {eq!r}")
+        return ("mean", "capacity") if eq == "both" else (eq,)
+
+    def configs(self, policies: Sequence[str], budgets: Sequence[float]) -> list[CacheConfig]:
+        budgets = () if self.opt.short else tuple(budgets)
+        targets = [{"size": int(z)} for z in self.sizes] + [{"budget": float(b)} for b in budgets]
+        rows: list[tuple[str, float | None]] = []
+        for p in policies:
+            if p == "full":
+                continue
+            rows.append((p, None))
+            if p == "buzz":
+                rows += [("buzz", float(r)) for r in self.ratios]
+        out = [CacheConfig("full")] if "full" in policies else []
+        for target in targets:
+            for eq in self.equalisations:
+                out += [CacheConfig(p, equalise=eq, variant_ratio=r, show_equalise=True, **target) for p, r in rows]
+        return out
+
+    def samples(self, tok: TokenizerAdapter) -> list[Sample]:
+        prompt = self.opt.stream_prefill
+        if prompt < 1:
+            raise ValueError(f"--stream-prefill must be >= 1, got {prompt}")
+        m = self.tokens
+        if m < 1:
+            raise ValueError(f"--stream-tokens must be >= 1, got {m}")
+        need = prompt + m + 1
+        docs = self._docs()
+        self.data_note = self.data_note.replace("{n}", str(len(docs)))
+        out: list[Sample] = []
+        for i in _order(len(docs), self.opt.seed):
+            d = docs[i]
+            words = d.text.split(" ")
+            ids = tok.encode(" ".join(words[: 2 * need + 64]), special=True)
+            if len(ids) < need:
+                continue
+            out.append(Sample(id=d.id, kind="ppl", input_ids=ids[:need], prompt_length=prompt, n_score=m,
+                              target={"title": d.title}))
+            if len(out) == self.n_samples:
+                break
+        if len(out) < self.n_samples:
+            self.notes.append(f"only {len(out)} documents have the {need} tokens needed")
+        self.notes.append(
+            f"each sample: the first {need} tokens of a document (raw text, no chat template); {prompt} prefilled at "
+            f"once, then {m} tokens fed one at a time through the evicting cache, each next-token prediction scored "
+            "(per-token negative log-likelihood; every policy scores the same tokens, so the per-document "
+            "differences are paired)"
+        )
+        self.notes.append(
+            "two equalisations side by side: *equal mean* plans every policy so its average cache over the scored "
+            "steps is the target (the paper's definition); *equal capacity* gives every policy the target as its "
+            "capacity (the most tokens a head holds at any step, i.e. peak memory). A size is a number of tokens; a "
+            "budget's target is budget x the full cache's average. Each cell shows its measured average and capacity"
+        )
+        if self.ratios and any(True for _ in self.ratios):
+            self.notes.append(
+                "BUZZ runs at the theorem's T/w (4.33 for stride 5) and, as separate rows, at T/w = "
+                + ", ".join(f"{r:g}" for r in self.ratios) + " (the paper authors' code defaults to 2.5)"
+            )
+        return out
+
+    def cli_flags(self) -> list[str]:
+        return [f"--stream-tokens {self.tokens}", f"--stream-prefill {self.opt.stream_prefill}",
+                f"--equalise {self.opt.equalise}",
+                "--tw-ratios " + (",".join(f"{r:g}" for r in self.ratios) or "none")]
 
 
 # --------------------------------------------------------------------------- summarisation
@@ -955,12 +1094,12 @@ class TwSweepTask(SummarizationTask):
 
 # =========================================================================== registry
 TASKS: dict[str, type[Task]] = {
-    t.name: t for t in (PerplexityTask, SummarizationTask, NeedleTask, PasskeyTask, QATask, KVRetrievalTask, TwSweepTask)
+    t.name: t for t in (PerplexityTask, StreamTask, SummarizationTask, NeedleTask, PasskeyTask, QATask, KVRetrievalTask, TwSweepTask)
 }
 #: What ``kvpolicy compare`` runs with no arguments (embedded data).
-DEFAULT_TASKS = ("ppl", "summ", "needle")
+DEFAULT_TASKS = ("ppl", "summ", "needle", "stream")
 #: The paper-faithful set (what ``--data-dir`` selects when ``--tasks`` is not given).
-PAPER_TASKS = ("ppl", "summ", "qa", "needle", "kv", "tw")
+PAPER_TASKS = ("ppl", "stream", "summ", "qa", "needle", "kv", "tw")
 
 
 def make_tasks(names: Iterable[str], options: TaskOptions, sources: DataSources) -> list[Task]:

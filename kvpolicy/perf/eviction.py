@@ -196,8 +196,11 @@ class TorchWorkload:
         self._before = dataclasses.replace(
             snap, seen=[steady.seen_before] * batch, states=[dict(steady.state) for _ in range(batch)]
         )
+        # after: post-eviction; for one-token evictions the storage is full of holes, so the
+        # round's first step compacts (and the round is one whole compaction cycle)
+        front = self.layer.slots if compaction is not None and steady.period == 1 else steady.after
         self._after = dataclasses.replace(
-            snap, seen=[steady.seen_after] * batch, count=[steady.after] * batch, front=[steady.after] * batch,
+            snap, seen=[steady.seen_after] * batch, count=[steady.after] * batch, front=[front] * batch,
             states=[dict(steady.state) for _ in range(batch)],
         )
 

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from .._validation import check_choice, check_int
+import math
+
+from .._validation import check_choice, check_float, check_int
 from ..policy import Array, CacheView, EvictionPolicy, LogNScaling, Selection
 from ..registry import register_policy
 
-__all__ = ["BUZZ", "estimate_threshold", "threshold_ratio", "small_stride", "fixed_point_middle"]
+__all__ = ["BUZZ", "estimate_threshold", "threshold_ratio", "small_stride", "fixed_point_middle", "check_ratio", "window_for_size"]
 
 
 def small_stride(stride: int) -> int:
@@ -57,16 +59,28 @@ def fixed_point_middle(stride: int, threshold: int) -> float:
     return threshold / threshold_ratio(stride)
 
 
-def estimate_threshold(stride: int, window: int) -> int:
-    """The threshold ``T`` the theorem recommends for ``stride`` and ``window`` (rounded).
+def estimate_threshold(stride: int, window: int, ratio: float | None = None) -> int:
+    """The threshold ``T = round(ratio * window)`` (at least the smallest legal one, 3).
+
+    ``ratio`` defaults to the theorem's :func:`threshold_ratio` (4.33 for stride 5); pass another
+    ``T / w`` (e.g. 2.5, the default of the paper authors' code) to tune it.
 
     Example:
         >>> estimate_threshold(5, 30)
         130
+        >>> estimate_threshold(5, 30, ratio=2.5)
+        75
     """
     stride = check_int("stride", stride, minimum=3)  # before _min_threshold, which loops forever for s < 3
     window = check_int("window", window, minimum=1)
-    return max(_min_threshold(stride), round(threshold_ratio(stride) * window))
+    r = threshold_ratio(stride) if ratio is None else check_ratio(ratio)
+    return max(_min_threshold(stride), round(r * window))
+
+
+def check_ratio(ratio: object) -> float:
+    """``ratio`` as a float if it is a valid ``threshold_ratio`` (a finite ``T / w > 0``), else
+    ``ValueError`` naming the parameter and the range."""
+    return check_float("threshold_ratio", ratio, low=0.0, high=math.inf, low_open=True, high_open=True)
 
 
 def _shrinks(stride: int, threshold: int) -> bool:
@@ -100,10 +114,12 @@ class BUZZ(EvictionPolicy):
         threshold: middle size ``T`` that triggers an eviction (at least the smallest value for
             which an eviction shrinks the middle, 3 for every stride). See
             :func:`estimate_threshold` for the theorem's choice.
-        log_n: scale attention logits by ``log_base(n)`` ("BUZZ with log n").
+        log_n: scale attention logits by ``log_base(n)`` ("BUZZ with log n"), ``n`` the number of
+            keys the query attends to (paper, section 3.5; see :class:`~kvpolicy.LogNScaling`).
         log_base: the base of that logarithm (the paper: 512).
-        log_floor: lower bound of the scale, i.e. how contexts shorter than ``log_base`` are
-            treated (1.0: ordinary attention; 0.0: the literal formula, softer attention).
+        log_floor: lower bound of the scale (default 0.0: the paper's formula, no floor, so
+            queries attending to fewer than ``log_base`` keys get softer attention; 1.0: the
+            earlier kvpolicy variant, ordinary attention below ``log_base`` keys).
         interval_keep: which token of each ``s_hat`` group of old tokens survives (``"first"``).
         selection: ``"per_head"`` (default) or ``"shared"`` across KV heads.
 
@@ -125,7 +141,7 @@ class BUZZ(EvictionPolicy):
         *,
         log_n: bool = False,
         log_base: float = 512.0,
-        log_floor: float = 1.0,
+        log_floor: float = 0.0,
         interval_keep: Literal["first", "last"] = "first",
         selection: Selection = "per_head",
     ) -> None:
@@ -203,17 +219,52 @@ class BUZZ(EvictionPolicy):
 
     @classmethod
     def from_size(cls, size: int, **overrides: Any) -> "BUZZ":
-        """BUZZ whose steady average cache size is about ``size``, threshold from the theorem.
+        """BUZZ whose steady average cache size is about ``size``.
 
-        Between evictions the middle moves from about ``w`` to ``T = r w``, so the average cache
-        is about ``sink + w + (w + T) / 2``; ``window`` is solved from that.
+        ``threshold_ratio=r`` (optional, > 0) sets ``T = round(r * w)`` (at least 3, the smallest
+        legal threshold); without it ``T / w`` is the theorem's (:func:`threshold_ratio`, 4.33 for
+        stride 5). ``window`` is solved from the steady state (:func:`window_for_size`). Giving
+        both ``threshold`` and ``threshold_ratio`` is an error.
+
+        Example:
+            >>> p = BUZZ.from_size(100, threshold_ratio=2.5)
+            >>> p.window, p.threshold
+            (38, 95)
         """
+        ratio = overrides.pop("threshold_ratio", None)
+        if ratio is not None:
+            ratio = check_ratio(ratio)
+            if "threshold" in overrides:
+                raise ValueError("give threshold or threshold_ratio, not both")
         sink = overrides.pop("sink", 4)
         stride = overrides.pop("stride", 5)
-        ratio = threshold_ratio(stride)
-        window = overrides.pop("window", max(1, round((size - sink) / (1 + (1 + ratio) / 2))))
-        threshold = overrides.pop("threshold", estimate_threshold(stride, window))
+        window = overrides.pop("window", None)
+        if window is None:
+            window = window_for_size(size, stride=check_int("stride", stride, minimum=3), sink=sink, ratio=ratio)
+        threshold = overrides.pop("threshold", None)
+        if threshold is None:
+            threshold = estimate_threshold(stride, window, ratio)
         return cls(sink=sink, window=window, stride=stride, threshold=threshold, **overrides)
+
+
+def window_for_size(size: float, *, stride: int = 5, sink: int = 4, ratio: float | None = None) -> int:
+    """The window whose BUZZ (threshold ``ratio * w``) has a long-run average cache of ``size``.
+
+    In steady state the middle grows from the post-eviction fixed point ``a* = T / r*`` (``r*``
+    the theorem's ratio for the stride, whatever ``T``) to ``T``, so the cache averages
+    ``sink + w + (a* + T) / 2 = sink + w (1 + ratio (1 + 1 / r*) / 2)``; with the theorem's ratio
+    this is ``sink + w + (w + T) / 2``.
+
+    Example:
+        >>> window_for_size(100), window_for_size(100, ratio=2.5)
+        (26, 38)
+    """
+    r_star = threshold_ratio(stride)
+    if ratio is None:
+        denominator = 1 + (1 + r_star) / 2
+    else:
+        denominator = 1 + check_ratio(ratio) * (1 + 1 / r_star) / 2
+    return max(1, int(round((size - sink) / denominator)))
 
 
 def _device(x: Array) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..policy import Array, CacheView, EvictionPolicy
+from ..policy import Array, CacheView, EvictionPolicy, Selection
 from ..registry import register_policy
 
 
@@ -12,7 +12,9 @@ from ..registry import register_policy
 class FullCache(EvictionPolicy):
     """Keep every token: dense attention, the paper's upper bound.
 
-    Parameters: none. ``capacity`` is ``None`` (unbounded); backends grow the cache as needed.
+    Parameters: none besides ``selection`` (accepted like every policy's; nothing is ever
+    evicted, so ``"shared"`` is the same as ``"per_head"``). ``capacity`` is ``None``
+    (unbounded); backends grow the cache as needed.
 
     Example:
         >>> from kvpolicy import FullCache
@@ -23,8 +25,8 @@ class FullCache(EvictionPolicy):
     name = "full"
     uses_scores = False
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *, selection: Selection = "per_head") -> None:
+        super().__init__(selection=selection)
 
     @property
     def capacity(self) -> int | None:

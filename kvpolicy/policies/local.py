@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._validation import check_int
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Selection
 from ..registry import register_policy
 
 
@@ -15,6 +15,8 @@ class LocalWindow(EvictionPolicy):
 
     Parameters:
         window: tokens kept after eviction (>= 1). The next query attends to ``window + 1``.
+        selection: accepted like every policy's; this policy reads no scores and keeps the same
+            slots on every head, so ``"shared"`` is the same as ``"per_head"``.
 
     Example:
         >>> from kvpolicy import LocalWindow
@@ -25,8 +27,8 @@ class LocalWindow(EvictionPolicy):
     name = "local"
     uses_scores = False
 
-    def __init__(self, window: int) -> None:
-        super().__init__()
+    def __init__(self, window: int, *, selection: Selection = "per_head") -> None:
+        super().__init__(selection=selection)
         self.window = check_int("window", window, minimum=1)
 
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._validation import check_int
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Selection
 from ..registry import register_policy
 
 
@@ -16,6 +16,8 @@ class StreamingLLM(EvictionPolicy):
     Parameters:
         sink: initial tokens kept forever (>= 1; the StreamingLLM paper uses 4).
         window: most recent tokens kept after eviction (>= 1).
+        selection: accepted like every policy's; this policy reads no scores and keeps the same
+            slots on every head, so ``"shared"`` is the same as ``"per_head"``.
 
     Its HF default is ``positions="cache"`` (the paper's pos-shift: keys are re-rotated to their
     slot in the cache), since StreamingLLM was designed and evaluated that way.
@@ -30,8 +32,8 @@ class StreamingLLM(EvictionPolicy):
     uses_scores = False
     default_positions = "cache"
 
-    def __init__(self, sink: int = 4, window: int = 252) -> None:
-        super().__init__()
+    def __init__(self, sink: int = 4, window: int = 252, *, selection: Selection = "per_head") -> None:
+        super().__init__(selection=selection)
         self.sink = check_int("sink", sink, minimum=1)
         self.window = check_int("window", window, minimum=1)
 

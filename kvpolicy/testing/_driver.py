@@ -298,7 +298,7 @@ def decode_received(policy: EvictionPolicy, logits: np.ndarray, t: int, position
     """Received attention of query ``t`` over the cached ``positions`` ``[batch, kv_heads, n]``."""
     b, kv, n = positions.shape
     cached = np.repeat(positions, group, axis=1)  # [batch, q_heads, n]
-    row = np.take_along_axis(logits[:, t], cached, axis=-1) * _scale(policy, np.asarray([t + 1]))[0]
+    row = np.take_along_axis(logits[:, t], cached, axis=-1) * _scale(policy, np.asarray([n]))[0]  # n = kept keys
     return group_sum(softmax(row), group)
 
 

@@ -304,8 +304,10 @@ def policies(factory: Any = None, params: Any = None, **overrides: Any) -> st.Se
     Example:
         >>> from hypothesis import strategies as st
         >>> from kvpolicy import LocalWindow
-        >>> policies(LocalWindow, window=st.just(3)).example()
-        LocalWindow(window=3)
+        >>> policies(LocalWindow, window=st.just(3)).example().window  # selection is drawn too
+        3
+        >>> policies(LocalWindow, window=st.just(3), selection=st.just("shared")).example()
+        LocalWindow(window=3, selection='shared')
     """
     if factory is None:
         return any_policy()

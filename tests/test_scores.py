@@ -1,0 +1,101 @@
+"""received_attention's prefill path: blocked over queries (block size from a memory bound),
+causal key ranges per block, 16-bit keys upcast per chunk, against a float64 dense reference."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from kvpolicy_torch import received_attention  # noqa: E402
+from kvpolicy_torch.scores import prefill_block_rows  # noqa: E402
+
+
+def dense_reference(query, keys, scaling, query_scale=None):
+    """softmax(q k^T * scale) with the causal mask, every query at once, in float64."""
+    b, hq, q, d = query.shape
+    g, n = keys.shape[1], keys.shape[2]
+    qq = query.double().reshape(b, g, hq // g, q, d)
+    logits = torch.einsum("bgrqd,bgnd->bgrqn", qq, keys.double()) * scaling
+    if query_scale is not None:
+        logits = logits * query_scale.double()[:, None]
+    mask = torch.arange(n)[None, :] > (n - q) + torch.arange(q)[:, None]
+    return torch.softmax(logits.masked_fill(mask, float("-inf")), dim=-1).sum(dim=(2, 3))
+
+
+@given(
+    b=st.integers(1, 2), g=st.integers(1, 3), r=st.integers(1, 3), q=st.integers(2, 40), cached=st.integers(0, 30),
+    block=st.one_of(st.none(), st.integers(1, 17)), log_n=st.booleans(), seed=st.integers(0, 2**16),
+)  # fmt: skip
+@settings(max_examples=60, deadline=None)
+def test_prefill_equals_the_dense_reference(b, g, r, q, cached, block, log_n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(b, g * r, q, 8, generator=gen)
+    keys = torch.randn(b, g, cached + q, 8, generator=gen)
+    qs = torch.rand(q, generator=gen) + 0.5 if log_n else None
+    got = received_attention(query, keys, 0.35, query_scale=qs, block=block)
+    assert got.dtype == torch.float32 and got.shape == (b, g, cached + q)
+    torch.testing.assert_close(got.double(), dense_reference(query, keys, 0.35, qs), rtol=1e-5, atol=1e-5)
+    # every query row's probabilities sum to one
+    torch.testing.assert_close(got.sum(-1).double(), torch.full((b, g), float(r * q), dtype=torch.float64), rtol=1e-5, atol=0)
+
+
+def test_float64_stays_float64_and_exact():
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, 33, 16, generator=gen, dtype=torch.float64)
+    keys = torch.randn(1, 2, 50, 16, generator=gen, dtype=torch.float64)
+    got = received_attention(query, keys, 0.25, block=5)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, dense_reference(query, keys, 0.25), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_keys_upcast_per_chunk_equal_the_float32_product(dtype):
+    """A tiny workspace forces one-key chunks: the result equals the float32 computation on the
+    upcast values (16-bit values are exact in float32, so only summation order differs)."""
+    gen = torch.Generator().manual_seed(1)
+    query = torch.randn(2, 6, 21, 8, generator=gen).to(dtype)
+    keys = torch.randn(2, 3, 30, 8, generator=gen).to(dtype)
+    got = received_attention(query, keys, 0.35, workspace_bytes=1)
+    assert got.dtype == torch.float32
+    want = received_attention(query.float(), keys.float(), 0.35)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # log n scales, one of them 0 (log_floor=0 at n = 1: uniform attention, no NaN from -inf * 0)
+    qs = torch.linspace(0.0, 1.5, 21)
+    got = received_attention(query, keys, 0.35, query_scale=qs, workspace_bytes=1)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), dense_reference(query.float(), keys.float(), 0.35, qs), rtol=1e-5, atol=1e-5)
+
+
+def test_no_float32_copy_of_all_keys_for_16bit_keys(monkeypatch):
+    """Spy on Tensor.to: with 16-bit keys no call converts more than one chunk of keys."""
+    gen = torch.Generator().manual_seed(2)
+    query = torch.randn(1, 4, 64, 8, generator=gen).to(torch.bfloat16)
+    keys = torch.randn(1, 2, 200, 8, generator=gen).to(torch.bfloat16)
+    biggest = []
+    original = torch.Tensor.to
+
+    def spy(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if self.dtype == torch.bfloat16 and out.dtype == torch.float32:
+            biggest.append(self.numel())
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    chunk_keys = 16  # workspace for 16 keys of 2 heads x 8 dims in float32
+    got = received_attention(query, keys, 0.35, workspace_bytes=1 * 2 * 8 * 4 * chunk_keys)
+    monkeypatch.undo()
+    assert len(biggest) > 200 // chunk_keys  # the keys were converted, chunk by chunk
+    assert max(biggest) <= 1 * 2 * chunk_keys * 8 < keys.numel()
+    torch.testing.assert_close(got, received_attention(query.float(), keys.float(), 0.35), rtol=1e-5, atol=1e-5)
+
+
+def test_block_rows_follow_the_workspace():
+    assert prefill_block_rows(1, 40, 32768, workspace_bytes=256 << 20) == 51
+    assert prefill_block_rows(2, 40, 32768, workspace_bytes=256 << 20) == 25
+    assert prefill_block_rows(1, 40, 10**9) == 1  # never zero
+    # the default block's logits stay under the workspace
+    rows = prefill_block_rows(1, 9, 16384)
+    assert rows * 9 * 16384 * 4 <= 256 << 20 < (rows + 1) * 9 * 16384 * 4
