@@ -523,3 +523,50 @@ def test_torch_replay_refuses_logits_that_overflow_in_its_dtype() -> None:
     kvpolicy_torch.replay(H2O(heavy=1, recent=1), logits, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"logits\[2, 1, 0\] is inf \(step 2, head 1\)$"):
         kvpolicy_torch.replay(H2O(heavy=1, recent=1), logits, dtype=torch.float32)
+
+
+def test_layer_cache_refuses_steps_out_of_order_and_changed_inputs() -> None:
+    """LayerCache: evict()/accumulate() before any append, and keys whose head_dim, dtype or
+    batch/heads differ from the first append, get a ValueError saying what is wrong (no raw
+    TypeError, no silent cast)."""
+    torch = pytest.importorskip("torch")
+    from kvpolicy import H2O
+    from kvpolicy_torch import LayerCache
+
+    layer = LayerCache(H2O(2, 2))
+    with pytest.raises(ValueError, match="append\\(\\) first"):
+        layer.evict()
+    with pytest.raises(ValueError, match="append\\(\\) first"):
+        layer.accumulate(torch.zeros(1, 2, 1))
+    k = torch.zeros(1, 2, 1, 4)
+    layer.append(k, k)
+    layer.accumulate(torch.zeros(1, 2, 1))
+    layer.evict()
+    with pytest.raises(ValueError, match="head_dim changed"):
+        layer.append(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))
+    with pytest.raises(ValueError, match="dtype changed"):
+        layer.append(k.double(), k.double())
+    with pytest.raises(ValueError, match="batch and kv_heads changed"):
+        layer.append(torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4))
+    with pytest.raises(ValueError, match="must be real"):
+        layer.append(k, k)
+        layer.accumulate(torch.zeros(1, 2, 2, dtype=torch.complex64))
+
+
+def test_layer_cache_nan_scores_count_as_minus_inf() -> None:
+    """A NaN received score (an fp16 overflow upstream) is accumulated as -inf: H2O's one-token
+    eviction takes that token first, as the NumPy rule (CacheView.ranking_scores) does."""
+    torch = pytest.importorskip("torch")
+    from kvpolicy import H2O
+    from kvpolicy_torch import LayerCache
+
+    layer = LayerCache(H2O(2, 1))
+    for t in range(4):
+        k = torch.zeros(1, 1, 1, 2)
+        layer.append(k, k)
+        received = torch.ones(1, 1, layer.slot_positions.shape[-1])
+        if t == 1:
+            received[..., 1] = float("nan")  # token 1 gets a NaN
+        layer.accumulate(received * (layer.slot_positions >= 0))
+        layer.evict()
+    assert 1 not in layer.positions[0, 0].tolist() and layer.length == 3
