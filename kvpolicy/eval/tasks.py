@@ -462,6 +462,23 @@ class Task:
 
 
 # --------------------------------------------------------------------------- perplexity
+def _document_samples(docs: Sequence[Any], tok: Any, need: int, prompt: int, m: int, *, n_samples: int, seed: int) -> list[Sample]:
+    """The first ``need`` tokens of each document (in the seeded order) that has them, as
+    perplexity samples: ``prompt`` prefilled, ``m`` scored; at most ``n_samples``."""
+    out: list[Sample] = []
+    for i in _order(len(docs), seed):
+        d = docs[i]
+        text = " ".join(d.text.split(" ")[: 2 * need + 64])  # enough words for `need` tokens, cheap to encode
+        ids = tok.encode(text, special=True)
+        if len(ids) < need:
+            continue
+        out.append(Sample(id=d.id, kind="ppl", input_ids=ids[:need], prompt_length=prompt, n_score=m,
+                          target={"title": d.title}))
+        if len(out) == n_samples:
+            break
+    return out
+
+
 class PerplexityTask(Task):
     """Perplexity of the last ``--ppl-tokens`` tokens of each text window, fed one token at a time
     through the evicting cache after an evicting prefill of the first ``--context`` tokens."""
@@ -503,18 +520,7 @@ class PerplexityTask(Task):
         need = prompt + m + 1
         docs = self._docs()
         self.data_note = self.data_note.replace("{n}", str(len(docs)))
-        out: list[Sample] = []
-        for i in _order(len(docs), self.opt.seed):
-            d = docs[i]
-            words = d.text.split(" ")
-            text = " ".join(words[: 2 * need + 64])  # enough words for `need` tokens, cheap to encode
-            ids = tok.encode(text, special=True)
-            if len(ids) < need:
-                continue
-            out.append(Sample(id=d.id, kind="ppl", input_ids=ids[:need], prompt_length=prompt, n_score=m,
-                              target={"title": d.title}))
-            if len(out) == self.n_samples:
-                break
+        out = _document_samples(docs, tok, need, prompt, m, n_samples=self.n_samples, seed=self.opt.seed)
         if len(out) < self.n_samples:
             self.notes.append(f"only {len(out)} documents have the {need} tokens needed")
         self.notes.append(
@@ -613,17 +619,7 @@ class StreamTask(PerplexityTask):
         need = prompt + m + 1
         docs = self._docs()
         self.data_note = self.data_note.replace("{n}", str(len(docs)))
-        out: list[Sample] = []
-        for i in _order(len(docs), self.opt.seed):
-            d = docs[i]
-            words = d.text.split(" ")
-            ids = tok.encode(" ".join(words[: 2 * need + 64]), special=True)
-            if len(ids) < need:
-                continue
-            out.append(Sample(id=d.id, kind="ppl", input_ids=ids[:need], prompt_length=prompt, n_score=m,
-                              target={"title": d.title}))
-            if len(out) == self.n_samples:
-                break
+        out = _document_samples(docs, tok, need, prompt, m, n_samples=self.n_samples, seed=self.opt.seed)
         if len(out) < self.n_samples:
             self.notes.append(f"only {len(out)} documents have the {need} tokens needed")
         self.notes.append(
