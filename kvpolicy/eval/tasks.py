@@ -514,15 +514,20 @@ class PerplexityTask(Task):
         self.data_note = "Wikipedia articles from gensim 4.4.0's test dump (site-packages; markup stripped)"
         return D.load_wiki_articles(min_words=1000)
 
-    def samples(self, tok: TokenizerAdapter) -> list[Sample]:
-        prompt = self.opt.context or self.default_context
-        m = self.opt.ppl_tokens
-        need = prompt + m + 1
+    def _document_samples(self, tok: TokenizerAdapter, need: int, prompt: int, m: int) -> list[Sample]:
+        """:func:`_document_samples` over this task's documents, with the data and shortage notes."""
         docs = self._docs()
         self.data_note = self.data_note.replace("{n}", str(len(docs)))
         out = _document_samples(docs, tok, need, prompt, m, n_samples=self.n_samples, seed=self.opt.seed)
         if len(out) < self.n_samples:
             self.notes.append(f"only {len(out)} documents have the {need} tokens needed")
+        return out
+
+    def samples(self, tok: TokenizerAdapter) -> list[Sample]:
+        prompt = self.opt.context or self.default_context
+        m = self.opt.ppl_tokens
+        need = prompt + m + 1
+        out = self._document_samples(tok, need, prompt, m)
         self.notes.append(
             f"each sample: the first {need} tokens of a document (raw text, no chat template); {prompt} prefilled at "
             f"once (the policy evicts after the prefill), then {m} tokens fed one at a time, each next-token "
@@ -617,11 +622,7 @@ class StreamTask(PerplexityTask):
         if m < 1:
             raise ValueError(f"--stream-tokens must be >= 1, got {m}")
         need = prompt + m + 1
-        docs = self._docs()
-        self.data_note = self.data_note.replace("{n}", str(len(docs)))
-        out = _document_samples(docs, tok, need, prompt, m, n_samples=self.n_samples, seed=self.opt.seed)
-        if len(out) < self.n_samples:
-            self.notes.append(f"only {len(out)} documents have the {need} tokens needed")
+        out = self._document_samples(tok, need, prompt, m)
         self.notes.append(
             f"each sample: the first {need} tokens of a document (raw text, no chat template); {prompt} prefilled at "
             f"once, then {m} tokens fed one at a time through the evicting cache, each next-token prediction scored "
