@@ -387,6 +387,8 @@ def test_endurance_run_on_a_small_shape(name) -> None:
     assert len({s.allocated_bytes for s in result.samples}) == 1
     assert result.samples[0].allocated_bytes >= 2 * per_layer
     assert result.flatness()["allocated_bytes"] == 1.0
+    # the fastest token of each sample is never slower than its median or its mean
+    assert all(0 < s.min_seconds_per_token <= min(s.seconds_per_token, s.mean_seconds_per_token) for s in result.samples)
     assert len(result.measured()) == 24  # samples after token 60
     assert "| " + repr(policy) in markdown([result])
 
