@@ -99,3 +99,39 @@ def test_block_rows_follow_the_workspace():
     # the default block's logits stay under the workspace
     rows = prefill_block_rows(1, 9, 16384)
     assert rows * 9 * 16384 * 4 <= 256 << 20 < (rows + 1) * 9 * 16384 * 4
+
+
+@given(
+    b=st.integers(1, 2), g=st.integers(1, 3), r=st.integers(1, 3), n=st.integers(1, 40), holes=st.data(),
+    row_scale=st.booleans(), prefix=st.integers(0, 3), f64=st.booleans(), seed=st.integers(0, 2**16),
+)  # fmt: skip
+@settings(max_examples=80, deadline=None)
+def test_decode_attention_equals_the_dense_reference(b, g, r, n, holes, row_scale, prefix, f64, seed):
+    """decode_attention (every branch: fused bias + scaling, row scales, a rotated-back prefix)
+    against a float64 softmax over the same logits with holes masked."""
+    from kvpolicy_torch import decode_attention
+
+    dtype = torch.float64 if f64 else torch.float32
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(b, g * r, 1, 8, generator=gen, dtype=dtype)
+    keys = torch.randn(b, g, n, 8, generator=gen, dtype=dtype)
+    values = torch.randn(b, g, n, 8, generator=gen, dtype=dtype)
+    hole = torch.tensor(holes.draw(st.lists(st.booleans(), min_size=b * g * n, max_size=b * g * n))).view(b, g, n)
+    hole[..., -1] = False  # every row and head attends to at least one key
+    bias = torch.zeros(b, g, n, dtype=dtype).masked_fill(hole, float("-inf"))
+    scales = torch.rand(b, generator=gen, dtype=dtype) + 0.5 if row_scale else None
+    k = min(prefix, n)
+    back = torch.randn(b, g * r, 1, 8, generator=gen, dtype=dtype) if k else None
+    out, received = decode_attention(
+        query, keys, values, 0.35, bias=bias, row_scale=scales, prefix=(k, back) if k else None
+    )
+    qq = query.double().view(b, g, r, 8)
+    logits = torch.einsum("bgrd,bgnd->bgrn", qq, keys.double())
+    if k:
+        logits[..., :k] = torch.einsum("bgrd,bgnd->bgrn", back.double().view(b, g, r, 8), keys[:, :, :k].double())
+    logits = logits * 0.35 * (scales.double().view(b, 1, 1, 1) if scales is not None else 1.0)
+    probs = torch.softmax(logits.masked_fill(hole[:, :, None, :], float("-inf")), dim=-1)
+    want_out = torch.einsum("bgrn,bgnd->bgrd", probs, values.double()).reshape(b, 1, g * r, 8)
+    tol = 1e-12 if f64 else 1e-5
+    torch.testing.assert_close(out.double(), want_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(received.double(), probs.sum(dim=2), rtol=tol, atol=tol)
