@@ -62,8 +62,8 @@ __all__ = ["add_arguments", "run", "main", "evaluate", "DEFAULT_POLICIES", "DEFA
 DEFAULT_POLICIES = ("full", "local", "streaming_llm", "h2o", "buzz", "buzz_logn")
 DEFAULT_BUDGETS = (0.1, 0.2, 0.3, 0.5)
 #: Wall time of the default run as measured (see the README / docs/results.md).
-MEASURED_DEFAULT = ("measured: 7.5 to 7.9 minutes of CPU time (float32, 1 thread), its wall time on an idle core; "
-                    "11.3 minutes wall on a shared 2-core CPU at load 3-5 (66% of a core), 35 at load 7-10")
+MEASURED_DEFAULT = ("measured: 7.4 minutes wall, 6.7 minutes of CPU time (float32, 1 thread) on a shared 2-core CPU "
+                    "at load 1.2-1.6; busier sittings take longer (11.3 minutes at load 3-5)")
 
 _TASK_HELP = {
     "ppl": "perplexity, token by token through the evicting cache (embedded: Wikipedia articles from gensim; "
