@@ -46,7 +46,6 @@ def test_endurance(benchmark, name):
     # storage is allocated once: not a byte more at the end than at the start
     assert {s.allocated_bytes for s in result.measured()} == {result.samples[0].allocated_bytes}
     assert abs(ratios["rss_bytes"] - 1) <= MEMORY_TOL, ratios
-    # time: the full run holds the median token to the 5%; a quick run (CI, a shared
-    # machine, a few hundred tokens) compares the fastest tokens, which other work cannot slow
-    time_metric = "min_seconds_per_token" if _settings.QUICK else "seconds_per_token"
-    assert abs(ratios[time_metric] - 1) <= _settings.ENDURANCE_TIME_TOL, ratios
+    # time: the fastest token of each sample (other work on a shared machine only adds time; the
+    # median is reported next to it): the full run within the 5%, a quick run within 2x
+    assert abs(ratios["min_seconds_per_token"] - 1) <= _settings.ENDURANCE_TIME_TOL, ratios

@@ -395,7 +395,9 @@ def test_endurance_run_on_a_small_shape(name) -> None:
 
 def _fake(metric_values: list[float]) -> EnduranceResult:
     r = EnduranceResult("x", "h2o", {}, CacheShape(1, 1, 1), tokens=100 * len(metric_values), warmup=0, device="cpu")
-    r.samples = [EnduranceSample(100 * (i + 1), 1000, 10_000, v) for i, v in enumerate(metric_values)]
+    r.samples = [
+        EnduranceSample(100 * (i + 1), 1000, 10_000, v, min_seconds_per_token=v) for i, v in enumerate(metric_values)
+    ]
     return r
 
 
@@ -406,6 +408,7 @@ def test_endurance_flatness_sees_growth() -> None:
     assert not growing.is_flat()
     # first decile: samples 0-3 (median 1.15), last: 36-39 (median 4.75)
     assert growing.deciles("seconds_per_token") == (pytest.approx(1.15), pytest.approx(4.75))
+    assert growing.flatness()["min_seconds_per_token"] == pytest.approx(4.75 / 1.15)
     assert growing.is_flat(metrics=["allocated_bytes", "rss_bytes"])
 
 
