@@ -19,7 +19,8 @@ def first_argmin(x: torch.Tensor) -> torch.Tensor:
     loop (930 us for ``[8, 65536]`` float32 on one core) while ``amin`` is vectorised (46 us), so
     a large input is searched in three levels: the minimum of each block of 1,024 (``amin``), the
     first block that holds the smallest, the first of its 32 sub-blocks that does, and the first
-    position inside that one; 190 us, the same answer (each level keeps the *first* minimum).
+    position inside that one, then the last partial block on its own; the same answer (each level
+    keeps the *first* minimum). ``[1, 8, 65536]`` on one core: about 110 us against argmin's 770.
 
     Args:
         x: ``[..., n]`` floating point, ``n >= 1``, no NaN (callers map NaN to ``-inf`` first).
@@ -33,16 +34,26 @@ def first_argmin(x: torch.Tensor) -> torch.Tensor:
     """
     if x.device.type != "cpu" or x.numel() <= _DIRECT:
         return torch.argmin(x, dim=-1)
-    lead, n = x.shape[:-1], x.shape[-1]
-    pad = (-n) % _BLOCK
-    if pad:  # +inf never is the first minimum unless everything is +inf, and then index 0 is
-        x = torch.cat([x, x.new_full((*lead, pad), float("inf"))], dim=-1)
-    nb = x.shape[-1] // _BLOCK
-    blocks = x.unflatten(-1, (nb, _BLOCK))
-    first = torch.argmin(blocks.amin(dim=-1), dim=-1, keepdim=True)  # [..., 1]
+    n = x.shape[-1]
+    whole = n - n % _BLOCK
+    if whole == 0:
+        return torch.argmin(x, dim=-1)
+    # the whole blocks are searched in place (a view, whatever x's strides): padding x to a
+    # multiple of the block would copy all of it, which costs more than the search
+    blocks = x[..., :whole].unflatten(-1, (whole // _BLOCK, _BLOCK))
+    minima = blocks.amin(dim=-1)  # [..., blocks]
+    first = torch.argmin(minima, dim=-1, keepdim=True)  # [..., 1]
+    lead = first.shape[:-1]
     block = torch.gather(blocks, -2, first[..., None].expand(*lead, 1, _BLOCK)).squeeze(-2)  # [..., BLOCK]
     subs = block.unflatten(-1, (_BLOCK // _SUB, _SUB))
     second = torch.argmin(subs.amin(dim=-1), dim=-1, keepdim=True)
     inner = torch.gather(subs, -2, second[..., None].expand(*lead, 1, _SUB)).squeeze(-2)  # [..., SUB]
     third = torch.argmin(inner, dim=-1, keepdim=True)
-    return (first * _BLOCK + second * _SUB + third).squeeze(-1)
+    found = (first * _BLOCK + second * _SUB + third).squeeze(-1)
+    if whole == n:
+        return found
+    # the last partial block: it wins only with a strictly smaller value (a tie goes to the
+    # earlier position, in the whole blocks)
+    tail = x[..., whole:]
+    best = torch.gather(minima, -1, first).squeeze(-1)
+    return torch.where(tail.amin(dim=-1) < best, torch.argmin(tail, dim=-1) + whole, found)

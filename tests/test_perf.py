@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpolicy import BUZZ, H2O, FullCache, LocalWindow, StreamingLLM, simulate_sizes
@@ -443,3 +443,20 @@ def test_first_argmin_equals_argmin_with_ties(n) -> None:
     x[1, n // 2 :] = float("-inf") if n > 1 else x[1, n // 2 :]
     x[2] = float("inf")
     assert torch.equal(first_argmin(x), torch.argmin(x, dim=-1))
+
+
+@given(
+    rows=st.integers(1, 4), blocks=st.integers(16, 80), extra=st.integers(-1023, 1023), spare=st.integers(0, 50),
+    levels=st.integers(1, 6), seed=st.integers(0, 2**16),
+)  # fmt: skip
+@settings(max_examples=40, deadline=None)
+def test_first_argmin_on_strided_views_with_a_partial_block(rows, blocks, extra, spare, levels, seed) -> None:
+    """The blocked search on a slice of a wider storage (as LayerCache passes it), with a partial
+    last block, many ties and the minimum anywhere (the tail included): torch.argmin's answer."""
+    from kvpolicy_torch import first_argmin
+
+    n = blocks * 1024 + extra
+    g = torch.Generator().manual_seed(seed)
+    storage = torch.randint(0, levels, (rows, 2, n + spare), generator=g).to(torch.float32)
+    view = storage[:, :, :n]
+    assert torch.equal(first_argmin(view), torch.argmin(view, dim=-1))
