@@ -24,7 +24,7 @@ is decided without looking at tensor values, and a decode step makes no host-dev
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -50,6 +50,16 @@ class PrefixShift(NamedTuple):
     delta: list[int]
 
 
+def _reverse_slots(x: torch.Tensor, lo: int, hi: int, step: int) -> None:
+    """Reverse ``x[:, lo:hi]`` in place, swapping chunks of at most ``step`` slots from both ends."""
+    while hi - lo > 1:
+        c = min(step, (hi - lo) // 2)
+        left = x[:, lo : lo + c].flip(1)  # flip copies
+        x[:, lo : lo + c] = x[:, hi - c : hi].flip(1)
+        x[:, hi - c : hi] = left
+        lo, hi = lo + c, hi - c
+
+
 @dataclass
 class LayerSnapshot:
     """The bookkeeping of a :class:`LayerCache`: per-row counts and policy states, and per slot
@@ -66,6 +76,8 @@ class LayerSnapshot:
     positions: torch.Tensor
     scores: torch.Tensor
     bias: torch.Tensor
+    #: per row, the slots freed by ``"oldest"`` evictions that the next append refills
+    free: list[list[int]] = field(default_factory=list)
 
 
 class LayerCache:
@@ -143,6 +155,9 @@ class LayerCache:
         self._front: list[int] = []  # next free slot per row
         self._states: list[dict[str, int]] = []
         self._fifo: list[int | None] = []  # "oldest" rule: slot of the oldest token after the sinks
+        # "oldest" rule: slots the last evictions freed; the next append writes there, so the
+        # tokens after the sinks form a ring over [sink, front) and nothing is ever compacted
+        self._free: list[list[int]] = []
         self._range = (0, 0)  # slots [lo, hi) the last append returned
         self._bias_needed = False  # whether a slot of that range is a hole (host-side, set by append)
         self._chunk: tuple[int, int, torch.Tensor | None] | None = None  # (start, q, valid [b, q]) of a chunk
@@ -207,8 +222,10 @@ class LayerCache:
 
     # ------------------------------------------------------------------ storage
     def _slack(self, capacity: int, per_slot: int) -> int:
-        if self.rule is None:
-            return 0  # general evictions compact at once: nothing accumulates below the frontier
+        if self.rule is None or self.rule.victim == "oldest":
+            # general evictions compact at once; the oldest token's slot is refilled by the next
+            # append (a ring): in neither case do holes accumulate below the frontier
+            return 0
         return max(1, min(capacity // 8, self.compaction_chunk_bytes // max(per_slot, 1)))
 
     def _allocate(self, like_k: torch.Tensor, like_v: torch.Tensor, slots: int) -> None:
@@ -262,7 +279,10 @@ class LayerCache:
     # ------------------------------------------------------------------ ordered views (inspection)
     def _order(self, pos: torch.Tensor, count: int) -> torch.Tensor:
         """Slots of the ``count`` kept tokens of each row and head, in position order ``[b, h, count]``."""
-        holes = (pos < 0).to(torch.int8)
+        if any(f is not None for f in self._fifo):  # a ring: slot order is a rotation of position order
+            key = pos.masked_fill(pos < 0, torch.iinfo(torch.int64).max)
+            return torch.argsort(key, dim=-1)[..., :count]
+        holes = (pos < 0).to(torch.int8)  # below a frontier, slot order is position order
         return torch.argsort(holes, dim=-1, stable=True)[..., :count]
 
     def _ordered(self, which: int) -> torch.Tensor:
@@ -278,8 +298,8 @@ class LayerCache:
         return torch.gather(t, 2, order)
 
     def _dense(self) -> bool:
-        """Whether every row holds its kept tokens at slots ``[0, count)`` (no holes below a frontier)."""
-        return self._extra is None and self._count == self._front
+        """Whether every row holds its kept tokens at slots ``[0, count)`` in position order."""
+        return self._extra is None and self._count == self._front and all(f is None for f in self._fifo)
 
     @property
     def keys(self) -> torch.Tensor:
@@ -335,18 +355,7 @@ class LayerCache:
         lo, hi = self._range
         if lo == 0 and self._count == self._front and all(f == hi for f in self._front):
             return False  # the common case, decided without a loop
-        for r in range(self.batch):
-            first = self._first(r)
-            if first != lo or self._front[r] != hi or self._front[r] - first != self._count[r]:
-                return True
-        return False
-
-    def _first(self, row: int) -> int:
-        """First slot of ``row`` that may hold a kept token (the local window leaves holes before it)."""
-        fifo = self._fifo[row] if self._fifo else None
-        if fifo is not None and self.rule is not None and self.rule.sink == 0:
-            return fifo
-        return 0
+        return any(self._front[r] != hi or self._front[r] != self._count[r] for r in range(self.batch))
 
     def chunk_mask(self) -> torch.Tensor:
         """Boolean mask ``[batch | 1, 1, q, n]`` (True: attend) for the chunk the last :meth:`append`
@@ -461,6 +470,7 @@ class LayerCache:
         self._seen, self._count, self._front = [0] * b, [0] * b, [0] * b
         self._states = [self.policy.init_state() for _ in range(b)]
         self._fifo = [None] * b
+        self._free = [[] for _ in range(b)]
         self._allocate(keys, values, slots)
         # what later appends must match (one tuple comparison per step; _check_like says what differs)
         self._like = (b, keys.shape[1], keys.shape[3], values.shape[3], keys.dtype, values.dtype, keys.device)
@@ -480,25 +490,25 @@ class LayerCache:
             raise ValueError(f"keys moved from {k.device} to {keys.device}")
 
     def _append_one(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        front, seen, count = self._front, self._seen, self._count
-        s = front[0]
-        if len(front) == 1 and s < self._k.shape[2]:  # type: ignore[union-attr]
+        front, seen, count, free = self._front, self._seen, self._count, self._free
+        if len(front) == 1 and (free[0] or front[0] < self._k.shape[2]):  # type: ignore[union-attr]
             # one row (the common case): the same writes with no per-row bookkeeping
+            s = free[0].pop() if free[0] else front[0]
             self._k.select(2, s).copy_(keys.select(2, 0))  # type: ignore[union-attr]
             self._v.select(2, s).copy_(values.select(2, 0))  # type: ignore[union-attr]
             self._pos.select(2, s).fill_(seen[0])  # type: ignore[union-attr]
             self._scores.select(2, s).fill_(0)  # type: ignore[union-attr]
             self._bias.select(2, s).fill_(0)  # type: ignore[union-attr]
-            front[0] = s + 1
+            if s == front[0]:
+                front[0] = s + 1
             seen[0] += 1
             count[0] += 1
             self.columns += 1
             self._chunk = None
-            lo = self._first(0)
-            self._range = (0 if self.static_shapes else lo, self.slots if self.static_shapes else s + 1)
-            self._bias_needed = self.static_shapes or s + 1 - lo != count[0]
+            self._range = (0, self.slots if self.static_shapes else front[0])
+            self._bias_needed = self.static_shapes or front[0] != count[0]
             return
-        full = [r for r, f in enumerate(self._front) if f >= self.slots]
+        full = [r for r, f in enumerate(self._front) if f >= self.slots and not free[r]]
         if full:
             if self.policy.capacity is None:
                 self._allocate(keys, values, max(self.slots + _MIN_GROWTH, math.ceil(self.slots * _GROWTH)))
@@ -509,10 +519,11 @@ class LayerCache:
                         f"{self.policy!r} holds {max(self._count)} tokens, more than its capacity {self.policy.capacity}"
                     )
         front, seen = self._front, self._seen
+        target = [f[-1] if f else front[r] for r, f in enumerate(free)]  # a freed slot, else the frontier
         k, v, pos, scores, bias = self._tensors()
-        if all(f == front[0] for f in front):
+        if all(t == target[0] for t in target):
             # select + copy_/fill_: a decode step's writes are tiny, and indexing costs more than them
-            s = front[0]
+            s = target[0]
             k.select(2, s).copy_(keys.select(2, 0))
             v.select(2, s).copy_(values.select(2, 0))
             if all(x == seen[0] for x in seen):
@@ -524,27 +535,28 @@ class LayerCache:
         else:  # rows on their own schedules: one slot per row
             dev = k.device
             rows = torch.arange(self.batch, device=dev)
-            at = torch.tensor(front, device=dev)
+            at = torch.tensor(target, device=dev)
             k[rows, :, at] = keys[:, :, 0]
             v[rows, :, at] = values[:, :, 0]
             pos[rows, :, at] = torch.tensor(seen, device=dev)[:, None]
             scores[rows, :, at] = 0
             bias[rows, :, at] = 0
         for r in range(self.batch):
-            front[r] += 1
+            if free[r]:
+                free[r].pop()
+            else:
+                front[r] += 1
             seen[r] += 1
             self._count[r] += 1
         self.columns += 1
         self._chunk = None
-        hi = self.slots if self.static_shapes else max(front)
-        lo = 0 if self.static_shapes else min(self._first(r) for r in range(self.batch))
-        self._range = (lo, hi)
+        self._range = (0, self.slots if self.static_shapes else max(front))
         self._bias_needed = self._needs_bias()
 
     def _append_chunk(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, real: list[int]) -> None:
         b, h, q, _ = keys.shape
-        if self._count != self._front or any(f is not None for f in self._fifo):
-            self._compact_rows(list(range(b)))  # chunks see dense rows (holes are removed first)
+        if not self._dense():
+            self._compact_rows(list(range(b)))  # chunks see dense rows in position order
         start = max(self._front)
         dev = keys.device
         new_pos = torch.arange(q, device=dev).expand(b, q)
@@ -619,10 +631,12 @@ class LayerCache:
         if rule.victim == "oldest":
             slots = []
             for r in rows:
-                if self._fifo[r] is None:  # the row is dense: its oldest non-sink token is at slot `sink`
-                    self._fifo[r] = rule.sink
-                slots.append(self._fifo[r])
-                self._fifo[r] += 1  # type: ignore[operator]
+                # a dense row's oldest non-sink token is at slot `sink`; later ones follow it
+                # around the ring [sink, front) (the next append refills the freed slot)
+                slot = rule.sink if self._fifo[r] is None else self._fifo[r]
+                slots.append(slot)
+                self._free[r].append(slot)  # type: ignore[arg-type]
+                self._fifo[r] = slot + 1 if slot + 1 < self._front[r] else rule.sink  # type: ignore[operator]
             if every and all(s == slots[0] for s in slots):
                 s = slots[0]
                 pos.select(2, s).fill_(-1)
@@ -674,7 +688,7 @@ class LayerCache:
     def _evict_general(self) -> list[tuple[int, int]]:
         """Ask the policy (``select``) on dense, ordered views, group by group of rows in the same
         host state, until it keeps everything; apply each keep by compaction."""
-        if self._count != self._front or any(f is not None for f in self._fifo) or self._extra is not None:
+        if not self._dense():
             self._compact_rows(list(range(self.batch)))
         rounds: list[tuple[int, int]] = []
         while True:
@@ -721,15 +735,38 @@ class LayerCache:
     def _compact_rows(self, rows: list[int]) -> None:
         """Move the kept tokens of ``rows`` to ``[0, count)`` in position order (holes removed)."""
         rows = [r for r in rows if self._count[r] != self._front[r] or self._fifo[r] is not None] if self._extra is None else rows
-        for r in rows:
-            self._fifo[r] = None
         if not rows:
             return
+        self._unwrap([r for r in rows if self._fifo[r] is not None])
+        for r in rows:
+            self._fifo[r] = None
+            self._free[r] = []
         for count, group in self._by_count(rows).items():
             pos = self._working()[2]
             if len(group) < self.batch:
                 pos = pos.index_select(0, torch.tensor(group, device=pos.device))
             self._keep_rows(group, self._order(pos, count))
+
+    def _unwrap(self, rows: list[int]) -> None:
+        """Put each ring row (``"oldest"`` rule) back in position order: its tokens after the sinks
+        run from slot ``fifo`` (the oldest) to ``front``, then on from ``sink``, so the segment
+        ``[sink, front)`` is rotated left by ``fifo - sink``. In place by three reversals, each a
+        swap of chunks from both ends (at most two chunks of temporary memory); rare (a prompt
+        chunk or a general eviction after decode steps), so a loop over rows is fine."""
+        if not rows:
+            return
+        assert self.rule is not None  # only "oldest" rules make rings
+        sink = self.rule.sink
+        for r in rows:
+            fifo, front = self._fifo[r], self._front[r]
+            if fifo is None or fifo == sink:
+                continue
+            for t in self._tensors():
+                x = t[r]  # [heads, slots(, dim)]: a view
+                per_slot = x.shape[0] * (x.shape[2] if x.ndim == 3 else 1) * x.element_size()
+                step = max(1, self.compaction_chunk_bytes // (2 * per_slot))
+                for lo, hi in ((sink, fifo), (fifo, front), (sink, front)):
+                    _reverse_slots(x, lo, hi, step)
 
     def _by_count(self, rows: list[int]) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}
@@ -808,8 +845,8 @@ class LayerCache:
     def compaction_period(self) -> int | None:
         """Decode steps between two compactions while a :class:`~kvpolicy.DecodeEviction` evicts
         one token per step (``None``: the policy has none, or nothing is allocated yet)."""
-        if self.rule is None or self._k is None or self.policy.capacity is None:
-            return None
+        if self.rule is None or self.rule.victim == "oldest" or self._k is None or self.policy.capacity is None:
+            return None  # ("oldest": a ring, never compacted while decoding)
         return self.slots - self.policy.capacity + 1
 
     def snapshot(self) -> LayerSnapshot:
@@ -821,6 +858,7 @@ class LayerCache:
             self.columns, list(self._seen), list(self._count), list(self._front),
             [dict(s) for s in self._states], list(self._fifo),
             self._pos.clone(), self._scores.clone(), self._bias.clone(),  # type: ignore[union-attr]
+            [list(f) for f in self._free],
         )
 
     def restore(self, snap: LayerSnapshot) -> None:
@@ -836,6 +874,9 @@ class LayerCache:
         self._seen, self._count, self._front = list(snap.seen), list(snap.count), list(snap.front)
         self._states = [dict(s) for s in snap.states]
         self._fifo = list(snap.fifo)
+        self._free = [list(f) for f in snap.free] if snap.free else [[] for _ in range(self.batch)]
+        if any(slot >= f for fr, f in zip(self._free, self._front) for slot in fr):
+            raise ValueError("snapshot free slots must lie below their row's front")
         for t, src, fill in zip((self._pos, self._scores, self._bias), (snap.positions, snap.scores, snap.bias), (-1, math.inf, -math.inf)):
             t.copy_(src)  # type: ignore[union-attr]
             for f in sorted(set(self._front)):
@@ -858,13 +899,14 @@ class LayerCache:
         if self._extra is not None:
             raise RuntimeError("select_batch() between append() and evict()")
         host = [
-            self._seen, self._count, self._front, self._states, self._fifo,
+            self._seen, self._count, self._front, self._states, self._fifo, self._free,
         ]
         if all(all(x == lst[0] for x in lst) for lst in host):  # rows alike: no need to read the index
             n = int(index.shape[0])
             self._seen, self._count, self._front = [self._seen[0]] * n, [self._count[0]] * n, [self._front[0]] * n
             self._states = [dict(self._states[0]) for _ in range(n)]
             self._fifo = [self._fifo[0]] * n
+            self._free = [list(self._free[0]) for _ in range(n)]
         else:
             idx = index.tolist()
             self._seen = [self._seen[i] for i in idx]
@@ -872,6 +914,7 @@ class LayerCache:
             self._front = [self._front[i] for i in idx]
             self._states = [dict(self._states[i]) for i in idx]
             self._fifo = [self._fifo[i] for i in idx]
+            self._free = [list(self._free[i]) for i in idx]
         self._k, self._v, self._pos, self._scores, self._bias = (
             t.index_select(0, index.to(t.device)) for t in self._tensors()
         )

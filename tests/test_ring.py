@@ -1,0 +1,113 @@
+"""The ring of "oldest" evictions (StreamingLLM, the local window) in kvpolicy_torch.LayerCache.
+
+A decode step's append refills the slot the previous step's eviction freed, so the tokens after
+the sinks go round the storage and nothing is compacted while decoding. Slot order is then a
+rotation of position order; everything that reads the cache in order (``positions``, ``keys``,
+``kept``, ``to_slots``), a later prompt chunk (multi-turn) and a general eviction must see the
+tokens in position order again. Held here to a literal ordered model: a Python list of kept
+positions that :meth:`EvictionPolicy.evict` decides on (the NumPy reference's own loop), with
+each key and value a known function of its position.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from kvpolicy import CacheView, LocalWindow, StreamingLLM  # noqa: E402
+from kvpolicy_torch import LayerCache  # noqa: E402
+
+HEADS, DIM = 2, 3
+
+
+def _kv(positions: list[int], batch: int) -> torch.Tensor:
+    """``[batch, heads, q, dim]`` keys whose content names the position (and the head)."""
+    p = torch.tensor(positions, dtype=torch.float64)
+    head = torch.arange(HEADS, dtype=torch.float64)[:, None, None]
+    kv = p[None, :, None] + 1000.0 * head + torch.arange(DIM, dtype=torch.float64) / 10
+    return kv[None].expand(batch, -1, -1, -1).contiguous()
+
+
+def _reference_evict(policy, kept: list[int], seen: int, state: dict, phase: str) -> list[int]:
+    while True:
+        pos = np.array(kept)[None, None].repeat(HEADS, 1)
+        keep = policy.evict(CacheView(pos, np.zeros(pos.shape), seen, state, phase))
+        if keep is None:
+            return kept
+        kept = [kept[i] for i in np.asarray(keep)[0, 0].tolist()]
+
+
+policies = st.one_of(
+    st.builds(StreamingLLM, sink=st.integers(1, 3), window=st.integers(1, 9)),
+    st.builds(LocalWindow, window=st.integers(1, 9)),
+)
+#: mostly decode steps (q = 1), now and then a prompt chunk (a new turn)
+schedules = st.lists(st.one_of(st.just(1), st.just(1), st.just(1), st.integers(2, 6)), min_size=1, max_size=60)
+
+
+@given(policy=policies, first=st.integers(1, 12), schedule=schedules, batch=st.integers(1, 2))
+@settings(max_examples=150, deadline=None)
+def test_ring_reads_in_position_order_and_matches_the_ordered_model(policy, first, schedule, batch) -> None:
+    layer = LayerCache(policy)
+    kept: list[int] = []
+    state = policy.init_state()
+    seen = 0
+    for q in [first, *schedule]:
+        new = list(range(seen, seen + q))
+        keys, values = layer.append(_kv(new, batch), _kv(new, batch))
+        # what the queries attend: every kept token and the new ones, each slot holding its own key
+        attended = kept + new
+        pos = layer.slot_positions
+        live = pos[0, 0][pos[0, 0] >= 0]
+        assert sorted(live.tolist()) == attended
+        for h in range(HEADS):
+            slots = (pos[0, h] >= 0).nonzero().flatten()
+            torch.testing.assert_close(keys[0, h, slots], _kv(pos[0, h, slots].tolist(), 1)[0, h])
+        if q > 1:  # a chunk: causal inside it, everything kept before it
+            mask = layer.chunk_mask()[0, 0]
+            for i in range(q):
+                sees = pos[0, 0][mask[i]].tolist()
+                assert sorted(sees) == kept + new[: i + 1]
+        if policy.uses_scores:
+            layer.accumulate(torch.zeros(pos.shape, dtype=torch.float64))
+        layer.evict()
+        seen += q
+        kept = _reference_evict(policy, attended, seen, state, "prefill" if q > 1 else "decode")
+        assert layer.positions[:, 0].tolist() == [kept] * batch
+        torch.testing.assert_close(layer.keys, _kv(kept, batch))
+        assert layer.kept(batch - 1)[0][0].tolist() == kept
+        assert layer.slots <= policy.capacity  # the ring needs no slack
+    # to_slots places ordered values back at the slots they belong to
+    layer.append(_kv([seen], batch), _kv([seen], batch))
+    ordered = layer.positions.to(torch.float64)
+    placed = layer.to_slots(ordered)
+    pos = layer.slot_positions
+    assert torch.equal(placed, torch.where(pos >= 0, pos.to(torch.float64), 0.0))
+
+
+def test_ring_refills_the_freed_slot_and_never_compacts() -> None:
+    """StreamingLLM(sink=1, window=3) at its limit: each decode step's new token takes the slot
+    of the token the previous step evicted, so the storage never moves."""
+    layer = LayerCache(StreamingLLM(sink=1, window=3))
+    layer.append(_kv([0, 1, 2, 3], 1), _kv([0, 1, 2, 3], 1))
+    layer.evict()
+    slots_seen = []
+    for t in range(4, 12):
+        layer.append(_kv([t], 1), _kv([t], 1))
+        slots_seen.append(layer.slot_positions[0, 0].tolist())
+        layer.evict()
+    assert layer.slots == 5 and layer.compaction_period is None
+    # slot 0 holds the sink; slots 1-4 go round: the newest token replaces the oldest
+    assert slots_seen[:5] == [
+        [0, 1, 2, 3, 4],
+        [0, 5, 2, 3, 4],
+        [0, 5, 6, 3, 4],
+        [0, 5, 6, 7, 4],
+        [0, 5, 6, 7, 8],
+    ]
+    assert layer.positions[0, 0].tolist() == [0, 9, 10, 11]
+    assert layer.bias is None  # no hole when the queries attend: the plain attention path serves it
