@@ -10,7 +10,8 @@ The slot layout (docs/design.md, "The slot layout"):
   stand in position order, with holes where tokens were evicted;
 * a policy's :class:`~kvpolicy.DecodeEviction` (H2O, StreamingLLM, the local window) turns one
   slot per row and head into a hole: ``O(batch x kv_heads)`` writes, plus one read of the scores
-  for ``victim="lowest"``. No kept token moves;
+  for ``victim="lowest"``. No kept token moves. For ``victim="oldest"`` the next append writes
+  into the freed slot, so the tokens after the sinks go round a ring and never need compacting;
 * a general eviction (:meth:`EvictionPolicy.select`, e.g. BUZZ's, or any prefill's) sees each row
   dense at ``[0, count)`` and is applied by compacting kept tokens to the front in place, chunk by
   chunk. Rows are also compacted when a frontier reaches the end of the storage, which for
