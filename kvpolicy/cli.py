@@ -358,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     for verb in _VERBS:
         p = sub.add_parser(verb.name, help=verb.help, description=verb.help)
         verb.add_arguments(p)
-        p.set_defaults(_run=verb.run)
+        p.set_defaults(run_verb=verb.run)  # the verb's function, read by main()
     return parser
 
 
@@ -367,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args._run(args) or 0)
+        return int(args.run_verb(args) or 0)
     except ValueError as e:  # the library's documented errors, and CLIError
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2

@@ -271,7 +271,7 @@ def _options(args: argparse.Namespace, task: str) -> TaskOptions:
         stream_prefill=args.stream_prefill,
         equalise=args.equalise,
         stream_ratios=(2.5,) if args.tw_ratios is None else tuple(_floats(args.tw_ratios, "--tw-ratios")),
-        short=getattr(args, "_short_stream", False),
+        short=getattr(args, "short_stream", False),
         needle_lengths=tuple(_ints(args.needle_lengths, "--needle-lengths")),
         needle_depths=tuple(_floats(args.needle_depths, "--needle-depths")),
         gold_positions=tuple(_ints(args.gold_positions, "--gold-positions")),
@@ -709,7 +709,7 @@ def run(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, s
         raise ValueError("--batch-size must be >= 1")
     names = _task_names(args.tasks)
     # the default run carries a short stream task; --tasks stream runs the full protocol
-    args._short_stream = args.tasks is None or "default" in [t.lower() for t in _csv(args.tasks)]
+    args.short_stream = args.tasks is None or "default" in [t.lower() for t in _csv(args.tasks)]
     if sources is None:
         if args.data_dir and args.data_dir.lower() != "hub" and not Path(args.data_dir).is_dir():
             raise ValueError(f"--data-dir {args.data_dir}: no such folder")
@@ -754,12 +754,12 @@ def _meta(args: argparse.Namespace, model: Any, tok: TokenizerAdapter, policies:
         info = describe(model)
     except Exception:  # noqa: BLE001 - a stand-in model in tests
         info = {}
-    argv = getattr(args, "_argv", None)
+    argv = getattr(args, "argv", None)
     if argv is None and "compare" in sys.argv[1:]:
         argv = sys.argv[sys.argv.index("compare") + 1 :]
     return {
         "kvpolicy": __version__,
-        "model": args.model if getattr(args, "_model_name", None) is None else args._model_name,
+        "model": args.model,
         "model_info": info,
         "chat_template": tok.chat,
         "device": str(next(model.parameters()).device),
@@ -790,7 +790,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    args._argv = argv
+    args.argv = argv  # recorded in the report's run section
     try:
         return run(args)
     except ValueError as e:

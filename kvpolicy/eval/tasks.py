@@ -188,6 +188,7 @@ class CacheConfig:
         are prefilled; ``plan`` is :meth:`kvpolicy.PolicyPlan.as_dict` (or its equivalent)."""
         from ..budget import plan_capacity, plan_policy, simulate_sizes
         from ..policies import BUZZ, FullCache
+        from ..policies.buzz import estimate_threshold
 
         full_avg = float(np.mean(np.arange(prompt_length + 1, context_length + 1)))
         if self.policy == "full":
@@ -225,7 +226,7 @@ class CacheConfig:
             return plan.policy, d
         else:
             w = tw_window(self.ratio, int(self.size), self.stride, self.sink)
-            policy = BUZZ(sink=self.sink, window=w, stride=self.stride, threshold=_tw_threshold(self.ratio, w, self.stride))
+            policy = BUZZ(sink=self.sink, window=w, stride=self.stride, threshold=estimate_threshold(self.stride, w, ratio=self.ratio))
         sizes = (simulate_chunked_sizes(policy, prompt_length, context_length - prompt_length, self.chunk)
                  if self.chunk else simulate_sizes(policy, context_length, prompt_length))
         avg = float(np.mean(sizes))
@@ -244,12 +245,6 @@ def _plan_dict(policy: Any, requested: float | None, realised: float, ctx: int, 
         "average_size": avg,
         "full_average_size": full_avg,
     }
-
-
-def _tw_threshold(ratio: float, window: int, stride: int) -> int:
-    from ..policies.buzz import _min_threshold
-
-    return max(_min_threshold(stride), int(round(ratio * window)))
 
 
 def simulate_chunked_sizes(policy: Any, prompt_length: int, decode_steps: int, chunk: int) -> np.ndarray:
@@ -1037,7 +1032,7 @@ def _subsample_kv(ex: D.RetrievalExample, k: int) -> D.RetrievalExample:
     others = [r for r in records if r[0] != ex.key][: k - 1]
     pos = int(round(gi * (k - 1) / max(len(records) - 1, 1)))
     others.insert(pos, records[gi])
-    return D.RetrievalExample(id=ex.id, context=D._format_kv_records(others), question=ex.question,
+    return D.RetrievalExample(id=ex.id, context=D.format_kv_records(others), question=ex.question,
                               answer=ex.answer, kind="kv", meta={**dict(ex.meta), "gold_index": pos, "n_pairs": k})
 
 
