@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from ._validation import check_float, check_int
-from .policy import CacheView, EvictionPolicy
+from .driver import evict_until_done
+from .policy import EvictionPolicy
 from .registry import Preset, get_policy
 
 __all__ = ["PolicyPlan", "make_policy", "plan_policy", "plan_capacity", "simulate_sizes", "realised_budget"]
@@ -95,12 +96,7 @@ def _replay_sizes(policy: EvictionPolicy, context_length: int, prompt_length: in
 
     def evict_until_stable(phase: str) -> None:
         nonlocal positions
-        while True:
-            view = CacheView(positions, np.zeros(positions.shape), n_seen, state, phase)  # type: ignore[arg-type]
-            keep = policy.evict(view)
-            if keep is None:
-                return
-            positions = np.take_along_axis(positions, np.asarray(keep), axis=-1)
+        positions = evict_until_done(policy, positions, None, n_seen, state, phase)[0]
 
     n_seen = 0
     if prompt_length:

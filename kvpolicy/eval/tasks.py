@@ -251,7 +251,7 @@ def simulate_chunked_sizes(policy: Any, prompt_length: int, decode_steps: int, c
     """Cache size at each decode step after a prompt prefilled in chunks of ``chunk`` tokens (the
     policy evicts after every chunk, as :class:`~kvpolicy.hf.EvictingCache` does); like
     :func:`kvpolicy.simulate_sizes`, sizes depend on counts only, so placeholder scores are exact."""
-    from ..policy import CacheView
+    from ..driver import evict_until_done
 
     state = policy.init_state()
     positions = np.zeros((1, 1, 0), dtype=np.int64)
@@ -259,11 +259,7 @@ def simulate_chunked_sizes(policy: Any, prompt_length: int, decode_steps: int, c
 
     def settle(phase: str) -> None:
         nonlocal positions
-        while True:
-            keep = policy.evict(CacheView(positions, np.zeros(positions.shape), n_seen, state, phase))
-            if keep is None:
-                return
-            positions = np.take_along_axis(positions, np.asarray(keep), axis=-1)
+        positions = evict_until_done(policy, positions, None, n_seen, state, phase)[0]
 
     for start in range(0, prompt_length, chunk):
         stop = min(start + chunk, prompt_length)
