@@ -112,7 +112,7 @@ def _cmd_policies(args: argparse.Namespace) -> int:
                     {"name": n, "default": d, "required": r} for n, d, r in _entry_params(entry)
                 ],
                 # the full cache plans (budget 1.0) without a size knob
-                "budgets": cls.name == "full" or cls.from_size.__func__ is not _base_from_size(),
+                "budgets": not cls.evicts or cls.from_size.__func__ is not _base_from_size(),
             }
         )
     if args.json:

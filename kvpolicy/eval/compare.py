@@ -54,6 +54,7 @@ from .tasks import (
     Task,
     TaskOptions,
     TokenizerAdapter,
+    is_reference,
     make_tasks,
 )
 
@@ -575,10 +576,10 @@ def _task_result(task: Task, samples: Sequence[Sample], configs: Sequence[CacheC
             "capacity": None if not caps or any(x is None for x in caps) else max(caps),
             "label": c.label,
             "kind": c.kind,
-            "requested_budget": 1.0 if c.policy == "full" else c.budget,
+            "requested_budget": 1.0 if is_reference(c.policy) else c.budget,
             "size": c.size,
             "ratio": c.ratio,
-            "realised_budget": 1.0 if c.policy == "full" else realised,
+            "realised_budget": 1.0 if is_reference(c.policy) else realised,
             "average_cache": a["sizes"] / steps,
             "full_average_cache": a["fulls"] / steps,
             "decode_steps": a["steps"],
@@ -654,8 +655,8 @@ def _attach_commands(args: argparse.Namespace, tasks: Sequence[Task], results: d
             if task.name == "stream":
                 cell["command"] = _stream_cell_command(args, task, cell)
                 continue
-            if cell["policy"] == "full":
-                cmd = _command(args, task, ["full"], None if task.name == "tw" else [])
+            if is_reference(cell["policy"]):
+                cmd = _command(args, task, [cell["policy"]], None if task.name == "tw" else [])
             elif cell["kind"] == "budget":
                 cmd = _command(args, task, [cell["policy"]], [cell["requested_budget"]])
             elif cell["kind"] == "size":
@@ -668,8 +669,8 @@ def _attach_commands(args: argparse.Namespace, tasks: Sequence[Task], results: d
 def _stream_cell_command(args: argparse.Namespace, task: Task, cell: dict[str, Any]) -> str:
     """The command that runs one stream cell (a BUZZ T/w row also runs plain BUZZ)."""
     ratios = [] if cell.get("variant_ratio") is None else [cell["variant_ratio"]]
-    if cell["policy"] == "full":
-        return _command(args, task, ["full"], [], cache_sizes=[], ratios=[])
+    if is_reference(cell["policy"]):
+        return _command(args, task, [cell["policy"]], [], cache_sizes=[], ratios=[])
     cmd = _command(args, task, [cell["policy"]], [cell["requested_budget"]] if cell["kind"] == "budget" else [],
                    cache_sizes=[cell["size"]] if cell["kind"] == "size" else [], ratios=ratios)
     return cmd.replace("--equalise both", f"--equalise {cell['equalise']}")
@@ -717,7 +718,7 @@ def run(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, s
     tasks = make_tasks(names, TaskOptions(), sources)
     tasks = [type(t)(_options(args, t.name), sources) for t in tasks]
     for t in tasks:
-        if t.name == "ppl" and not budgets and not t.opt.cache_sizes and policies != ["full"]:
+        if t.name == "ppl" and not budgets and not t.opt.cache_sizes and not all(is_reference(p) for p in policies):
             raise ValueError("ppl: nothing to run: give --budgets or --cache-sizes")
 
     out_dir = Path(args.out)
