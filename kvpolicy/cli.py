@@ -362,15 +362,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_command(prog: str, run: Callable[[argparse.Namespace], Any], args: argparse.Namespace) -> int:
+    """``run(args)`` as a command's exit status: a ``ValueError`` (the library's documented
+    errors, and :class:`CLIError`) is the user's, printed as ``prog: error: ...`` with status 2."""
+    try:
+        return int(run(args) or 0)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvpolicy`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return int(args.run_verb(args) or 0)
-    except ValueError as e:  # the library's documented errors, and CLIError
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        return 2
+    return run_command(parser.prog, args.run_verb, args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -792,11 +792,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv  # recorded in the report's run section
-    try:
-        return run(args)
-    except ValueError as e:
-        print(f"kvpolicy compare: error: {e}", file=sys.stderr)
-        return 2
+    from ..cli import run_command
+
+    return run_command("kvpolicy compare", run, args)
 
 
 if __name__ == "__main__":  # pragma: no cover
