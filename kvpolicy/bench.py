@@ -468,12 +468,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kvpolicy.bench`` (the same as ``kvpolicy bench``)."""
     parser = argparse.ArgumentParser(prog="kvpolicy bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except ValueError as e:
-        print(f"kvpolicy bench: error: {e}", file=sys.stderr)
-        return 2
+    from .cli import run_command
+
+    return run_command("kvpolicy bench", run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":  # pragma: no cover

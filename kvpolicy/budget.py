@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from ._validation import check_float, check_int
-from .policy import CacheView, EvictionPolicy
+from .driver import evict_until_done
+from .policy import EvictionPolicy
 from .registry import Preset, get_policy
 
 __all__ = ["PolicyPlan", "make_policy", "plan_policy", "plan_capacity", "simulate_sizes", "realised_budget"]
@@ -26,9 +27,9 @@ __all__ = ["PolicyPlan", "make_policy", "plan_policy", "plan_capacity", "simulat
 def simulate_sizes(policy: EvictionPolicy, context_length: int, prompt_length: int = 0) -> np.ndarray:
     """Cache size at every decode step of a run (keys attended, the new one included).
 
-    The built-in policies are simulated on host integers (their sizes are a function of counts,
-    see :func:`_size_rule`); any other policy is replayed through its own ``evict`` on placeholder
-    arrays. Both give the same sizes (checked by the tests).
+    A policy that declares a size rule (:meth:`~kvpolicy.EvictionPolicy.size_rule`: every
+    built-in) is simulated on host integers; any other policy is replayed through its own
+    ``evict`` on placeholder arrays. Both give the same sizes (checked by the tests).
 
     Example:
         >>> from kvpolicy import StreamingLLM
@@ -37,7 +38,7 @@ def simulate_sizes(policy: EvictionPolicy, context_length: int, prompt_length: i
     """
     context_length = check_int("context_length", context_length, minimum=1)
     prompt_length = check_int("prompt_length", prompt_length, minimum=0, maximum=context_length)
-    rule = _size_rule(policy)
+    rule = policy.size_rule()
     if rule is None:
         return _replay_sizes(policy, context_length, prompt_length)
     state = policy.init_state()
@@ -50,43 +51,6 @@ def simulate_sizes(policy: EvictionPolicy, context_length: int, prompt_length: i
     return sizes
 
 
-def _size_rule(policy: EvictionPolicy) -> Any:
-    """``rule(n, state) -> n_after``: the size after evicting until stable, on host integers, for
-    the built-in policies (exact type: a subclass may override ``select``); ``None`` otherwise.
-
-    Each rule is the count arithmetic of the policy's ``select``: StreamingLLM, the local window
-    and H2O cut back to their kept size; BUZZ keeps ``ceil(old / s_hat)`` old middle tokens and
-    ``ceil(new / stride)`` new ones, repeatedly while the middle holds ``threshold`` or more.
-    """
-    from .policies import BUZZ, H2O, FullCache, LocalWindow, StreamingLLM
-
-    kind = type(policy)
-    if kind is FullCache:
-        return lambda n, state: n
-    if kind in (StreamingLLM, LocalWindow, H2O):
-        if kind is StreamingLLM:
-            keep = policy.sink + policy.window  # type: ignore[attr-defined]
-        elif kind is LocalWindow:
-            keep = policy.window  # type: ignore[attr-defined]
-        else:
-            keep = policy.heavy + policy.recent  # type: ignore[attr-defined]
-        return lambda n, state: keep if n > keep else n
-    if kind is BUZZ:
-        sink, window, threshold = policy.sink, policy.window, policy.threshold  # type: ignore[attr-defined]
-        stride, s_hat = policy.stride, policy.s_hat  # type: ignore[attr-defined]
-
-        def buzz(n: int, state: dict[str, int]) -> int:
-            middle = n - sink - window
-            while middle >= threshold:
-                n_old = state.get("n_old", 0)
-                middle = -(-n_old // s_hat) + -(-(middle - n_old) // stride)
-                state["n_old"] = middle
-            return sink + window + middle if n - sink - window >= threshold else n
-
-        return buzz
-    return None
-
-
 def _replay_sizes(policy: EvictionPolicy, context_length: int, prompt_length: int = 0) -> np.ndarray:
     """:func:`simulate_sizes` by replaying ``policy.evict`` on placeholder arrays (any policy)."""
     state = policy.init_state()
@@ -95,12 +59,7 @@ def _replay_sizes(policy: EvictionPolicy, context_length: int, prompt_length: in
 
     def evict_until_stable(phase: str) -> None:
         nonlocal positions
-        while True:
-            view = CacheView(positions, np.zeros(positions.shape), n_seen, state, phase)  # type: ignore[arg-type]
-            keep = policy.evict(view)
-            if keep is None:
-                return
-            positions = np.take_along_axis(positions, np.asarray(keep), axis=-1)
+        positions = evict_until_done(policy, positions, None, n_seen, state, phase)[0]
 
     n_seen = 0
     if prompt_length:
@@ -246,9 +205,9 @@ def plan_policy(
         return memo[size]
 
     cls = entry.cls if isinstance(entry, Preset) else entry
-    if cls.name == "full":
+    if not cls.evicts:
         if budget != 1.0:
-            raise ValueError(f"budget for the full cache must be 1.0 (it keeps every token), got {budget}")
+            raise ValueError(f"budget for the {cls.name!r} policy must be 1.0 (it keeps every token), got {budget}")
         policy = entry(**overrides)
         return PolicyPlan(policy, 1.0, 1.0, context_length, prompt_length, full_avg, full_avg)
 
@@ -309,8 +268,8 @@ def plan_capacity(
     entry = get_policy(name) if isinstance(name, str) else name
     overrides = _ratio_overrides(entry, threshold_ratio, overrides)
     cls = entry.cls if isinstance(entry, Preset) else entry
-    if cls.name == "full":
-        raise ValueError("the full cache has no capacity limit (it keeps every token): plan it without one")
+    if not cls.evicts:
+        raise ValueError(f"the {cls.name!r} policy has no capacity limit (it keeps every token): plan it without one")
     full_avg = float(np.mean(np.arange(prompt_length + 1, context_length + 1)))
 
     def cap(size: int) -> float:

@@ -112,7 +112,7 @@ def _cmd_policies(args: argparse.Namespace) -> int:
                     {"name": n, "default": d, "required": r} for n, d, r in _entry_params(entry)
                 ],
                 # the full cache plans (budget 1.0) without a size knob
-                "budgets": cls.name == "full" or cls.from_size.__func__ is not _base_from_size(),
+                "budgets": not cls.evicts or cls.from_size.__func__ is not _base_from_size(),
             }
         )
     if args.json:
@@ -358,19 +358,25 @@ def build_parser() -> argparse.ArgumentParser:
     for verb in _VERBS:
         p = sub.add_parser(verb.name, help=verb.help, description=verb.help)
         verb.add_arguments(p)
-        p.set_defaults(_run=verb.run)
+        p.set_defaults(run_verb=verb.run)  # the verb's function, read by main()
     return parser
+
+
+def run_command(prog: str, run: Callable[[argparse.Namespace], Any], args: argparse.Namespace) -> int:
+    """``run(args)`` as a command's exit status: a ``ValueError`` (the library's documented
+    errors, and :class:`CLIError`) is the user's, printed as ``prog: error: ...`` with status 2."""
+    try:
+        return int(run(args) or 0)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvpolicy`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return int(args._run(args) or 0)
-    except ValueError as e:  # the library's documented errors, and CLIError
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        return 2
+    return run_command(parser.prog, args.run_verb, args)
 
 
 if __name__ == "__main__":  # pragma: no cover

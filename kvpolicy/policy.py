@@ -287,6 +287,22 @@ class LogNScaling:
         return xp.clip(s, min=self.floor)
 
 
+#: ``rule(n_cached, state) -> n_after``: see :meth:`EvictionPolicy.size_rule`.
+SizeRule = Callable[[int, dict[str, int]], int]
+
+
+def keep_at_most(limit: int) -> SizeRule:
+    """The size rule of a policy that cuts the cache back to ``limit`` tokens whenever it holds
+    more (StreamingLLM, the local window, H2O).
+
+    Example:
+        >>> rule = keep_at_most(4)
+        >>> [rule(n, {}) for n in (3, 4, 5, 9)]
+        [3, 4, 4, 4]
+    """
+    return lambda n, state: limit if n > limit else n
+
+
 class EvictionPolicy(ABC):
     """Base class of every KV-cache eviction policy.
 
@@ -323,12 +339,37 @@ class EvictionPolicy(ABC):
         # rule: backends would apply the parent's eviction instead of the new select().
         if "select" in cls.__dict__ and "decode_eviction" not in cls.__dict__:
             cls.decode_eviction = property(lambda self: None, doc=EvictionPolicy.decode_eviction.__doc__)  # type: ignore[assignment]
+        # Likewise its size rule: the parent's arithmetic describes the parent's select().
+        if ("select" in cls.__dict__ or "evict" in cls.__dict__) and "size_rule" not in cls.__dict__:
+            cls.size_rule = EvictionPolicy.size_rule  # type: ignore[method-assign]
 
     @property
     def decode_eviction(self) -> DecodeEviction | None:
         """The policy's one-token decode eviction, if it has one (see :class:`DecodeEviction`):
         backends may then apply it in O(1) instead of calling :meth:`select`. ``None``
         (default): backends always call :meth:`select`."""
+        return None
+
+    #: ``False`` for a policy that never evicts (the full cache): the planners give it budget 1
+    #: and refuse a capacity, and eval runs it once, as the reference line, not per budget.
+    evicts: ClassVar[bool] = True
+
+    def size_rule(self) -> SizeRule | None:
+        """The policy's size rule, if it declares one: ``rule(n_cached, state) -> n_after``, the
+        cache size after evicting until done from ``n_cached`` tokens, on host integers, updating
+        ``state`` as :meth:`select` would. The budget planner (:func:`kvpolicy.simulate_sizes`)
+        uses it instead of replaying :meth:`evict` on placeholder arrays; ``None`` (default) means
+        the planner replays, which is exact for any policy, only slower. A policy whose sizes
+        depend on more than the count and its state leaves it ``None``; a subclass that redefines
+        ``select`` or ``evict`` does not inherit its parent's rule. Tests hold each rule to the
+        replay.
+
+        Example:
+            >>> from kvpolicy import StreamingLLM
+            >>> rule = StreamingLLM(sink=1, window=2).size_rule()
+            >>> rule(3, {}), rule(4, {})
+            (3, 3)
+        """
         return None
 
     def __init__(self, *, selection: Selection = "per_head") -> None:

@@ -10,16 +10,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvpolicy._validation import check_eviction_policy, check_int
-from kvpolicy.policy import CacheView, EvictionPolicy
+from kvpolicy.driver import evict_until_done, log_n_scales, softmax
+from kvpolicy.policy import EvictionPolicy
 
 __all__ = ["Trace", "replay", "softmax", "validate_logits", "validate_values"]
-
-
-def softmax(logits: np.ndarray, axis: int = -1) -> np.ndarray:
-    """Numerically stable softmax; ``-inf`` entries get probability 0."""
-    shifted = logits - np.max(logits, axis=axis, keepdims=True)
-    e = np.exp(shifted)
-    return e / np.sum(e, axis=axis, keepdims=True)
 
 
 @dataclass
@@ -122,13 +116,6 @@ def validate_values(values: object, steps: int, heads: int) -> np.ndarray:
     return values
 
 
-def _scale(policy: EvictionPolicy, n_keys: np.ndarray) -> np.ndarray:
-    """Log-n scale for queries attending to ``n_keys`` keys each (1 without log n)."""
-    if policy.log_n is None:
-        return np.ones(n_keys.shape, dtype=np.float64)
-    return np.asarray(policy.log_n.scales(n_keys), dtype=np.float64)
-
-
 def replay(
     policy: EvictionPolicy,
     logits: np.ndarray,
@@ -175,22 +162,12 @@ def replay(
 
     def evict_until_stable(t: int, phase: str) -> None:
         nonlocal positions, scores
-        while True:
-            view = CacheView(positions, scores, t + 1, state, phase)  # type: ignore[arg-type]
-            keep = policy.evict(view)
-            if keep is None:
-                return
-            keep = np.asarray(keep, dtype=np.int64)
-            before = positions.shape[-1]
-            positions = np.take_along_axis(positions, keep, axis=-1)
-            scores = np.take_along_axis(scores, keep, axis=-1)
-            if positions.shape[-1] >= before:
-                raise RuntimeError(f"{policy!r} asked to evict but kept {positions.shape[-1]} of {before} tokens")
-            evictions.append((t, before, positions.shape[-1]))
+        positions, scores, rounds = evict_until_done(policy, positions, scores, t + 1, state, phase)
+        evictions.extend((t, before, after) for before, after in rounds)
 
     if prompt_len:
         p = prompt_len
-        rows = logits[:p, :, :p] * _scale(policy, np.arange(1, p + 1))[:, None, None]
+        rows = logits[:p, :, :p] * log_n_scales(policy, np.arange(1, p + 1))[:, None, None]
         causal = np.tril(np.ones((p, p), dtype=bool))[:, None, :]
         probs = softmax(np.where(causal, rows, -np.inf))  # [p, heads, p]
         positions = np.broadcast_to(np.arange(p, dtype=np.int64), (1, heads, p)).copy()
@@ -208,7 +185,7 @@ def replay(
         sizes.append(positions.shape[-1])
         cached = positions[0]  # [heads, n]
         # log n: n = the keys this query attends to, i.e. the kept ones (paper, section 3.5)
-        row = logits[t][head_index, cached] * _scale(policy, np.asarray([cached.shape[-1]]))[0]
+        row = logits[t][head_index, cached] * log_n_scales(policy, np.asarray([cached.shape[-1]]))[0]
         probs = softmax(row)
         scores = scores + probs[None]
         if outputs is not None:

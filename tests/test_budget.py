@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from fractions import Fraction
 
 import numpy as np
@@ -254,3 +255,56 @@ def test_plan_capacity_errors() -> None:
         plan_capacity("buzz", 3, context_length=100)
     with pytest.raises(ValueError, match="capacity must be"):
         plan_capacity("h2o", 0, context_length=100)
+
+
+# ------------------------------------------------------- policies own their size rules (issue 12)
+def test_the_planner_uses_a_third_party_size_rule_and_it_must_agree() -> None:
+    """A policy outside the package declares its size rule; simulate_sizes calls it (not the
+    replay), and a subclass that redefines select does not inherit it."""
+    from kvpolicy import EvictionPolicy, LocalWindow
+    from kvpolicy.budget import _replay_sizes
+
+    calls = []
+
+    class Halving(EvictionPolicy):
+        name = "halving_test"
+        capacity = None
+
+        def __init__(self, limit: int) -> None:
+            super().__init__()
+            self.limit = limit
+
+        def select(self, view):
+            n = view.n_cached
+            return None if n <= self.limit else view.keep(view.arange(n - n // 2, n))
+
+        def size_rule(self):
+            def rule(n, state):  # select keeps the newest n // 2, until at most limit
+                calls.append(n)
+                while n > self.limit:
+                    n //= 2
+                return n
+
+            return rule
+
+    p = Halving(6)
+    assert simulate_sizes(p, 40, 3).tolist() == _replay_sizes(p, 40, 3).tolist()
+    assert calls, "the declared rule was not used"
+
+    class Odd(LocalWindow):
+        def select(self, view):
+            n = view.n_cached
+            return None if n <= self.window else view.keep(view.arange(0, n, 2))
+
+    assert Odd(window=4).size_rule() is None and LocalWindow(window=4).size_rule() is not None
+    assert simulate_sizes(Odd(window=4), 30).tolist() == _replay_sizes(Odd(window=4), 30).tolist()
+
+
+def test_no_policy_is_special_cased_by_name_in_the_planner_and_eval() -> None:
+    """What keeps every token is a class flag (evicts = False), not the name 'full'."""
+    import re
+
+    root = Path(__file__).resolve().parents[1] / "kvpolicy"
+    for rel in ("budget.py", "eval/tasks.py", "eval/compare.py", "cli.py"):
+        text = (root / rel).read_text()
+        assert not re.search(r"""(==|!=|\bin)\s*[\(\[]?["']full["']|["']full["']\s*(==|!=|in\b)""", text), rel

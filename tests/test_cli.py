@@ -87,7 +87,7 @@ def test_plan_json_with_prompt_and_overrides(capsys) -> None:
         (["plan", "buzz", "--context", "100", "--set", "stride=2"], "stride must be >= 3"),
         (["plan", "buzz", "--context", "100", "--set", "strid=4"], "unknown parameter strid for policy 'buzz'"),
         (["plan", "buzz", "--context", "100", "--set", "stride"], "--set expects key=value"),
-        (["plan", "full", "--budget", "0.5", "--context", "100"], "budget for the full cache must be 1.0"),
+        (["plan", "full", "--budget", "0.5", "--context", "100"], "budget for the 'full' policy must be 1.0"),
         (["trace", "h2o", "--set", "heavy=0", "--set", "recent=2"], "heavy must be >= 1"),
         (["trace", "buzz", "--steps", "0"], "steps must be >= 1"),
         (["trace", "buzz", "--steps", "50", "--prompt", "50"], "prompt must be >= 0 and < steps"),

@@ -64,7 +64,7 @@ def _sources():
             d.insert(g, D.Passage(title="t", text="the answer is zebra " + _text(rng, 3), is_gold=True))
             qa.append(D.QAExample(id=f"nq-{q}-gold{g}", question="what is it?", answers=("zebra",), documents=tuple(d),
                                   gold_index=g, meta={"row": q, "short_answer": False}))
-    kv = [D.RetrievalExample(id=f"kv-{i}", context=D._format_kv_records([(f"k{j}", f"v{j}") for j in range(6)]),
+    kv = [D.RetrievalExample(id=f"kv-{i}", context=D.format_kv_records([(f"k{j}", f"v{j}") for j in range(6)]),
                              question="k2", answer="v2") for i in range(2)]
     return DataSources(ppl_docs=docs, summaries=summ, haystack=docs, qa=qa, kv=kv)
 

@@ -102,7 +102,7 @@ def test_budget_1_is_allowed() -> None:
 
 @pytest.mark.parametrize("budget", [0.1, 0.5, 0.999])
 def test_full_cache_budget_below_1(budget) -> None:
-    with pytest.raises(ValueError, match="budget for the full cache must be 1.0"):
+    with pytest.raises(ValueError, match="budget for the 'full' policy must be 1.0"):
         make_policy("full", budget, context_length=100)
 
 

@@ -54,6 +54,7 @@ from .tasks import (
     Task,
     TaskOptions,
     TokenizerAdapter,
+    is_reference,
     make_tasks,
 )
 
@@ -271,7 +272,7 @@ def _options(args: argparse.Namespace, task: str) -> TaskOptions:
         stream_prefill=args.stream_prefill,
         equalise=args.equalise,
         stream_ratios=(2.5,) if args.tw_ratios is None else tuple(_floats(args.tw_ratios, "--tw-ratios")),
-        short=getattr(args, "_short_stream", False),
+        short=getattr(args, "short_stream", False),
         needle_lengths=tuple(_ints(args.needle_lengths, "--needle-lengths")),
         needle_depths=tuple(_floats(args.needle_depths, "--needle-depths")),
         gold_positions=tuple(_ints(args.gold_positions, "--gold-positions")),
@@ -575,10 +576,10 @@ def _task_result(task: Task, samples: Sequence[Sample], configs: Sequence[CacheC
             "capacity": None if not caps or any(x is None for x in caps) else max(caps),
             "label": c.label,
             "kind": c.kind,
-            "requested_budget": 1.0 if c.policy == "full" else c.budget,
+            "requested_budget": 1.0 if is_reference(c.policy) else c.budget,
             "size": c.size,
             "ratio": c.ratio,
-            "realised_budget": 1.0 if c.policy == "full" else realised,
+            "realised_budget": 1.0 if is_reference(c.policy) else realised,
             "average_cache": a["sizes"] / steps,
             "full_average_cache": a["fulls"] / steps,
             "decode_steps": a["steps"],
@@ -654,8 +655,8 @@ def _attach_commands(args: argparse.Namespace, tasks: Sequence[Task], results: d
             if task.name == "stream":
                 cell["command"] = _stream_cell_command(args, task, cell)
                 continue
-            if cell["policy"] == "full":
-                cmd = _command(args, task, ["full"], None if task.name == "tw" else [])
+            if is_reference(cell["policy"]):
+                cmd = _command(args, task, [cell["policy"]], None if task.name == "tw" else [])
             elif cell["kind"] == "budget":
                 cmd = _command(args, task, [cell["policy"]], [cell["requested_budget"]])
             elif cell["kind"] == "size":
@@ -668,8 +669,8 @@ def _attach_commands(args: argparse.Namespace, tasks: Sequence[Task], results: d
 def _stream_cell_command(args: argparse.Namespace, task: Task, cell: dict[str, Any]) -> str:
     """The command that runs one stream cell (a BUZZ T/w row also runs plain BUZZ)."""
     ratios = [] if cell.get("variant_ratio") is None else [cell["variant_ratio"]]
-    if cell["policy"] == "full":
-        return _command(args, task, ["full"], [], cache_sizes=[], ratios=[])
+    if is_reference(cell["policy"]):
+        return _command(args, task, [cell["policy"]], [], cache_sizes=[], ratios=[])
     cmd = _command(args, task, [cell["policy"]], [cell["requested_budget"]] if cell["kind"] == "budget" else [],
                    cache_sizes=[cell["size"]] if cell["kind"] == "size" else [], ratios=ratios)
     return cmd.replace("--equalise both", f"--equalise {cell['equalise']}")
@@ -709,7 +710,7 @@ def run(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, s
         raise ValueError("--batch-size must be >= 1")
     names = _task_names(args.tasks)
     # the default run carries a short stream task; --tasks stream runs the full protocol
-    args._short_stream = args.tasks is None or "default" in [t.lower() for t in _csv(args.tasks)]
+    args.short_stream = args.tasks is None or "default" in [t.lower() for t in _csv(args.tasks)]
     if sources is None:
         if args.data_dir and args.data_dir.lower() != "hub" and not Path(args.data_dir).is_dir():
             raise ValueError(f"--data-dir {args.data_dir}: no such folder")
@@ -717,7 +718,7 @@ def run(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, s
     tasks = make_tasks(names, TaskOptions(), sources)
     tasks = [type(t)(_options(args, t.name), sources) for t in tasks]
     for t in tasks:
-        if t.name == "ppl" and not budgets and not t.opt.cache_sizes and policies != ["full"]:
+        if t.name == "ppl" and not budgets and not t.opt.cache_sizes and not all(is_reference(p) for p in policies):
             raise ValueError("ppl: nothing to run: give --budgets or --cache-sizes")
 
     out_dir = Path(args.out)
@@ -754,12 +755,12 @@ def _meta(args: argparse.Namespace, model: Any, tok: TokenizerAdapter, policies:
         info = describe(model)
     except Exception:  # noqa: BLE001 - a stand-in model in tests
         info = {}
-    argv = getattr(args, "_argv", None)
+    argv = getattr(args, "argv", None)
     if argv is None and "compare" in sys.argv[1:]:
         argv = sys.argv[sys.argv.index("compare") + 1 :]
     return {
         "kvpolicy": __version__,
-        "model": args.model if getattr(args, "_model_name", None) is None else args._model_name,
+        "model": args.model,
         "model_info": info,
         "chat_template": tok.chat,
         "device": str(next(model.parameters()).device),
@@ -790,12 +791,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    args._argv = argv
-    try:
-        return run(args)
-    except ValueError as e:
-        print(f"kvpolicy compare: error: {e}", file=sys.stderr)
-        return 2
+    args.argv = argv  # recorded in the report's run section
+    from ..cli import run_command
+
+    return run_command("kvpolicy compare", run, args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -667,7 +667,14 @@ def format_multidoc_prompt(example: QAExample) -> str:
 KV_INSTRUCTION = "Extract the value corresponding to the specified key in the JSON object below."
 
 
-def _format_kv_records(records: Sequence[Sequence[str]]) -> str:
+def format_kv_records(records: Sequence[Sequence[str]]) -> str:
+    """The JSON-object context of the key-value retrieval task, one ``"key": "value"`` pair a line.
+
+    Example:
+        >>> print(format_kv_records([("a", "1"), ("b", "2")]))
+        {"a": "1",
+         "b": "2"}
+    """
     parts = []
     for k, (key, value) in enumerate(records):
         start = "{" if k == 0 else " "
@@ -715,7 +722,7 @@ def load_kv_retrieval(
         out.append(
             RetrievalExample(
                 id=f"kv-{i}",
-                context=_format_kv_records(records),
+                context=format_kv_records(records),
                 question=str(r["key"]),
                 answer=str(r["value"]),
                 kind="kv",

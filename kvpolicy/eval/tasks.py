@@ -167,7 +167,7 @@ class CacheConfig:
 
     @property
     def label(self) -> str:
-        if self.policy == "full":
+        if is_reference(self.policy):
             return "full"
         if self.ratio is not None:
             return f"T/w={self.ratio:g}"
@@ -179,20 +179,22 @@ class CacheConfig:
 
     @property
     def kind(self) -> str:
-        if self.policy == "full":
+        if is_reference(self.policy):
             return "full"
         return "ratio" if self.ratio is not None else "size" if self.size is not None else "budget"
 
     def build(self, prompt_length: int, context_length: int) -> tuple[Any, dict[str, Any]]:
         """``(policy, plan)`` for a run of ``context_length`` tokens of which ``prompt_length``
         are prefilled; ``plan`` is :meth:`kvpolicy.PolicyPlan.as_dict` (or its equivalent)."""
-        from ..budget import plan_capacity, plan_policy, simulate_sizes
-        from ..policies import BUZZ, FullCache
+        from ..budget import PolicyPlan, plan_capacity, plan_policy, simulate_sizes
+        from ..policies import BUZZ
+        from ..policies.buzz import estimate_threshold
+        from ..registry import get_policy
 
         full_avg = float(np.mean(np.arange(prompt_length + 1, context_length + 1)))
-        if self.policy == "full":
-            policy = FullCache()
-            plan = _plan_dict(policy, 1.0, 1.0, context_length, prompt_length, full_avg, full_avg)
+        if is_reference(self.policy):
+            policy = get_policy(self.policy)()
+            plan = PolicyPlan(policy, 1.0, 1.0, context_length, prompt_length, full_avg, full_avg).as_dict()
             if self.chunk:
                 plan["prefill_chunk"] = self.chunk
             return policy, plan
@@ -225,38 +227,35 @@ class CacheConfig:
             return plan.policy, d
         else:
             w = tw_window(self.ratio, int(self.size), self.stride, self.sink)
-            policy = BUZZ(sink=self.sink, window=w, stride=self.stride, threshold=_tw_threshold(self.ratio, w, self.stride))
+            policy = BUZZ(sink=self.sink, window=w, stride=self.stride, threshold=estimate_threshold(self.stride, w, ratio=self.ratio))
         sizes = (simulate_chunked_sizes(policy, prompt_length, context_length - prompt_length, self.chunk)
                  if self.chunk else simulate_sizes(policy, context_length, prompt_length))
         avg = float(np.mean(sizes))
-        return policy, _plan_dict(policy, None, avg / full_avg, context_length, prompt_length, avg, full_avg)
+        return policy, PolicyPlan(policy, None, avg / full_avg, context_length, prompt_length, avg, full_avg).as_dict()  # type: ignore[arg-type]
 
 
-def _plan_dict(policy: Any, requested: float | None, realised: float, ctx: int, prompt: int, avg: float, full_avg: float) -> dict[str, Any]:
-    return {
-        "policy": policy.name,
-        "params": policy.params(),
-        "requested_budget": requested,
-        "realised_budget": realised,
-        "context_length": ctx,
-        "prompt_length": prompt,
-        "capacity": policy.capacity,
-        "average_size": avg,
-        "full_average_size": full_avg,
-    }
+def is_reference(name: str) -> bool:
+    """Whether the registered policy ``name`` keeps every token (``evicts = False``, the full
+    cache): it runs once per sample, as the reference line, instead of per budget or size.
 
+    Example:
+        >>> is_reference("full"), is_reference("h2o")
+        (True, False)
+    """
+    from ..registry import get_policy
 
-def _tw_threshold(ratio: float, window: int, stride: int) -> int:
-    from ..policies.buzz import _min_threshold
-
-    return max(_min_threshold(stride), int(round(ratio * window)))
+    try:
+        entry = get_policy(name)
+    except ValueError:  # not registered: planning it reports that
+        return False
+    return not getattr(entry, "cls", entry).evicts
 
 
 def simulate_chunked_sizes(policy: Any, prompt_length: int, decode_steps: int, chunk: int) -> np.ndarray:
     """Cache size at each decode step after a prompt prefilled in chunks of ``chunk`` tokens (the
     policy evicts after every chunk, as :class:`~kvpolicy.hf.EvictingCache` does); like
     :func:`kvpolicy.simulate_sizes`, sizes depend on counts only, so placeholder scores are exact."""
-    from ..policy import CacheView
+    from ..driver import evict_until_done
 
     state = policy.init_state()
     positions = np.zeros((1, 1, 0), dtype=np.int64)
@@ -264,11 +263,7 @@ def simulate_chunked_sizes(policy: Any, prompt_length: int, decode_steps: int, c
 
     def settle(phase: str) -> None:
         nonlocal positions
-        while True:
-            keep = policy.evict(CacheView(positions, np.zeros(positions.shape), n_seen, state, phase))
-            if keep is None:
-                return
-            positions = np.take_along_axis(positions, np.asarray(keep), axis=-1)
+        positions = evict_until_done(policy, positions, None, n_seen, state, phase)[0]
 
     for start in range(0, prompt_length, chunk):
         stop = min(start + chunk, prompt_length)
@@ -434,8 +429,8 @@ class Task:
     def configs(self, policies: Sequence[str], budgets: Sequence[float]) -> list[CacheConfig]:
         out = []
         for p in policies:
-            if p == "full":
-                out.append(CacheConfig("full"))
+            if is_reference(p):
+                out.append(CacheConfig(p))
             else:
                 out.extend(CacheConfig(p, budget=b) for b in budgets)
         return out
@@ -495,7 +490,7 @@ class PerplexityTask(Task):
     def configs(self, policies: Sequence[str], budgets: Sequence[float]) -> list[CacheConfig]:
         out = super().configs(policies, budgets)
         for size in self.opt.cache_sizes:
-            out.extend(CacheConfig(p, size=int(size)) for p in policies if p != "full")
+            out.extend(CacheConfig(p, size=int(size)) for p in policies if not is_reference(p))
         return out
 
     def _docs(self) -> list[D.TextDoc]:
@@ -603,12 +598,12 @@ class StreamTask(PerplexityTask):
         targets = [{"size": int(z)} for z in self.sizes] + [{"budget": float(b)} for b in budgets]
         rows: list[tuple[str, float | None]] = []
         for p in policies:
-            if p == "full":
+            if is_reference(p):
                 continue
             rows.append((p, None))
             if p == "buzz":
                 rows += [("buzz", float(r)) for r in self.ratios]
-        out = [CacheConfig("full")] if "full" in policies else []
+        out = [CacheConfig(p) for p in policies if is_reference(p)]
         for target in targets:
             for eq in self.equalisations:
                 out += [CacheConfig(p, equalise=eq, variant_ratio=r, show_equalise=True, **target) for p, r in rows]
@@ -1037,7 +1032,7 @@ def _subsample_kv(ex: D.RetrievalExample, k: int) -> D.RetrievalExample:
     others = [r for r in records if r[0] != ex.key][: k - 1]
     pos = int(round(gi * (k - 1) / max(len(records) - 1, 1)))
     others.insert(pos, records[gi])
-    return D.RetrievalExample(id=ex.id, context=D._format_kv_records(others), question=ex.question,
+    return D.RetrievalExample(id=ex.id, context=D.format_kv_records(others), question=ex.question,
                               answer=ex.answer, kind="kv", meta={**dict(ex.meta), "gold_index": pos, "n_pairs": k})
 
 
@@ -1052,7 +1047,7 @@ class TwSweepTask(SummarizationTask):
 
     def configs(self, policies: Sequence[str], budgets: Sequence[float]) -> list[CacheConfig]:
         chunk = self.opt.tw_chunk or None
-        out = [CacheConfig("full", chunk=chunk)] if "full" in policies else []
+        out = [CacheConfig(p, chunk=chunk) for p in policies if is_reference(p)]
         out += [CacheConfig("buzz", size=self.opt.tw_cache_size, ratio=float(r), stride=self.opt.tw_stride, chunk=chunk)
                 for r in self.opt.tw_ratios]
         return out

@@ -471,8 +471,10 @@ def step_timers() -> Iterator[_Timers]:
         patches.append((obj, attr, original))
         setattr(obj, attr, timers.wrap(name, original))
 
-    mapping = AttentionInterface._global_mapping
-    saved_mapping = dict(mapping)
+    # a fresh instance reads transformers' global mapping (its local one is empty); the wrapped
+    # entries go in and the originals come back through the public AttentionInterface.register
+    interface = AttentionInterface()
+    saved = {key: interface[key] for key in ("sdpa", hf.ATTENTION_NAME) if key in interface}
     try:
         patch(hf, "sdpa_attention_forward", "attention")
         patch(hf, "received_attention", "score product")
@@ -482,16 +484,15 @@ def step_timers() -> Iterator[_Timers]:
         patch(hf.EvictingLayer, "update", "cache update")
         patch(hf, "rope_rotate", "pos-shift")
         patch(DynamicLayer, "update", "cache update")
-        if "sdpa" in mapping:
-            mapping["sdpa"] = timers.wrap("attention", mapping["sdpa"])
-        if hf.ATTENTION_NAME in mapping:
-            mapping[hf.ATTENTION_NAME] = timers.wrap("attention glue", mapping[hf.ATTENTION_NAME])
+        for key, label in (("sdpa", "attention"), (hf.ATTENTION_NAME, "attention glue")):
+            if key in saved:
+                AttentionInterface.register(key, timers.wrap(label, saved[key]))
         yield timers
     finally:
         for obj, attr, original in reversed(patches):
             setattr(obj, attr, original)
-        mapping.clear()
-        mapping.update(saved_mapping)
+        for key, fn in saved.items():
+            AttentionInterface.register(key, fn)
 
 
 BREAKDOWN_ORDER = (

@@ -102,13 +102,12 @@ def steady_state(policy: Any, size_hint: int = 1024, *, cycles: int = 6) -> Stea
     """
     import numpy as np
 
-    from kvpolicy.policy import CacheView
+    from kvpolicy.driver import evict_until_done
 
     cap = policy.capacity
     if cap is None:
         return Steady(size_hint, size_hint - 1, EVERY_STEP_ROUND, {}, size_hint - 1, size_hint - 1, evicts=False)
     pos = np.zeros((1, 1, cap + 1), dtype=np.int64)
-    scores = np.zeros((1, 1, cap + 1))
     state = policy.init_state()
     n = seen = 0
     events: list[tuple[int, int, int, dict[str, int]]] = []
@@ -120,14 +119,9 @@ def steady_state(policy: Any, size_hint: int = 1024, *, cycles: int = 6) -> Stea
         n += 1
         seen += 1
         before, state_before = n, dict(state)
-        while True:
-            keep = policy.evict(CacheView(pos[..., :n], scores[..., :n], seen, state, "decode"))
-            if keep is None:
-                break
-            keep = np.asarray(keep)
-            k = int(keep.shape[-1])
-            pos[..., :k] = np.take_along_axis(pos[..., :n], keep[:1, :1], axis=-1)
-            n = k
+        kept = evict_until_done(policy, pos[..., :n], None, seen, state)[0]
+        pos[..., : kept.shape[-1]] = kept
+        n = int(kept.shape[-1])
         if n < before:
             events.append((seen, before, n, state_before))
         if seen > limit:
@@ -263,22 +257,14 @@ class NumpyWorkload:
         self.n_seen += 1
 
     def evict(self) -> None:
-        import numpy as np
+        from kvpolicy.driver import evict_until_done
 
-        from kvpolicy.policy import CacheView
-
-        while True:
-            n = self.length
-            view = CacheView(self.pos[..., :n], self.scores[..., :n], self.n_seen, self.state, "decode")
-            keep = self.policy.evict(view)
-            if keep is None:
-                return
-            keep = np.asarray(keep)
-            kept = keep.shape[-1]
-            new_pos = np.take_along_axis(self.pos[..., :n], keep, axis=-1)
-            new_scores = np.take_along_axis(self.scores[..., :n], keep, axis=-1)
-            self.pos[..., :kept] = new_pos
-            self.scores[..., :kept] = new_scores
+        n = self.length
+        pos, scores, rounds = evict_until_done(self.policy, self.pos[..., :n], self.scores[..., :n], self.n_seen, self.state)
+        if rounds:
+            kept = pos.shape[-1]
+            self.pos[..., :kept] = pos
+            self.scores[..., :kept] = scores
             self.length = kept
 
     def reset_before_eviction(self) -> None:

@@ -19,6 +19,7 @@ __all__ = [
     "plot_breakdown",
     "plot_complexity",
     "plot_decode",
+    "save_figure",
     "slopes",
 ]
 
@@ -140,6 +141,17 @@ def _pyplot() -> Any:
     return plt
 
 
+def save_figure(fig: Any, path: str | os.PathLike[str], *, dpi: int = 130, rect: tuple[float, ...] | None = None) -> Path:
+    """Lay ``fig`` out (``tight_layout``, within ``rect`` if given), write it to ``path`` (its
+    folder created), close it and return the path: the last step of every performance plot."""
+    fig.tight_layout() if rect is None else fig.tight_layout(rect=rect)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    _pyplot().close(fig)
+    return path
+
+
 POLICY_COLORS = {
     "buzz": "tab:orange",
     "h2o": "tab:blue",
@@ -182,12 +194,7 @@ def plot_complexity(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[s
         format_cost_axes(ax, label)
         ax.legend(fontsize=6.5, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
     fig.suptitle(title or f"Eviction cost, batch {batch}, {heads} KV heads (k: log-log slope)", fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _decode_style(label: str) -> dict[str, Any]:
@@ -234,12 +241,7 @@ def plot_decode(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str],
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, fontsize=7, ncol=5, loc="lower center", frameon=False)
     fig.suptitle(title or "Decode speed and cache memory", fontsize=10)
-    fig.tight_layout(rect=(0, 0.14, 1, 1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, rect=(0, 0.14, 1, 1))
 
 
 def plot_breakdown(table: Mapping[str, Mapping[str, float]], path: str | os.PathLike[str], *, order: Sequence[str], title: str = "") -> Path:
@@ -260,9 +262,4 @@ def plot_breakdown(table: Mapping[str, Mapping[str, float]], path: str | os.Path
     ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
     ax.set_title(title or "Where a decode step's time goes", fontsize=10)
     ax.grid(True, axis="x", alpha=0.25)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

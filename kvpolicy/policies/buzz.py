@@ -24,7 +24,7 @@ from typing import Any, Literal
 import math
 
 from .._validation import check_bool, check_choice, check_float, check_int
-from ..policy import Array, CacheView, EvictionPolicy, LogNScaling, Selection
+from ..policy import Array, CacheView, EvictionPolicy, LogNScaling, Selection, SizeRule
 from ..registry import register_policy
 
 __all__ = ["BUZZ", "estimate_threshold", "threshold_ratio", "small_stride", "fixed_point_middle", "check_ratio", "window_for_size"]
@@ -203,6 +203,21 @@ class BUZZ(EvictionPolicy):
         parts.append(view.arange(n - self.window, n))
         view.state["n_old"] = int(old_slots.shape[0]) + n_seg
         return view.keep(*parts)
+
+    def size_rule(self) -> SizeRule:
+        # select()'s counts: ceil(old / s_hat) old and ceil(new / stride) new middle tokens are
+        # kept, repeatedly while the middle holds threshold or more.
+        sink, window, threshold, stride, s_hat = self.sink, self.window, self.threshold, self.stride, self.s_hat
+
+        def rule(n: int, state: dict[str, int]) -> int:
+            middle = n - sink - window
+            while middle >= threshold:
+                n_old = state.get("n_old", 0)
+                middle = -(-n_old // s_hat) + -(-(middle - n_old) // stride)
+                state["n_old"] = middle
+            return sink + window + middle if n - sink - window >= threshold else n
+
+        return rule
 
     def params(self) -> dict[str, Any]:
         p: dict[str, Any] = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..policy import Array, CacheView, EvictionPolicy, Selection
+from ..policy import Array, CacheView, EvictionPolicy, Selection, SizeRule
 from ..registry import register_policy
 
 
@@ -24,6 +24,7 @@ class FullCache(EvictionPolicy):
 
     name = "full"
     uses_scores = False
+    evicts = False
 
     def __init__(self, *, selection: Selection = "per_head") -> None:
         super().__init__(selection=selection)
@@ -34,6 +35,9 @@ class FullCache(EvictionPolicy):
 
     def select(self, view: CacheView) -> Array | None:
         return None
+
+    def size_rule(self) -> SizeRule:
+        return lambda n, state: n
 
     def params(self) -> dict[str, Any]:
         return {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._validation import check_int
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Selection
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Selection, SizeRule, keep_at_most
 from ..registry import register_policy
 
 
@@ -67,6 +67,9 @@ class H2O(EvictionPolicy):
     def decode_eviction(self) -> DecodeEviction:
         # One over heavy + recent: the lowest score outside the recent window goes (select's n_evict == 1).
         return DecodeEviction(limit=self.heavy + self.recent, victim="lowest", recent=self.recent)
+
+    def size_rule(self) -> SizeRule:
+        return keep_at_most(self.heavy + self.recent)
 
     def params(self) -> dict[str, Any]:
         return {"heavy": self.heavy, "recent": self.recent}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._validation import check_int
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Selection
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Selection, SizeRule, keep_at_most
 from ..registry import register_policy
 
 
@@ -44,6 +44,9 @@ class LocalWindow(EvictionPolicy):
     @property
     def decode_eviction(self) -> DecodeEviction:
         return DecodeEviction(limit=self.window, victim="oldest")
+
+    def size_rule(self) -> SizeRule:
+        return keep_at_most(self.window)
 
     def params(self) -> dict[str, Any]:
         return {"window": self.window}

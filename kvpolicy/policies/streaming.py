@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._validation import check_int
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Selection
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Selection, SizeRule, keep_at_most
 from ..registry import register_policy
 
 
@@ -51,6 +51,9 @@ class StreamingLLM(EvictionPolicy):
     def decode_eviction(self) -> DecodeEviction:
         # One over sink + window: the oldest token after the sinks leaves the window.
         return DecodeEviction(limit=self.sink + self.window, victim="oldest", sink=self.sink)
+
+    def size_rule(self) -> SizeRule:
+        return keep_at_most(self.sink + self.window)
 
     def params(self) -> dict[str, Any]:
         return {"sink": self.sink, "window": self.window}

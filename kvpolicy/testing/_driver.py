@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from kvpolicy.driver import evict_until_done, log_n_scales, softmax  # the reference's own, so the same bits
 from kvpolicy.policy import CacheView, EvictionPolicy
 
 __all__ = ["ContractViolation", "NumpyCache", "TorchCache", "Lockstep", "softmax"]
@@ -26,13 +27,6 @@ MAX_ROUNDS = 1000
 class ContractViolation(AssertionError):
     """A policy broke the eviction-policy contract. The message says what, where, and how to
     replay it."""
-
-
-def softmax(logits: np.ndarray, axis: int = -1) -> np.ndarray:
-    """:func:`kvpolicy_numpy.softmax` (the same operations, so the same bits)."""
-    shifted = logits - np.max(logits, axis=axis, keepdims=True)
-    e = np.exp(shifted)
-    return e / np.sum(e, axis=axis, keepdims=True)
 
 
 def _fmt(a: Any) -> str:
@@ -110,6 +104,7 @@ class NumpyCache:
         self.scores = np.zeros((batch, heads, 0), dtype=np.float64)
         self.n_seen = 0
         self.phase = "decode"
+        self._evicting_rounds = 0  # in the current evict() call, against MAX_ROUNDS
 
     @property
     def length(self) -> int:
@@ -126,38 +121,40 @@ class NumpyCache:
         self.scores = self.scores + received
 
     def evict(self) -> list[tuple[int, int]]:
-        rounds: list[tuple[int, int]] = []
-        while True:
-            view = CacheView(self.positions, self.scores, self.n_seen, self.state, self.phase)  # type: ignore[arg-type]
-            state_before = dict(self.state)
-            if self.probe:
-                probed = probe_host_decision(self.policy, view)
-            keep = self.policy.evict(view)
-            if self.probe:
-                got = None if keep is None else int(np.asarray(keep).shape[-1])
-                if probed[0] != got:
-                    raise ContractViolation(
-                        f"{self.policy!r}: whether to evict / how many to keep depends on the score values "
-                        f"(n_cached={view.n_cached}, n_seen={view.n_seen}, state={view.state}): kept "
-                        f"{'nothing evicted' if got is None else got} with the real scores, "
-                        f"{'nothing evicted' if probed[0] is None else probed[0]} with other scores. Decide "
-                        "*whether* and *how many* from host integers (n_cached, n_seen, state) only."
-                    )
-                if keep is not None and probed[1] != self.state:
-                    raise ContractViolation(
-                        f"{self.policy!r}: the state after an eviction depends on the score values "
-                        f"({self.state} with the real scores, {probed[1]} with other scores); state holds host ints"
-                    )
-            check_decode_eviction(self.policy, view, keep, state_before)
-            if keep is None:
-                return rounds
-            arr = check_keep(self.policy, view, keep)
-            before = self.length
-            self.positions = np.take_along_axis(self.positions, arr, axis=-1)
-            self.scores = np.take_along_axis(self.scores, arr, axis=-1)
-            rounds.append((before, self.length))
-            if len(rounds) > MAX_ROUNDS:
-                raise ContractViolation(f"{self.policy!r} kept evicting for {MAX_ROUNDS} rounds after one append")
+        self._evicting_rounds = 0
+        self.positions, self.scores, rounds = evict_until_done(
+            self.policy, self.positions, self.scores, self.n_seen, self.state, self.phase, decide=self._decide
+        )
+        return rounds
+
+    def _decide(self, view: CacheView) -> np.ndarray | None:
+        """One round of :meth:`evict`: the policy's answer, checked against the contract."""
+        state_before = dict(self.state)
+        if self.probe:
+            probed = probe_host_decision(self.policy, view)
+        keep = self.policy.evict(view)
+        if self.probe:
+            got = None if keep is None else int(np.asarray(keep).shape[-1])
+            if probed[0] != got:
+                raise ContractViolation(
+                    f"{self.policy!r}: whether to evict / how many to keep depends on the score values "
+                    f"(n_cached={view.n_cached}, n_seen={view.n_seen}, state={view.state}): kept "
+                    f"{'nothing evicted' if got is None else got} with the real scores, "
+                    f"{'nothing evicted' if probed[0] is None else probed[0]} with other scores. Decide "
+                    "*whether* and *how many* from host integers (n_cached, n_seen, state) only."
+                )
+            if keep is not None and probed[1] != self.state:
+                raise ContractViolation(
+                    f"{self.policy!r}: the state after an eviction depends on the score values "
+                    f"({self.state} with the real scores, {probed[1]} with other scores); state holds host ints"
+                )
+        check_decode_eviction(self.policy, view, keep, state_before)
+        if keep is None:
+            return None
+        self._evicting_rounds += 1
+        if self._evicting_rounds > MAX_ROUNDS:
+            raise ContractViolation(f"{self.policy!r} kept evicting for {MAX_ROUNDS} rounds after one append")
+        return check_keep(self.policy, view, keep)
 
 
 class TorchCache:
@@ -266,12 +263,6 @@ class Lockstep:
 
 
 # ---------------------------------------------------------------------------------- replay semantics
-def _scale(policy: EvictionPolicy, n_seen: np.ndarray) -> np.ndarray:
-    if policy.log_n is None:
-        return np.ones(n_seen.shape, dtype=np.float64)
-    return np.asarray(policy.log_n.scales(n_seen), dtype=np.float64)
-
-
 def group_sum(received_q: np.ndarray, group: int) -> np.ndarray:
     """``[batch, q_heads, n] -> [batch, kv_heads, n]``: query head ``g * group + r`` belongs to KV
     head ``g`` (transformers' ``repeat_kv`` order); the sum runs over ``r`` in order."""
@@ -288,7 +279,7 @@ def group_sum(received_q: np.ndarray, group: int) -> np.ndarray:
 def prefill_received(policy: EvictionPolicy, logits: np.ndarray, p: int, group: int) -> np.ndarray:
     """Received attention of a ``p``-token prompt, ``[batch, kv_heads, p]`` (``logits`` is
     ``[batch, steps, q_heads, steps]``); the operations of :func:`kvpolicy_numpy.replay`."""
-    rows = logits[:, :p, :, :p] * _scale(policy, np.arange(1, p + 1))[None, :, None, None]
+    rows = logits[:, :p, :, :p] * log_n_scales(policy, np.arange(1, p + 1))[None, :, None, None]
     causal = np.tril(np.ones((p, p), dtype=bool))[None, :, None, :]
     probs = softmax(np.where(causal, rows, -np.inf))  # [batch, p, q_heads, p]
     return group_sum(probs.sum(axis=1), group)
@@ -298,7 +289,7 @@ def decode_received(policy: EvictionPolicy, logits: np.ndarray, t: int, position
     """Received attention of query ``t`` over the cached ``positions`` ``[batch, kv_heads, n]``."""
     b, kv, n = positions.shape
     cached = np.repeat(positions, group, axis=1)  # [batch, q_heads, n]
-    row = np.take_along_axis(logits[:, t], cached, axis=-1) * _scale(policy, np.asarray([n]))[0]  # n = kept keys
+    row = np.take_along_axis(logits[:, t], cached, axis=-1) * log_n_scales(policy, np.asarray([n]))[0]  # n = kept keys
     return group_sum(softmax(row), group)
 
 

@@ -40,10 +40,11 @@ from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 from hypothesis import HealthCheck, given
+from hypothesis.database import ExampleDatabase
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
@@ -330,17 +331,40 @@ def _wrap(prop: str, body: Callable[[], Any], replay: Callable[[], str]) -> Any:
         raise ContractViolation(f"[{prop}] {what}\n\nReplay it:\n{replay()}") from e
 
 
-def _prop_settings(base: Settings, label: str) -> Settings:
+class _KeyedDatabase(ExampleDatabase):
+    """``base`` with every key prefixed by ``prefix``: each (policy, property) pair keeps its own
+    examples although the property functions share their source (hypothesis keys a database entry
+    by the test's source)."""
+
+    def __init__(self, base: ExampleDatabase, prefix: bytes) -> None:
+        super().__init__()
+        self.base = base
+        self.prefix = prefix
+
+    def save(self, key: bytes, value: bytes) -> None:
+        self.base.save(self.prefix + key, value)
+
+    def fetch(self, key: bytes) -> Iterable[bytes]:
+        yield from self.base.fetch(self.prefix + key)
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        self.base.delete(self.prefix + key, value)
+
+    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
+        self.base.move(self.prefix + src, self.prefix + dest, value)
+
+
+def _prop_settings(base: Settings, key: str) -> Settings:
     suppress = list(base.suppress_health_check) + [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
-    return Settings(base, deadline=None, suppress_health_check=suppress, report_multiple_bugs=False)
+    database = None if base.database is None else _KeyedDatabase(base.database, key.encode() + b":")
+    return Settings(base, deadline=None, suppress_health_check=suppress, report_multiple_bugs=False, database=database)
 
 
 def _run(fn: Callable[..., None], label: str, prop: str, settings: Settings) -> None:
     """Run one property: ``fn(data)`` under ``@given(data=st.data())``, with its own database key."""
     fn.__name__ = f"check_policy_{prop}"
     fn.__qualname__ = f"check_policy[{label}].{prop}"
-    fn._hypothesis_internal_add_digest = f"{label}:{prop}".encode()  # type: ignore[attr-defined]
-    _prop_settings(settings, label)(given(data=st.data())(fn))()
+    _prop_settings(settings, f"{label}:{prop}")(given(data=st.data())(fn))()
 
 
 def check_policy(
@@ -421,7 +445,7 @@ def check_policy(
         elif prop == "stateful":
             from .stateful import run_machine
 
-            run_machine(strategy, invariants=invariants, torch=use_torch, settings=_prop_settings(base, label), steps=stateful_steps, label=label)
+            run_machine(strategy, invariants=invariants, torch=use_torch, settings=_prop_settings(base, f"{label}:stateful"), steps=stateful_steps, label=label)
         report.results[prop] = "passed"
     if "backends" in chosen and not use_torch:
         report.results["backends"] = "passed (NumPy only: torch is not installed)" if torch is None else "passed (NumPy only)"

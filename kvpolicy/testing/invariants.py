@@ -50,20 +50,23 @@ def _size(policy: Any, size: int | str) -> int:
     return int(getattr(policy, size) if isinstance(size, str) else size)
 
 
+def _require_kept(kept: np.ndarray, want: range, name: str, span: str, t: int) -> None:
+    """``AssertionError`` naming the first head that lost a position of ``want`` after token ``t``."""
+    for h, row in enumerate(np.asarray(kept)):
+        have = set(row.tolist())
+        lost = [p for p in want if p not in have]
+        if lost:
+            raise AssertionError(
+                f"{name}: position(s) {lost} of {span} are not kept after token {t} (head {h} keeps {row.tolist()})"
+            )
+
+
 def keeps_first(size: int | str) -> Invariant:
     """The first ``size`` positions (attention sinks) are never evicted."""
 
     def invariant(policy: Any, kept: np.ndarray, t: int) -> None:
         n = _size(policy, size)
-        want = range(min(n, t + 1))
-        for h, row in enumerate(np.asarray(kept)):
-            have = set(row.tolist())
-            lost = [p for p in want if p not in have]
-            if lost:
-                raise AssertionError(
-                    f"keeps_first({size!r}): position(s) {lost} of the first {n} are not kept after "
-                    f"token {t} (head {h} keeps {row.tolist()})"
-                )
+        _require_kept(kept, range(min(n, t + 1)), f"keeps_first({size!r})", f"the first {n}", t)
 
     return _Named(invariant, f"keeps_first({size!r})")
 
@@ -74,14 +77,7 @@ def keeps_last(size: int | str) -> Invariant:
     def invariant(policy: Any, kept: np.ndarray, t: int) -> None:
         n = _size(policy, size)
         want = range(max(0, t - n + 1), t + 1)
-        for h, row in enumerate(np.asarray(kept)):
-            have = set(row.tolist())
-            lost = [p for p in want if p not in have]
-            if lost:
-                raise AssertionError(
-                    f"keeps_last({size!r}): position(s) {lost} of the last {len(want)} are not kept after "
-                    f"token {t} (head {h} keeps {row.tolist()})"
-                )
+        _require_kept(kept, want, f"keeps_last({size!r})", f"the last {len(want)}", t)
 
     return _Named(invariant, f"keeps_last({size!r})")
 

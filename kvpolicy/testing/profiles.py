@@ -44,13 +44,24 @@ def _profiles() -> dict[str, settings]:
     }
 
 
+def _registered(name: str) -> bool:
+    """Whether hypothesis has a profile called ``name`` (through its public ``get_profile``)."""
+    from hypothesis.errors import InvalidArgument
+
+    try:
+        settings.get_profile(name)
+    except InvalidArgument:
+        return False
+    return True
+
+
 def register_profiles(*, plain_names: bool = True) -> None:
     """Register ``kvpolicy-dev`` / ``kvpolicy-ci`` / ``kvpolicy-thorough`` and, unless
     ``plain_names=False``, ``dev`` / ``ci`` / ``thorough`` too (only names not already taken)."""
     from kvpolicy._validation import check_bool
 
     plain_names = check_bool("plain_names", plain_names)
-    existing = set(getattr(settings, "_profiles", {}))
+    existing = {name for name in PROFILES if _registered(name)}
     for name, profile in _profiles().items():
         settings.register_profile(_PREFIX + name, profile)
         if plain_names and name not in existing:

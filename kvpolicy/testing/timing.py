@@ -170,7 +170,7 @@ class ComplexityResult:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        from kvpolicy.perf.report import format_cost_axes
+        from kvpolicy.perf.report import format_cost_axes, save_figure
 
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         for ax, (key, name) in zip(axes, (("one_eviction", "one eviction"), ("per_token", "amortised per decoded token"))):
@@ -182,12 +182,7 @@ class ComplexityResult:
             format_cost_axes(ax, name)
             ax.legend(fontsize=8)
         fig.suptitle(title or f"{self.policy}: eviction cost, batch {self.batch}, {self.heads} KV heads (k: log-log slope)", fontsize=10)
-        fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        return path
+        return save_figure(fig, path, dpi=120)
 
     def as_dict(self) -> dict[str, Any]:
         return {
