@@ -41,9 +41,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from kvpolicy.policy import EvictionPolicy
 from kvpolicy_torch import LayerCache, PrefixShift, decode_attention, received_attention, rope_rotate
 
+from .capabilities import LayerAttention, ModelCapabilities, RopeLayout, detect, rope_layouts, text_config
+
 __all__ = [
     "ATTENTION_NAME",
-    "SUPPORTED_MODEL_TYPES",
     "EvictingCache",
     "EvictingLayer",
     "GenerationResult",
@@ -53,7 +54,6 @@ __all__ = [
 ]
 
 ATTENTION_NAME = "kvpolicy_sdpa"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 PositionsMode = Literal["original", "cache"]
 
 # The layer whose update() ran last in this thread/context: the attention call that follows
@@ -95,7 +95,7 @@ def kvpolicy_sdpa_attention(
     log_n = layer.policy.log_n
     uses_scores = layer.policy.uses_scores
     if q_len == 1:
-        bias = store.bias
+        bias = layer.window_bias(store.bias)
         prefix = layer.take_prefix(query)
         # log n: n = the keys the query attends to (paper, section 3.5): the row's kept tokens
         scales = [log_n.scale(n) for n in store.lengths] if log_n is not None else None
@@ -113,7 +113,7 @@ def kvpolicy_sdpa_attention(
         out, received = decode_attention(query, key, value, scale, bias=bias, row_scale=row_scale, prefix=prefix)
         layer.finish_received(received if uses_scores else None)
         return out, None
-    mask = store.chunk_mask()
+    mask = layer.window_chunk_mask(store.chunk_mask())
     query_scale = None
     sdpa_query = query
     if log_n is not None:
@@ -155,6 +155,7 @@ def kvpolicy_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     if cache is None:
         return sdpa_mask(*args, **kwargs)
     _MASK_FOR.set(None)
+    cache.note_mask(kwargs.get("local_size"), kwargs.get("mask_function"))
     cache.note_padding(kwargs.get("attention_mask"), int(kwargs["q_length"]))
     return None
 
@@ -202,6 +203,8 @@ class EvictingLayer(DynamicLayer):
         *,
         positions: PositionsMode = "original",
         inv_freq: torch.Tensor | None = None,
+        rope: RopeLayout | None = None,
+        attention: LayerAttention | None = None,
         reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
         fused_decode: bool = True,
         static_shapes: bool = False,
@@ -214,6 +217,10 @@ class EvictingLayer(DynamicLayer):
         self.layer_idx = layer_idx
         self.positions_mode = positions
         self.inv_freq = inv_freq
+        # pos-shift rotation: the measured layout, else (an explicit inv_freq) full half-split RoPE,
+        # else none (a NoPE layer: positions do not enter its scores, so there is nothing to shift)
+        self.rope = rope
+        self.attention = attention if attention is not None else LayerAttention("full")
         self.fused_decode = fused_decode
         self.padding = padding if padding is not None else Padding()
         self.pending = False
@@ -271,7 +278,7 @@ class EvictingLayer(DynamicLayer):
                 if shift.length and any(shift.delta):
                     self._prefix = shift  # the attention rotates the query back for those slots
             else:
-                keys = rope_rotate(keys, shift, self.inv_freq)  # type: ignore[arg-type]
+                keys = self._rotate(keys, shift)
         self.pending = True
         _ACTIVE.set(self)
         return keys, values
@@ -283,7 +290,54 @@ class EvictingLayer(DynamicLayer):
         if shift is None:
             return None
         delta = torch.tensor(shift.delta, device=query.device).view(-1, 1, 1)
-        return shift.length, rope_rotate(query, -delta, self.inv_freq)  # type: ignore[arg-type]
+        return shift.length, self._rotate(query, -delta)
+
+    def _rotate(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``x`` rotated by ``delta`` positions with this layer's RoPE (unchanged in a NoPE layer)."""
+        if self.rope is not None:
+            return rope_rotate(x, delta, self.rope.inv_freq, style=self.rope.style, rotary_dim=self.rope.rotary_dim)
+        if self.inv_freq is not None:
+            return rope_rotate(x, delta, self.inv_freq)
+        return x
+
+    def _window_limits(self) -> list[int] | None:
+        """Per row, the newest original position a query can no longer see in this sliding or
+        chunked layer (keys at positions ``<= limit`` are masked), or ``None`` when no kept token
+        can be outside the window yet (host ints only)."""
+        kind, w = self.attention.kind, self.attention.window
+        if kind == "full" or w is None:
+            return None
+        newest = [s - 1 for s in self.store.seen]  # the query's original position in each row
+        if max(newest) < w:
+            return None  # every position so far is inside the window (or the first chunk)
+        if kind == "sliding":  # transformers: kv > q - window
+            return [p - w for p in newest]
+        return [p // w * w - 1 for p in newest]  # chunked: same chunk as the query
+
+    def window_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """A decode step's additive bias: ``bias`` (holes) plus ``-inf`` for kept tokens whose
+        *original* position lies outside this layer's sliding window or chunk."""
+        limits = self._window_limits()
+        if limits is None:
+            return bias
+        pos = self.store.slot_positions
+        lim = torch.tensor(limits, device=pos.device).view(-1, 1, 1)
+        dtype = bias.dtype if bias is not None else torch.float32
+        zero = torch.zeros((), dtype=dtype, device=pos.device)
+        window = torch.where(pos > lim, zero, float("-inf"))
+        return window if bias is None else bias + window
+
+    def window_chunk_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """A prompt chunk's boolean mask ``[batch | 1, 1, q, n]`` restricted to this layer's sliding
+        window or chunk, measured on original positions (pad queries keep their own column)."""
+        if self._window_limits() is None:
+            return mask
+        kind, w = self.attention.kind, int(self.attention.window)  # type: ignore[arg-type]
+        pos = self.store.slot_positions[:, 0, :]  # rows are compacted for a chunk: head 0 speaks for all
+        qpos = pos[:, -mask.shape[-2] :]
+        lim = qpos - w if kind == "sliding" else torch.div(qpos, w, rounding_mode="floor") * w - 1
+        inside = (pos[:, None, :] > lim[:, :, None]) | (qpos < 0)[:, :, None]
+        return mask & inside[:, None]
 
     def finish_received(self, received: torch.Tensor | None) -> None:
         """After attention: accumulate ``received`` ``[batch, kv_heads, n]`` (if any), then evict."""
@@ -324,29 +378,6 @@ class EvictingLayer(DynamicLayer):
             self.store.select_batch(torch.arange(self.store.batch).repeat_interleave(repeats))
 
 
-def _config_of(model_or_config: Any) -> Any:
-    config = getattr(model_or_config, "config", model_or_config)
-    return getattr(config, "get_text_config", lambda: config)()
-
-
-def _check_supported(config: Any) -> None:
-    model_type = getattr(config, "model_type", None)
-    missing = [a for a in ("num_hidden_layers", "num_attention_heads") if not hasattr(config, a)]
-    if model_type not in SUPPORTED_MODEL_TYPES or missing:
-        what = f"; config lacks {', '.join(missing)}" if missing else ""
-        raise ValueError(
-            f"EvictingCache supports Llama-family decoders ({', '.join(SUPPORTED_MODEL_TYPES)}) whose attention "
-            f"calls past_key_values.update() and the attention interface with RoPE'd keys; got model_type "
-            f"{model_type!r}{what}"
-        )
-
-
-def _inv_freq(model: Any) -> torch.Tensor | None:
-    for module in getattr(model, "modules", lambda: [])():
-        inv = getattr(module, "inv_freq", None)
-        if isinstance(inv, torch.Tensor):
-            return inv.detach()
-    return None
 
 
 class EvictingCache(Cache):
@@ -392,27 +423,32 @@ class EvictingCache(Cache):
     ) -> None:
         if not isinstance(policy, EvictionPolicy):
             raise ValueError(f"policy must be an EvictionPolicy, got {policy!r}")
-        config = _config_of(model)
-        _check_supported(config)
+        caps = detect(model)
         positions = positions or policy.default_positions
         if positions not in ("original", "cache"):
             raise ValueError(f"positions must be 'original' or 'cache', got {positions!r}")
-        inv_freq = _inv_freq(model) if positions == "cache" else None
-        if positions == "cache" and inv_freq is None:
-            raise ValueError("positions='cache' needs the model (its rotary inv_freq), not only its config")
+        ropes: list[RopeLayout | None] = [None] * len(caps.layers)
+        if positions == "cache":
+            if not isinstance(model, torch.nn.Module):
+                raise ValueError(
+                    "positions='cache' (pos-shift) needs the model itself, not only its config: its RoPE layout is "
+                    "measured with one forward; positions='original' works with a config"
+                )
+            ropes = rope_layouts(model)
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1 or None, got {max_tokens!r}")
         if isinstance(model, torch.nn.Module):
             use_kvpolicy_attention(model)
         self.policy = policy
         self.positions_mode = positions
+        self.capabilities: ModelCapabilities = caps
         self.padding = Padding()  # shared by the layers: the padding of the forward in flight
         layers = [
             EvictingLayer(
-                policy, i, positions=positions, inv_freq=inv_freq, reduce_scores=reduce_scores,
+                policy, i, positions=positions, rope=ropes[i], attention=caps.layers[i], reduce_scores=reduce_scores,
                 fused_decode=fused_decode, static_shapes=static_shapes, reserve=max_tokens, padding=self.padding,
             )
-            for i in range(config.num_hidden_layers)
+            for i in range(len(caps.layers))
         ]
         super().__init__(layers=layers)
 
@@ -421,6 +457,23 @@ class EvictingCache(Cache):
         (:func:`kvpolicy_mask`) hands this cache the forward's padding instead of building one."""
         _MASK_FOR.set(self)
         return super().get_mask_sizes(query_length, layer_idx)
+
+    def note_mask(self, local_size: int | None, mask_function: Callable[..., Any] | None) -> None:
+        """Check a mask the model asked for against the layer kinds detected from its config: a
+        sliding-window or chunked mask no layer is known to use would otherwise be dropped silently
+        (the cache masks from its slots, per layer, on original positions)."""
+        if local_size is None:
+            return
+        try:  # sliding: position 1 is inside a window of local_size seen from local_size; chunked: another chunk
+            kind = "sliding" if bool(mask_function(0, 0, int(local_size), 1)) else "chunked"  # type: ignore[misc]
+        except Exception:  # noqa: BLE001 - an unknown mask function
+            kind = "unknown"
+        if LayerAttention(kind, int(local_size)) not in self.capabilities.layers:  # type: ignore[arg-type]
+            raise ValueError(
+                f"model_type {self.capabilities.model_type!r} built a {kind} attention mask of {local_size} tokens "
+                f"that its config's layer types do not describe ({sorted(set(self.capabilities.layers), key=str)}): "
+                f"kvpolicy cannot tell which layers it applies to, so it refuses rather than ignore it"
+            )
 
     def note_padding(self, attention_mask: torch.Tensor | None, q_length: int) -> None:
         """Record the padding of the forward about to run (``attention_mask``: the 2-D mask of all
