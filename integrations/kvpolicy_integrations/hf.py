@@ -150,12 +150,13 @@ def _fusable(kwargs: dict[str, Any]) -> bool:
 def kvpolicy_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """The mask function registered with ``kvpolicy_sdpa``: for an :class:`EvictingCache` it
     hands the forward's 2-D padding mask to the cache and returns no 4-D mask (the cache's slots
-    define what each query attends); for any other cache it is transformers' ``sdpa_mask``."""
+    define what each query attends, and each layer applies its own sliding window or chunk, read
+    from the config as transformers' ``DynamicCache`` reads it, on original positions); for any
+    other cache it is transformers' ``sdpa_mask``."""
     cache = _MASK_FOR.get()
     if cache is None:
         return sdpa_mask(*args, **kwargs)
     _MASK_FOR.set(None)
-    cache.note_mask(kwargs.get("local_size"), kwargs.get("mask_function"))
     cache.note_padding(kwargs.get("attention_mask"), int(kwargs["q_length"]))
     return None
 
@@ -457,23 +458,6 @@ class EvictingCache(Cache):
         (:func:`kvpolicy_mask`) hands this cache the forward's padding instead of building one."""
         _MASK_FOR.set(self)
         return super().get_mask_sizes(query_length, layer_idx)
-
-    def note_mask(self, local_size: int | None, mask_function: Callable[..., Any] | None) -> None:
-        """Check a mask the model asked for against the layer kinds detected from its config: a
-        sliding-window or chunked mask no layer is known to use would otherwise be dropped silently
-        (the cache masks from its slots, per layer, on original positions)."""
-        if local_size is None:
-            return
-        try:  # sliding: position 1 is inside a window of local_size seen from local_size; chunked: another chunk
-            kind = "sliding" if bool(mask_function(0, 0, int(local_size), 1)) else "chunked"  # type: ignore[misc]
-        except Exception:  # noqa: BLE001 - an unknown mask function
-            kind = "unknown"
-        if LayerAttention(kind, int(local_size)) not in self.capabilities.layers:  # type: ignore[arg-type]
-            raise ValueError(
-                f"model_type {self.capabilities.model_type!r} built a {kind} attention mask of {local_size} tokens "
-                f"that its config's layer types do not describe ({sorted(set(self.capabilities.layers), key=str)}): "
-                f"kvpolicy cannot tell which layers it applies to, so it refuses rather than ignore it"
-            )
 
     def note_padding(self, attention_mask: torch.Tensor | None, q_length: int) -> None:
         """Record the padding of the forward about to run (``attention_mask``: the 2-D mask of all
