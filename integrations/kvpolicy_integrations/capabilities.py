@@ -107,6 +107,18 @@ def _model_class(model_or_config: Any) -> type | None:
     return None
 
 
+def _uses_attention_interface(cls: type) -> bool:
+    """Whether the model class's attention dispatches through ``ALL_ATTENTION_FUNCTIONS`` (what
+    ``set_attn_implementation`` switches): declared by ``is_backend_compatible()``, or its
+    modeling module dispatches through it (StableLM does without declaring it)."""
+    import sys
+
+    if getattr(cls, "is_backend_compatible", lambda: False)():
+        return True
+    module = sys.modules.get(cls.__module__)
+    return module is not None and getattr(module, "ALL_ATTENTION_FUNCTIONS", None) is not None
+
+
 def detect(model_or_config: Any) -> ModelCapabilities:
     """Detect the capabilities of a transformers causal LM (or its config); ``ValueError`` with the
     missing capability and what works when kvpolicy cannot serve it at all.
@@ -129,7 +141,7 @@ def detect(model_or_config: Any) -> ModelCapabilities:
     if getattr(config, "is_encoder_decoder", False) or encoder:
         raise ValueError(f"{_what_works(model_type)}: it is not a causal decoder (an encoder or encoder-decoder config)")
     cls = _model_class(model_or_config)
-    if cls is None or not getattr(cls, "is_backend_compatible", lambda: False)():
+    if cls is None or not _uses_attention_interface(cls):
         raise ValueError(
             f"{_what_works(model_type)}: its attention does not go through transformers' attention interface "
             f"(AttentionInterface), so kvpolicy cannot capture scores or mask evicted tokens"

@@ -261,8 +261,10 @@ class EvictingLayer(DynamicLayer):
             self.pending = False
             raise RuntimeError(
                 f"layer {self.layer_idx}: the previous step's attention did not go through kvpolicy, so no scores "
-                f"were captured and nothing was evicted. Call kvpolicy_integrations.hf.use_kvpolicy_attention(model) "
-                f"(or load the model with attn_implementation='{ATTENTION_NAME}') before using EvictingCache"
+                f"were captured and nothing was evicted. Either the model was not switched to it (pass the model, not "
+                f"its config, to EvictingCache, or call kvpolicy_integrations.hf.use_kvpolicy_attention(model), or "
+                f"load it with attn_implementation='{ATTENTION_NAME}'), or this layer's attention does not dispatch "
+                f"through transformers' attention interface (then kvpolicy cannot serve the model)"
             )
         q = key_states.shape[2]
         pad = self.padding
