@@ -134,7 +134,14 @@ def detect(model_or_config: Any) -> ModelCapabilities:
     config = text_config(model_or_config)
     model_type = str(getattr(config, "model_type", None))
     for attr in ("num_hidden_layers", "num_attention_heads"):
-        if not isinstance(getattr(config, attr, None), int):
+        try:
+            value = getattr(config, attr, None)
+        except Exception as exc:  # noqa: BLE001 - e.g. heterogeneous configs refuse a global head count
+            raise ValueError(
+                f"{_what_works(model_type)}: per-layer (heterogeneous) attention geometry is not supported "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+        if not isinstance(value, int):
             raise ValueError(f"{_what_works(model_type)}; its config has no integer {attr!r}")
     # BERT-style encoders double as decoders only with is_decoder=True (they also carry add_cross_attention)
     encoder = getattr(config, "is_decoder", None) is False and hasattr(config, "add_cross_attention")

@@ -86,8 +86,10 @@ def kvpolicy_sdpa_attention(
     if attention_mask is not None:
         layer.pending = False
         raise ValueError(
-            "EvictingCache builds the attention mask from the kept tokens' positions; a custom 4-D attention_mask "
-            "cannot be applied to an evicting cache (pass the usual 2-D padding mask instead)"
+            f"EvictingCache builds the attention mask from the kept tokens' positions; layer {layer.layer_idx} got a "
+            f"4-D attention mask, which cannot be applied to an evicting cache: a custom mask passed to the forward "
+            f"(pass the usual 2-D padding mask instead), or one the model builds itself (e.g. Doge's dynamic mask: "
+            f"such models are not supported)"
         )
     store = layer.store
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -175,7 +177,13 @@ def use_kvpolicy_attention(model: torch.nn.Module) -> None:
     """Switch ``model`` to the score-capturing SDPA attention (outputs equal plain SDPA)."""
     register_attention()
     if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
-        model.set_attn_implementation(ATTENTION_NAME)
+        try:
+            model.set_attn_implementation(ATTENTION_NAME)
+        except ValueError as exc:  # transformers refuses SDPA for this class (e.g. Git, VaultGemma)
+            raise ValueError(
+                f"model_type {getattr(model.config, 'model_type', None)!r} cannot use EvictingCache: its attention "
+                f"cannot run through SDPA, which kvpolicy's attention is built on (transformers: {exc})"
+            ) from exc
 
 
 @dataclass
