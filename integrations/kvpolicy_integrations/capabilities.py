@@ -20,6 +20,7 @@ Every refusal is a ``ValueError`` naming the missing capability and what does wo
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -193,6 +194,9 @@ def detect(model_or_config: Any) -> ModelCapabilities:
 _PROBE_POSITIONS = (0, 1, 7, 29)
 
 
+_LAYOUTS: "weakref.WeakKeyDictionary[torch.nn.Module, list[RopeLayout | None]]" = weakref.WeakKeyDictionary()
+
+
 def rope_layouts(model: torch.nn.Module) -> list[RopeLayout | None]:
     """Each layer's :class:`RopeLayout` (``None``: a NoPE layer, keys independent of position),
     measured with one forward; ``ValueError`` when the keys move with the position in a way no
@@ -203,6 +207,13 @@ def rope_layouts(model: torch.nn.Module) -> list[RopeLayout | None]:
         >>> [(r.style, r.rotary_dim) for r in rope_layouts(tiny_llama())][:1]
         [('half', 16)]
     """
+    if model in _LAYOUTS:  # measured once per model (a layout does not change with dtype or device)
+        return _LAYOUTS[model]
+    _LAYOUTS[model] = layouts = _measure_rope(model)
+    return layouts
+
+
+def _measure_rope(model: torch.nn.Module) -> list[RopeLayout | None]:
     from transformers import DynamicCache
 
     from kvpolicy_torch import rope_rotate
@@ -231,7 +242,8 @@ def rope_layouts(model: torch.nn.Module) -> list[RopeLayout | None]:
                              f"positions='original' works for this model")
         k = keys[:, :, -1].to(torch.float64)  # [n, kv_heads, head_dim]
         base = k[:1].expand_as(k)
-        tol = 1e-4 * float(k.abs().max()) + 1e-6
+        # float32 keys agree to ~1e-6 relative; half-precision ones to their rounding
+        tol = max(1e-4, 16 * torch.finfo(keys.dtype).eps) * float(k.abs().max()) + 1e-6
         if float((k - base).abs().max()) <= tol:
             out.append(None)
             continue

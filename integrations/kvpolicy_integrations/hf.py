@@ -41,7 +41,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from kvpolicy.policy import EvictionPolicy
 from kvpolicy_torch import LayerCache, PrefixShift, decode_attention, received_attention, rope_rotate
 
-from .capabilities import LayerAttention, ModelCapabilities, RopeLayout, detect, rope_layouts, text_config
+from .capabilities import LayerAttention, ModelCapabilities, RopeLayout, detect, rope_layouts
 
 __all__ = [
     "ATTENTION_NAME",
@@ -283,7 +283,7 @@ class EvictingLayer(DynamicLayer):
                 valid, real = pad.valid, pad.real
         keys, values = self.store.append(key_states, value_states, valid=valid, real=real)
         self._prefix = None
-        if self.positions_mode == "cache":
+        if self.positions_mode == "cache" and (self.rope is not None or self.inv_freq is not None):  # NoPE: no shift
             shift = self.store.shift()
             if isinstance(shift, PrefixShift):
                 if shift.length and any(shift.delta):
