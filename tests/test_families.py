@@ -304,3 +304,12 @@ def test_every_auto_mapping_type_works_or_is_refused_by_name(model_type):
         EvictingCache(StreamingLLM(2, 4), model)
     except ValueError as exc:
         assert "pos-shift" in str(exc) and "positions='original' works" in str(exc)
+
+
+@pytest.mark.parametrize("module", ["kvpolicy_integrations.capabilities", "kvpolicy_torch.attention"])
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.attempted and not result.failed
