@@ -227,6 +227,13 @@ def _measure_rope(model: torch.nn.Module) -> list[RopeLayout | None]:
         if name.endswith("inv_freq") and buf.ndim == 1
     ]
     device = next(model.parameters()).device
+    if device.type == "meta":
+        # nothing can be measured on the meta device (no values; used to trace ops and shapes):
+        # assume Llama's layout, full-head half-split with the first frequencies found
+        if not freqs:
+            raise ValueError(f"pos-shift (positions='cache') needs RoPE; {model_type!r} has no inv_freq buffer")
+        module, buffer, inv = freqs[0]
+        return [RopeLayout("half", 2 * inv.shape[0], module, buffer)] * int(config.num_hidden_layers)
     n = len(_PROBE_POSITIONS)
     token = min(5, int(getattr(config, "vocab_size", 6)) - 1)
     ids = torch.full((n, 1), token, device=device)
