@@ -7,27 +7,61 @@ import torch
 __all__ = ["decode_attention", "rope_rotate"]
 
 
-def rope_rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[..., head_dim]`` by ``delta`` positions with half-split RoPE (Llama's
-    ``rotate_half`` pairing ``(i, i + head_dim / 2)``); ``delta`` broadcasts against ``x[..., 0]``.
+def rope_rotate(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    inv_freq: torch.Tensor,
+    *,
+    style: str = "half",
+    rotary_dim: int | None = None,
+) -> torch.Tensor:
+    """Rotate ``x`` ``[..., head_dim]`` by ``delta`` positions with RoPE; ``delta`` broadcasts
+    against ``x[..., 0]``.
+
+    Args:
+        style: ``"half"`` (Llama's ``rotate_half``, pairs ``(i, i + rotary_dim / 2)``) or
+            ``"interleaved"`` (pairs ``(2i, 2i + 1)``: Cohere, GLM, GPT-J).
+        rotary_dim: the leading dimensions rotated (partial rotary: GPT-NeoX, Phi, StableLM,
+            GLM); the rest pass through. Default ``head_dim``; must be ``2 * len(inv_freq)``.
 
     RoPE scores depend only on the difference of the query's and the key's positions, so moving a
     key by ``delta`` or its query by ``-delta`` gives the same score. Angles are computed as
-    transformers computes them (``float32(delta) * inv_freq``), in float32.
+    transformers computes them (``float32(delta) * inv_freq``), in float32 (float64 for float64
+    inputs). Scaled variants (linear, NTK, llama3, YaRN, LongRoPE) differ only in ``inv_freq``
+    and in a magnitude factor that a key already carries, so rotating by angles alone is exact.
 
     Example:
         >>> x = torch.tensor([[1.0, 0.0]])
-        >>> rope_rotate(rope_rotate(x, torch.tensor([3]), torch.tensor([0.5])), torch.tensor([-3]), torch.tensor([0.5]))
-        tensor([[1.0000, 0.0000]])
+        >>> y = rope_rotate(rope_rotate(x, torch.tensor([3]), torch.tensor([0.5])), torch.tensor([-3]), torch.tensor([0.5]))
+        >>> bool(torch.allclose(y, x, atol=1e-6))
+        True
+        >>> rope_rotate(torch.tensor([[1.0, 0.0, 0.0, 0.0, 2.0]]), torch.tensor([1]), torch.tensor([1.0, 0.0]),
+        ...             style="interleaved", rotary_dim=4)
+        tensor([[0.5403, 0.8415, 0.0000, 0.0000, 2.0000]])
     """
+    if style not in ("half", "interleaved"):
+        raise ValueError(f"style must be 'half' or 'interleaved', got {style!r}")
+    dim = x.shape[-1] if rotary_dim is None else rotary_dim
+    if dim != 2 * inv_freq.shape[-1] or dim > x.shape[-1]:
+        raise ValueError(
+            f"RoPE needs rotary_dim = 2 * len(inv_freq) <= head_dim, got rotary_dim {dim}, "
+            f"{inv_freq.shape[-1]} frequencies, head_dim {x.shape[-1]}"
+        )
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
     angles = delta.to(torch.float32)[..., None] * inv_freq.to(device=x.device, dtype=torch.float32)
-    cos, sin = angles.cos(), angles.sin()
-    half = x.shape[-1] // 2
-    if 2 * inv_freq.shape[-1] != x.shape[-1]:
-        raise ValueError(f"half-split RoPE needs head_dim = 2 * len(inv_freq), got {x.shape[-1]} and {inv_freq.shape[-1]}")
-    xf = x.to(torch.float32)
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    cos, sin = angles.cos().to(work), angles.sin().to(work)
+    xf = x.to(work)
+    rot, rest = xf[..., :dim], xf[..., dim:]
+    if style == "half":
+        half = dim // 2
+        x1, x2 = rot[..., :half], rot[..., half:]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    if rest.shape[-1]:
+        rotated = torch.cat((rotated, rest), dim=-1)
+    return rotated.to(x.dtype)
 
 
 def decode_attention(

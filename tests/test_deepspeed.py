@@ -110,10 +110,15 @@ def test_more_ranks_than_kv_heads_is_refused():
 
 
 def test_unsupported_model_type_is_refused():
-    from transformers import GPT2Config
+    from transformers import AutoModelForCausalLM, FalconConfig, GPT2Config
 
-    with pytest.raises(ValueError, match="supports model types"):
-        ModelGeometry.from_config(GPT2Config())
+    # the same capability detection as EvictingCache: Falcon's attention bypasses the interface
+    with pytest.raises(ValueError, match="attention interface"):
+        ModelGeometry.from_config(FalconConfig())
+    # GPT-2 is served by EvictingCache, but its fused c_attn is not the layout AutoTP is sharded by here
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64))
+    with pytest.raises(ValueError, match="separate q/k/v/o projections.*EvictingCache without DeepSpeed works"):
+        ModelGeometry.from_config(gpt2)
 
 
 @pytest.mark.parametrize("tp", [2, 3, 4, 8])

@@ -169,10 +169,15 @@ def test_manual_loop_positions_follow_tokens_seen(model):
 
 
 def test_other_architectures_are_refused():
-    from transformers import GPT2Config
+    from transformers import AutoModelForCausalLM, FalconConfig, GPT2Config
 
-    with pytest.raises(ValueError, match="Llama-family"):
-        EvictingCache(H2O(4, 4), GPT2Config(n_layer=1))
+    # refused by capability, with what is missing (tests/test_families.py walks every model type)
+    with pytest.raises(ValueError, match="attention interface"):
+        EvictingCache(H2O(4, 4), FalconConfig(num_hidden_layers=1))
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64))
+    EvictingCache(H2O(4, 4), gpt2)  # original positions work without RoPE
+    with pytest.raises(ValueError, match="needs RoPE.*positions='original' works"):
+        EvictingCache(StreamingLLM(sink=2, window=4), gpt2)
 
 
 def test_attention_not_routed_through_kvpolicy_is_caught():

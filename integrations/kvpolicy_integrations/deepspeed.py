@@ -48,7 +48,8 @@ import torch
 
 from kvpolicy.policy import EvictionPolicy
 
-from .hf import SUPPORTED_MODEL_TYPES, EvictingCache, PositionsMode
+from .capabilities import detect
+from .hf import EvictingCache, PositionsMode
 
 __all__ = [
     "ATTENTION_SPECS",
@@ -119,8 +120,27 @@ class AttentionSpec:
     lm_head: str = "lm_head"
 
 
-#: The model families EvictingCache supports, all with the Llama module layout.
-ATTENTION_SPECS: Mapping[str, AttentionSpec] = {name: AttentionSpec() for name in SUPPORTED_MODEL_TYPES}
+#: Module layouts by model type; a type not listed gets the Llama layout (``AttentionSpec()``),
+#: which is checked against the model's modules (a model whose attention is not laid out so,
+#: e.g. a fused ``qkv_proj``, is refused by name of the missing module).
+ATTENTION_SPECS: Mapping[str, AttentionSpec] = {}
+
+
+def _check_layout(model: Any, spec: AttentionSpec, model_type: str) -> None:
+    """``ValueError`` unless ``model`` has ``spec``'s decoder layers and separate q/k/v/o projections."""
+    node = model
+    for part in spec.layers.split("."):
+        node = getattr(node, part, None)
+    layers = list(node) if isinstance(node, torch.nn.ModuleList) else []
+    attn = getattr(layers[0], spec.attention, None) if layers else None
+    missing = [n for n in (spec.q_proj, spec.k_proj, spec.v_proj, spec.o_proj) if not hasattr(attn, n)] if attn is not None else []
+    if not layers or attn is None or missing:
+        what = f"{spec.layers}[i].{spec.attention}" + (f" with {', '.join(missing)}" if missing else "")
+        raise ValueError(
+            f"kvpolicy's DeepSpeed integration shards decoders laid out as {what} (separate q/k/v/o projections, "
+            f"as Llama, Mistral, Qwen, Gemma); model_type {model_type!r} is not. EvictingCache without DeepSpeed "
+            f"works for it"
+        )
 
 
 def _text_config(model_or_config: Any) -> Any:
@@ -148,13 +168,10 @@ class ModelGeometry:
     def from_config(cls, model_or_config: Any) -> "ModelGeometry":
         """Read and check the geometry (``ValueError`` for unsupported or inconsistent configs)."""
         config = _text_config(model_or_config)
-        model_type = getattr(config, "model_type", None)
-        spec = ATTENTION_SPECS.get(model_type)  # type: ignore[arg-type]
-        if spec is None:
-            raise ValueError(
-                f"kvpolicy's DeepSpeed integration supports model types {', '.join(ATTENTION_SPECS)} "
-                f"(Llama-layout decoders), got {model_type!r}"
-            )
+        model_type = detect(model_or_config).model_type  # the same capability check as EvictingCache
+        spec = ATTENTION_SPECS.get(model_type, AttentionSpec())
+        if isinstance(model_or_config, torch.nn.Module):
+            _check_layout(model_or_config, spec, model_type)
         heads = _positive_attr(config, spec.heads_attr)
         kv_heads = getattr(config, spec.kv_heads_attr, None) or heads
         kv_heads = _positive(spec.kv_heads_attr, kv_heads)
@@ -801,7 +818,7 @@ def init_inference(
     ``deepspeed --num_gpus 2 my_script.py``; every rank calls this with the same arguments.
 
     Args:
-        model: a transformers Llama-family model (``SUPPORTED_MODEL_TYPES``), unsharded, on CPU or
+        model: a transformers decoder that EvictingCache serves, laid out as Llama (separate q/k/v/o projections), unsharded, on CPU or
             the meta device as DeepSpeed accepts.
         policy: an :class:`EvictionPolicy`, or a registered name (``"buzz"``, ``"h2o"``, ...)
             planned for ``budget`` on each call's prompt length plus ``max_new_tokens``.

@@ -41,9 +41,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from kvpolicy.policy import EvictionPolicy
 from kvpolicy_torch import LayerCache, PrefixShift, decode_attention, received_attention, rope_rotate
 
+from .capabilities import LayerAttention, ModelCapabilities, RopeLayout, detect, rope_layouts
+
 __all__ = [
     "ATTENTION_NAME",
-    "SUPPORTED_MODEL_TYPES",
     "EvictingCache",
     "EvictingLayer",
     "GenerationResult",
@@ -53,7 +54,6 @@ __all__ = [
 ]
 
 ATTENTION_NAME = "kvpolicy_sdpa"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 PositionsMode = Literal["original", "cache"]
 
 # The layer whose update() ran last in this thread/context: the attention call that follows
@@ -86,8 +86,10 @@ def kvpolicy_sdpa_attention(
     if attention_mask is not None:
         layer.pending = False
         raise ValueError(
-            "EvictingCache builds the attention mask from the kept tokens' positions; a custom 4-D attention_mask "
-            "cannot be applied to an evicting cache (pass the usual 2-D padding mask instead)"
+            f"EvictingCache builds the attention mask from the kept tokens' positions; layer {layer.layer_idx} got a "
+            f"4-D attention mask, which cannot be applied to an evicting cache: a custom mask passed to the forward "
+            f"(pass the usual 2-D padding mask instead), or one the model builds itself (e.g. Doge's dynamic mask: "
+            f"such models are not supported)"
         )
     store = layer.store
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -95,7 +97,7 @@ def kvpolicy_sdpa_attention(
     log_n = layer.policy.log_n
     uses_scores = layer.policy.uses_scores
     if q_len == 1:
-        bias = store.bias
+        bias = layer.window_bias(store.bias)
         prefix = layer.take_prefix(query)
         # log n: n = the keys the query attends to (paper, section 3.5): the row's kept tokens
         scales = [log_n.scale(n) for n in store.lengths] if log_n is not None else None
@@ -113,7 +115,7 @@ def kvpolicy_sdpa_attention(
         out, received = decode_attention(query, key, value, scale, bias=bias, row_scale=row_scale, prefix=prefix)
         layer.finish_received(received if uses_scores else None)
         return out, None
-    mask = store.chunk_mask()
+    mask = layer.window_chunk_mask(store.chunk_mask())
     query_scale = None
     sdpa_query = query
     if log_n is not None:
@@ -150,7 +152,9 @@ def _fusable(kwargs: dict[str, Any]) -> bool:
 def kvpolicy_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """The mask function registered with ``kvpolicy_sdpa``: for an :class:`EvictingCache` it
     hands the forward's 2-D padding mask to the cache and returns no 4-D mask (the cache's slots
-    define what each query attends); for any other cache it is transformers' ``sdpa_mask``."""
+    define what each query attends, and each layer applies its own sliding window or chunk, read
+    from the config as transformers' ``DynamicCache`` reads it, on original positions); for any
+    other cache it is transformers' ``sdpa_mask``."""
     cache = _MASK_FOR.get()
     if cache is None:
         return sdpa_mask(*args, **kwargs)
@@ -173,7 +177,13 @@ def use_kvpolicy_attention(model: torch.nn.Module) -> None:
     """Switch ``model`` to the score-capturing SDPA attention (outputs equal plain SDPA)."""
     register_attention()
     if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
-        model.set_attn_implementation(ATTENTION_NAME)
+        try:
+            model.set_attn_implementation(ATTENTION_NAME)
+        except ValueError as exc:  # transformers refuses SDPA for this class (e.g. Git, VaultGemma)
+            raise ValueError(
+                f"model_type {getattr(model.config, 'model_type', None)!r} cannot use EvictingCache: its attention "
+                f"cannot run through SDPA, which kvpolicy's attention is built on (transformers: {exc})"
+            ) from exc
 
 
 @dataclass
@@ -202,6 +212,8 @@ class EvictingLayer(DynamicLayer):
         *,
         positions: PositionsMode = "original",
         inv_freq: torch.Tensor | None = None,
+        rope: RopeLayout | None = None,
+        attention: LayerAttention | None = None,
         reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
         fused_decode: bool = True,
         static_shapes: bool = False,
@@ -214,6 +226,10 @@ class EvictingLayer(DynamicLayer):
         self.layer_idx = layer_idx
         self.positions_mode = positions
         self.inv_freq = inv_freq
+        # pos-shift rotation: the measured layout, else (an explicit inv_freq) full half-split RoPE,
+        # else none (a NoPE layer: positions do not enter its scores, so there is nothing to shift)
+        self.rope = rope
+        self.attention = attention if attention is not None else LayerAttention("full")
         self.fused_decode = fused_decode
         self.padding = padding if padding is not None else Padding()
         self.pending = False
@@ -253,8 +269,10 @@ class EvictingLayer(DynamicLayer):
             self.pending = False
             raise RuntimeError(
                 f"layer {self.layer_idx}: the previous step's attention did not go through kvpolicy, so no scores "
-                f"were captured and nothing was evicted. Call kvpolicy_integrations.hf.use_kvpolicy_attention(model) "
-                f"(or load the model with attn_implementation='{ATTENTION_NAME}') before using EvictingCache"
+                f"were captured and nothing was evicted. Either the model was not switched to it (pass the model, not "
+                f"its config, to EvictingCache, or call kvpolicy_integrations.hf.use_kvpolicy_attention(model), or "
+                f"load it with attn_implementation='{ATTENTION_NAME}'), or this layer's attention does not dispatch "
+                f"through transformers' attention interface (then kvpolicy cannot serve the model)"
             )
         q = key_states.shape[2]
         pad = self.padding
@@ -265,13 +283,13 @@ class EvictingLayer(DynamicLayer):
                 valid, real = pad.valid, pad.real
         keys, values = self.store.append(key_states, value_states, valid=valid, real=real)
         self._prefix = None
-        if self.positions_mode == "cache":
+        if self.positions_mode == "cache" and (self.rope is not None or self.inv_freq is not None):  # NoPE: no shift
             shift = self.store.shift()
             if isinstance(shift, PrefixShift):
                 if shift.length and any(shift.delta):
                     self._prefix = shift  # the attention rotates the query back for those slots
             else:
-                keys = rope_rotate(keys, shift, self.inv_freq)  # type: ignore[arg-type]
+                keys = self._rotate(keys, shift)
         self.pending = True
         _ACTIVE.set(self)
         return keys, values
@@ -283,7 +301,54 @@ class EvictingLayer(DynamicLayer):
         if shift is None:
             return None
         delta = torch.tensor(shift.delta, device=query.device).view(-1, 1, 1)
-        return shift.length, rope_rotate(query, -delta, self.inv_freq)  # type: ignore[arg-type]
+        return shift.length, self._rotate(query, -delta)
+
+    def _rotate(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``x`` rotated by ``delta`` positions with this layer's RoPE (unchanged in a NoPE layer)."""
+        if self.rope is not None:
+            return rope_rotate(x, delta, self.rope.inv_freq, style=self.rope.style, rotary_dim=self.rope.rotary_dim)
+        if self.inv_freq is not None:
+            return rope_rotate(x, delta, self.inv_freq)
+        return x
+
+    def _window_limits(self) -> list[int] | None:
+        """Per row, the newest original position a query can no longer see in this sliding or
+        chunked layer (keys at positions ``<= limit`` are masked), or ``None`` when no kept token
+        can be outside the window yet (host ints only)."""
+        kind, w = self.attention.kind, self.attention.window
+        if kind == "full" or w is None:
+            return None
+        newest = [s - 1 for s in self.store.seen]  # the query's original position in each row
+        if max(newest) < w:
+            return None  # every position so far is inside the window (or the first chunk)
+        if kind == "sliding":  # transformers: kv > q - window
+            return [p - w for p in newest]
+        return [p // w * w - 1 for p in newest]  # chunked: same chunk as the query
+
+    def window_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """A decode step's additive bias: ``bias`` (holes) plus ``-inf`` for kept tokens whose
+        *original* position lies outside this layer's sliding window or chunk."""
+        limits = self._window_limits()
+        if limits is None:
+            return bias
+        pos = self.store.slot_positions
+        lim = torch.tensor(limits, device=pos.device).view(-1, 1, 1)
+        dtype = bias.dtype if bias is not None else torch.float32
+        zero = torch.zeros((), dtype=dtype, device=pos.device)
+        window = torch.where(pos > lim, zero, float("-inf"))
+        return window if bias is None else bias + window
+
+    def window_chunk_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """A prompt chunk's boolean mask ``[batch | 1, 1, q, n]`` restricted to this layer's sliding
+        window or chunk, measured on original positions (pad queries keep their own column)."""
+        if self._window_limits() is None:
+            return mask
+        kind, w = self.attention.kind, int(self.attention.window)  # type: ignore[arg-type]
+        pos = self.store.slot_positions[:, 0, :]  # rows are compacted for a chunk: head 0 speaks for all
+        qpos = pos[:, -mask.shape[-2] :]
+        lim = qpos - w if kind == "sliding" else torch.div(qpos, w, rounding_mode="floor") * w - 1
+        inside = (pos[:, None, :] > lim[:, :, None]) | (qpos < 0)[:, :, None]
+        return mask & inside[:, None]
 
     def finish_received(self, received: torch.Tensor | None) -> None:
         """After attention: accumulate ``received`` ``[batch, kv_heads, n]`` (if any), then evict."""
@@ -324,29 +389,6 @@ class EvictingLayer(DynamicLayer):
             self.store.select_batch(torch.arange(self.store.batch).repeat_interleave(repeats))
 
 
-def _config_of(model_or_config: Any) -> Any:
-    config = getattr(model_or_config, "config", model_or_config)
-    return getattr(config, "get_text_config", lambda: config)()
-
-
-def _check_supported(config: Any) -> None:
-    model_type = getattr(config, "model_type", None)
-    missing = [a for a in ("num_hidden_layers", "num_attention_heads") if not hasattr(config, a)]
-    if model_type not in SUPPORTED_MODEL_TYPES or missing:
-        what = f"; config lacks {', '.join(missing)}" if missing else ""
-        raise ValueError(
-            f"EvictingCache supports Llama-family decoders ({', '.join(SUPPORTED_MODEL_TYPES)}) whose attention "
-            f"calls past_key_values.update() and the attention interface with RoPE'd keys; got model_type "
-            f"{model_type!r}{what}"
-        )
-
-
-def _inv_freq(model: Any) -> torch.Tensor | None:
-    for module in getattr(model, "modules", lambda: [])():
-        inv = getattr(module, "inv_freq", None)
-        if isinstance(inv, torch.Tensor):
-            return inv.detach()
-    return None
 
 
 class EvictingCache(Cache):
@@ -392,27 +434,32 @@ class EvictingCache(Cache):
     ) -> None:
         if not isinstance(policy, EvictionPolicy):
             raise ValueError(f"policy must be an EvictionPolicy, got {policy!r}")
-        config = _config_of(model)
-        _check_supported(config)
+        caps = detect(model)
         positions = positions or policy.default_positions
         if positions not in ("original", "cache"):
             raise ValueError(f"positions must be 'original' or 'cache', got {positions!r}")
-        inv_freq = _inv_freq(model) if positions == "cache" else None
-        if positions == "cache" and inv_freq is None:
-            raise ValueError("positions='cache' needs the model (its rotary inv_freq), not only its config")
+        ropes: list[RopeLayout | None] = [None] * len(caps.layers)
+        if positions == "cache":
+            if not isinstance(model, torch.nn.Module):
+                raise ValueError(
+                    "positions='cache' (pos-shift) needs the model itself, not only its config: its RoPE layout is "
+                    "measured with one forward; positions='original' works with a config"
+                )
+            ropes = rope_layouts(model)
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1 or None, got {max_tokens!r}")
         if isinstance(model, torch.nn.Module):
             use_kvpolicy_attention(model)
         self.policy = policy
         self.positions_mode = positions
+        self.capabilities: ModelCapabilities = caps
         self.padding = Padding()  # shared by the layers: the padding of the forward in flight
         layers = [
             EvictingLayer(
-                policy, i, positions=positions, inv_freq=inv_freq, reduce_scores=reduce_scores,
+                policy, i, positions=positions, rope=ropes[i], attention=caps.layers[i], reduce_scores=reduce_scores,
                 fused_decode=fused_decode, static_shapes=static_shapes, reserve=max_tokens, padding=self.padding,
             )
-            for i in range(config.num_hidden_layers)
+            for i in range(len(caps.layers))
         ]
         super().__init__(layers=layers)
 
