@@ -294,6 +294,17 @@ def _bool_sites():
 
         return split_sizes(576, 2, kv_heads=3, by_heads=v)
 
+    def evicting_cache(**flag):
+        from kvpolicy.models import tiny_llama
+        from kvpolicy_integrations.hf import EvictingCache
+
+        return EvictingCache(H2O(2, 2), tiny_llama().config, **flag)
+
+    def generate(v):
+        from kvpolicy_integrations.hf import generate
+
+        return generate(None, None, "text", "h2o", chat=v)
+
     small = BUZZ(sink=1, window=2, stride=3, threshold=3)
     return {
         "log_n": lambda v: BUZZ(log_n=v),
@@ -310,6 +321,8 @@ def _bool_sites():
         "plain_names": lambda v: register_profiles(plain_names=v),
         "plots": lambda v: bench_report([], ".", plots=v),
         "by_heads": split_sizes,
+        "fused_decode": lambda v: evicting_cache(fused_decode=v),
+        "static_shapes": lambda v: evicting_cache(static_shapes=v),
         # the ones where None means "decide automatically"
         "shared": lambda v: machine(shared=v),
         "torch": [
@@ -319,6 +332,7 @@ def _bool_sites():
             lambda v: policy_machine(lambda: small, torch=v),
             lambda v: run_machine(st.just(small), torch=v),
         ],
+        "chat": generate,
     }
 
 
@@ -327,7 +341,7 @@ BOOL_SITES = [
     for name, fns in _bool_sites().items()
     for i in range(len(fns) if isinstance(fns, list) else 1)
 ]
-NONE_ALLOWED = {("shared", 0), ("torch", 0), ("torch", 1), ("torch", 2), ("torch", 3)}
+NONE_ALLOWED = {("shared", 0), ("torch", 0), ("torch", 1), ("torch", 2), ("torch", 3), ("chat", 0)}
 
 
 @pytest.mark.parametrize("name, i", BOOL_SITES)

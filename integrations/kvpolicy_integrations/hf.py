@@ -38,6 +38,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kvpolicy._validation import check_bool
 from kvpolicy.policy import EvictionPolicy
 from kvpolicy_torch import LayerCache, PrefixShift, decode_attention, received_attention, rope_rotate
 
@@ -448,6 +449,8 @@ class EvictingCache(Cache):
             ropes = rope_layouts(model)
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1 or None, got {max_tokens!r}")
+        fused_decode = check_bool("fused_decode", fused_decode)
+        static_shapes = check_bool("static_shapes", static_shapes)
         if isinstance(model, torch.nn.Module):
             use_kvpolicy_attention(model)
         self.policy = policy
@@ -566,6 +569,7 @@ def generate(
     """
     from kvpolicy.budget import make_policy
 
+    chat = check_bool("chat", chat, allow_none=True)
     use_chat = chat if chat is not None else bool(getattr(tokenizer, "chat_template", None))
     if use_chat:
         text = tokenizer.apply_chat_template(
