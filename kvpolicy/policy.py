@@ -26,10 +26,12 @@ from typing import Any, Callable, ClassVar, Literal
 
 from ._validation import check_choice, check_float, check_int
 
-__all__ = ["CacheView", "DecodeEviction", "DeferredScoresView", "EvictionPolicy", "LogNScaling", "Selection"]
+__all__ = ["CacheView", "DecodeEviction", "DeferredScoresView", "EvictionPolicy", "LogNScaling", "ScoreStatistic", "Selection"]
 
 Array = Any  # a NumPy ndarray or a torch.Tensor; anything array-api-compat understands
 Selection = Literal["per_head", "shared"]
+#: How received attention updates a token's score (:attr:`EvictionPolicy.score_statistic`).
+ScoreStatistic = Literal["accumulate", "latest"]
 
 
 def array_namespace(x: Array) -> Any:
@@ -47,7 +49,8 @@ class CacheView:
         positions: ``[batch, kv_heads, n]`` integer original positions of the cached tokens,
             ascending along the last axis (slot order is position order).
         scores: ``[batch, kv_heads, n]`` accumulated attention each cached token has received
-            (summed over the query heads of its KV head, over all queries so far). Policies rank
+            (summed over the query heads of its KV head, over all queries so far; only the latest
+            query's for a policy whose :attr:`EvictionPolicy.score_statistic` is ``"latest"``). Policies rank
             :attr:`ranking_scores`, in which a NaN score counts as ``-inf`` (see there).
         n_seen: tokens processed so far in this sequence, the ones just appended included.
         state: the policy's own per-layer state: a small dict of host ints the policy may update
@@ -313,6 +316,15 @@ class EvictionPolicy(ABC):
     #: Positions mode the HF integration uses unless told otherwise: ``"original"`` keeps the
     #: RoPE position a key was computed at, ``"cache"`` re-rotates keys to their slot index.
     default_positions: ClassVar[Literal["original", "cache"]] = "original"
+
+    #: What ``view.scores`` holds, i.e. how the attention a token receives updates its score.
+    #: ``"accumulate"`` (default; H2O, BUZZ): the sum of the probabilities it received from every
+    #: query so far (every prompt row, every decode query). ``"latest"`` (TOVA): only what it
+    #: received from the most recent query, which replaces the score: a decode step's query, or
+    #: the *last* row of a prompt (chunk). Either way summed over the query heads of a KV head.
+    #: Every backend applies it (the NumPy reference, ``kvpolicy_torch.LayerCache.accumulate``,
+    #: ``received_attention(statistic=)`` for prompts, the conformance kit).
+    score_statistic: ClassVar[ScoreStatistic] = "accumulate"
 
     #: Optional log-n logit scaling (BUZZ with log n); ``None`` means plain attention.
     log_n: LogNScaling | None = None

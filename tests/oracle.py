@@ -6,7 +6,9 @@ Algorithms 1 and 2 one token, one head and one segment at a time, with Python li
 * decode step ``t``: key ``t`` is appended; query ``t`` attends with a softmax over the kept keys;
   every kept token's score grows by the probability it received; then the policy may evict;
 * prefill of ``prompt_len`` tokens: causal softmax per prompt row, scores summed over the rows,
-  then the eviction rule, repeated until it holds.
+  then the eviction rule, repeated until it holds;
+* TOVA: a token's score is only the latest query's probability (the prompt's last row after a
+  prefill), not the sum.
 
 What it shares with :mod:`kvpolicy_numpy.replay` is only the floating-point arithmetic of the
 attention probabilities (the same NumPy operations in the same order, copied here rather than
@@ -62,6 +64,8 @@ def oracle_params(policy: Any) -> dict[str, Any]:
         p.update(sink=policy.sink, window=policy.window)
     elif kind == "local":
         p.update(window=policy.window)
+    elif kind == "tova":
+        p.update(size=policy.size, recent=policy.recent)
     elif kind == "full":
         pass
     else:
@@ -134,6 +138,20 @@ def _h2o_round(p: dict[str, Any], cache: list[int], scores: list[float]) -> list
     return alive
 
 
+def _tova_round(p: dict[str, Any], cache: list[int], scores: list[float]) -> list[int] | None:
+    """TOVA: while more than ``size`` tokens, evict the lowest (latest-query) score outside the
+    last ``recent``, the earliest of a tie; one token at a time."""
+    size, recent = p["size"], p["recent"]
+    if len(cache) <= size:
+        return None
+    alive = list(range(len(cache)))
+    while len(alive) > size:
+        candidates = alive[: len(alive) - recent]
+        victim = candidates[_first_min([scores[i] for i in candidates])]
+        alive.remove(victim)
+    return alive
+
+
 def _streaming_round(p: dict[str, Any], cache: list[int]) -> list[int] | None:
     sink, window = p["sink"], p["window"]
     n = len(cache)
@@ -176,6 +194,7 @@ def oracle(
     logits = np.asarray(logits, dtype=np.float64)
     steps, heads, _ = logits.shape
     shared = p["selection"] == "shared"
+    latest = p["kind"] == "tova"  # TOVA's score is the latest query's attention, not a running sum
     caches: list[list[int]] = [[] for _ in range(heads)]
     scores: list[list[float]] = [[] for _ in range(heads)]
     n_old = 0  # BUZZ: old tokens in the middle; the same count on every head
@@ -204,6 +223,8 @@ def oracle(
             return _buzz_round(p, cache, sc, n_old)
         if kind == "h2o":
             return _h2o_round(p, cache, sc)
+        if kind == "tova":
+            return _tova_round(p, cache, sc)
         if kind == "streaming_llm":
             return _streaming_round(p, cache)
         if kind == "local":
@@ -244,7 +265,7 @@ def oracle(
         rows = logits[:n, :, :n] * scale_rows[:, None, None]
         causal = np.tril(np.ones((n, n), dtype=bool))[:, None, :]
         probs = _softmax(np.where(causal, rows, -np.inf))
-        summed = probs.sum(axis=0)  # [heads, n]
+        summed = probs[n - 1] if latest else probs.sum(axis=0)  # [heads, n]: the last row alone for TOVA
         for i in range(n):
             for h in range(heads):
                 output(i, h, list(range(i + 1)), probs[i, h, : i + 1])
@@ -266,7 +287,7 @@ def oracle(
         probs = _softmax(row)
         for h in range(heads):
             for j in range(len(caches[h])):
-                scores[h][j] = scores[h][j] + float(probs[h, j])
+                scores[h][j] = float(probs[h, j]) if latest else scores[h][j] + float(probs[h, j])
             output(t, h, caches[h], probs[h])
         evict_until_stable(t)
         result.kept[t] = [list(c_) for c_ in caches]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kvpolicy import BUZZ, H2O, FullCache
+from kvpolicy import BUZZ, H2O, TOVA, FullCache
 from kvpolicy_numpy import replay
 from oracle import oracle
 from strategies import (
@@ -17,6 +17,7 @@ from strategies import (
     local_policies,
     replay_cases,
     streaming_policies,
+    tova_policies,
 )
 
 
@@ -59,6 +60,14 @@ def test_buzz_matches_oracle(case) -> None:
 @example((H2O(heavy=3, recent=2), _sink_logits(20, 2), 0))
 @example((H2O(heavy=3, recent=2), _sink_logits(20, 2), 12))
 def test_h2o_matches_oracle(case) -> None:
+    assert_same_as_oracle(*case)
+
+
+@given(replay_cases(tova_policies()))
+@example((TOVA(size=2), np.zeros((12, 1, 12)), 9))
+@example((TOVA(size=3, recent=1), _sink_logits(20, 2), 0))
+@example((TOVA(size=3, selection="shared"), _sink_logits(20, 2), 12))
+def test_tova_matches_oracle(case) -> None:
     assert_same_as_oracle(*case)
 
 

@@ -24,6 +24,7 @@ NAMES = {
     "h2o": "H2O",
     "buzz": "BUZZ",
     "buzz_logn": "BUZZ (log n)",
+    "tova": "TOVA",
 }
 COLORS = {
     "local": "#7f7f7f",
@@ -31,6 +32,7 @@ COLORS = {
     "h2o": "#2ca02c",
     "buzz": "#d62728",
     "buzz_logn": "#ff7f0e",
+    "tova": "#9467bd",
 }
 STYLES = {  # BUZZ (log n) dashed on top of a thicker BUZZ line, so both show when they coincide
     "local": {"marker": "v", "linewidth": 1.4},
@@ -38,6 +40,7 @@ STYLES = {  # BUZZ (log n) dashed on top of a thicker BUZZ line, so both show wh
     "h2o": {"marker": "^", "linewidth": 1.4},
     "buzz": {"marker": "o", "linewidth": 3.2},
     "buzz_logn": {"marker": "D", "linewidth": 1.6, "linestyle": "--", "markersize": 4.5},
+    "tova": {"marker": "P", "linewidth": 1.4},
 }
 METRIC_NAMES = {
     "ppl": "perplexity",

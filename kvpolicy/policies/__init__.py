@@ -6,6 +6,7 @@ from .full import FullCache
 from .h2o import H2O
 from .local import LocalWindow
 from .streaming import StreamingLLM
+from .tova import TOVA
 
 register_policy(BUZZ, name="buzz_logn", preset={"log_n": True}, doc="BUZZ with log n attention scaling")
 
@@ -15,6 +16,7 @@ __all__ = [
     "H2O",
     "LocalWindow",
     "StreamingLLM",
+    "TOVA",
     "estimate_threshold",
     "fixed_point_middle",
     "small_stride",

@@ -123,7 +123,8 @@ class NumpyCache:
         self.phase = "prefill" if q > 1 else "decode"
 
     def accumulate(self, received: np.ndarray) -> None:
-        self.scores = self.scores + received
+        # the policy's score statistic: "latest" replaces the scores (TOVA), else they add up
+        self.scores = received.copy() if self.policy.score_statistic == "latest" else self.scores + received
 
     def evict(self) -> list[tuple[int, int]]:
         rounds: list[tuple[int, int]] = []
@@ -291,6 +292,8 @@ def prefill_received(policy: EvictionPolicy, logits: np.ndarray, p: int, group: 
     rows = logits[:, :p, :, :p] * _scale(policy, np.arange(1, p + 1))[None, :, None, None]
     causal = np.tril(np.ones((p, p), dtype=bool))[None, :, None, :]
     probs = softmax(np.where(causal, rows, -np.inf))  # [batch, p, q_heads, p]
+    if policy.score_statistic == "latest":  # only the prompt's last row counts
+        return group_sum(probs[:, -1], group)
     return group_sum(probs.sum(axis=1), group)
 
 
