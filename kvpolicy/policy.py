@@ -317,13 +317,12 @@ class EvictionPolicy(ABC):
     #: RoPE position a key was computed at, ``"cache"`` re-rotates keys to their slot index.
     default_positions: ClassVar[Literal["original", "cache"]] = "original"
 
-    #: What ``view.scores`` holds, i.e. how the attention a token receives updates its score.
-    #: ``"accumulate"`` (default; H2O, BUZZ): the sum of the probabilities it received from every
-    #: query so far (every prompt row, every decode query). ``"latest"`` (TOVA): only what it
-    #: received from the most recent query, which replaces the score: a decode step's query, or
-    #: the *last* row of a prompt (chunk). Either way summed over the query heads of a KV head.
-    #: Every backend applies it (the NumPy reference, ``kvpolicy_torch.LayerCache.accumulate``,
-    #: ``received_attention(statistic=)`` for prompts, the conformance kit).
+    #: How the attention a token receives updates its score (what ``view.scores`` holds).
+    #: ``"accumulate"`` (default; H2O, BUZZ): it is added, so a score is the sum over every query
+    #: so far. ``"latest"`` (TOVA): it replaces the score, so a score is the latest query's
+    #: (or prompt chunk's, see :attr:`prompt_rows`). Either way summed over the query heads of a
+    #: KV head. Every backend applies it (the NumPy reference, the conformance kit,
+    #: ``kvpolicy_torch.LayerCache.accumulate``).
     score_statistic: ClassVar[ScoreStatistic] = "accumulate"
 
     #: Optional log-n logit scaling (BUZZ with log n); ``None`` means plain attention.
@@ -335,6 +334,13 @@ class EvictionPolicy(ABC):
         # rule: backends would apply the parent's eviction instead of the new select().
         if "select" in cls.__dict__ and "decode_eviction" not in cls.__dict__:
             cls.decode_eviction = property(lambda self: None, doc=EvictionPolicy.decode_eviction.__doc__)  # type: ignore[assignment]
+
+    @property
+    def prompt_rows(self) -> int | None:
+        """Which rows of a prompt (chunk) score it: ``None`` (default): every row, summed; ``k``:
+        only its last ``k`` rows (TOVA: 1, the latest query; SnapKV: its observation window).
+        Applied by every backend (``kvpolicy_torch.received_attention(rows=)`` for prompts)."""
+        return 1 if self.score_statistic == "latest" else None
 
     @property
     def decode_eviction(self) -> DecodeEviction | None:

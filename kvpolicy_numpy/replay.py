@@ -150,8 +150,8 @@ def replay(
     (logits times the policy's log-n scale, if any, with ``n`` the number of kept keys; prompt row
     ``i`` attends to ``i + 1`` keys); each kept token's score grows by the
     probability it received (or, when ``policy.score_statistic == "latest"``, its score becomes
-    that probability; a prompt's scores are then its last row's); then the policy evicts,
-    repeatedly until it returns ``None``.
+    that probability; a prompt's scores come from its last ``policy.prompt_rows`` rows when that
+    is set); then the policy evicts, repeatedly until it returns ``None``.
 
     Example:
         >>> import numpy as np
@@ -196,8 +196,8 @@ def replay(
         causal = np.tril(np.ones((p, p), dtype=bool))[:, None, :]
         probs = softmax(np.where(causal, rows, -np.inf))  # [p, heads, p]
         positions = np.broadcast_to(np.arange(p, dtype=np.int64), (1, heads, p)).copy()
-        # score statistic: "latest" keeps only what the prompt's last row gave (TOVA)
-        scores = probs[-1][None].copy() if policy.score_statistic == "latest" else probs.sum(axis=0)[None]
+        # policy.prompt_rows: only the prompt's last rows score it (TOVA: 1, SnapKV: its window)
+        scores = probs[max(0, p - (policy.prompt_rows or p)) :].sum(axis=0)[None]
         if outputs is not None:
             outputs[:p] = np.einsum("qhk,khd->qhd", probs, values[:p])
         # phase as kvpolicy_torch.LayerCache sets it: a one-token prompt is a decode step

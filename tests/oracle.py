@@ -195,6 +195,8 @@ def oracle(
     steps, heads, _ = logits.shape
     shared = p["selection"] == "shared"
     latest = p["kind"] == "tova"  # TOVA's score is the latest query's attention, not a running sum
+    # the prompt rows that score a prompt: TOVA the last one, SnapKV its observation window
+    prompt_rows = 1 if latest else p.get("window") if p["kind"] == "snapkv" else None
     caches: list[list[int]] = [[] for _ in range(heads)]
     scores: list[list[float]] = [[] for _ in range(heads)]
     n_old = 0  # BUZZ: old tokens in the middle; the same count on every head
@@ -265,7 +267,7 @@ def oracle(
         rows = logits[:n, :, :n] * scale_rows[:, None, None]
         causal = np.tril(np.ones((n, n), dtype=bool))[:, None, :]
         probs = _softmax(np.where(causal, rows, -np.inf))
-        summed = probs[n - 1] if latest else probs.sum(axis=0)  # [heads, n]: the last row alone for TOVA
+        summed = probs[max(0, n - (prompt_rows or n)) :].sum(axis=0)  # [heads, n]: the last prompt_rows rows
         for i in range(n):
             for h in range(heads):
                 output(i, h, list(range(i + 1)), probs[i, h, : i + 1])

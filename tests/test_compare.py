@@ -219,7 +219,7 @@ def test_fork_of_shared_prefill_equals_own_prefill(model, policy):
     ids = torch.randint(3, 128, (2, 48), generator=g)
     prompt = 40
     log_n = policy.log_n if _prefill_key(policy, prompt) is not None else None
-    rec, first = engine.prefill(ids, prompt, log_n, policy.score_statistic)
+    rec, first = engine.prefill(ids, prompt, log_n, policy.prompt_rows)
     forked = engine.fork(rec, policy)
     own = EvictingCache(policy, model)
     with torch.no_grad():

@@ -70,7 +70,7 @@ def test_oracle_catches_an_accumulating_tova() -> None:
 
 
 def test_prompt_scores_are_the_last_row() -> None:
-    """received_attention(statistic="latest") is the last query row's probabilities, summed per
+    """received_attention(rows=1) is the last query row's probabilities, summed per
     KV head (GQA), with a slot mask and a pad row, and equals scoring that row alone."""
     g = torch.Generator().manual_seed(0)
     b, kv, r, q, n, d = 2, 2, 3, 5, 9, 8
@@ -80,7 +80,7 @@ def test_prompt_scores_are_the_last_row() -> None:
     mask[1, :, :, 2] = False  # a hole in row 1
     valid = torch.ones(b, q, dtype=torch.bool)
     valid[1, 0] = False  # a pad query in row 1
-    got = kvpolicy_torch.received_attention(query, keys, d**-0.5, mask=mask, query_valid=valid, statistic="latest")
+    got = kvpolicy_torch.received_attention(query, keys, d**-0.5, mask=mask, query_valid=valid, rows=1)
     logits = torch.einsum("bhd,bhnd->bhn", query[:, :, -1], keys.repeat_interleave(r, dim=1)) * d**-0.5
     logits = logits.masked_fill(~mask[:, :, -1], float("-inf"))
     want = torch.softmax(logits, dim=-1).view(b, kv, r, n).sum(dim=2)
@@ -88,8 +88,8 @@ def test_prompt_scores_are_the_last_row() -> None:
     assert float(got[1, :, 2].abs().max()) == 0.0
     summed = kvpolicy_torch.received_attention(query, keys, d**-0.5, mask=mask, query_valid=valid)
     assert not torch.allclose(summed, got)
-    with pytest.raises(ValueError, match="statistic"):
-        kvpolicy_torch.received_attention(query[:, :, :1], keys, d**-0.5, statistic="max")
+    with pytest.raises(ValueError, match="rows"):
+        kvpolicy_torch.received_attention(query, keys, d**-0.5, rows=0)
 
 
 def test_layer_cache_replaces_scores_and_keeps_holes() -> None:

@@ -124,7 +124,7 @@ def kvpolicy_sdpa_attention(
     if uses_scores:
         received = received_attention(
             query, key, scale, query_scale=query_scale, mask=mask, query_valid=store.query_valid,
-            statistic=layer.policy.score_statistic,
+            rows=layer.policy.prompt_rows,
         )
     layer.finish_received(received)
     return out, None

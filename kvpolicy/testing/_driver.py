@@ -292,9 +292,7 @@ def prefill_received(policy: EvictionPolicy, logits: np.ndarray, p: int, group: 
     rows = logits[:, :p, :, :p] * _scale(policy, np.arange(1, p + 1))[None, :, None, None]
     causal = np.tril(np.ones((p, p), dtype=bool))[None, :, None, :]
     probs = softmax(np.where(causal, rows, -np.inf))  # [batch, p, q_heads, p]
-    if policy.score_statistic == "latest":  # only the prompt's last row counts
-        return group_sum(probs[:, -1], group)
-    return group_sum(probs.sum(axis=1), group)
+    return group_sum(probs[:, max(0, p - (policy.prompt_rows or p)) :].sum(axis=1), group)  # the last prompt_rows rows
 
 
 def decode_received(policy: EvictionPolicy, logits: np.ndarray, t: int, positions: np.ndarray, group: int) -> np.ndarray:
