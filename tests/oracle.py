@@ -66,6 +66,8 @@ def oracle_params(policy: Any) -> dict[str, Any]:
         p.update(window=policy.window)
     elif kind == "tova":
         p.update(size=policy.size, recent=policy.recent)
+    elif kind == "snapkv":
+        p.update(size=policy.size, window=policy.window, kernel=policy.kernel)
     elif kind == "full":
         pass
     else:
@@ -152,6 +154,35 @@ def _tova_round(p: dict[str, Any], cache: list[int], scores: list[float]) -> lis
     return alive
 
 
+def _snapkv_round(p: dict[str, Any], cache: list[int], scores: list[float], phase: str) -> list[int] | None:
+    """SnapKV, right after a prompt only: max-pool the scores of the tokens before the window
+    (``kernel`` positions centred on each, those that exist), keep the ``size - window`` highest
+    (picked one at a time; a tie goes to the higher own score, then the earliest), and the window."""
+    size, window, kernel = p["size"], p["window"], p["kernel"]
+    n = len(cache)
+    if phase != "prefill" or n <= size:
+        return None
+    prefix = n - window
+    half = kernel // 2
+    pooled = []
+    for j in range(prefix):
+        best = scores[j]
+        for i in range(max(0, j - half), min(prefix, j + half + 1)):
+            if scores[i] > best:
+                best = scores[i]
+        pooled.append(best)
+    chosen: list[int] = []
+    remaining = list(range(prefix))
+    while len(chosen) < size - window:
+        best = remaining[0]
+        for i in remaining:
+            if pooled[i] > pooled[best] or (pooled[i] == pooled[best] and scores[i] > scores[best]):
+                best = i
+        chosen.append(best)
+        remaining.remove(best)
+    return sorted(chosen) + list(range(prefix, n))
+
+
 def _streaming_round(p: dict[str, Any], cache: list[int]) -> list[int] | None:
     sink, window = p["sink"], p["window"]
     n = len(cache)
@@ -219,8 +250,10 @@ def oracle(
             return 1.0
         return _log_n_scale(n, p["log_base"], p["log_floor"])
 
-    def one_round(cache: list[int], sc: list[float]) -> list[int] | None:
+    def one_round(cache: list[int], sc: list[float], phase: str) -> list[int] | None:
         kind = p["kind"]
+        if kind == "snapkv":
+            return _snapkv_round(p, cache, sc, phase)
         if kind == "buzz":
             return _buzz_round(p, cache, sc, n_old)
         if kind == "h2o":
@@ -233,7 +266,7 @@ def oracle(
             return _local_round(p, cache)
         return None  # full cache
 
-    def evict_until_stable(t: int) -> None:
+    def evict_until_stable(t: int, phase: str = "decode") -> None:
         nonlocal n_old
         while True:
             before = len(caches[0])
@@ -242,10 +275,10 @@ def oracle(
                 for h in range(heads):  # the heads in order, as np.sum over the head axis
                     for j in range(before):
                         summed[j] = scores[h][j] if h == 0 else summed[j] + scores[h][j]
-                keep = one_round(caches[0], summed)
+                keep = one_round(caches[0], summed, phase)
                 keeps = None if keep is None else [keep] * heads
             else:
-                keeps = [one_round(caches[h], scores[h]) for h in range(heads)]
+                keeps = [one_round(caches[h], scores[h], phase) for h in range(heads)]
                 if any(k is None for k in keeps):
                     assert all(k is None for k in keeps), "heads disagree on whether to evict"
                     keeps = None
@@ -274,7 +307,7 @@ def oracle(
         for h in range(heads):
             caches[h] = list(range(n))
             scores[h] = [float(summed[h, j]) for j in range(n)]
-        evict_until_stable(n - 1)
+        evict_until_stable(n - 1, "prefill" if n > 1 else "decode")  # a one-token prompt is a decode step
         result.kept[n - 1] = [list(c) for c in caches]
 
     for t in range(prompt_len, steps):

@@ -25,6 +25,7 @@ NAMES = {
     "buzz": "BUZZ",
     "buzz_logn": "BUZZ (log n)",
     "tova": "TOVA",
+    "snapkv": "SnapKV",
 }
 COLORS = {
     "local": "#7f7f7f",
@@ -33,6 +34,7 @@ COLORS = {
     "buzz": "#d62728",
     "buzz_logn": "#ff7f0e",
     "tova": "#9467bd",
+    "snapkv": "#8c564b",
 }
 STYLES = {  # BUZZ (log n) dashed on top of a thicker BUZZ line, so both show when they coincide
     "local": {"marker": "v", "linewidth": 1.4},
@@ -41,6 +43,7 @@ STYLES = {  # BUZZ (log n) dashed on top of a thicker BUZZ line, so both show wh
     "buzz": {"marker": "o", "linewidth": 3.2},
     "buzz_logn": {"marker": "D", "linewidth": 1.6, "linestyle": "--", "markersize": 4.5},
     "tova": {"marker": "P", "linewidth": 1.4},
+    "snapkv": {"marker": "X", "linewidth": 1.4},
 }
 METRIC_NAMES = {
     "ppl": "perplexity",

@@ -5,6 +5,7 @@ from .buzz import BUZZ, estimate_threshold, fixed_point_middle, small_stride, th
 from .full import FullCache
 from .h2o import H2O
 from .local import LocalWindow
+from .snapkv import SnapKV
 from .streaming import StreamingLLM
 from .tova import TOVA
 
@@ -15,6 +16,7 @@ __all__ = [
     "FullCache",
     "H2O",
     "LocalWindow",
+    "SnapKV",
     "StreamingLLM",
     "TOVA",
     "estimate_threshold",
