@@ -70,6 +70,19 @@ def oracle_params(policy: Any) -> dict[str, Any]:
         p.update(size=policy.size, window=policy.window, kernel=policy.kernel)
     elif kind == "full":
         pass
+    elif kind == "compose":
+        p.update(prefill=oracle_params(policy.prefill), decode=oracle_params(policy.decode))
+        d = p["decode"]
+        p["capacity"] = {  # the decode policy's capacity, from its parameters
+            "buzz": lambda: d["sink"] + d["window"] + d["threshold"],
+            "h2o": lambda: d["heavy"] + d["recent"] + 1,
+            "tova": lambda: d["size"] + 1,
+            "streaming_llm": lambda: d["sink"] + d["window"] + 1,
+            "local": lambda: d["window"] + 1,
+        }.get(d["kind"], lambda: None)()
+        for key in ("log_base", "log_floor"):  # attention is scaled as the decode policy scales it
+            if key in d:
+                p[key] = d[key]
     else:
         raise ValueError(f"the oracle does not know policy {kind!r}")
     return p
@@ -225,9 +238,13 @@ def oracle(
     logits = np.asarray(logits, dtype=np.float64)
     steps, heads, _ = logits.shape
     shared = p["selection"] == "shared"
-    latest = p["kind"] == "tova"  # TOVA's score is the latest query's attention, not a running sum
-    # the prompt rows that score a prompt: TOVA the last one, SnapKV its observation window
-    prompt_rows = 1 if latest else p.get("window") if p["kind"] == "snapkv" else None
+    # TOVA's score is the latest query's attention, not a running sum (as the decode policy of a
+    # composition); a prompt is scored by its last row (TOVA), its observation window (SnapKV),
+    # as the prefill policy of a composition scores it, or by all its rows
+    scoring = p["decode"] if p["kind"] == "compose" else p
+    latest = scoring["kind"] == "tova"
+    prompting = p["prefill"] if p["kind"] == "compose" else p
+    prompt_rows = {"tova": 1, "snapkv": prompting.get("window")}.get(prompting["kind"])
     caches: list[list[int]] = [[] for _ in range(heads)]
     scores: list[list[float]] = [[] for _ in range(heads)]
     n_old = 0  # BUZZ: old tokens in the middle; the same count on every head
@@ -250,21 +267,38 @@ def oracle(
             return 1.0
         return _log_n_scale(n, p["log_base"], p["log_floor"])
 
-    def one_round(cache: list[int], sc: list[float], phase: str) -> list[int] | None:
-        kind = p["kind"]
+    def decide(q: dict[str, Any], cache: list[int], sc: list[float], phase: str) -> list[int] | None:
+        kind = q["kind"]
         if kind == "snapkv":
-            return _snapkv_round(p, cache, sc, phase)
+            return _snapkv_round(q, cache, sc, phase)
         if kind == "buzz":
-            return _buzz_round(p, cache, sc, n_old)
+            return _buzz_round(q, cache, sc, n_old)
         if kind == "h2o":
-            return _h2o_round(p, cache, sc)
+            return _h2o_round(q, cache, sc)
         if kind == "tova":
-            return _tova_round(p, cache, sc)
+            return _tova_round(q, cache, sc)
         if kind == "streaming_llm":
-            return _streaming_round(p, cache)
+            return _streaming_round(q, cache)
         if kind == "local":
-            return _local_round(p, cache)
+            return _local_round(q, cache)
         return None  # full cache
+
+    deciders: list[dict[str, Any]] = []  # which parameters decided each round (for BUZZ's n_old)
+
+    def one_round(cache: list[int], sc: list[float], phase: str) -> list[int] | None:
+        if p["kind"] != "compose":
+            deciders.append(p)
+            return decide(p, cache, sc, phase)
+        # composition: the prefill policy right after a prompt that leaves more than the decode
+        # policy's capacity - 1 tokens, until it declines; then the decode policy
+        cap = p["capacity"]
+        if phase == "prefill" and (cap is None or len(cache) > cap - 1):
+            keep = decide(p["prefill"], cache, sc, phase)
+            if keep is not None:
+                deciders.append(p["prefill"])
+                return keep
+        deciders.append(p["decode"])
+        return decide(p["decode"], cache, sc, phase)
 
     def evict_until_stable(t: int, phase: str = "decode") -> None:
         nonlocal n_old
@@ -289,8 +323,9 @@ def oracle(
                 scores[h] = [scores[h][i] for i in keeps[h]]
             after = len(caches[0])
             assert after < before, "an eviction round must evict"
-            if p["kind"] == "buzz":
-                n_old = after - p["sink"] - p["window"]  # every survivor of the middle is old
+            q = deciders[-1]
+            if q["kind"] == "buzz":
+                n_old = after - q["sink"] - q["window"]  # every survivor of the middle is old
             result.evictions.append((t, before, after))
 
     if prompt_len:

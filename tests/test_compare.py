@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 pytest.importorskip("rouge_score")
 
-from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, SnapKV, StreamingLLM  # noqa: E402
+from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, SnapKV, StreamingLLM, compose  # noqa: E402
 from kvpolicy.eval import compare  # noqa: E402
 from kvpolicy.eval import data as D  # noqa: E402
 from kvpolicy.eval.compare import Engine, _prefill_key  # noqa: E402
@@ -207,7 +207,7 @@ def test_paper_data_files(model, tmp_path):
     "policy",
     [FullCache(), LocalWindow(12), StreamingLLM(2, 10), H2O(8, 8), BUZZ(2, 6, 3, 10),
      BUZZ(2, 6, 4, 12, log_n=True, log_base=8.0), BUZZ(2, 6, 4, 12, log_n=True, log_base=512.0), TOVA(12),
-     SnapKV(12, window=4)],
+     SnapKV(12, window=4), compose(prefill=SnapKV(11, window=4), decode=H2O(6, 6))],
     ids=repr,
 )
 def test_fork_of_shared_prefill_equals_own_prefill(model, policy):

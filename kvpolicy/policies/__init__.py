@@ -2,6 +2,7 @@
 
 from ..registry import register_policy
 from .buzz import BUZZ, estimate_threshold, fixed_point_middle, small_stride, threshold_ratio
+from .composition import Composed, compose
 from .full import FullCache
 from .h2o import H2O
 from .local import LocalWindow
@@ -13,6 +14,7 @@ register_policy(BUZZ, name="buzz_logn", preset={"log_n": True}, doc="BUZZ with l
 
 __all__ = [
     "BUZZ",
+    "Composed",
     "FullCache",
     "H2O",
     "LocalWindow",
@@ -23,4 +25,5 @@ __all__ = [
     "fixed_point_middle",
     "small_stride",
     "threshold_ratio",
+    "compose",
 ]

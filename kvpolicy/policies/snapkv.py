@@ -102,5 +102,6 @@ class SnapKV(EvictionPolicy):
 
     @classmethod
     def from_size(cls, size: int, **overrides: Any) -> "SnapKV":
+        # a window given with a size too small for it: keep the window and one token more
         window = overrides.pop("window", min(32, max(1, size // 2)))
-        return cls(size=size, window=window, **overrides)
+        return cls(size=max(size, window + 1) if isinstance(window, int) else size, window=window, **overrides)

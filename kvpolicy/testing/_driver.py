@@ -62,11 +62,12 @@ def check_keep(policy: EvictionPolicy, view: CacheView, keep: Any) -> np.ndarray
 
 
 def check_decode_eviction(policy: EvictionPolicy, view: CacheView, keep: Any, state_before: dict[str, int]) -> None:
-    """A declared :class:`~kvpolicy.DecodeEviction` must mean what ``select`` does: nothing to
-    evict up to ``limit`` tokens; at ``limit + 1`` exactly the rule's keep, state untouched
-    (backends apply the rule instead of calling ``select``)."""
+    """A declared :class:`~kvpolicy.DecodeEviction` must mean what ``select`` does after a decode
+    step: nothing to evict up to ``limit`` tokens; at ``limit + 1`` exactly the rule's keep, state
+    untouched (backends apply the rule instead of calling ``select``, in decode only: after a
+    prompt they always call ``select``, e.g. a composition's prefill policy)."""
     rule = policy.decode_eviction
-    if rule is None:
+    if rule is None or view.phase != "decode":
         return
     n = view.n_cached
     if n <= rule.limit and keep is not None:
