@@ -26,6 +26,9 @@ NAMES = {
     "buzz_logn": "BUZZ (log n)",
     "tova": "TOVA",
     "snapkv": "SnapKV",
+    "snapkv_buzz": "SnapKV + BUZZ",
+    "snapkv_h2o": "SnapKV + H2O",
+    "snapkv_tova": "SnapKV + TOVA",
 }
 COLORS = {
     "local": "#7f7f7f",
