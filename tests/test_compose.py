@@ -100,6 +100,13 @@ def test_composed_reads_like_its_parts() -> None:
     assert compose(prefill=SnapKV(size=9, window=2), decode=LocalWindow(8)).default_positions == "original"
     assert p == compose(prefill=SnapKV(size=40, window=8), decode=TOVA(size=20)) and len({p, q}) == 2
     assert repr(p) == "Composed(prefill=SnapKV(size=40, window=8, kernel=5), decode=TOVA(size=20, recent=0))"
+    import json
+
+    assert json.loads(json.dumps(p.params())) == {
+        "prefill": {"policy": "snapkv", "size": 40, "window": 8, "kernel": 5, "selection": "per_head"},
+        "decode": {"policy": "tova", "size": 20, "recent": 0, "selection": "per_head"},
+    }
+    assert p != compose(prefill=SnapKV(size=40, window=8), decode=TOVA(size=21)) and p != p.decode
 
 
 @pytest.mark.parametrize(

@@ -113,10 +113,21 @@ class Composed(EvictionPolicy):
         return self._ask(self.decode, "decode.", view)
 
     def params(self) -> dict[str, Any]:
-        return {"prefill": self.prefill, "decode": self.decode}
+        """The two policies as plain data (registry name and parameters), so reports can store
+        them as JSON; the policies themselves are :attr:`prefill` and :attr:`decode`."""
+        return {
+            part: {"policy": p.name, **p.params(), "selection": p.selection}
+            for part, p in (("prefill", self.prefill), ("decode", self.decode))
+        }
 
     def __repr__(self) -> str:
         return f"Composed(prefill={self.prefill!r}, decode={self.decode!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Composed) and (self.prefill, self.decode) == (other.prefill, other.decode)
+
+    def __hash__(self) -> int:
+        return hash(("Composed", self.prefill, self.decode))
 
     min_size = 6  # the largest of the built-in decode policies' (BUZZ's)
 
