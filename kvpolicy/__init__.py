@@ -14,10 +14,14 @@ Example:
 from .budget import PolicyPlan, make_policy, plan_capacity, plan_policy, realised_budget, simulate_sizes
 from .policies import (
     BUZZ,
+    Composed,
     H2O,
     FullCache,
     LocalWindow,
+    SnapKV,
     StreamingLLM,
+    TOVA,
+    compose,
     estimate_threshold,
     fixed_point_middle,
     threshold_ratio,
@@ -36,6 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BUZZ",
+    "Composed",
     "CacheView",
     "DecodeEviction",
     "DeferredScoresView",
@@ -47,8 +52,11 @@ __all__ = [
     "LogNScaling",
     "PolicyPlan",
     "Preset",
+    "SnapKV",
     "StreamingLLM",
+    "TOVA",
     "available_policies",
+    "compose",
     "create_policy",
     "estimate_threshold",
     "fixed_point_middle",

@@ -26,10 +26,12 @@ from typing import Any, Callable, ClassVar, Literal
 
 from ._validation import check_choice, check_float, check_int
 
-__all__ = ["CacheView", "DecodeEviction", "DeferredScoresView", "EvictionPolicy", "LogNScaling", "Selection"]
+__all__ = ["CacheView", "DecodeEviction", "DeferredScoresView", "EvictionPolicy", "LogNScaling", "ScoreStatistic", "Selection"]
 
 Array = Any  # a NumPy ndarray or a torch.Tensor; anything array-api-compat understands
 Selection = Literal["per_head", "shared"]
+#: How received attention updates a token's score (:attr:`EvictionPolicy.score_statistic`).
+ScoreStatistic = Literal["accumulate", "latest"]
 
 
 def array_namespace(x: Array) -> Any:
@@ -47,7 +49,8 @@ class CacheView:
         positions: ``[batch, kv_heads, n]`` integer original positions of the cached tokens,
             ascending along the last axis (slot order is position order).
         scores: ``[batch, kv_heads, n]`` accumulated attention each cached token has received
-            (summed over the query heads of its KV head, over all queries so far). Policies rank
+            (summed over the query heads of its KV head, over all queries so far; only the latest
+            query's for a policy whose :attr:`EvictionPolicy.score_statistic` is ``"latest"``). Policies rank
             :attr:`ranking_scores`, in which a NaN score counts as ``-inf`` (see there).
         n_seen: tokens processed so far in this sequence, the ones just appended included.
         state: the policy's own per-layer state: a small dict of host ints the policy may update
@@ -330,6 +333,14 @@ class EvictionPolicy(ABC):
     #: RoPE position a key was computed at, ``"cache"`` re-rotates keys to their slot index.
     default_positions: ClassVar[Literal["original", "cache"]] = "original"
 
+    #: How the attention a token receives updates its score (what ``view.scores`` holds).
+    #: ``"accumulate"`` (default; H2O, BUZZ): it is added, so a score is the sum over every query
+    #: so far. ``"latest"`` (TOVA): it replaces the score, so a score is the latest query's
+    #: (or prompt chunk's, see :attr:`prompt_rows`). Either way summed over the query heads of a
+    #: KV head. Every backend applies it (the NumPy reference, the conformance kit,
+    #: ``kvpolicy_torch.LayerCache.accumulate``).
+    score_statistic: ClassVar[ScoreStatistic] = "accumulate"
+
     #: Optional log-n logit scaling (BUZZ with log n); ``None`` means plain attention.
     log_n: LogNScaling | None = None
 
@@ -342,6 +353,13 @@ class EvictionPolicy(ABC):
         # Likewise its size rule: the parent's arithmetic describes the parent's select().
         if ("select" in cls.__dict__ or "evict" in cls.__dict__) and "size_rule" not in cls.__dict__:
             cls.size_rule = EvictionPolicy.size_rule  # type: ignore[method-assign]
+
+    @property
+    def prompt_rows(self) -> int | None:
+        """Which rows of a prompt (chunk) score it: ``None`` (default): every row, summed; ``k``:
+        only its last ``k`` rows (TOVA: 1, the latest query; SnapKV: its observation window).
+        Applied by every backend (``kvpolicy_torch.received_attention(rows=)`` for prompts)."""
+        return 1 if self.score_statistic == "latest" else None
 
     @property
     def decode_eviction(self) -> DecodeEviction | None:

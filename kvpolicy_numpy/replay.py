@@ -136,7 +136,9 @@ def replay(
     Per step ``t``: key ``t`` is appended; query ``t`` attends with a softmax over the kept keys
     (logits times the policy's log-n scale, if any, with ``n`` the number of kept keys; prompt row
     ``i`` attends to ``i + 1`` keys); each kept token's score grows by the
-    probability it received; then the policy evicts, repeatedly until it returns ``None``.
+    probability it received (or, when ``policy.score_statistic == "latest"``, its score becomes
+    that probability; a prompt's scores come from its last ``policy.prompt_rows`` rows when that
+    is set); then the policy evicts, repeatedly until it returns ``None``.
 
     Example:
         >>> import numpy as np
@@ -171,7 +173,8 @@ def replay(
         causal = np.tril(np.ones((p, p), dtype=bool))[:, None, :]
         probs = softmax(np.where(causal, rows, -np.inf))  # [p, heads, p]
         positions = np.broadcast_to(np.arange(p, dtype=np.int64), (1, heads, p)).copy()
-        scores = probs.sum(axis=0)[None]
+        # policy.prompt_rows: only the prompt's last rows score it (TOVA: 1, SnapKV: its window)
+        scores = probs[max(0, p - (policy.prompt_rows or p)) :].sum(axis=0)[None]
         if outputs is not None:
             outputs[:p] = np.einsum("qhk,khd->qhd", probs, values[:p])
         # phase as kvpolicy_torch.LayerCache sets it: a one-token prompt is a decode step
@@ -187,7 +190,7 @@ def replay(
         # log n: n = the keys this query attends to, i.e. the kept ones (paper, section 3.5)
         row = logits[t][head_index, cached] * log_n_scales(policy, np.asarray([cached.shape[-1]]))[0]
         probs = softmax(row)
-        scores = scores + probs[None]
+        scores = probs[None] if policy.score_statistic == "latest" else scores + probs[None]
         if outputs is not None:
             outputs[t] = np.einsum("hk,khd->hd", probs, values[cached.T, np.arange(heads)[None, :]])
         evict_until_stable(t, "decode")

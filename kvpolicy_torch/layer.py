@@ -594,7 +594,10 @@ class LayerCache:
     def accumulate(self, received: torch.Tensor) -> None:
         """Add ``received`` ``[batch, kv_heads, n]`` (the attention each returned slot just received,
         summed over query heads and real queries) to the accumulated scores. A NaN counts as
-        ``-inf``: that token is evicted first by score-based policies, never kept by a NaN."""
+        ``-inf``: that token is evicted first by score-based policies, never kept by a NaN.
+
+        For a policy whose ``score_statistic`` is ``"latest"`` (TOVA) ``received`` replaces the
+        scores of the tokens instead; holes and pads keep ``+inf``."""
         self._require()
         lo, hi = self._range
         scores = self._extra[3] if self._extra is not None else self._scores[:, :, lo:hi]  # type: ignore[index]
@@ -602,7 +605,12 @@ class LayerCache:
             raise ValueError(f"received must have shape {tuple(scores.shape)}, got {tuple(received.shape)}")
         if received.is_complex():
             raise ValueError("received must be real, got a complex tensor")
-        scores += torch.nan_to_num(received.to(scores.dtype), nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        received = torch.nan_to_num(received.to(scores.dtype), nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        if self.policy.score_statistic == "latest":
+            pos = self._extra[2] if self._extra is not None else self._pos[:, :, lo:hi]  # type: ignore[index]
+            scores.copy_(torch.where(pos >= 0, received, math.inf))
+        else:
+            scores += received
 
     def evict(self) -> list[tuple[int, int]]:
         """Let the policy evict until it is satisfied; return ``(size_before, size_after)`` per round

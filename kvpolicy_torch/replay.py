@@ -80,7 +80,7 @@ def replay(
         rows = logits_t[:p, :, :p] * scale[:, None, None]
         causal = torch.ones(p, p, dtype=torch.bool, device=device).tril()[:, None, :]
         probs = torch.softmax(rows.masked_fill(~causal, float("-inf")), dim=-1)  # [p, heads, p]
-        layer.accumulate(probs.sum(dim=0)[None])
+        layer.accumulate(probs[max(0, p - (policy.prompt_rows or p)) :].sum(dim=0)[None])  # the last prompt_rows rows
         outputs[:p] = torch.einsum("qhk,khd->qhd", probs, values_t[:p])
         step_evict(p - 1)
         kept[p - 1] = layer.positions[0].cpu().numpy().copy()

@@ -72,6 +72,7 @@ def received_attention(
     query_valid: torch.Tensor | None = None,
     block: int | None = None,
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+    rows: int | None = None,
 ) -> torch.Tensor:
     """Attention each key received from the current queries, summed per KV head.
 
@@ -89,6 +90,9 @@ def received_attention(
             :func:`prefill_block_rows` fits in ``workspace_bytes``, and at most an eighth of the
             chunk (at least 64), so the causal blocks skip most of the masked product.
         workspace_bytes: the bound on one block's float32 logits (when ``block`` is ``None``).
+        rows: a policy's ``prompt_rows``: sum over the last ``rows`` query rows only (TOVA: 1,
+            SnapKV: its observation window; they are the chunk's last rows, so they see every
+            cached key), computed on those rows only; ``None`` (default): every row.
 
     Returns:
         ``[batch, kv_heads, n]`` float32 (float64 for float64 inputs): the softmax probabilities
@@ -109,6 +113,23 @@ def received_attention(
         >>> r.shape, round(float(r.sum()), 4)  # 4 query heads x 6 rows, each row sums to 1
         (torch.Size([1, 2, 6]), 24.0)
     """
+    if rows is not None:
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"rows must be an int >= 1 or None, got {rows!r}")
+        if rows < query.shape[2]:
+            # The chunk's last `rows` queries: the causal rule below treats the last `rows` keys
+            # as their own tokens, which they are.
+            first = query.shape[2] - rows
+            return received_attention(
+                query[:, :, first:],
+                keys,
+                scaling,
+                query_scale=None if query_scale is None else query_scale[..., first:],
+                mask=None if mask is None else mask[:, :, first:],
+                query_valid=None if query_valid is None else query_valid[:, first:],
+                block=block,
+                workspace_bytes=workspace_bytes,
+            )
     b, hq, q, d = query.shape
     kv_heads, n = keys.shape[1], keys.shape[2]
     work = torch.float64 if query.dtype == torch.float64 else torch.float32

@@ -6,7 +6,9 @@ Algorithms 1 and 2 one token, one head and one segment at a time, with Python li
 * decode step ``t``: key ``t`` is appended; query ``t`` attends with a softmax over the kept keys;
   every kept token's score grows by the probability it received; then the policy may evict;
 * prefill of ``prompt_len`` tokens: causal softmax per prompt row, scores summed over the rows,
-  then the eviction rule, repeated until it holds.
+  then the eviction rule, repeated until it holds;
+* TOVA: a token's score is only the latest query's probability (the prompt's last row after a
+  prefill), not the sum.
 
 What it shares with :mod:`kvpolicy_numpy.replay` is only the floating-point arithmetic of the
 attention probabilities (the same NumPy operations in the same order, copied here rather than
@@ -62,8 +64,25 @@ def oracle_params(policy: Any) -> dict[str, Any]:
         p.update(sink=policy.sink, window=policy.window)
     elif kind == "local":
         p.update(window=policy.window)
+    elif kind == "tova":
+        p.update(size=policy.size, recent=policy.recent)
+    elif kind == "snapkv":
+        p.update(size=policy.size, window=policy.window, kernel=policy.kernel)
     elif kind == "full":
         pass
+    elif kind == "compose":
+        p.update(prefill=oracle_params(policy.prefill), decode=oracle_params(policy.decode))
+        d = p["decode"]
+        p["capacity"] = {  # the decode policy's capacity, from its parameters
+            "buzz": lambda: d["sink"] + d["window"] + d["threshold"],
+            "h2o": lambda: d["heavy"] + d["recent"] + 1,
+            "tova": lambda: d["size"] + 1,
+            "streaming_llm": lambda: d["sink"] + d["window"] + 1,
+            "local": lambda: d["window"] + 1,
+        }.get(d["kind"], lambda: None)()
+        for key in ("log_base", "log_floor"):  # attention is scaled as the decode policy scales it
+            if key in d:
+                p[key] = d[key]
     else:
         raise ValueError(f"the oracle does not know policy {kind!r}")
     return p
@@ -134,6 +153,49 @@ def _h2o_round(p: dict[str, Any], cache: list[int], scores: list[float]) -> list
     return alive
 
 
+def _tova_round(p: dict[str, Any], cache: list[int], scores: list[float]) -> list[int] | None:
+    """TOVA: while more than ``size`` tokens, evict the lowest (latest-query) score outside the
+    last ``recent``, the earliest of a tie; one token at a time."""
+    size, recent = p["size"], p["recent"]
+    if len(cache) <= size:
+        return None
+    alive = list(range(len(cache)))
+    while len(alive) > size:
+        candidates = alive[: len(alive) - recent]
+        victim = candidates[_first_min([scores[i] for i in candidates])]
+        alive.remove(victim)
+    return alive
+
+
+def _snapkv_round(p: dict[str, Any], cache: list[int], scores: list[float], phase: str) -> list[int] | None:
+    """SnapKV, right after a prompt only: max-pool the scores of the tokens before the window
+    (``kernel`` positions centred on each, those that exist), keep the ``size - window`` highest
+    (picked one at a time; a tie goes to the higher own score, then the earliest), and the window."""
+    size, window, kernel = p["size"], p["window"], p["kernel"]
+    n = len(cache)
+    if phase != "prefill" or n <= size:
+        return None
+    prefix = n - window
+    half = kernel // 2
+    pooled = []
+    for j in range(prefix):
+        best = scores[j]
+        for i in range(max(0, j - half), min(prefix, j + half + 1)):
+            if scores[i] > best:
+                best = scores[i]
+        pooled.append(best)
+    chosen: list[int] = []
+    remaining = list(range(prefix))
+    while len(chosen) < size - window:
+        best = remaining[0]
+        for i in remaining:
+            if pooled[i] > pooled[best] or (pooled[i] == pooled[best] and scores[i] > scores[best]):
+                best = i
+        chosen.append(best)
+        remaining.remove(best)
+    return sorted(chosen) + list(range(prefix, n))
+
+
 def _streaming_round(p: dict[str, Any], cache: list[int]) -> list[int] | None:
     sink, window = p["sink"], p["window"]
     n = len(cache)
@@ -176,6 +238,13 @@ def oracle(
     logits = np.asarray(logits, dtype=np.float64)
     steps, heads, _ = logits.shape
     shared = p["selection"] == "shared"
+    # TOVA's score is the latest query's attention, not a running sum (as the decode policy of a
+    # composition); a prompt is scored by its last row (TOVA), its observation window (SnapKV),
+    # as the prefill policy of a composition scores it, or by all its rows
+    scoring = p["decode"] if p["kind"] == "compose" else p
+    latest = scoring["kind"] == "tova"
+    prompting = p["prefill"] if p["kind"] == "compose" else p
+    prompt_rows = {"tova": 1, "snapkv": prompting.get("window")}.get(prompting["kind"])
     caches: list[list[int]] = [[] for _ in range(heads)]
     scores: list[list[float]] = [[] for _ in range(heads)]
     n_old = 0  # BUZZ: old tokens in the middle; the same count on every head
@@ -198,19 +267,40 @@ def oracle(
             return 1.0
         return _log_n_scale(n, p["log_base"], p["log_floor"])
 
-    def one_round(cache: list[int], sc: list[float]) -> list[int] | None:
-        kind = p["kind"]
+    def decide(q: dict[str, Any], cache: list[int], sc: list[float], phase: str) -> list[int] | None:
+        kind = q["kind"]
+        if kind == "snapkv":
+            return _snapkv_round(q, cache, sc, phase)
         if kind == "buzz":
-            return _buzz_round(p, cache, sc, n_old)
+            return _buzz_round(q, cache, sc, n_old)
         if kind == "h2o":
-            return _h2o_round(p, cache, sc)
+            return _h2o_round(q, cache, sc)
+        if kind == "tova":
+            return _tova_round(q, cache, sc)
         if kind == "streaming_llm":
-            return _streaming_round(p, cache)
+            return _streaming_round(q, cache)
         if kind == "local":
-            return _local_round(p, cache)
+            return _local_round(q, cache)
         return None  # full cache
 
-    def evict_until_stable(t: int) -> None:
+    deciders: list[dict[str, Any]] = []  # which parameters decided each round (for BUZZ's n_old)
+
+    def one_round(cache: list[int], sc: list[float], phase: str) -> list[int] | None:
+        if p["kind"] != "compose":
+            deciders.append(p)
+            return decide(p, cache, sc, phase)
+        # composition: the prefill policy right after a prompt that leaves more than the decode
+        # policy's capacity - 1 tokens, until it declines; then the decode policy
+        cap = p["capacity"]
+        if phase == "prefill" and (cap is None or len(cache) > cap - 1):
+            keep = decide(p["prefill"], cache, sc, phase)
+            if keep is not None:
+                deciders.append(p["prefill"])
+                return keep
+        deciders.append(p["decode"])
+        return decide(p["decode"], cache, sc, phase)
+
+    def evict_until_stable(t: int, phase: str = "decode") -> None:
         nonlocal n_old
         while True:
             before = len(caches[0])
@@ -219,10 +309,10 @@ def oracle(
                 for h in range(heads):  # the heads in order, as np.sum over the head axis
                     for j in range(before):
                         summed[j] = scores[h][j] if h == 0 else summed[j] + scores[h][j]
-                keep = one_round(caches[0], summed)
+                keep = one_round(caches[0], summed, phase)
                 keeps = None if keep is None else [keep] * heads
             else:
-                keeps = [one_round(caches[h], scores[h]) for h in range(heads)]
+                keeps = [one_round(caches[h], scores[h], phase) for h in range(heads)]
                 if any(k is None for k in keeps):
                     assert all(k is None for k in keeps), "heads disagree on whether to evict"
                     keeps = None
@@ -233,8 +323,9 @@ def oracle(
                 scores[h] = [scores[h][i] for i in keeps[h]]
             after = len(caches[0])
             assert after < before, "an eviction round must evict"
-            if p["kind"] == "buzz":
-                n_old = after - p["sink"] - p["window"]  # every survivor of the middle is old
+            q = deciders[-1]
+            if q["kind"] == "buzz":
+                n_old = after - q["sink"] - q["window"]  # every survivor of the middle is old
             result.evictions.append((t, before, after))
 
     if prompt_len:
@@ -244,14 +335,14 @@ def oracle(
         rows = logits[:n, :, :n] * scale_rows[:, None, None]
         causal = np.tril(np.ones((n, n), dtype=bool))[:, None, :]
         probs = _softmax(np.where(causal, rows, -np.inf))
-        summed = probs.sum(axis=0)  # [heads, n]
+        summed = probs[max(0, n - (prompt_rows or n)) :].sum(axis=0)  # [heads, n]: the last prompt_rows rows
         for i in range(n):
             for h in range(heads):
                 output(i, h, list(range(i + 1)), probs[i, h, : i + 1])
         for h in range(heads):
             caches[h] = list(range(n))
             scores[h] = [float(summed[h, j]) for j in range(n)]
-        evict_until_stable(n - 1)
+        evict_until_stable(n - 1, "prefill" if n > 1 else "decode")  # a one-token prompt is a decode step
         result.kept[n - 1] = [list(c) for c in caches]
 
     for t in range(prompt_len, steps):
@@ -266,7 +357,7 @@ def oracle(
         probs = _softmax(row)
         for h in range(heads):
             for j in range(len(caches[h])):
-                scores[h][j] = scores[h][j] + float(probs[h, j])
+                scores[h][j] = float(probs[h, j]) if latest else scores[h][j] + float(probs[h, j])
             output(t, h, caches[h], probs[h])
         evict_until_stable(t)
         result.kept[t] = [list(c_) for c_ in caches]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kvpolicy import BUZZ, H2O, FullCache
+from kvpolicy import BUZZ, H2O, TOVA, FullCache, SnapKV
 from kvpolicy_numpy import replay
 from oracle import oracle
 from strategies import (
@@ -16,7 +16,9 @@ from strategies import (
     h2o_policies,
     local_policies,
     replay_cases,
+    snapkv_policies,
     streaming_policies,
+    tova_policies,
 )
 
 
@@ -59,6 +61,22 @@ def test_buzz_matches_oracle(case) -> None:
 @example((H2O(heavy=3, recent=2), _sink_logits(20, 2), 0))
 @example((H2O(heavy=3, recent=2), _sink_logits(20, 2), 12))
 def test_h2o_matches_oracle(case) -> None:
+    assert_same_as_oracle(*case)
+
+
+@given(replay_cases(tova_policies()))
+@example((TOVA(size=2), np.zeros((12, 1, 12)), 9))
+@example((TOVA(size=3, recent=1), _sink_logits(20, 2), 0))
+@example((TOVA(size=3, selection="shared"), _sink_logits(20, 2), 12))
+def test_tova_matches_oracle(case) -> None:
+    assert_same_as_oracle(*case)
+
+
+@given(replay_cases(snapkv_policies()))
+@example((SnapKV(size=3, window=1, kernel=3), np.zeros((12, 1, 12)), 9))
+@example((SnapKV(size=4, window=2, kernel=5), _sink_logits(20, 2), 15))
+@example((SnapKV(size=4, window=2, kernel=1, selection="shared"), np.random.default_rng(2).normal(size=(16, 2, 16)), 12))
+def test_snapkv_matches_oracle(case) -> None:
     assert_same_as_oracle(*case)
 
 

@@ -125,7 +125,10 @@ def kvpolicy_sdpa_attention(
     out, _ = sdpa_attention_forward(module, sdpa_query, key, value, mask, dropout=dropout, scaling=scale, **kwargs)
     received = None
     if uses_scores:
-        received = received_attention(query, key, scale, query_scale=query_scale, mask=mask, query_valid=store.query_valid)
+        received = received_attention(
+            query, key, scale, query_scale=query_scale, mask=mask, query_valid=store.query_valid,
+            rows=layer.policy.prompt_rows,
+        )
     layer.finish_received(received)
     return out, None
 

@@ -288,10 +288,11 @@ def _options(args: argparse.Namespace, task: str) -> TaskOptions:
 
 # =========================================================================== the engine
 class _Recorder:
-    """Builds the policy that records a prefill: keeps every token and accumulates scores."""
+    """Builds the policy that records a prefill: keeps every token and scores it with the rows
+    the forked policies score a prompt with (``prompt_rows``: all, or TOVA's last row)."""
 
     @staticmethod
-    def make(log_n: Any) -> Any:
+    def make(log_n: Any, rows: int | None = None) -> Any:
         from ..policy import EvictionPolicy
 
         class PrefillRecorder(EvictionPolicy):
@@ -305,6 +306,10 @@ class _Recorder:
             def select(self, view: Any) -> None:
                 return None
 
+            @property
+            def prompt_rows(self) -> int | None:
+                return rows
+
         rec = PrefillRecorder()
         rec.log_n = log_n
         return rec
@@ -312,13 +317,12 @@ class _Recorder:
 
 def _prefill_key(policy: Any, prompt_length: int) -> Any:
     """Prefills that compute the same thing share a key: log n only changes the prefill where a
-    query has seen more tokens than the log base (or when its floor is not 1)."""
+    query has seen more tokens than the log base (or when its floor is not 1); a policy whose
+    prompt is scored by its last rows only (``prompt_rows``) records its own prompt scores."""
     ln = policy.log_n
-    if ln is None:
-        return None
-    if ln.floor == 1.0 and prompt_length <= ln.base:
-        return None
-    return (ln.base, ln.floor)
+    key = None if ln is None or (ln.floor == 1.0 and prompt_length <= ln.base) else (ln.base, ln.floor)
+    rows = policy.prompt_rows
+    return key if rows is None or rows >= prompt_length else (key, rows)
 
 
 class Engine:
@@ -334,11 +338,11 @@ class Engine:
         self.eos = sorted(tok.eos_ids(model))
         self.n_layers = int(getattr(model.config, "num_hidden_layers"))
 
-    def prefill(self, ids: Any, prompt_length: int, log_n: Any) -> tuple[Any, Any]:
+    def prefill(self, ids: Any, prompt_length: int, log_n: Any, rows: int | None = None) -> tuple[Any, Any]:
         from ..hf import EvictingCache
 
         torch = self.torch
-        rec = EvictingCache(_Recorder.make(log_n), self.model)
+        rec = EvictingCache(_Recorder.make(log_n, rows), self.model)
         with torch.no_grad():
             out = self.model(ids[:, :prompt_length], past_key_values=rec, logits_to_keep=1, use_cache=True)
         return rec, out.logits[:, -1].float()
@@ -506,7 +510,8 @@ def evaluate(
                     if not (isinstance(pkey, tuple) and pkey[0] == "chunk"):
                         bar.set_postfix_str(f"{task.name}: prefill {len(batch)}x{s0.prompt_length}", refresh=False)
                         log_n = built[idxs[0]][0].log_n if pkey is not None else None
-                        rec, first_logits = engine.prefill(ids, s0.prompt_length, log_n)
+                        rows = built[idxs[0]][0].prompt_rows
+                        rec, first_logits = engine.prefill(ids, s0.prompt_length, log_n, rows)
                         bar.update(1)
                     done: dict[Any, dict[str, Any]] = {}  # identical policies (e.g. both equalisations) run once
                     for i in idxs:

@@ -24,6 +24,11 @@ NAMES = {
     "h2o": "H2O",
     "buzz": "BUZZ",
     "buzz_logn": "BUZZ (log n)",
+    "tova": "TOVA",
+    "snapkv": "SnapKV",
+    "snapkv_buzz": "SnapKV + BUZZ",
+    "snapkv_h2o": "SnapKV + H2O",
+    "snapkv_tova": "SnapKV + TOVA",
 }
 COLORS = {
     "local": "#7f7f7f",
@@ -31,6 +36,8 @@ COLORS = {
     "h2o": "#2ca02c",
     "buzz": "#d62728",
     "buzz_logn": "#ff7f0e",
+    "tova": "#9467bd",
+    "snapkv": "#8c564b",
 }
 STYLES = {  # BUZZ (log n) dashed on top of a thicker BUZZ line, so both show when they coincide
     "local": {"marker": "v", "linewidth": 1.4},
@@ -38,6 +45,8 @@ STYLES = {  # BUZZ (log n) dashed on top of a thicker BUZZ line, so both show wh
     "h2o": {"marker": "^", "linewidth": 1.4},
     "buzz": {"marker": "o", "linewidth": 3.2},
     "buzz_logn": {"marker": "D", "linewidth": 1.6, "linestyle": "--", "markersize": 4.5},
+    "tova": {"marker": "P", "linewidth": 1.4},
+    "snapkv": {"marker": "X", "linewidth": 1.4},
 }
 METRIC_NAMES = {
     "ppl": "perplexity",

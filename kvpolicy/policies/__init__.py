@@ -2,21 +2,28 @@
 
 from ..registry import register_policy
 from .buzz import BUZZ, estimate_threshold, fixed_point_middle, small_stride, threshold_ratio
+from .composition import Composed, compose
 from .full import FullCache
 from .h2o import H2O
 from .local import LocalWindow
+from .snapkv import SnapKV
 from .streaming import StreamingLLM
+from .tova import TOVA
 
 register_policy(BUZZ, name="buzz_logn", preset={"log_n": True}, doc="BUZZ with log n attention scaling")
 
 __all__ = [
     "BUZZ",
+    "Composed",
     "FullCache",
     "H2O",
     "LocalWindow",
+    "SnapKV",
     "StreamingLLM",
+    "TOVA",
     "estimate_threshold",
     "fixed_point_middle",
     "small_stride",
     "threshold_ratio",
+    "compose",
 ]

@@ -56,11 +56,12 @@ def check_keep(policy: EvictionPolicy, view: CacheView, keep: Any) -> np.ndarray
 
 
 def check_decode_eviction(policy: EvictionPolicy, view: CacheView, keep: Any, state_before: dict[str, int]) -> None:
-    """A declared :class:`~kvpolicy.DecodeEviction` must mean what ``select`` does: nothing to
-    evict up to ``limit`` tokens; at ``limit + 1`` exactly the rule's keep, state untouched
-    (backends apply the rule instead of calling ``select``)."""
+    """A declared :class:`~kvpolicy.DecodeEviction` must mean what ``select`` does after a decode
+    step: nothing to evict up to ``limit`` tokens; at ``limit + 1`` exactly the rule's keep, state
+    untouched (backends apply the rule instead of calling ``select``, in decode only: after a
+    prompt they always call ``select``, e.g. a composition's prefill policy)."""
     rule = policy.decode_eviction
-    if rule is None:
+    if rule is None or view.phase != "decode":
         return
     n = view.n_cached
     if n <= rule.limit and keep is not None:
@@ -118,7 +119,8 @@ class NumpyCache:
         self.phase = "prefill" if q > 1 else "decode"
 
     def accumulate(self, received: np.ndarray) -> None:
-        self.scores = self.scores + received
+        # the policy's score statistic: "latest" replaces the scores (TOVA), else they add up
+        self.scores = received.copy() if self.policy.score_statistic == "latest" else self.scores + received
 
     def evict(self) -> list[tuple[int, int]]:
         self._evicting_rounds = 0
@@ -282,7 +284,7 @@ def prefill_received(policy: EvictionPolicy, logits: np.ndarray, p: int, group: 
     rows = logits[:, :p, :, :p] * log_n_scales(policy, np.arange(1, p + 1))[None, :, None, None]
     causal = np.tril(np.ones((p, p), dtype=bool))[None, :, None, :]
     probs = softmax(np.where(causal, rows, -np.inf))  # [batch, p, q_heads, p]
-    return group_sum(probs.sum(axis=1), group)
+    return group_sum(probs[:, max(0, p - (policy.prompt_rows or p)) :].sum(axis=1), group)  # the last prompt_rows rows
 
 
 def decode_received(policy: EvictionPolicy, logits: np.ndarray, t: int, positions: np.ndarray, group: int) -> np.ndarray:

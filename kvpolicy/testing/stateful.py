@@ -41,10 +41,12 @@ __all__ = ["PolicyMachine", "policy_machine", "replay_events", "received_for", "
 SCORE_KINDS = ("levels", "extremes", "constant", "normal")
 
 
-def received_for(kind: str, seed: int, batch: int, heads: int, n_cached: int, q: int) -> np.ndarray:
+def received_for(
+    kind: str, seed: int, batch: int, heads: int, n_cached: int, q: int, rows: int | None = None
+) -> np.ndarray:
     """Received attention ``[batch, heads, n_cached + q]`` of ``q`` new queries (causal among
-    themselves, all seeing the ``n_cached`` cached tokens), summed over the queries; a pure
-    function of its arguments."""
+    themselves, all seeing the ``n_cached`` cached tokens), summed over the queries (over the last
+    ``rows`` of them when given: a policy's ``prompt_rows``); a pure function of its arguments."""
     rng = np.random.default_rng(seed)
     n = n_cached + q
     shape = (batch, q, heads, n)
@@ -60,7 +62,7 @@ def received_for(kind: str, seed: int, batch: int, heads: int, n_cached: int, q:
         raise ValueError(f"kind must be one of {', '.join(SCORE_KINDS)}, got {kind!r}")
     visible = np.arange(n)[None, :] <= (n_cached + np.arange(q))[:, None]  # [q, n]
     probs = softmax(np.where(visible[None, :, None, :], logits, -np.inf))
-    return probs.sum(axis=1)
+    return probs[:, q - min(rows or q, q) :].sum(axis=1)
 
 
 class _Run:
@@ -110,7 +112,8 @@ class _Run:
             raise ContractViolation(
                 f"{self.policy!r}: a decode step attends {lock.np.length + 1} tokens, above its capacity {cap}"
             )
-        lock.append(q, received_for(kind, seed, self.batch, self.heads, lock.np.length, q))
+        rows = self.policy.prompt_rows if q > 1 else None  # a decode step's one query either way
+        lock.append(q, received_for(kind, seed, self.batch, self.heads, lock.np.length, q, rows))
 
     def _evict(self) -> list[tuple[int, int]]:
         rounds = self.lock.evict(self._check_stable)

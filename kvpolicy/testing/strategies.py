@@ -6,7 +6,9 @@ few tokens), so that evictions happen often and shrunk failures are short enough
 Policies
     * one strategy per built-in policy, every parameter within its valid range:
       :func:`buzz_policies`, :func:`h2o_policies`, :func:`streaming_policies`,
-      :func:`local_policies`, :func:`full_policies`, and :func:`any_policy` (all of them);
+      :func:`local_policies`, :func:`full_policies`, :func:`tova_policies`,
+      :func:`snapkv_policies`, and :func:`any_policy` (all of them but SnapKV, whose capacity is
+      unbounded although it evicts after a prompt);
     * any other policy: :func:`params_strategy` draws constructor arguments (each one from a
       strategy you pass, or derived from the signature: small ints, booleans, ``Literal`` choices,
       ``selection``) and :func:`policies` turns a class, registry preset or factory into a
@@ -46,7 +48,7 @@ import numpy as np
 from hypothesis import reject
 from hypothesis import strategies as st
 
-from kvpolicy import BUZZ, H2O, EvictionPolicy, FullCache, LocalWindow, Preset, StreamingLLM
+from kvpolicy import BUZZ, H2O, TOVA, EvictionPolicy, FullCache, LocalWindow, Preset, SnapKV, StreamingLLM
 
 __all__ = [
     "LOGIT_EXTREMES",
@@ -70,7 +72,9 @@ __all__ = [
     "prompt_lengths",
     "replay_cases",
     "selections",
+    "snapkv_policies",
     "streaming_policies",
+    "tova_policies",
 ]
 
 #: Kinds weighted towards exact ties in the accumulated scores (three in four draws), for
@@ -136,6 +140,28 @@ def local_policies(draw: st.DrawFn, **fixed: Any) -> LocalWindow:
     return _build(LocalWindow, {"window": draw(st.integers(1, 12))}, fixed)  # type: ignore[return-value]
 
 
+@st.composite
+def tova_policies(draw: st.DrawFn, **fixed: Any) -> TOVA:
+    """:class:`~kvpolicy.TOVA` with size 1-12, recent 0 half the time (else 1 to size - 1), both selections."""
+    size = fixed.get("size", draw(st.integers(1, 12)))
+    recent = draw(st.one_of(st.just(0), st.integers(0, size - 1)))
+    return _build(TOVA, {"size": size, "recent": recent, "selection": draw(selections)}, fixed)  # type: ignore[return-value]
+
+
+@st.composite
+def snapkv_policies(draw: st.DrawFn, **fixed: Any) -> SnapKV:
+    """:class:`~kvpolicy.SnapKV` with window 1-6, size window + 1 to window + 8, kernel 1-7 (odd),
+    both selections."""
+    window = fixed.get("window", draw(st.integers(1, 6)))
+    kw = {
+        "size": draw(st.integers(window + 1, window + 8)),
+        "window": window,
+        "kernel": draw(st.sampled_from([1, 3, 5, 7])),
+        "selection": draw(selections),
+    }
+    return _build(SnapKV, kw, fixed)  # type: ignore[return-value]
+
+
 def full_policies(**fixed: Any) -> st.SearchStrategy[FullCache]:
     """:class:`~kvpolicy.FullCache` (it has no parameters)."""
     return st.builds(FullCache)
@@ -149,6 +175,7 @@ def any_policy() -> st.SearchStrategy[EvictionPolicy]:
         streaming_policies(),
         local_policies(),
         st.just(FullCache()),
+        tova_policies(),
     )
 
 
@@ -158,6 +185,8 @@ _BUILTIN: dict[type, Callable[..., st.SearchStrategy]] = {
     StreamingLLM: streaming_policies,
     LocalWindow: local_policies,
     FullCache: full_policies,
+    TOVA: tova_policies,
+    SnapKV: snapkv_policies,
 }
 
 

@@ -1,0 +1,171 @@
+"""Composition: a prefill policy (e.g. SnapKV) followed by a decode policy (e.g. BUZZ, H2O)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..policy import Array, CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling, ScoreStatistic
+from ..registry import get_policy, register_policy
+
+__all__ = ["Composed", "compose"]
+
+
+def _sub_view(view: CacheView, state: dict[str, int]) -> CacheView:
+    """``view`` with another ``state`` dict; scores stay deferred (read only if the policy does)."""
+    return DeferredScoresView(view.positions, lambda: view.scores, view.n_seen, state, view.phase)
+
+
+@register_policy
+class Composed(EvictionPolicy):
+    """A prefill policy, then a decode policy, on one cache.
+
+    Right after a prompt (chunk) that leaves more than ``decode.capacity - 1`` tokens, the
+    ``prefill`` policy evicts (repeatedly, until it declines); then, still after the prompt, the
+    ``decode`` policy applies its own rule (so its bound holds from the first decode step); every
+    decode step is the ``decode`` policy's alone. Scores: a prompt is scored as the prefill
+    policy scores one (its ``prompt_rows``, e.g. SnapKV's observation window), decode steps update
+    them as the decode policy does (its ``score_statistic``). Attention scaling (log n) and the
+    positions mode are the decode policy's. Both must use the same ``selection``. Each keeps its
+    own state (``prefill.`` / ``decode.`` prefixed keys in the layer's state).
+
+    Parameters:
+        prefill: the policy applied right after a prompt (e.g. :class:`~kvpolicy.SnapKV`).
+        decode: the policy applied after the prefill policy and at every decode step.
+
+    Registered presets (planned like any policy: ``make_policy("snapkv_buzz", 0.3, ...)``):
+    ``snapkv_buzz``, ``snapkv_h2o``, ``snapkv_tova``; :meth:`from_size` plans the decode policy for
+    the size and gives SnapKV a ``size`` of the decode policy's ``capacity - 1``.
+
+    Example:
+        >>> from kvpolicy import H2O, SnapKV, compose
+        >>> p = compose(prefill=SnapKV(size=64, window=16), decode=H2O(heavy=32, recent=32))
+        >>> p.capacity, p.prompt_rows, p.decode_eviction.victim
+        (65, 16, 'lowest')
+    """
+
+    name = "compose"
+
+    def __init__(self, prefill: EvictionPolicy, decode: EvictionPolicy) -> None:
+        for label, p in (("prefill", prefill), ("decode", decode)):
+            if not isinstance(p, EvictionPolicy):
+                raise ValueError(
+                    f"{label} must be an EvictionPolicy instance (e.g. SnapKV(size=64)), got {p!r}; to plan one "
+                    "from a budget use make_policy('snapkv_buzz', budget, ...)"
+                )
+        if prefill.selection != decode.selection:
+            raise ValueError(
+                f"prefill and decode must use the same selection, got {prefill.selection!r} and {decode.selection!r}"
+            )
+        super().__init__(selection=decode.selection)
+        self.prefill, self.decode = prefill, decode
+        self.log_n: LogNScaling | None = decode.log_n
+
+    # ---------------------------------------------------------------- what backends read
+    @property  # type: ignore[override]
+    def score_statistic(self) -> ScoreStatistic:
+        return self.decode.score_statistic
+
+    @property
+    def prompt_rows(self) -> int | None:
+        return self.prefill.prompt_rows
+
+    @property  # type: ignore[override]
+    def uses_scores(self) -> bool:
+        return self.prefill.uses_scores or self.decode.uses_scores
+
+    @property  # type: ignore[override]
+    def default_positions(self) -> str:
+        return self.decode.default_positions
+
+    @property
+    def capacity(self) -> int | None:
+        return self.decode.capacity
+
+    @property
+    def decode_eviction(self) -> DecodeEviction | None:
+        # Decode steps are the decode policy's alone (backends apply a rule in decode only). Not
+        # an "oldest" rule with sinks: it protects *positions* below `sink`, which the prefill
+        # policy may have evicted, while the decode policy's select keeps its first `sink` slots.
+        rule = self.decode.decode_eviction
+        if rule is not None and rule.victim == "oldest" and rule.sink:
+            return None
+        return rule
+
+    # ---------------------------------------------------------------- the rule
+    def init_state(self) -> dict[str, int]:
+        state = {f"prefill.{k}": v for k, v in self.prefill.init_state().items()}
+        state.update({f"decode.{k}": v for k, v in self.decode.init_state().items()})
+        return state
+
+    def _ask(self, policy: EvictionPolicy, prefix: str, view: CacheView) -> Array | None:
+        sub = {k[len(prefix) :]: v for k, v in view.state.items() if k.startswith(prefix)}
+        keep = policy.select(_sub_view(view, sub))
+        for k, v in sub.items():
+            view.state[prefix + k] = v
+        return keep
+
+    def select(self, view: CacheView) -> Array | None:
+        cap = self.decode.capacity
+        if view.phase == "prefill" and (cap is None or view.n_cached > cap - 1):
+            keep = self._ask(self.prefill, "prefill.", view)
+            if keep is not None:
+                return keep
+        return self._ask(self.decode, "decode.", view)
+
+    def params(self) -> dict[str, Any]:
+        """The two policies as plain data (registry name and parameters), so reports can store
+        them as JSON; the policies themselves are :attr:`prefill` and :attr:`decode`."""
+        return {
+            part: {"policy": p.name, **p.params(), "selection": p.selection}
+            for part, p in (("prefill", self.prefill), ("decode", self.decode))
+        }
+
+    def __repr__(self) -> str:
+        return f"Composed(prefill={self.prefill!r}, decode={self.decode!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Composed) and (self.prefill, self.decode) == (other.prefill, other.decode)
+
+    def __hash__(self) -> int:
+        return hash(("Composed", self.prefill, self.decode))
+
+    min_size = 6  # the largest of the built-in decode policies' (BUZZ's)
+
+    @classmethod
+    def from_size(cls, size: int, **overrides: Any) -> "Composed":
+        """``decode``: the decode policy's registry name, planned with ``from_size(size)``;
+        ``prefill``: the prefill policy's name (``"snapkv"``), given ``size = decode.capacity - 1``
+        (or ``size`` for an unbounded decode policy). Overrides named ``prefill_X`` go to the
+        prefill policy as ``X``; the others to the decode policy."""
+        prefill_name = overrides.pop("prefill", "snapkv")
+        decode_name = overrides.pop("decode", None)
+        if not isinstance(decode_name, str) or not isinstance(prefill_name, str):
+            raise ValueError(
+                "compose plans from registry names: decode='buzz' (or h2o, tova, ...) and prefill='snapkv'; "
+                f"got prefill={prefill_name!r}, decode={decode_name!r} (or use a preset such as snapkv_buzz)"
+            )
+        pre = {k[len("prefill_") :]: overrides.pop(k) for k in list(overrides) if k.startswith("prefill_")}
+        decode = get_policy(decode_name).from_size(size, **overrides)
+        cap = decode.capacity
+        prefill = get_policy(prefill_name).from_size(size if cap is None else cap - 1, selection=decode.selection, **pre)
+        return cls(prefill=prefill, decode=decode)
+
+
+def compose(*, prefill: EvictionPolicy, decode: EvictionPolicy) -> Composed:
+    """``prefill`` right after a prompt, then ``decode``: see :class:`Composed`.
+
+    Example:
+        >>> from kvpolicy import BUZZ, SnapKV, compose
+        >>> compose(prefill=SnapKV(size=100, window=8), decode=BUZZ(sink=4, window=16, stride=5, threshold=60)).capacity
+        80
+    """
+    return Composed(prefill=prefill, decode=decode)
+
+
+for _decode in ("buzz", "h2o", "tova"):
+    register_policy(
+        Composed,
+        name=f"snapkv_{_decode}",
+        preset={"prefill": "snapkv", "decode": _decode},
+        doc=f"SnapKV after the prompt, then {_decode} (planned: SnapKV keeps the decode policy's capacity - 1)",
+    )

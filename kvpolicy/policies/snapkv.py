@@ -1,0 +1,107 @@
+"""SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._validation import check_int
+from ..policy import Array, CacheView, EvictionPolicy, Selection
+from ..registry import register_policy
+
+
+def max_pool(view: CacheView, scores: Array, kernel: int) -> Array:
+    """1-D max pooling along the last axis, stride 1, ``kernel // 2`` positions each side, edges
+    padded with ``-inf`` (``torch.nn.functional.max_pool1d(s, kernel, 1, kernel // 2)``): pooled
+    ``[j]`` is the largest score of the ``kernel`` positions centred on ``j`` that exist.
+
+    Example:
+        >>> import numpy as np
+        >>> s = np.array([[[0.1, 0.9, 0.2, 0.0, 0.3]]])
+        >>> max_pool(CacheView(np.arange(5)[None, None], s, 5), s, 3).tolist()
+        [[[0.9, 0.9, 0.9, 0.3, 0.3]]]
+    """
+    xp = view.xp
+    n = scores.shape[-1]
+    pooled = scores
+    for shift in range(1, min(kernel // 2, n - 1) + 1):  # neighbours further than n - 1 do not exist
+        pad = xp.full_like(scores[..., :shift], -xp.inf)
+        left = xp.concat([pad, scores[..., : n - shift]], axis=-1)  # left[j] = scores[j - shift]
+        right = xp.concat([scores[..., shift:], pad], axis=-1)  # right[j] = scores[j + shift]
+        pooled = xp.maximum(pooled, xp.maximum(left, right))
+    return pooled
+
+
+@register_policy
+class SnapKV(EvictionPolicy):
+    """A prefill policy: after the prompt, keep the observation window and the ``size - window``
+    earlier tokens that the window's queries attend to most, pooled.
+
+    A prompt's scores come from its last ``window`` rows only (the observation window:
+    ``prompt_rows = window``), summed over those rows and the query heads of each KV head. Right
+    after a prompt (chunk) of more than ``size`` tokens, the scores of the tokens before the last
+    ``window`` are max-pooled (``kernel`` positions centred on each token, stride 1) and the
+    ``size - window`` highest pooled scores are kept per KV head (ties, which pooling makes
+    common: the higher own score, then the earliest position; a NaN score counts as ``-inf``),
+    with the last ``window`` tokens. Decode steps never evict:
+    the cache grows from there (``capacity`` is ``None``), unless SnapKV is composed with a decode
+    policy.
+
+    Parameters:
+        size: tokens kept after the prompt, the window included (the paper's prompt capacity;
+            > ``window``).
+        window: the observation window, the last prompt tokens (>= 1; the paper uses 32).
+        kernel: the pooling kernel, odd (>= 1; the paper's clustering kernel is 5 to 7; 1 turns
+            pooling off).
+        selection: ``"per_head"`` (default) or ``"shared"`` across KV heads.
+
+    Example:
+        >>> from kvpolicy import SnapKV
+        >>> p = SnapKV(size=64, window=16)
+        >>> p.capacity is None, p.prompt_rows
+        (True, 16)
+    """
+
+    name = "snapkv"
+
+    def __init__(self, size: int, window: int = 32, kernel: int = 5, *, selection: Selection = "per_head") -> None:
+        super().__init__(selection=selection)
+        self.window = check_int("window", window, minimum=1)
+        self.size = check_int("size", size, minimum=self.window + 1)
+        self.kernel = check_int("kernel", kernel, minimum=1)
+        if self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be odd (a window centred on each token), got {kernel}")
+
+    @property
+    def capacity(self) -> None:
+        return None
+
+    @property
+    def prompt_rows(self) -> int:
+        return self.window
+
+    def select(self, view: CacheView) -> Array | None:
+        n = view.n_cached
+        if view.phase != "prefill" or n <= self.size:
+            return None
+        xp = view.xp
+        prefix = n - self.window
+        scores = view.ranking_scores[..., :prefix]
+        pooled = max_pool(view, scores, self.kernel)
+        # Highest pooled score first; pooling makes ties systematic (a peak's neighbours share
+        # its value), so a tie goes to the higher own score, then to the earliest position: a
+        # stable sort by own score, then a stable sort by pooled score.
+        by_own = xp.argsort(-scores, axis=-1, stable=True)
+        order = xp.take_along_axis(by_own, xp.argsort(-xp.take_along_axis(pooled, by_own, axis=-1), axis=-1, stable=True), axis=-1)
+        kept = xp.sort(order[..., : self.size - self.window], axis=-1)
+        return view.keep(kept, view.arange(prefix, n))
+
+    def params(self) -> dict[str, Any]:
+        return {"size": self.size, "window": self.window, "kernel": self.kernel}
+
+    min_size = 2
+
+    @classmethod
+    def from_size(cls, size: int, **overrides: Any) -> "SnapKV":
+        # a window given with a size too small for it: keep the window and one token more
+        window = overrides.pop("window", min(32, max(1, size // 2)))
+        return cls(size=max(size, window + 1) if isinstance(window, int) else size, window=window, **overrides)

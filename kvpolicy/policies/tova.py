@@ -1,0 +1,82 @@
+"""TOVA (Oren et al., 2024, "Transformers are Multi-State RNNs", Token Omission Via Attention)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._validation import check_int
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Selection
+from ..registry import register_policy
+
+
+@register_policy
+class TOVA(EvictionPolicy):
+    """Keep ``size`` tokens; at capacity drop the one the *current* query attends to least.
+
+    A token's score is the attention it received from the latest query only (``score_statistic
+    = "latest"``: a decode step's query, or a prompt's last row), summed over the query heads of
+    its KV head, not accumulated over the run as in H2O. While the cache holds more than ``size``
+    tokens, the token with the lowest score outside the last ``recent`` positions is evicted
+    (ties: the earliest position; a NaN score counts as ``-inf``). In decode that is one token per
+    step, the paper's rule; after a prompt longer than ``size`` the ``size`` tokens the prompt's
+    last query attends to most are kept (the ``recent`` newest among them).
+
+    Parameters:
+        size: tokens kept between steps, the paper's multi-state size (>= 1).
+        recent: newest tokens never evicted (0 to ``size - 1``; default 0: the paper has no
+            recent window).
+        selection: ``"per_head"`` (default): every KV head keeps its own tokens (GQA: scores
+            summed over the head's query heads); ``"shared"``: scores summed over all heads of
+            the layer, the same tokens kept on every head, which is the paper's variant (it
+            averages the attention over a layer's heads; a sum ranks the same way).
+
+    Example:
+        >>> from kvpolicy import TOVA
+        >>> TOVA(size=64).capacity
+        65
+    """
+
+    name = "tova"
+    score_statistic = "latest"
+
+    def __init__(self, size: int, recent: int = 0, *, selection: Selection = "per_head") -> None:
+        super().__init__(selection=selection)
+        self.size = check_int("size", size, minimum=1)
+        self.recent = check_int("recent", recent, minimum=0, maximum=self.size - 1)
+
+    @property
+    def capacity(self) -> int:
+        return self.size + 1
+
+    def select(self, view: CacheView) -> Array | None:
+        n = view.n_cached
+        if n <= self.size:
+            return None
+        xp = view.xp
+        candidates = n - self.recent
+        n_evict = n - self.size
+        scores = view.ranking_scores[..., :candidates]
+        if n_evict == 1:
+            # A decode step: the first minimum (argmin returns the earliest of a tie), O(n).
+            lowest = xp.argmin(scores, axis=-1)  # [batch, heads]
+            rest = view.arange(candidates - 1)
+            kept = rest + xp.astype(rest >= lowest[..., None], xp.int64)
+            return view.keep(kept, view.arange(candidates, n))
+        # After a prompt: a stable ascending sort evicts the lowest, the earliest of a tie first.
+        order = xp.argsort(scores, axis=-1, stable=True)
+        kept = xp.sort(order[..., n_evict:], axis=-1)
+        return view.keep(kept, view.arange(candidates, n))
+
+    @property
+    def decode_eviction(self) -> DecodeEviction:
+        # One over `size`: the lowest (latest-query) score outside the recent window goes.
+        return DecodeEviction(limit=self.size, victim="lowest", recent=self.recent)
+
+    def params(self) -> dict[str, Any]:
+        return {"size": self.size, "recent": self.recent}
+
+    min_size = 1
+
+    @classmethod
+    def from_size(cls, size: int, **overrides: Any) -> "TOVA":
+        return cls(size=size, **overrides)
