@@ -115,6 +115,32 @@ class CacheView:
             start, stop = 0, start
         return xp.arange(start, stop, step, dtype=xp.int64, device=device(self.positions))
 
+    def drop_lowest(self, count: int, recent: int = 0) -> Array:
+        """The keep array without the ``count`` lowest :attr:`ranking_scores` among the tokens
+        before the newest ``recent`` (which are all kept); of equal scores the earliest goes first.
+
+        H2O's and TOVA's rule. ``count == 1`` (a decode step) is one ``argmin`` (the first minimum:
+        the earliest of a tie), O(n); more (after a prompt) a stable ascending sort.
+
+        Example:
+            >>> import numpy as np
+            >>> v = CacheView(np.arange(5)[None, None], np.array([[[3.0, 1.0, 1.0, 2.0, 0.0]]]), 5)
+            >>> v.drop_lowest(1, recent=1).tolist(), v.drop_lowest(2, recent=1).tolist()
+            ([[[0, 2, 3, 4]]], [[[0, 3, 4]]])
+        """
+        xp = self.xp
+        n = self.n_cached
+        candidates = n - recent
+        scores = self.ranking_scores[..., :candidates]
+        if count == 1:
+            lowest = xp.argmin(scores, axis=-1)  # [batch, heads]
+            rest = self.arange(candidates - 1)
+            kept = rest + xp.astype(rest >= lowest[..., None], xp.int64)
+        else:
+            order = xp.argsort(scores, axis=-1, stable=True)
+            kept = xp.sort(order[..., count:], axis=-1)
+        return self.keep(kept, self.arange(candidates, n))
+
     def keep(self, *parts: Array) -> Array:
         """Concatenate slot indices into a ``[batch, heads, k]`` keep array.
 
@@ -241,12 +267,11 @@ class DecodeEviction:
         n = view.n_cached
         if n != self.limit + 1:
             raise ValueError(f"the rule applies to views of limit + 1 = {self.limit + 1} tokens, got {n}")
+        if self.victim == "lowest":
+            return view.drop_lowest(1, self.recent)  # the first minimum: the earliest; NaN as -inf
         xp = view.xp
-        if self.victim == "oldest":
-            # positions ascend, so the victim is the first slot at or above `sink`
-            victim = xp.sum(xp.astype(view.positions < self.sink, xp.int64), axis=-1)  # [batch, heads]
-        else:
-            victim = xp.argmin(view.ranking_scores[..., : n - self.recent], axis=-1)  # first minimum: earliest; NaN as -inf
+        # positions ascend, so the victim is the first slot at or above `sink`
+        victim = xp.sum(xp.astype(view.positions < self.sink, xp.int64), axis=-1)  # [batch, heads]
         rest = view.arange(n - 1)
         return rest + xp.astype(rest >= victim[..., None], xp.int64)
 

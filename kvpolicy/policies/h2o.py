@@ -45,27 +45,12 @@ class H2O(EvictionPolicy):
         n = view.n_cached
         if n <= self.heavy + self.recent:
             return None
-        xp = view.xp
-        candidates = n - self.recent
-        n_evict = n - self.heavy - self.recent
-        scores = view.ranking_scores[..., :candidates]
-        if n_evict == 1:
-            # A decode step evicts one token: the first minimum (argmin returns the earliest of a
-            # tie, as the stable sort below would evict it), and every other slot in order.
-            # O(n) instead of a sort.
-            lowest = xp.argmin(scores, axis=-1)  # [batch, heads]
-            rest = view.arange(candidates - 1)
-            heavy_slots = rest + xp.astype(rest >= lowest[..., None], xp.int64)
-            return view.keep(heavy_slots, view.arange(candidates, n))
-        # Stable ascending sort: equal scores keep slot (= position) order, so the earliest
-        # of a tie is evicted first.
-        order = xp.argsort(scores, axis=-1, stable=True)
-        heavy_slots = xp.sort(order[..., n_evict:], axis=-1)
-        return view.keep(heavy_slots, view.arange(candidates, n))
+        # the lowest accumulated scores outside the recent window go, the earliest of a tie first
+        return view.drop_lowest(n - self.heavy - self.recent, self.recent)
 
     @property
     def decode_eviction(self) -> DecodeEviction:
-        # One over heavy + recent: the lowest score outside the recent window goes (select's n_evict == 1).
+        # One over heavy + recent: the lowest score outside the recent window goes (select dropping one).
         return DecodeEviction(limit=self.heavy + self.recent, victim="lowest", recent=self.recent)
 
     def size_rule(self) -> SizeRule:

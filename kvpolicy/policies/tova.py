@@ -52,20 +52,8 @@ class TOVA(EvictionPolicy):
         n = view.n_cached
         if n <= self.size:
             return None
-        xp = view.xp
-        candidates = n - self.recent
-        n_evict = n - self.size
-        scores = view.ranking_scores[..., :candidates]
-        if n_evict == 1:
-            # A decode step: the first minimum (argmin returns the earliest of a tie), O(n).
-            lowest = xp.argmin(scores, axis=-1)  # [batch, heads]
-            rest = view.arange(candidates - 1)
-            kept = rest + xp.astype(rest >= lowest[..., None], xp.int64)
-            return view.keep(kept, view.arange(candidates, n))
-        # After a prompt: a stable ascending sort evicts the lowest, the earliest of a tie first.
-        order = xp.argsort(scores, axis=-1, stable=True)
-        kept = xp.sort(order[..., n_evict:], axis=-1)
-        return view.keep(kept, view.arange(candidates, n))
+        # the lowest latest-query scores outside the recent window go, the earliest of a tie first
+        return view.drop_lowest(n - self.size, self.recent)
 
     @property
     def decode_eviction(self) -> DecodeEviction:
