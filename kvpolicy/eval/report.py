@@ -439,18 +439,22 @@ def plot_budget(task: dict[str, Any], path: Path, model: str) -> Path | None:
             ax.set_yscale("linear")
         else:
             _budget_panel(ax, task, m, cells, title)
-    handles, labels = {}, []
-    for ax in axes[0]:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            if lab not in handles:
-                handles[lab] = h
-                labels.append(lab)
-    fig.legend([handles[x] for x in labels], labels, loc="lower center", ncol=min(len(labels), 6), frameon=False, fontsize=9)
+    _shared_legend(fig, axes[0], columns=6, fontsize=9)
     fig.suptitle(f"{task['title']}\n{model}, n = {task['n_samples']}", fontsize=10)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _shared_legend(fig: Any, axes: Any, *, columns: int, fontsize: int) -> None:
+    """One legend below the panels: every label once, in the order the panels first show it."""
+    handles: dict[str, Any] = {}
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), columns),
+               frameon=False, fontsize=fontsize)
 
 
 def plot_stream(task: dict[str, Any], path: Path, model: str) -> Path | None:
@@ -480,13 +484,7 @@ def plot_stream(task: dict[str, Any], path: Path, model: str) -> Path | None:
         ax.set_ylabel(METRIC_NAMES[metric])
         ax.set_title(f"equal {eq}" + (" (the paper's definition)" if eq == "mean" else " (equal peak memory)"), fontsize=9)
         ax.grid(True, alpha=0.3)
-    handles, labels = {}, []
-    for ax in axes[0]:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            if lab not in handles:
-                handles[lab] = h
-                labels.append(lab)
-    fig.legend([handles[x] for x in labels], labels, loc="lower center", ncol=min(len(labels), 4), frameon=False, fontsize=8)
+    _shared_legend(fig, axes[0], columns=4, fontsize=8)
     fig.suptitle(f"{task['title']}\n{model}, n = {task['n_samples']} documents x {task['decode_steps_per_sample']} tokens",
                  fontsize=10)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
