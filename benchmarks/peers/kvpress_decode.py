@@ -45,6 +45,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from interleave import timed_round  # the script's folder is on sys.path: run as a script
+
 #: Fraction of the prompt each press removes (0.75: 25% of the tokens kept).
 COMPRESSION = 0.75
 #: DecodingPress: compress back to the kept size every this many decode steps.
@@ -164,17 +166,10 @@ class Bench:
 
     def round(self, steps: int) -> dict[str, float]:
         """Seconds per step of every candidate over one round of ``steps`` interleaved sweeps."""
-        n = len(self.cands)
-        sums = [0.0] * n
-        for _ in range(steps):
-            shift = self.steps_done % n
-            for i in list(range(shift, n)) + list(range(shift)):
-                start = time.perf_counter()
-                step(self.cands[i])
-                sums[i] += time.perf_counter() - start
-            self.steps_done += 1
+        seconds = timed_round(self.cands, steps, step, self.steps_done)
+        self.steps_done += steps
         self.rounds_done += 1
-        return {c.label: s / steps for c, s in zip(self.cands, sums)}
+        return {c.label: s for c, s in zip(self.cands, seconds)}
 
     def info(self) -> dict[str, Any]:
         import kvpress

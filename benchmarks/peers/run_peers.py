@@ -56,6 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # interleave.py, shared with kvpress's side
+from interleave import timed_round  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 KVPRESS_SCRIPT = Path(__file__).resolve().with_name("kvpress_decode.py")
 DEFAULT_VENV = ROOT / ".venv-kvpress"
@@ -148,16 +151,9 @@ class OurSide:
 
     def round(self, steps: int) -> dict[str, float]:
         """Seconds per step of every candidate over ``steps`` interleaved, rotated sweeps."""
-        n = len(self.cands)
-        sums = [0.0] * n
-        for _ in range(steps):
-            shift = self.steps_done % n
-            for i in list(range(shift, n)) + list(range(shift)):
-                start = time.perf_counter()
-                self.step(self.cands[i])
-                sums[i] += time.perf_counter() - start
-            self.steps_done += 1
-        return {c.label: s / steps for c, s in zip(self.cands, sums)}
+        seconds = timed_round(self.cands, steps, self.step, self.steps_done)
+        self.steps_done += steps
+        return {c.label: s for c, s in zip(self.cands, seconds)}
 
 
 def kept_tokens(cache: Any) -> float:
