@@ -6,7 +6,7 @@
 * :func:`replay`: the reference contract of :func:`kvpolicy_numpy.replay`, through LayerCache.
 """
 
-from .attention import decode_attention, rope_rotate
+from .attention import decode_attention, rope_matrix, rope_rotate
 from .layer import LayerCache, LayerSnapshot, PrefixShift
 from .ops import first_argmin
 from .replay import replay
@@ -21,5 +21,6 @@ __all__ = [
     "group_query_heads",
     "received_attention",
     "replay",
+    "rope_matrix",
     "rope_rotate",
 ]

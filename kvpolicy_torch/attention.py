@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["decode_attention", "rope_rotate"]
+__all__ = ["decode_attention", "rope_matrix", "rope_rotate"]
 
 
 def rope_rotate(
@@ -62,6 +62,56 @@ def rope_rotate(
     if rest.shape[-1]:
         rotated = torch.cat((rotated, rest), dim=-1)
     return rotated.to(x.dtype)
+
+
+def rope_matrix(
+    delta: torch.Tensor,
+    inv_freq: torch.Tensor,
+    head_dim: int,
+    *,
+    style: str = "half",
+    rotary_dim: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``[len(delta), 1, head_dim, head_dim]`` matrices ``R`` such that ``x @ R`` rotates row ``r``
+    of ``x`` ``[batch, heads, s, head_dim]`` by ``delta[r]`` positions, as :func:`rope_rotate`.
+
+    For rotating many small tensors by the same shifts (StreamingLLM's sinks in every layer of a
+    model): the matrices are built once, and each rotation is then one matmul instead of a dozen
+    element-wise ops. Same angles as :func:`rope_rotate` (``float32(delta) * inv_freq``); the
+    product may round differently in the last bit.
+
+    Example:
+        >>> x, d, f = torch.randn(2, 3, 4, 8), torch.tensor([1, 5]), torch.rand(4)
+        >>> got = x @ rope_matrix(d, f, 8)
+        >>> bool(torch.allclose(got, rope_rotate(x, d.view(2, 1, 1), f), atol=1e-6))
+        True
+    """
+    if style not in ("half", "interleaved"):
+        raise ValueError(f"style must be 'half' or 'interleaved', got {style!r}")
+    dim = head_dim if rotary_dim is None else rotary_dim
+    if dim != 2 * inv_freq.shape[-1] or dim > head_dim:
+        raise ValueError(
+            f"RoPE needs rotary_dim = 2 * len(inv_freq) <= head_dim, got rotary_dim {dim}, "
+            f"{inv_freq.shape[-1]} frequencies, head_dim {head_dim}"
+        )
+    if delta.ndim != 1:
+        raise ValueError(f"delta must be 1-D (one shift per row), got shape {tuple(delta.shape)}")
+    dev = delta.device
+    angles = delta.to(torch.float32)[:, None] * inv_freq.to(device=dev, dtype=torch.float32)  # [b, dim/2]
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    half = dim // 2
+    i = torch.arange(half, device=dev)
+    # pairs (first, second) rotate as y_first = x_first cos - x_second sin, y_second = x_second cos + x_first sin
+    first, second = (i, i + half) if style == "half" else (2 * i, 2 * i + 1)
+    r = torch.zeros(delta.shape[0], head_dim, head_dim, dtype=dtype, device=dev)
+    r[:, first, first] = cos
+    r[:, second, second] = cos
+    r[:, second, first] = -sin
+    r[:, first, second] = sin
+    rest = torch.arange(dim, head_dim, device=dev)
+    r[:, rest, rest] = 1  # partial rotary: the other dimensions pass through
+    return r[:, None]
 
 
 def decode_attention(

@@ -102,6 +102,15 @@ class LayerCache:
             up to the frontier.
         reserve: tokens to allocate for an unbounded policy at the first append (e.g. prompt plus
             ``max_new_tokens``), instead of growing.
+        key_shift: StreamingLLM's pos-shift done in the storage: ``key_shift(keys, delta)`` rotates
+            keys ``[batch, kv_heads, s, head_dim]`` by ``delta`` positions (RoPE), ``delta`` a list
+            of host ints, one per row (callers may memoise on it: it is the same in every layer).
+            With it, for a policy whose decode eviction is ``"oldest"`` with sinks, a decode
+            :meth:`append` returns the sinks' keys already at their shifted positions (see
+            :meth:`shift`): they are rotated from their originals, kept aside, whenever the shift
+            changes (``O(batch x kv_heads x sink)``), so attention needs no second query and can
+            take plain SDPA. :attr:`keys_shifted` says when this is in effect; every other read
+            (:attr:`keys`, a prompt chunk, a general eviction) sees the original keys.
 
     Example:
         >>> import torch
@@ -126,6 +135,7 @@ class LayerCache:
         reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
         static_shapes: bool = False,
         reserve: int | None = None,
+        key_shift: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None,
     ) -> None:
         if not isinstance(policy, EvictionPolicy):
             raise ValueError(f"policy must be an EvictionPolicy, got {policy!r}")
@@ -139,6 +149,10 @@ class LayerCache:
         if rule is not None and policy.capacity is not None and policy.capacity < rule.limit + 1:
             raise ValueError(f"{policy!r} declares capacity {policy.capacity} below its decode eviction's limit + 1")
         self.rule = rule
+        if key_shift is not None and not callable(key_shift):
+            raise ValueError(f"key_shift must be callable (keys, delta) -> keys, got {key_shift!r}")
+        # only the sinks of an "oldest" rule are shifted (a PrefixShift); other layouts shift per slot
+        self._sink_shift = key_shift if rule is not None and rule.victim == "oldest" and rule.sink > 0 else None
         self.evictions = 0
         self._clear()
 
@@ -163,6 +177,10 @@ class LayerCache:
         self._bias_needed = False  # whether a slot of that range is a hole (host-side, set by append)
         self._chunk: tuple[int, int, torch.Tensor | None] | None = None  # (start, q, valid [b, q]) of a chunk
         self._phase = "decode"
+        # key_shift: the sinks' original keys [b, h, sink, d] while their slots hold them shifted
+        # by _sink_delta (per row); None while the storage holds the originals
+        self._sink_keys: torch.Tensor | None = None
+        self._sink_delta: list[int] | None = None
 
     # ------------------------------------------------------------------ shape and bookkeeping
     @property
@@ -288,6 +306,8 @@ class LayerCache:
 
     def _ordered(self, which: int) -> torch.Tensor:
         self._require()
+        if which == 0:
+            self._unshift()  # reads see original keys (the next decode append shifts them again)
         count = self.length
         tensors = self._working()
         t = tensors[which]
@@ -385,6 +405,34 @@ class LayerCache:
         """``[batch, q]`` bool: which queries of the last chunk are real (``None``: all)."""
         return self._chunk[2] if self._chunk is not None else None
 
+    @property
+    def keys_shifted(self) -> bool:
+        """Whether the keys the last :meth:`append` returned already sit at their pos-shift
+        positions (``key_shift`` given, a decode step of an ``"oldest"`` rule): :meth:`shift` then
+        describes what was done, and nothing is left for attention to rotate."""
+        return self._sink_delta is not None
+
+    def _shift_sinks(self) -> None:
+        """After a decode append: hold the sinks' keys rotated by each row's shift (evicted tokens
+        so far), from their originals; nothing to do while the shift is unchanged."""
+        sink = self.rule.sink  # type: ignore[union-attr]
+        delta = [s - c for s, c in zip(self._seen, self._count)]
+        if delta == self._sink_delta:
+            return
+        if self._sink_keys is None:
+            if not any(delta) or min(self._front) < sink or self._extra is not None:
+                return  # nothing shifted yet (or a row without its sinks: attention rotates the query)
+            self._sink_keys = self._k[:, :, :sink].clone()  # type: ignore[index]
+        self._k[:, :, :sink] = self._sink_shift(self._sink_keys, delta)  # type: ignore[index,misc]
+        self._sink_delta = delta
+
+    def _unshift(self) -> None:
+        """Put the sinks' original keys back in their slots (before anything but a decode step reads
+        or moves keys)."""
+        if self._sink_keys is not None:
+            self._k[:, :, : self._sink_keys.shape[2]] = self._sink_keys  # type: ignore[index]
+        self._sink_keys, self._sink_delta = None, None
+
     def shift(self) -> PrefixShift | torch.Tensor:
         """How far each returned slot sits from its original position under StreamingLLM's
         pos-shift (keys placed at consecutive positions ending at the newest token).
@@ -452,7 +500,10 @@ class LayerCache:
                 raise ValueError("a padded decode token: pads are supported in prompts (chunks of q > 1) only")
         if q == 1:
             self._append_one(keys, values)
+            if self._sink_shift is not None:
+                self._shift_sinks()
         else:
+            self._unshift()
             self._append_chunk(keys, values, valid, [q] * b if real is None else list(real))
         self._phase = "prefill" if q > 1 else "decode"
         lo, hi = self._range
@@ -697,6 +748,7 @@ class LayerCache:
     def _evict_general(self) -> list[tuple[int, int]]:
         """Ask the policy (``select``) on dense, ordered views, group by group of rows in the same
         host state, until it keeps everything; apply each keep by compaction."""
+        self._unshift()
         if not self._dense():
             self._compact_rows(list(range(self.batch)))
         rounds: list[tuple[int, int]] = []
@@ -746,6 +798,7 @@ class LayerCache:
         rows = [r for r in rows if self._count[r] != self._front[r] or self._fifo[r] is not None] if self._extra is None else rows
         if not rows:
             return
+        self._unshift()
         self._unwrap([r for r in rows if self._fifo[r] is not None])
         for r in rows:
             self._fifo[r] = None
@@ -878,6 +931,7 @@ class LayerCache:
             raise ValueError(f"snapshot of shape {tuple(snap.positions.shape)} does not fit this layer's {tuple(self._pos.shape)}")  # type: ignore[union-attr]
         if any(c > f for c, f in zip(snap.count, snap.front)) or any(f > self.slots for f in snap.front):
             raise ValueError("snapshot counts must satisfy count <= front <= slots per row")
+        self._unshift()
         self._extra, self._chunk = None, None
         self.columns = snap.columns
         self._seen, self._count, self._front = list(snap.seen), list(snap.count), list(snap.front)
@@ -907,6 +961,7 @@ class LayerCache:
             return
         if self._extra is not None:
             raise RuntimeError("select_batch() between append() and evict()")
+        self._unshift()
         host = [
             self._seen, self._count, self._front, self._states, self._fifo, self._free,
         ]

@@ -29,7 +29,7 @@ from kvpolicy import FullCache, LocalWindow, StreamingLLM, make_policy  # noqa: 
 from kvpolicy.registry import available_policies  # noqa: E402
 from kvpolicy_integrations.capabilities import LayerAttention, detect, rope_layouts  # noqa: E402
 from kvpolicy_integrations.hf import EvictingCache  # noqa: E402
-from kvpolicy_torch import rope_rotate  # noqa: E402
+from kvpolicy_torch import rope_matrix, rope_rotate  # noqa: E402
 
 PROMPT, NEW = 24, 40
 WINDOW = 32  # sliding window / chunk of the local-attention configs: crossed at position 32 < 64
@@ -238,6 +238,9 @@ def test_pos_shift_rotation_matches_rope_at_the_shifted_position(model_type, ove
         moved = rope_rotate(keys[:1].expand_as(keys), delta[:, None], layout.inv_freq, style=layout.style,
                             rotary_dim=layout.rotary_dim)
         torch.testing.assert_close(moved, keys, rtol=1e-4, atol=1e-5)
+        # the matrix form (StreamingLLM's sinks in the storage) rotates the same way
+        matrix = rope_matrix(delta, layout.inv_freq, keys.shape[-1], style=layout.style, rotary_dim=layout.rotary_dim)
+        torch.testing.assert_close((keys[:1].expand_as(keys)[:, :, None] @ matrix)[:, :, 0], keys, rtol=1e-4, atol=1e-5)
     expected = {"cohere": ("interleaved", False), "glm": ("interleaved", True), "gpt_neox": ("half", True),
                 "phi": ("half", True), "llama": ("half", False), "smollm3": "nope", "llama4_text": "nope"}
     if model_type in expected:

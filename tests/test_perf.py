@@ -207,9 +207,9 @@ def test_fused_path_is_taken_in_decode_only(monkeypatch) -> None:
         return original(*a, **k)
 
     monkeypatch.setattr(hf, "decode_attention", spy)
-    # prefill goes through SDPA; so does a decode step that needs neither scores, nor a mask, nor
-    # StreamingLLM's sink shift (which it needs once the prompt was evicted)
-    for policy, expected in ((H2O(6, 6), [1, 1, 1]), (StreamingLLM(2, 8), [1, 1, 1]), (LocalWindow(8), []), (FullCache(), [])):
+    # prefill goes through SDPA; so does a decode step that needs neither scores nor a mask:
+    # StreamingLLM's sink shift is done in the storage (its sinks' keys rotated), so it takes SDPA
+    for policy, expected in ((H2O(6, 6), [1, 1, 1]), (StreamingLLM(2, 8), []), (LocalWindow(8), []), (FullCache(), [])):
         calls.clear()
         cache = EvictingCache(policy, model)
         with torch.no_grad():

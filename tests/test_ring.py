@@ -49,10 +49,19 @@ policies = st.one_of(
 schedules = st.lists(st.one_of(st.just(1), st.just(1), st.just(1), st.integers(2, 6)), min_size=1, max_size=60)
 
 
-@given(policy=policies, first=st.integers(1, 12), schedule=schedules, batch=st.integers(1, 2))
+def _shift(keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """A stand-in for RoPE in ``key_shift``: any function of (original key, shift) tells whether the
+    store applied the right shift to the right slots from the right originals."""
+    return keys + 0.5 * torch.tensor(delta, dtype=keys.dtype).view(-1, 1, 1, 1)
+
+
+@given(policy=policies, first=st.integers(1, 12), schedule=schedules, batch=st.integers(1, 2),
+       key_shift=st.booleans(), read_keys=st.booleans())
 @settings(max_examples=150, deadline=None)
-def test_ring_reads_in_position_order_and_matches_the_ordered_model(policy, first, schedule, batch) -> None:
-    layer = LayerCache(policy)
+def test_ring_reads_in_position_order_and_matches_the_ordered_model(policy, first, schedule, batch, key_shift, read_keys) -> None:
+    """With ``key_shift`` (pos-shift in the storage) a decode step's returned sink keys are their
+    originals shifted by the tokens evicted so far; every other read sees the originals."""
+    layer = LayerCache(policy, key_shift=_shift if key_shift else None)
     kept: list[int] = []
     state = policy.init_state()
     seen = 0
@@ -64,9 +73,16 @@ def test_ring_reads_in_position_order_and_matches_the_ordered_model(policy, firs
         pos = layer.slot_positions
         live = pos[0, 0][pos[0, 0] >= 0]
         assert sorted(live.tolist()) == attended
+        expect = _kv(pos[0, 0].clamp(min=0).tolist(), 1)[0]  # [heads, n, dim]: original keys per slot
+        if layer.keys_shifted:
+            sink, delta = layer.shift()
+            assert q == 1 and key_shift and sink == policy.sink and delta == [seen - len(kept)] * batch
+            expect = torch.cat([_shift(expect[None, :, :sink], delta[:1])[0], expect[:, sink:]], dim=1)
+        else:
+            assert not (key_shift and q == 1 and isinstance(policy, StreamingLLM) and seen > len(kept))
         for h in range(HEADS):
             slots = (pos[0, h] >= 0).nonzero().flatten()
-            torch.testing.assert_close(keys[0, h, slots], _kv(pos[0, h, slots].tolist(), 1)[0, h])
+            torch.testing.assert_close(keys[0, h, slots], expect[h, slots])
         if q > 1:  # a chunk: causal inside it, everything kept before it
             mask = layer.chunk_mask()[0, 0]
             for i in range(q):
@@ -78,7 +94,8 @@ def test_ring_reads_in_position_order_and_matches_the_ordered_model(policy, firs
         seen += q
         kept = _reference_evict(policy, attended, seen, state, "prefill" if q > 1 else "decode")
         assert layer.positions[:, 0].tolist() == [kept] * batch
-        torch.testing.assert_close(layer.keys, _kv(kept, batch))
+        if read_keys:
+            torch.testing.assert_close(layer.keys, _kv(kept, batch))
         assert layer.kept(batch - 1)[0][0].tolist() == kept
         assert layer.slots <= policy.capacity  # the ring needs no slack
     # to_slots places ordered values back at the slots they belong to

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextvars
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 from transformers import AttentionInterface
@@ -40,7 +40,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvpolicy._validation import check_bool
 from kvpolicy.policy import EvictionPolicy
-from kvpolicy_torch import LayerCache, PrefixShift, decode_attention, received_attention, rope_rotate
+from kvpolicy_torch import LayerCache, PrefixShift, decode_attention, received_attention, rope_matrix, rope_rotate
 
 from .capabilities import LayerAttention, ModelCapabilities, RopeLayout, detect, rope_layouts
 
@@ -49,6 +49,7 @@ __all__ = [
     "EvictingCache",
     "EvictingLayer",
     "GenerationResult",
+    "ShiftMatrices",
     "generate",
     "register_attention",
     "use_kvpolicy_attention",
@@ -202,6 +203,29 @@ class Padding:
     serial: int = 0
 
 
+class ShiftMatrices:
+    """RoPE shift matrices (:func:`~kvpolicy_torch.rope_matrix`) shared by the layers of one
+    :class:`EvictingCache`: StreamingLLM's sinks move by the same shift in every layer at a decode
+    step, so the matrices are built once per step (keyed on the shifts and the layer's RoPE) and
+    each layer's rotation is one matmul. Holds the last entry only."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._frequencies: torch.Tensor | None = None  # kept alive, so its id cannot be reused
+        self._value: torch.Tensor | None = None
+
+    def get(self, delta: Sequence[int], inv_freq: torch.Tensor, head_dim: int, style: str, rotary_dim: int,
+            dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``[batch, 1, head_dim, head_dim]`` for these shifts (see :func:`~kvpolicy_torch.rope_matrix`)."""
+        key = (tuple(delta), id(inv_freq), head_dim, style, rotary_dim, dtype, device)
+        if key != self._key or self._frequencies is not inv_freq:
+            work = torch.float64 if dtype == torch.float64 else torch.float32
+            matrix = rope_matrix(torch.tensor(list(delta), device=device), inv_freq, head_dim, style=style,
+                                 rotary_dim=rotary_dim, dtype=work)
+            self._key, self._frequencies, self._value = key, inv_freq, matrix
+        return self._value  # type: ignore[return-value]
+
+
 class EvictingLayer(DynamicLayer):
     """One transformers cache layer backed by :class:`kvpolicy_torch.LayerCache`."""
 
@@ -223,8 +247,8 @@ class EvictingLayer(DynamicLayer):
         static_shapes: bool = False,
         reserve: int | None = None,
         padding: Padding | None = None,
+        shift_matrices: ShiftMatrices | None = None,
     ) -> None:
-        self.store = LayerCache(policy, reduce_scores=reduce_scores, static_shapes=static_shapes, reserve=reserve)
         super().__init__()
         self.policy = policy
         self.layer_idx = layer_idx
@@ -233,6 +257,14 @@ class EvictingLayer(DynamicLayer):
         # pos-shift rotation: the measured layout, else (an explicit inv_freq) full half-split RoPE,
         # else none (a NoPE layer: positions do not enter its scores, so there is nothing to shift)
         self.rope = rope
+        shifts = positions == "cache" and (rope is not None or inv_freq is not None)
+        # pos-shift of StreamingLLM's sinks is done in the storage (their keys rotated when the
+        # shift changes): the decode step then attends with plain SDPA
+        self.store = LayerCache(
+            policy, reduce_scores=reduce_scores, static_shapes=static_shapes, reserve=reserve,
+            key_shift=self._shift_keys if shifts else None,
+        )
+        self.shift_matrices = shift_matrices if shift_matrices is not None else ShiftMatrices()
         self.attention = attention if attention is not None else LayerAttention("full")
         self.fused_decode = fused_decode
         self.padding = padding if padding is not None else Padding()
@@ -290,7 +322,7 @@ class EvictingLayer(DynamicLayer):
         if self.positions_mode == "cache" and (self.rope is not None or self.inv_freq is not None):  # NoPE: no shift
             shift = self.store.shift()
             if isinstance(shift, PrefixShift):
-                if shift.length and any(shift.delta):
+                if shift.length and any(shift.delta) and not self.store.keys_shifted:
                     self._prefix = shift  # the attention rotates the query back for those slots
             else:
                 keys = self._rotate(keys, shift)
@@ -314,6 +346,16 @@ class EvictingLayer(DynamicLayer):
         if self.inv_freq is not None:
             return rope_rotate(x, delta, self.inv_freq)
         return x
+
+    def _shift_keys(self, keys: torch.Tensor, delta: list[int]) -> torch.Tensor:
+        """Keys ``[batch, kv_heads, s, head_dim]`` rotated by ``delta[r]`` positions in row ``r``
+        (the store's ``key_shift``: StreamingLLM's sinks, one matmul with the shared matrices)."""
+        if self.rope is not None:
+            freq, style, dim = self.rope.inv_freq, self.rope.style, self.rope.rotary_dim
+        else:
+            freq, style, dim = self.inv_freq, "half", keys.shape[-1]
+        matrix = self.shift_matrices.get(delta, freq, keys.shape[-1], style, dim, keys.dtype, keys.device)  # type: ignore[arg-type]
+        return torch.matmul(keys.to(matrix.dtype), matrix).to(keys.dtype)
 
     def _window_limits(self) -> list[int] | None:
         """Per row, the newest original position a query can no longer see in this sliding or
@@ -460,10 +502,12 @@ class EvictingCache(Cache):
         self.positions_mode = positions
         self.capabilities: ModelCapabilities = caps
         self.padding = Padding()  # shared by the layers: the padding of the forward in flight
+        shift_matrices = ShiftMatrices()  # shared by the layers: pos-shift rotations, built once a step
         layers = [
             EvictingLayer(
                 policy, i, positions=positions, rope=ropes[i], attention=caps.layers[i], reduce_scores=reduce_scores,
                 fused_decode=fused_decode, static_shapes=static_shapes, reserve=max_tokens, padding=self.padding,
+                shift_matrices=shift_matrices,
             )
             for i in range(len(caps.layers))
         ]
