@@ -127,6 +127,12 @@ class LayerCache:
 
     #: Bytes of the temporary one step of the in-place compaction copies through.
     compaction_chunk_bytes: int = 8 << 20
+    #: ``victim="lowest"`` on CPU: from this many scores searched per step (batch x kv_heads x
+    #: eligible slots), the victim is found among a candidate set instead of by a full scan (see
+    #: :meth:`_lowest_candidates`); below it a full scan is cheaper.
+    candidate_min_scores: int = 1 << 16
+    #: Candidate slots per row and head (see :meth:`_lowest_candidates`).
+    candidates: int = 256
 
     def __init__(
         self,
@@ -181,6 +187,10 @@ class LayerCache:
         # by _sink_delta (per row); None while the storage holds the originals
         self._sink_keys: torch.Tensor | None = None
         self._sink_delta: list[int] | None = None
+        self._forget_candidates()
+        self._cand_pause = 0  # decode steps left on full scans (the candidates drained too fast)
+        self._cand_age = 0  # searches answered since the last full search
+        self._cand_rescans = 0  # full searches so far (tests read it through candidate_searches)
 
     # ------------------------------------------------------------------ shape and bookkeeping
     @property
@@ -248,6 +258,7 @@ class LayerCache:
         return max(1, min(capacity // 8, self.compaction_chunk_bytes // max(per_slot, 1)))
 
     def _allocate(self, like_k: torch.Tensor, like_v: torch.Tensor, slots: int) -> None:
+        self._forget_candidates()
         b, h, _, d = like_k.shape
         dev = like_k.device
         score_dtype = torch.float64 if like_k.dtype == torch.float64 else torch.float32
@@ -606,6 +617,7 @@ class LayerCache:
         self._bias_needed = self._needs_bias()
 
     def _append_chunk(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, real: list[int]) -> None:
+        self._forget_candidates()
         b, h, q, _ = keys.shape
         if not self._dense():
             self._compact_rows(list(range(b)))  # chunks see dense rows in position order
@@ -661,6 +673,11 @@ class LayerCache:
             pos = self._extra[2] if self._extra is not None else self._pos[:, :, lo:hi]  # type: ignore[index]
             scores.copy_(torch.where(pos >= 0, received, math.inf))
         else:
+            if self._cand is not None:
+                low, high = torch.aminmax(received)
+                if not bool((low >= 0) & (high < math.inf)):
+                    # a score may go down (negative, NaN, or -inf + inf): the candidates' bound no longer holds
+                    self._forget_candidates()
             scores += received
 
     def evict(self) -> list[tuple[int, int]]:
@@ -731,6 +748,19 @@ class LayerCache:
         assert scores is not None
         front = [self._front[r] for r in rows]
         hi = max(front) - rule.recent
+        if (
+            len(rows) == self.batch
+            and self.policy.selection != "shared"
+            and scores.device.type == "cpu"
+            and scores.shape[0] * scores.shape[1] * hi >= self.candidate_min_scores
+            and hi > 4 * self.candidates
+            and all(f == front[0] for f in front)
+        ):
+            victims = self._lowest_candidates(hi)
+            if victims is not None:
+                return victims
+        else:
+            self._forget_candidates()
         if len(rows) < self.batch:
             scores = scores.index_select(0, torch.tensor(rows, device=scores.device))
         cand = scores[:, :, :hi]
@@ -744,6 +774,91 @@ class LayerCache:
                 summed = self.reduce_scores(summed)
             return first_argmin(summed).expand(cand.shape[0], cand.shape[1])
         return first_argmin(cand)
+
+    # ------------------------------------------------------------------ H2O's victim among candidates
+    def _forget_candidates(self) -> None:
+        self._cand: torch.Tensor | None = None  # [b, h, K] slots searched for the next victim
+        self._cand_bound: torch.Tensor | None = None  # [b, h, 1]: every other eligible slot's score is >= it
+        self._cand_hi = 0  # slots [0, cand_hi) were eligible at the last full search; later ones are searched too
+        self._cand_top = 0  # eligible slots end here at the last search
+
+    @property
+    def candidate_searches(self) -> int:
+        """Full searches of H2O-like victims made so far on the candidate path (see
+        :attr:`candidate_min_scores`): a diagnostic for benchmarks and tests."""
+        return self._cand_rescans
+
+    def _rescan(self, hi: int) -> bool:
+        """The ``candidates`` lowest-scored slots of ``[0, hi)`` per row and head, and the next
+        lowest score as the bound every other slot there is at or above; False (nothing set) when
+        a score is NaN (a full scan puts NaN first, ``topk`` last)."""
+        assert self._scores is not None
+        searched = self._scores[:, :, :hi]
+        if bool(torch.isnan(searched).any()):
+            return False
+        values, slots = torch.topk(searched, self.candidates + 1, dim=-1, largest=False, sorted=False)
+        bound = values.amax(dim=-1, keepdim=True)
+        # the largest of the k + 1 lowest is the bound; the others are the candidates (a tie with
+        # the bound may leave a bound-valued slot out: the strict test below then rescans)
+        last = values.argmax(dim=-1, keepdim=True)
+        keep = torch.ones_like(slots, dtype=torch.bool).scatter_(2, last, False)
+        # the candidates, then room for the slots that become eligible before the next search
+        self._cand = torch.empty(*slots.shape[:2], 2 * self.candidates, dtype=slots.dtype, device=slots.device)
+        self._cand[..., : self.candidates] = slots[keep].view(*slots.shape[:2], self.candidates)
+        self._cand_bound = bound
+        self._cand_hi = self._cand_top = hi
+        self._cand_rescans += 1
+        return True
+
+    def _lowest_candidates(self, hi: int) -> torch.Tensor | None:
+        """``_lowest`` without reading every score: the victim among the candidate slots and the
+        slots that became eligible since the last full search, ``O(batch x heads x candidates)`` a
+        step; ``None`` when a full scan must decide.
+
+        Accumulated scores only grow (:meth:`accumulate` forgets the candidates when a received
+        value is negative or NaN), so a slot whose score was at or above ``bound`` at the last full
+        search still is: while the lowest score searched is strictly below ``bound`` it is the
+        lowest eligible score, and every slot tied with it was searched, so "earliest of a tie" is
+        the lowest such slot (slot order is position order below the frontier). A victim becomes
+        a hole (``+inf``) and is never picked again. A full search (``topk``) runs again when the
+        bound stops separating, when as many slots became eligible as there are candidates, or
+        when slots moved (compaction): amortised over the steps between.
+        """
+        assert self._scores is not None
+        if self._cand is not None and (hi - self._cand_top not in (0, 1) or hi - self._cand_hi > self.candidates):
+            # slots moved, more than one became eligible at once, or as many became eligible as
+            # there are candidates: search again
+            self._forget_candidates()
+        if self._cand is None:
+            if self._cand_pause > 0:
+                self._cand_pause -= 1
+                return None
+            if not self._rescan(hi):
+                self._cand_pause = self.candidates
+                return None
+            self._cand_age = 0
+        k = self.candidates
+        for attempt in range(2):
+            cand, bound, lo = self._cand, self._cand_bound, self._cand_hi
+            assert cand is not None and bound is not None
+            if hi > lo:  # the slot that became eligible at this step (one per decode step)
+                cand.select(2, k + hi - lo - 1).fill_(hi - 1)
+            self._cand_top = hi
+            slots = cand[..., : k + hi - lo]
+            scores = self._scores.gather(2, slots)
+            low = scores.amin(dim=-1, keepdim=True)
+            if bool((low < bound).all()):
+                self._cand_age += 1
+                # the earliest (lowest) slot of those tied at the minimum
+                return torch.where(scores == low, slots, torch.iinfo(torch.int64).max).amin(dim=-1)
+            if attempt == 0:
+                if self._cand_age < self.candidates // 8 or not self._rescan(hi):
+                    break  # the bound fails soon after each search: full scans are cheaper for a while
+                self._cand_age = 0
+        # more slots tie at the minimum than the candidates hold, or the candidates drain too fast
+        self._forget_candidates()
+        self._cand_pause = self.candidates
+        return None
 
     def _evict_general(self) -> list[tuple[int, int]]:
         """Ask the policy (``select``) on dense, ordered views, group by group of rows in the same
@@ -844,6 +959,7 @@ class LayerCache:
         overwrites a slot a later chunk still reads. No allocation of the cache's size, and each
         kept token moves once (not at all when it is already in place).
         """
+        self._forget_candidates()  # slots move
         sources = self._full()
         slots = sources[0].shape[2]
         g, h, kept = keep.shape
@@ -880,6 +996,7 @@ class LayerCache:
     def _settle(self) -> None:
         """Move the transient working set back into the storage once it fits."""
         assert self._extra is not None
+        self._forget_candidates()
         n = max(self._front)
         extra, self._extra = self._extra, None
         for t, e, fill in zip(self._tensors(), extra, (None, None, -1, math.inf, -math.inf)):
@@ -932,6 +1049,7 @@ class LayerCache:
         if any(c > f for c, f in zip(snap.count, snap.front)) or any(f > self.slots for f in snap.front):
             raise ValueError("snapshot counts must satisfy count <= front <= slots per row")
         self._unshift()
+        self._forget_candidates()
         self._extra, self._chunk = None, None
         self.columns = snap.columns
         self._seen, self._count, self._front = list(snap.seen), list(snap.count), list(snap.front)
@@ -962,6 +1080,7 @@ class LayerCache:
         if self._extra is not None:
             raise RuntimeError("select_batch() between append() and evict()")
         self._unshift()
+        self._forget_candidates()
         host = [
             self._seen, self._count, self._front, self._states, self._fifo, self._free,
         ]
