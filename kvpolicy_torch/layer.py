@@ -751,6 +751,7 @@ class LayerCache:
         if (
             len(rows) == self.batch
             and self.policy.selection != "shared"
+            and self.policy.score_statistic == "accumulate"  # the bound needs scores that only grow
             and scores.device.type == "cpu"
             and scores.shape[0] * scores.shape[1] * hi >= self.candidate_min_scores
             and hi > 4 * self.candidates
@@ -780,7 +781,7 @@ class LayerCache:
         self._cand: torch.Tensor | None = None  # [b, h, K] slots searched for the next victim
         self._cand_bound: torch.Tensor | None = None  # [b, h, 1]: every other eligible slot's score is >= it
         self._cand_hi = 0  # slots [0, cand_hi) were eligible at the last full search; later ones are searched too
-        self._cand_top = 0  # eligible slots end here at the last search
+        self._cand_top = -1  # eligible slots ended here at the last search (or plain scan)
 
     @property
     def candidate_searches(self) -> int:
@@ -832,6 +833,11 @@ class LayerCache:
         if self._cand is None:
             if self._cand_pause > 0:
                 self._cand_pause -= 1
+                return None
+            if self._cand_top != hi - 1:
+                # the first step after slots moved (or a cold start) takes the plain scan: the
+                # candidates' topk pays off over a run of decode steps, not for one eviction
+                self._cand_top = hi
                 return None
             if not self._rescan(hi):
                 self._cand_pause = self.candidates

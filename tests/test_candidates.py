@@ -85,3 +85,21 @@ def test_candidate_search_is_taken_and_searches_rarely() -> None:
     assert torch.equal(fast.positions, full.positions)
     assert full.candidate_searches == 0
     assert 1 <= fast.candidate_searches <= 150
+
+
+def test_tova_never_takes_the_candidate_path() -> None:
+    """TOVA's scores are the latest query's attention (they go down as well as up): the bound
+    would not hold, so its victim is always found by the full scan."""
+    from kvpolicy import TOVA
+
+    layer = LayerCache(TOVA(size=40))
+    layer.candidate_min_scores, layer.candidates = 1, 2
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(1, HEADS, 40, DIM, generator=g)
+    layer.append(kv, kv)
+    for _ in range(30):
+        layer.accumulate(torch.rand(layer.slot_positions.shape, generator=g))
+        layer.evict()
+        token = torch.randn(1, HEADS, 1, DIM, generator=g)
+        layer.append(token, token)
+    assert layer.candidate_searches == 0
