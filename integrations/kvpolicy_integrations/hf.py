@@ -319,10 +319,11 @@ class EvictingLayer(DynamicLayer):
                 valid, real = pad.valid, pad.real
         keys, values = self.store.append(key_states, value_states, valid=valid, real=real)
         self._prefix = None
-        if self.positions_mode == "cache" and (self.rope is not None or self.inv_freq is not None):  # NoPE: no shift
+        shifts = self.positions_mode == "cache" and (self.rope is not None or self.inv_freq is not None)  # NoPE: no shift
+        if shifts and not self.store.keys_shifted:  # (keys_shifted: the store moved the sinks already)
             shift = self.store.shift()
             if isinstance(shift, PrefixShift):
-                if shift.length and any(shift.delta) and not self.store.keys_shifted:
+                if shift.length and any(shift.delta):
                     self._prefix = shift  # the attention rotates the query back for those slots
             else:
                 keys = self._rotate(keys, shift)
@@ -355,7 +356,12 @@ class EvictingLayer(DynamicLayer):
         else:
             freq, style, dim = self.inv_freq, "half", keys.shape[-1]
         matrix = self.shift_matrices.get(delta, freq, keys.shape[-1], style, dim, keys.dtype, keys.device)  # type: ignore[arg-type]
-        return torch.matmul(keys.to(matrix.dtype), matrix).to(keys.dtype)
+        b, h, s, d = keys.shape
+        # one [h * s, d] x [d, d] product per row (a broadcast 4-D matmul costs twice as much here)
+        rows = keys.reshape(b, h * s, d)
+        if rows.dtype != matrix.dtype:
+            return torch.bmm(rows.to(matrix.dtype), matrix[:, 0]).to(keys.dtype).view(b, h, s, d)
+        return torch.bmm(rows, matrix[:, 0]).view(b, h, s, d)
 
     def _window_limits(self) -> list[int] | None:
         """Per row, the newest original position a query can no longer see in this sliding or
