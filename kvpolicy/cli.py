@@ -316,13 +316,13 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
-    from .bench import add_arguments
+    from .perf.bench import add_arguments
 
     add_arguments(p)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run
+    from .perf.bench import run
 
     return run(args)
 

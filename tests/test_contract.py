@@ -602,7 +602,7 @@ def test_kvpolicy_benchmark_fixture(kvpolicy_benchmark) -> None:
 
 
 def test_bench_command_times_a_third_party_factory(tmp_path) -> None:
-    from kvpolicy.bench import main
+    from kvpolicy.perf.bench import main
 
     out = tmp_path / "bench"
     status = main([

@@ -289,7 +289,7 @@ def make_local(budget, context_length, prompt_length):
 
 
 def test_bench_resolves_third_party_policies() -> None:
-    from kvpolicy.bench import resolve_policy
+    from kvpolicy.perf.bench import resolve_policy
 
     spec = resolve_policy("test_perf:HalfWindow")
     assert spec.budgeted and isinstance(spec.planner(0.25, 400, 300), HalfWindow)
@@ -302,7 +302,7 @@ def test_bench_resolves_third_party_policies() -> None:
 
 
 def test_bench_command_quick_on_a_tiny_model(tmp_path) -> None:
-    from kvpolicy.bench import main
+    from kvpolicy.perf.bench import main
 
     out = tmp_path / "bench"
     status = main([

@@ -1,7 +1,7 @@
 """Performance measurement for kvpolicy: eviction complexity, decode throughput and memory, the
 per-step overhead breakdown, and the reports (tables, log-log slopes, plots).
 
-Used by the ``kvpolicy bench`` command (:mod:`kvpolicy.bench`), the pytest-benchmark suite in
+Used by the ``kvpolicy bench`` command (:mod:`kvpolicy.perf.bench`), the pytest-benchmark suite in
 ``benchmarks/`` and ``benchmarks/gpu_decode.py``. Nothing here is imported by ``import kvpolicy``;
 the submodules import torch / transformers / matplotlib inside their functions.
 

@@ -121,9 +121,9 @@ def _configs(text: str) -> list[tuple[int, int]]:
 
 def resolve_policy(spec: str) -> Any:
     """A :class:`kvpolicy.perf.decode.PolicySpec` for a registry name or ``module:Factory``."""
-    from .perf.decode import PolicySpec
-    from .policy import EvictionPolicy
-    from .registry import Preset
+    from .decode import PolicySpec
+    from ..policy import EvictionPolicy
+    from ..registry import Preset
 
     if ":" not in spec:
         return PolicySpec.named(spec)
@@ -141,7 +141,7 @@ def resolve_policy(spec: str) -> Any:
     if isinstance(obj, EvictionPolicy):
         return PolicySpec(repr(obj), lambda b, L, P, _p=obj: _p, budgeted=False)
     if isinstance(obj, Preset) or (isinstance(obj, type) and issubclass(obj, EvictionPolicy)):
-        from .budget import plan_policy
+        from ..budget import plan_policy
 
         def planner(b: float | None, L: int, P: int, _e: Any = obj) -> Any:
             return plan_policy(_e, b, context_length=L, prompt_length=P).policy
@@ -193,7 +193,7 @@ def _fmt_slope(x: float) -> str:
 
 # ----------------------------------------------------------------------------------- parts
 def _complexity(args: argparse.Namespace, progress: _Progress, sizes: list[int], configs: list[tuple[int, int]], rounds: int) -> dict[str, Any]:
-    from .perf.eviction import measure_complexity
+    from .eviction import measure_complexity
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     rows = measure_complexity(
@@ -203,7 +203,7 @@ def _complexity(args: argparse.Namespace, progress: _Progress, sizes: list[int],
 
 
 def _complexity_report(data: dict[str, Any], out: Path, plots: bool) -> list[str]:
-    from .perf.report import markdown_table, plot_complexity, slopes
+    from .report import markdown_table, plot_complexity, slopes
 
     rows = data["rows"]
     big = [r for r in rows if r["size"] >= 4096]
@@ -257,11 +257,11 @@ def _decode(
 ) -> dict[str, Any]:
     import torch
 
-    from .models import describe, load
-    from .perf.decode import Candidate, breakdown, measure_decode, prefill, standard_candidates
+    from ..models import describe, load
+    from .decode import Candidate, breakdown, measure_decode, prefill, standard_candidates
 
     if args.model == "tiny-llama":  # a 2-layer random model: exercises the pipeline in seconds
-        from .models import tiny_llama
+        from ..models import tiny_llama
 
         model = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, max_position_embeddings=8192)
     else:
@@ -316,8 +316,8 @@ def _decode(
 
 
 def _decode_report(data: dict[str, Any], out: Path, plots: bool) -> list[str]:
-    from .perf.decode import BREAKDOWN_ORDER
-    from .perf.report import markdown_table, plot_breakdown, plot_decode
+    from .decode import BREAKDOWN_ORDER
+    from .report import markdown_table, plot_breakdown, plot_decode
 
     lines: list[str] = []
     rows = data.get("results", [])
@@ -374,7 +374,7 @@ def _decode_report(data: dict[str, Any], out: Path, plots: bool) -> list[str]:
 # ----------------------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> int:
     """Run ``kvpolicy bench``; returns the exit status."""
-    from .perf.report import machine, machine_line
+    from .report import machine, machine_line
 
     defaults = QUICK if args.quick else FULL
     what = {w.strip() for w in args.what.split(",") if w.strip()}
@@ -411,8 +411,8 @@ def run(args: argparse.Namespace) -> int:
     third_party = [p for p in (args.policy or []) if ":" in p]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if "complexity" in what:
-        from .perf.eviction import POLICIES
-        from .testing.timing import bench_steps
+        from .eviction import POLICIES
+        from ..testing.timing import bench_steps
 
         n_series = len(POLICIES) * len(configs) * len(backends) + bench_steps(third_party, sizes, backends, rounds)
     n_cands = 3 + len(budgets) * sum(1 for s in specs if s.budgeted) + sum(1 for s in specs if not s.budgeted) + (0 if args.no_unfused else 2)
@@ -430,7 +430,7 @@ def run(args: argparse.Namespace) -> int:
         if "complexity" in what:
             data["complexity"] = _complexity(args, progress, sizes, configs, rounds)
             if third_party:
-                from .testing.timing import bench_specs
+                from ..testing.timing import bench_specs
 
                 data["policy_complexity"] = bench_specs(
                     third_party, sizes=sizes, backends=backends, batch=configs[0][0], heads=configs[0][1], rounds=rounds, on_progress=progress
@@ -454,7 +454,7 @@ def run(args: argparse.Namespace) -> int:
     if "complexity" in data:
         lines += ["## Eviction cost against cache size", ""] + _complexity_report(data["complexity"], out, plots)
     if data.get("policy_complexity"):
-        from .testing.timing import bench_report
+        from ..testing.timing import bench_report
 
         lines += ["## Eviction cost of the --policy package.module:Factory policies", ""] + bench_report(data["policy_complexity"], out, plots)
     if "decode" in data:
@@ -465,10 +465,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvpolicy.bench`` (the same as ``kvpolicy bench``)."""
+    """``python -m kvpolicy.perf.bench`` (the same as ``kvpolicy bench``)."""
     parser = argparse.ArgumentParser(prog="kvpolicy bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    from .cli import run_command
+    from ..cli import run_command
 
     return run_command("kvpolicy bench", run, parser.parse_args(argv))
 
