@@ -438,6 +438,18 @@ class EvictionPolicy(ABC):
         """Fresh per-layer state (host ints). Default: none."""
         return {}
 
+    def for_layer(self, layer: int, layers: int) -> "EvictionPolicy":
+        """The policy layer ``layer`` (of ``layers``) of a model runs; caches ask once per layer.
+        ``self`` unless the policy gives layers their own budgets (:class:`~kvpolicy.PyramidKV`).
+
+        Example:
+            >>> from kvpolicy import H2O
+            >>> p = H2O(heavy=8, recent=8)
+            >>> p.for_layer(3, 30) is p
+            True
+        """
+        return self
+
     def params(self) -> dict[str, Any]:
         """The policy's parameters, as passed to its constructor."""
         return {}

@@ -43,6 +43,7 @@ def cases(prompt_length: int, new_tokens: int) -> dict[str, object]:
         "buzz30": make_policy("buzz", 0.3, **run),
         "h2o30": make_policy("h2o", 0.3, **run),
         "h2o30shared": make_policy("h2o", 0.3, selection="shared", **run),
+        "pyramid30": make_policy("pyramid_h2o", 0.3, **run),  # per-layer budgets (PyramidKV schedule)
     }
 
 

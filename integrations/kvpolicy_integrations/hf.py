@@ -509,9 +509,10 @@ class EvictingCache(Cache):
         self.capabilities: ModelCapabilities = caps
         self.padding = Padding()  # shared by the layers: the padding of the forward in flight
         shift_matrices = ShiftMatrices()  # shared by the layers: pos-shift rotations, built once a step
+        n_layers = len(caps.layers)
         layers = [
             EvictingLayer(
-                policy, i, positions=positions, rope=ropes[i], attention=caps.layers[i], reduce_scores=reduce_scores,
+                policy.for_layer(i, n_layers), i, positions=positions, rope=ropes[i], attention=caps.layers[i], reduce_scores=reduce_scores,
                 fused_decode=fused_decode, static_shapes=static_shapes, reserve=max_tokens, padding=self.padding,
                 shift_matrices=shift_matrices,
             )

@@ -6,6 +6,7 @@ from .composition import Composed, compose
 from .full import FullCache
 from .h2o import H2O
 from .local import LocalWindow
+from .pyramid import PyramidKV, pyramid_sizes
 from .snapkv import SnapKV
 from .streaming import StreamingLLM
 from .tova import TOVA
@@ -18,6 +19,7 @@ __all__ = [
     "FullCache",
     "H2O",
     "LocalWindow",
+    "PyramidKV",
     "SnapKV",
     "StreamingLLM",
     "TOVA",
@@ -26,4 +28,5 @@ __all__ = [
     "small_stride",
     "threshold_ratio",
     "compose",
+    "pyramid_sizes",
 ]
