@@ -624,11 +624,13 @@ class StreamTask(PerplexityTask):
             "(per-token negative log-likelihood; every policy scores the same tokens, so the per-document "
             "differences are paired)"
         )
+        meaning = ("*equal mean* plans every policy so its average cache over the scored steps is the target (the "
+                   "paper's definition); *equal capacity* gives every policy the target as its capacity (the most "
+                   "tokens a head holds at any step, i.e. peak memory)")
+        shown = "two equalisations side by side" if len(self.equalisations) == 2 else f"equal {self.equalisations[0]} only"
         self.notes.append(
-            "two equalisations side by side: *equal mean* plans every policy so its average cache over the scored "
-            "steps is the target (the paper's definition); *equal capacity* gives every policy the target as its "
-            "capacity (the most tokens a head holds at any step, i.e. peak memory). A size is a number of tokens; a "
-            "budget's target is budget x the full cache's average. Each cell shows its measured average and capacity"
+            f"{shown}: {meaning}. A size is a number of tokens; a budget's target is budget x the full cache's "
+            "average. Each cell shows its measured average and capacity"
         )
         if self.ratios and any(True for _ in self.ratios):
             self.notes.append(
