@@ -55,7 +55,9 @@ class PyramidKV(EvictionPolicy):
     cache). Where one layer stands for all (the NumPy reference, budget planning, the conformance
     kit) this policy *is* ``base`` at the mean ``size``: ``plan_policy("pyramidkv", b, ...)`` plans
     the total, since the mean of the per-layer sizes is ``size`` and the built-in bases' sizes are
-    linear in it (BUZZ's are not: its total then matches to within its rounding).
+    linear in it (BUZZ's are not: its total then matches to within its rounding). So
+    :attr:`capacity` is the mean layer's; a layer's own is ``for_layer(l, L).capacity`` (up to
+    about twice the mean at the bottom: preallocate per layer, as ``EvictingCache`` does).
 
     Parameters (the paper's):
         base: the registry name of the policy every layer runs (the paper selects with SnapKV's
