@@ -157,17 +157,20 @@ def decode_attention(
     work = torch.float64 if query.dtype == torch.float64 else torch.float32
     # query head g * r + i attends with KV head g: [b * g, r, d] x [b * g, d, n]
     q3, k3 = query.reshape(b * g, r, d), key.reshape(b * g, n, d).transpose(1, 2)
-    if bias is not None and prefix is None and row_scale is None and work == query.dtype:
-        # one op for bias + scaling * q.k (a decode step is a few dozen tiny ops per layer: each one saved counts)
-        logits = torch.baddbmm(bias.to(work).reshape(b * g, 1, n), q3, k3, alpha=scaling).view(b, g, r, n)
-        bias = None
-    else:
-        logits = torch.bmm(q3, k3).to(work).view(b, g, r, n)
-        if prefix is not None and prefix[0]:
-            k = prefix[0]
-            head = torch.bmm(prefix[1].reshape(b * g, r, d), key[:, :, :k].reshape(b * g, k, d).transpose(1, 2))
-            logits[..., :k] = head.to(work).view(b, g, r, k)
-        logits.mul_(scaling)
+    if bias is not None and prefix is None and row_scale is None and work == query.dtype == bias.dtype == value.dtype:
+        # the common decode step in as few ops as possible (a decode step is a few dozen tiny ops
+        # per layer: each one saved counts): bias + scaling * q.k in one, softmax and the value
+        # product on the [b * g, r, n] logits as they come
+        logits3 = torch.baddbmm(bias.reshape(b * g, 1, n), q3, k3, alpha=scaling)
+        probs3 = torch.softmax(logits3, dim=-1)
+        out = torch.bmm(probs3, value.reshape(b * g, n, dv))
+        return out.view(b, 1, hq, dv), probs3.view(b, g, r, n).sum(dim=2)
+    logits = torch.bmm(q3, k3).to(work).view(b, g, r, n)
+    if prefix is not None and prefix[0]:
+        k = prefix[0]
+        head = torch.bmm(prefix[1].reshape(b * g, r, d), key[:, :, :k].reshape(b * g, k, d).transpose(1, 2))
+        logits[..., :k] = head.to(work).view(b, g, r, k)
+    logits.mul_(scaling)
     if row_scale is not None:
         logits.mul_(row_scale.to(work).view(b, 1, 1, 1))
     if bias is not None:

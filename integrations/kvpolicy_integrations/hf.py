@@ -257,12 +257,13 @@ class EvictingLayer(DynamicLayer):
         # pos-shift rotation: the measured layout, else (an explicit inv_freq) full half-split RoPE,
         # else none (a NoPE layer: positions do not enter its scores, so there is nothing to shift)
         self.rope = rope
-        shifts = positions == "cache" and (rope is not None or inv_freq is not None)
+        # keys move under pos-shift (positions="cache"), except in a NoPE layer
+        self.shifts = positions == "cache" and (rope is not None or inv_freq is not None)
         # pos-shift of StreamingLLM's sinks is done in the storage (their keys rotated when the
         # shift changes): the decode step then attends with plain SDPA
         self.store = LayerCache(
             policy, reduce_scores=reduce_scores, static_shapes=static_shapes, reserve=reserve,
-            key_shift=self._shift_keys if shifts else None,
+            key_shift=self._shift_keys if self.shifts else None,
         )
         self.shift_matrices = shift_matrices if shift_matrices is not None else ShiftMatrices()
         self.attention = attention if attention is not None else LayerAttention("full")
@@ -319,8 +320,7 @@ class EvictingLayer(DynamicLayer):
                 valid, real = pad.valid, pad.real
         keys, values = self.store.append(key_states, value_states, valid=valid, real=real)
         self._prefix = None
-        shifts = self.positions_mode == "cache" and (self.rope is not None or self.inv_freq is not None)  # NoPE: no shift
-        if shifts and not self.store.keys_shifted:  # (keys_shifted: the store moved the sinks already)
+        if self.shifts and not self.store.keys_shifted:  # (keys_shifted: the store moved the sinks already)
             shift = self.store.shift()
             if isinstance(shift, PrefixShift):
                 if shift.length and any(shift.delta):
