@@ -20,13 +20,38 @@ Every refusal is a ``ValueError`` naming the missing capability and what does wo
 
 from __future__ import annotations
 
+import functools
+import inspect
 import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-__all__ = ["LayerAttention", "ModelCapabilities", "RopeLayout", "detect", "text_config"]
+__all__ = ["LayerAttention", "ModelCapabilities", "RopeLayout", "cache_kwargs", "detect", "text_config"]
+
+def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+    """The keyword that hands ``cache`` to ``model``'s forward and ``generate``: ``cache`` where the
+    model takes it (transformers >= 5.24, which deprecates ``past_key_values``), else
+    ``past_key_values``.
+
+    Example:
+        >>> from kvpolicy.models import tiny_llama
+        >>> list(cache_kwargs(tiny_llama(num_layers=1), None)) in (["cache"], ["past_key_values"])
+        True
+    """
+    return {"cache": cache} if _takes_cache(type(model)) else {"past_key_values": cache}
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_cache(model_class: type) -> bool:
+    """Whether ``model_class.forward`` has a ``cache`` parameter (once per class: decode loops ask
+    at every step)."""
+    try:
+        return "cache" in inspect.signature(model_class.forward).parameters
+    except (AttributeError, TypeError, ValueError):  # no inspectable forward: the name every version takes
+        return False
+
 
 LayerKind = Literal["full", "sliding", "chunked"]
 _KINDS: dict[str, LayerKind] = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
@@ -240,7 +265,7 @@ def _measure_rope(model: torch.nn.Module) -> list[RopeLayout | None]:
     pos = torch.tensor(_PROBE_POSITIONS, device=device)[:, None]
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True)
+        model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache), use_cache=True)
     out: list[RopeLayout | None] = []
     for i, layer in enumerate(cache.layers):
         keys = getattr(layer, "keys", None)

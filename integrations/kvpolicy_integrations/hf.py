@@ -42,7 +42,7 @@ from kvpolicy._validation import check_bool
 from kvpolicy.policy import EvictionPolicy
 from kvpolicy_torch import LayerCache, PrefixShift, decode_attention, received_attention, rope_matrix, rope_rotate
 
-from .capabilities import LayerAttention, ModelCapabilities, RopeLayout, detect, rope_layouts
+from .capabilities import LayerAttention, ModelCapabilities, RopeLayout, cache_kwargs, detect, rope_layouts
 
 __all__ = [
     "ATTENTION_NAME",
@@ -50,6 +50,7 @@ __all__ = [
     "EvictingLayer",
     "GenerationResult",
     "ShiftMatrices",
+    "cache_kwargs",
     "generate",
     "register_attention",
     "use_kvpolicy_attention",
@@ -698,7 +699,7 @@ def generate(
             attention_mask=torch.ones_like(input_ids),
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            past_key_values=cache,
+            **cache_kwargs(model, cache),
             pad_token_id=getattr(tokenizer, "pad_token_id", None) or getattr(tokenizer, "eos_token_id", None),
         )
     new_ids = out[0, n_prompt:].tolist()

@@ -338,6 +338,14 @@ class Engine:
         self.device = next(model.parameters()).device
         self.eos = sorted(tok.eos_ids(model))
         self.n_layers = int(getattr(model.config, "num_hidden_layers"))
+        from ..hf import cache_kwargs
+
+        self._cache_kwargs = cache_kwargs
+
+    def forward(self, ids: Any, cache: Any, **kwargs: Any) -> Any:
+        """The model on ``ids`` ``[batch, q]`` with ``cache``, handed over under the name the
+        installed transformers takes (``kvpolicy.hf.cache_kwargs``)."""
+        return self.model(ids, **self._cache_kwargs(self.model, cache), use_cache=True, **kwargs)
 
     def prefill(self, ids: Any, prompt_length: int, log_n: Any, rows: int | None = None) -> tuple[Any, Any]:
         from ..hf import EvictingCache
@@ -345,7 +353,7 @@ class Engine:
         torch = self.torch
         rec = EvictingCache(_Recorder.make(log_n, rows), self.model)
         with torch.no_grad():
-            out = self.model(ids[:, :prompt_length], past_key_values=rec, logits_to_keep=1, use_cache=True)
+            out = self.forward(ids[:, :prompt_length], rec, logits_to_keep=1)
         return rec, out.logits[:, -1].float()
 
     def prefill_chunked(self, ids: Any, prompt_length: int, policy: Any, chunk: int) -> tuple[Any, Any]:
@@ -356,8 +364,7 @@ class Engine:
         cache = EvictingCache(policy, self.model)
         with torch.no_grad():
             for start in range(0, prompt_length, chunk):
-                out = self.model(ids[:, start : min(start + chunk, prompt_length)], past_key_values=cache,
-                                 logits_to_keep=1, use_cache=True)
+                out = self.forward(ids[:, start : min(start + chunk, prompt_length)], cache, logits_to_keep=1)
         return cache, out.logits[:, -1].float()
 
     def fork(self, rec: Any, policy: Any) -> Any:
@@ -394,7 +401,7 @@ class Engine:
                 sizes.append(self._length(cache) + 1)
                 fulls.append(t + 1)
                 # log-softmax in float64 (cheap at one row per sample): NLL sums over 1,000+ tokens
-                logits = self.model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1].double()
+                logits = self.forward(ids[:, t : t + 1], cache).logits[:, -1].double()
                 logp = torch.log_softmax(logits, dim=-1)
                 nll -= logp[rows, ids[:, t + 1]].double().cpu()
         return {"nll": nll.tolist(), "tokens": [n_score] * b, "sizes": sizes, "fulls": fulls}
@@ -414,7 +421,7 @@ class Engine:
                     break
                 sizes.append(self._length(cache) + 1)
                 fulls.append(seen + 1)
-                logits = self.model(cur[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+                logits = self.forward(cur[:, None], cache).logits[:, -1]
                 seen += 1
                 nxt = logits.argmax(-1)
                 if eos is not None:

@@ -177,6 +177,8 @@ def prefill(model: Any, context: int, *, batch: int = 1, seed: int = 0, chunk: i
     import torch
     from transformers import DynamicCache
 
+    from kvpolicy_integrations.capabilities import cache_kwargs
+
     device = _device_of(model)
     vocab = int(model.config.get_text_config().vocab_size)
     g = torch.Generator().manual_seed(seed)
@@ -188,7 +190,7 @@ def prefill(model: Any, context: int, *, batch: int = 1, seed: int = 0, chunk: i
         for lo in range(0, context, chunk):
             hi = min(context, lo + chunk)
             pos = torch.arange(lo, hi, device=device)[None].expand(batch, -1)
-            model(input_ids=ids[:, lo:hi], past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids[:, lo:hi], **cache_kwargs(model, cache), position_ids=pos, use_cache=True, logits_to_keep=1)
     _sync(device)
     seconds = time.perf_counter() - start
     keys = [layer.keys for layer in cache.layers]
@@ -270,12 +272,14 @@ def decode(model: Any, cache: Any, ids: Any, position: int) -> int:
     """Feed ``ids`` ``[batch, steps]`` one token at a time; return the next position."""
     import torch
 
+    from kvpolicy_integrations.capabilities import cache_kwargs
+
     b, steps = ids.shape
     use_attention_for(model, cache)
     with torch.no_grad():
         for t in range(steps):
             pos = torch.full((b, 1), position + t, dtype=torch.long, device=ids.device)
-            model(input_ids=ids[:, t : t + 1], past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids[:, t : t + 1], **cache_kwargs(model, cache), position_ids=pos, use_cache=True, logits_to_keep=1)
     return position + steps
 
 
