@@ -28,6 +28,7 @@ from .policies import (
     pyramid_sizes,
     threshold_ratio,
 )
+from .params import REQUIRED, Param, declared_params
 from .policy import CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling
 from .registry import (
     ENTRY_POINT_GROUP,
@@ -52,6 +53,8 @@ __all__ = [
     "H2O",
     "LocalWindow",
     "LogNScaling",
+    "Param",
+    "REQUIRED",
     "PolicyPlan",
     "Preset",
     "PyramidKV",
@@ -61,6 +64,7 @@ __all__ = [
     "available_policies",
     "compose",
     "create_policy",
+    "declared_params",
     "estimate_threshold",
     "fixed_point_middle",
     "get_policy",

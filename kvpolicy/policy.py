@@ -25,6 +25,7 @@ from functools import cached_property
 from typing import Any, Callable, ClassVar, Literal
 
 from ._validation import check_choice, check_float, check_int
+from .params import Param, declared_params, make_init
 
 __all__ = ["CacheView", "DecodeEviction", "DeferredScoresView", "EvictionPolicy", "LogNScaling", "ScoreStatistic", "Selection"]
 
@@ -369,8 +370,15 @@ class EvictionPolicy(ABC):
     #: Optional log-n logit scaling (BUZZ with log n); ``None`` means plain attention.
     log_n: LogNScaling | None = None
 
+    #: The parameters the class declares (:class:`~kvpolicy.Param`), bases first: the constructor,
+    #: :meth:`params` (so ``repr``, ``==`` and ``hash``) and validation are derived from them.
+    parameters: ClassVar[tuple[Param, ...]] = ()
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        cls.parameters = declared_params(cls)
+        if cls.parameters and "__init__" not in cls.__dict__:
+            cls.__init__ = make_init(cls, cls.parameters)  # type: ignore[method-assign]
         # A subclass that redefines select() but not decode_eviction must not inherit its parent's
         # rule: backends would apply the parent's eviction instead of the new select().
         if "select" in cls.__dict__ and "decode_eviction" not in cls.__dict__:
@@ -451,8 +459,14 @@ class EvictionPolicy(ABC):
         return self
 
     def params(self) -> dict[str, Any]:
-        """The policy's parameters, as passed to its constructor."""
-        return {}
+        """The policy's parameters, as passed to its constructor (``selection`` apart): by default
+        the declared ones (:attr:`parameters`) that are shown."""
+        out = {}
+        for p in self.parameters:
+            value = self.__dict__[p.attribute]
+            if p.is_shown(self, value):
+                out[p.keyword] = value
+        return out
 
     @classmethod
     def from_size(cls, size: int, **overrides: Any) -> "EvictionPolicy":

@@ -180,7 +180,8 @@ def test_prompt_length_must_leave_a_decode_step() -> None:
 
 
 def test_unknown_parameter_override() -> None:
-    with pytest.raises(TypeError):
+    # the declared parameters (kvpolicy.Param) say which names exist: a ValueError listing them
+    with pytest.raises(ValueError, match="unknown parameter windw for H2O; its parameters: heavy, recent, selection"):
         make_policy("h2o", 0.3, context_length=100, windw=3)
 
 

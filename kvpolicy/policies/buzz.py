@@ -19,12 +19,13 @@ threshold, so a head never holds more than ``sink + window + threshold`` tokens.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import math
 
-from .._validation import check_bool, check_choice, check_float, check_int
-from ..policy import Array, CacheView, EvictionPolicy, LogNScaling, Selection, SizeRule
+from .._validation import check_float, check_int
+from ..params import Param
+from ..policy import Array, CacheView, EvictionPolicy, LogNScaling, SizeRule
 from ..registry import register_policy
 
 __all__ = ["BUZZ", "estimate_threshold", "threshold_ratio", "small_stride", "fixed_point_middle", "check_ratio", "window_for_size"]
@@ -133,33 +134,25 @@ class BUZZ(EvictionPolicy):
 
     name = "buzz"
 
-    def __init__(
-        self,
-        sink: int = 4,
-        window: int = 64,
-        stride: int = 5,
-        threshold: int | None = None,
-        *,
-        log_n: bool = False,
-        log_base: float = 512.0,
-        log_floor: float = 0.0,
-        interval_keep: Literal["first", "last"] = "first",
-        selection: Selection = "per_head",
-    ) -> None:
-        super().__init__(selection=selection)
-        self.sink = check_int("sink", sink, minimum=1)
-        self.window = check_int("window", window, minimum=1)
-        self.stride = check_int("stride", stride, minimum=3)
-        if threshold is None:
-            threshold = estimate_threshold(self.stride, self.window)
-        t_min = _min_threshold(self.stride)
-        self.threshold = check_int("threshold", threshold, minimum=t_min)
+    sink = Param(int, 4, minimum=1, doc="first positions kept forever")
+    window = Param(int, 64, minimum=1, doc="last positions always kept")
+    stride = Param(int, 5, minimum=3, doc="segment length s for new tokens")
+    threshold = Param(int, None, minimum=lambda p: _min_threshold(p.stride),
+                      if_none=lambda p: estimate_threshold(p.stride, p.window),
+                      doc="middle size T that triggers an eviction (None: the theorem's)")
+    # log_n=True is stored as use_log_n: `log_n` is the scaling backends apply (EvictionPolicy.log_n)
+    use_log_n = Param(bool, False, keyword="log_n", keyword_only=True, shown="non-default",
+                      doc="scale attention logits by log_base(n)")
+    log_base = Param(float, 512.0, minimum=1.0, low_open=True, high_open=True, keyword_only=True, shown=lambda p: p.use_log_n,
+                     doc="the base of that logarithm")
+    log_floor = Param(float, 0.0, minimum=0.0, high_open=True, keyword_only=True, shown=lambda p: p.use_log_n,
+                      doc="lower bound of the scale")
+    interval_keep = Param(str, "first", choices=("first", "last"), keyword_only=True, shown="non-default",
+                          doc="which token of each s_hat group of old tokens survives")
+
+    def __post_init__(self) -> None:
         self.s_hat = small_stride(self.stride)
-        self.interval_keep = check_choice("interval_keep", interval_keep, ("first", "last"))
-        log_n = check_bool("log_n", log_n)
-        scaling = LogNScaling(log_base, log_floor)  # validated even when unused: no silent typo
-        self.log_n = scaling if log_n else None
-        self._log_args = (log_n, float(scaling.base), float(scaling.floor))
+        self.log_n = LogNScaling(self.log_base, self.log_floor) if self.use_log_n else None
 
     @property
     def capacity(self) -> int:
@@ -218,20 +211,6 @@ class BUZZ(EvictionPolicy):
             return sink + window + middle if n - sink - window >= threshold else n
 
         return rule
-
-    def params(self) -> dict[str, Any]:
-        p: dict[str, Any] = {
-            "sink": self.sink,
-            "window": self.window,
-            "stride": self.stride,
-            "threshold": self.threshold,
-        }
-        log_n, base, floor = self._log_args
-        if log_n:
-            p.update(log_n=True, log_base=base, log_floor=floor)
-        if self.interval_keep != "first":
-            p["interval_keep"] = self.interval_keep
-        return p
 
     min_size = 6
 

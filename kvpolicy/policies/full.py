@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..policy import Array, CacheView, EvictionPolicy, Selection, SizeRule
+from ..policy import Array, CacheView, EvictionPolicy, SizeRule
 from ..registry import register_policy
 
 
@@ -26,9 +26,6 @@ class FullCache(EvictionPolicy):
     uses_scores = False
     evicts = False
 
-    def __init__(self, *, selection: Selection = "per_head") -> None:
-        super().__init__(selection=selection)
-
     @property
     def capacity(self) -> int | None:
         return None
@@ -39,5 +36,3 @@ class FullCache(EvictionPolicy):
     def size_rule(self) -> SizeRule:
         return lambda n, state: n
 
-    def params(self) -> dict[str, Any]:
-        return {}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._validation import check_int
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Selection, SizeRule, keep_at_most
+from ..params import Param
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, SizeRule, keep_at_most
 from ..registry import register_policy
 
 
@@ -32,10 +32,8 @@ class H2O(EvictionPolicy):
 
     name = "h2o"
 
-    def __init__(self, heavy: int, recent: int, *, selection: Selection = "per_head") -> None:
-        super().__init__(selection=selection)
-        self.heavy = check_int("heavy", heavy, minimum=1)
-        self.recent = check_int("recent", recent, minimum=1)
+    heavy = Param(int, minimum=1, doc="heavy-hitter tokens kept outside the recent window")
+    recent = Param(int, minimum=1, doc="most recent tokens always kept")
 
     @property
     def capacity(self) -> int:
@@ -55,9 +53,6 @@ class H2O(EvictionPolicy):
 
     def size_rule(self) -> SizeRule:
         return keep_at_most(self.heavy + self.recent)
-
-    def params(self) -> dict[str, Any]:
-        return {"heavy": self.heavy, "recent": self.recent}
 
     min_size = 2
 

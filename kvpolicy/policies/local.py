@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._validation import check_int
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Selection, SizeRule, keep_at_most
+from ..params import Param
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, SizeRule, keep_at_most
 from ..registry import register_policy
 
 
@@ -27,9 +27,7 @@ class LocalWindow(EvictionPolicy):
     name = "local"
     uses_scores = False
 
-    def __init__(self, window: int, *, selection: Selection = "per_head") -> None:
-        super().__init__(selection=selection)
-        self.window = check_int("window", window, minimum=1)
+    window = Param(int, minimum=1, doc="most recent positions kept")
 
     @property
     def capacity(self) -> int:
@@ -47,9 +45,6 @@ class LocalWindow(EvictionPolicy):
 
     def size_rule(self) -> SizeRule:
         return keep_at_most(self.window)
-
-    def params(self) -> dict[str, Any]:
-        return {"window": self.window}
 
     @classmethod
     def from_size(cls, size: int, **overrides: Any) -> "LocalWindow":

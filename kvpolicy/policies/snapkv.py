@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._validation import check_int
-from ..policy import Array, CacheView, EvictionPolicy, Selection
+from ..params import Param
+from ..policy import Array, CacheView, EvictionPolicy
 from ..registry import register_policy
+
+
+def _odd_kernel(kernel: int) -> int:
+    if kernel % 2 == 0:
+        raise ValueError(f"kernel must be odd (a window centred on each token), got {kernel}")
+    return kernel
 
 
 def max_pool(view: CacheView, scores: Array, kernel: int) -> Array:
@@ -63,13 +69,9 @@ class SnapKV(EvictionPolicy):
 
     name = "snapkv"
 
-    def __init__(self, size: int, window: int = 32, kernel: int = 5, *, selection: Selection = "per_head") -> None:
-        super().__init__(selection=selection)
-        self.window = check_int("window", window, minimum=1)
-        self.size = check_int("size", size, minimum=self.window + 1)
-        self.kernel = check_int("kernel", kernel, minimum=1)
-        if self.kernel % 2 == 0:
-            raise ValueError(f"kernel must be odd (a window centred on each token), got {kernel}")
+    size = Param(int, minimum=lambda p: p.window + 1, doc="tokens a prompt keeps (window included)")
+    window = Param(int, 32, minimum=1, doc="the observation window: last prompt positions that score, always kept")
+    kernel = Param(int, 5, minimum=1, check=lambda p, k: _odd_kernel(k), doc="max-pool kernel (odd)")
 
     @property
     def capacity(self) -> None:
@@ -94,9 +96,6 @@ class SnapKV(EvictionPolicy):
         order = xp.take_along_axis(by_own, xp.argsort(-xp.take_along_axis(pooled, by_own, axis=-1), axis=-1, stable=True), axis=-1)
         kept = xp.sort(order[..., : self.size - self.window], axis=-1)
         return view.keep(kept, view.arange(prefix, n))
-
-    def params(self) -> dict[str, Any]:
-        return {"size": self.size, "window": self.window, "kernel": self.kernel}
 
     min_size = 2
 

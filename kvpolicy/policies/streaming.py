@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._validation import check_int
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Selection, SizeRule, keep_at_most
+from ..params import Param
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, SizeRule, keep_at_most
 from ..registry import register_policy
 
 
@@ -32,10 +32,8 @@ class StreamingLLM(EvictionPolicy):
     uses_scores = False
     default_positions = "cache"
 
-    def __init__(self, sink: int = 4, window: int = 252, *, selection: Selection = "per_head") -> None:
-        super().__init__(selection=selection)
-        self.sink = check_int("sink", sink, minimum=1)
-        self.window = check_int("window", window, minimum=1)
+    sink = Param(int, 4, minimum=1, doc="first positions kept forever (attention sinks)")
+    window = Param(int, 252, minimum=1, doc="most recent positions kept")
 
     @property
     def capacity(self) -> int:
@@ -54,9 +52,6 @@ class StreamingLLM(EvictionPolicy):
 
     def size_rule(self) -> SizeRule:
         return keep_at_most(self.sink + self.window)
-
-    def params(self) -> dict[str, Any]:
-        return {"sink": self.sink, "window": self.window}
 
     min_size = 2
 

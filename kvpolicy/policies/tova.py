@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._validation import check_int
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Selection
+from ..params import Param
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy
 from ..registry import register_policy
 
 
@@ -39,10 +39,8 @@ class TOVA(EvictionPolicy):
     name = "tova"
     score_statistic = "latest"
 
-    def __init__(self, size: int, recent: int = 0, *, selection: Selection = "per_head") -> None:
-        super().__init__(selection=selection)
-        self.size = check_int("size", size, minimum=1)
-        self.recent = check_int("recent", recent, minimum=0, maximum=self.size - 1)
+    size = Param(int, minimum=1, doc="tokens kept")
+    recent = Param(int, 0, minimum=0, maximum=lambda p: p.size - 1, doc="most recent tokens always kept (0: none)")
 
     @property
     def capacity(self) -> int:
@@ -59,9 +57,6 @@ class TOVA(EvictionPolicy):
     def decode_eviction(self) -> DecodeEviction:
         # One over `size`: the lowest (latest-query) score outside the recent window goes.
         return DecodeEviction(limit=self.size, victim="lowest", recent=self.recent)
-
-    def params(self) -> dict[str, Any]:
-        return {"size": self.size, "recent": self.recent}
 
     min_size = 1
 
