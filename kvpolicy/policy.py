@@ -32,7 +32,7 @@ __all__ = ["CacheView", "DecodeEviction", "DeferredScoresView", "EvictionPolicy"
 Array = Any  # a NumPy ndarray or a torch.Tensor; anything array-api-compat understands
 Selection = Literal["per_head", "shared"]
 #: How received attention updates a token's score (:attr:`EvictionPolicy.score_statistic`).
-ScoreStatistic = Literal["accumulate", "latest"]
+ScoreStatistic = Literal["accumulate", "latest", "low_history"]
 
 
 def array_namespace(x: Array) -> Any:
@@ -366,6 +366,9 @@ class EvictionPolicy(ABC):
     #: KV head. Every backend applies it (the NumPy reference, the conformance kit,
     #: ``kvpolicy_torch.LayerCache.accumulate``).
     score_statistic: ClassVar[ScoreStatistic] = "accumulate"
+    #: For ``score_statistic = "low_history"`` (Scissorhands): the queries a token's record of
+    #: low-attention events covers (:mod:`kvpolicy.statistics`); ``None`` otherwise.
+    score_history: ClassVar[int | None] = None
 
     #: Optional log-n logit scaling (BUZZ with log n); ``None`` means plain attention.
     log_n: LogNScaling | None = None

@@ -12,6 +12,7 @@ import numpy as np
 from kvpolicy._validation import check_eviction_policy, check_int
 from kvpolicy.driver import evict_until_done, log_n_scales, softmax
 from kvpolicy.policy import EvictionPolicy
+from kvpolicy.statistics import history_record, low_attention, shift_history
 
 __all__ = ["Trace", "replay", "softmax", "validate_logits", "validate_values"]
 
@@ -137,8 +138,10 @@ def replay(
     (logits times the policy's log-n scale, if any, with ``n`` the number of kept keys; prompt row
     ``i`` attends to ``i + 1`` keys); each kept token's score grows by the
     probability it received (or, when ``policy.score_statistic == "latest"``, its score becomes
-    that probability; a prompt's scores come from its last ``policy.prompt_rows`` rows when that
-    is set); then the policy evicts, repeatedly until it returns ``None``.
+    that probability; with ``"low_history"`` its record of low-attention events shifts in this
+    query's bit, :mod:`kvpolicy.statistics`; a prompt's scores come from its last
+    ``policy.prompt_rows`` rows when that is set, each row a query of a record); then the policy
+    evicts, repeatedly until it returns ``None``.
 
     Example:
         >>> import numpy as np
@@ -175,6 +178,9 @@ def replay(
         positions = np.broadcast_to(np.arange(p, dtype=np.int64), (1, heads, p)).copy()
         # policy.prompt_rows: only the prompt's last rows score it (TOVA: 1, SnapKV: its window)
         scores = probs[max(0, p - (policy.prompt_rows or p)) :].sum(axis=0)[None]
+        if policy.score_statistic == "low_history":  # each row is a query of the record (Scissorhands)
+            low = low_attention(probs, 1, kept=np.broadcast_to(causal, probs.shape))  # [p, heads, p]
+            scores = history_record(low.transpose(1, 0, 2), policy.score_history)[None]
         if outputs is not None:
             outputs[:p] = np.einsum("qhk,khd->qhd", probs, values[:p])
         # phase as kvpolicy_torch.LayerCache sets it: a one-token prompt is a decode step
@@ -190,7 +196,12 @@ def replay(
         # log n: n = the keys this query attends to, i.e. the kept ones (paper, section 3.5)
         row = logits[t][head_index, cached] * log_n_scales(policy, np.asarray([cached.shape[-1]]))[0]
         probs = softmax(row)
-        scores = probs[None] if policy.score_statistic == "latest" else scores + probs[None]
+        if policy.score_statistic == "latest":
+            scores = probs[None]
+        elif policy.score_statistic == "low_history":
+            scores = shift_history(scores, low_attention(probs, 1)[None].astype(np.float64), 1, policy.score_history)
+        else:
+            scores = scores + probs[None]
         if outputs is not None:
             outputs[t] = np.einsum("hk,khd->hd", probs, values[cached.T, np.arange(heads)[None, :]])
         evict_until_stable(t, "decode")

@@ -31,6 +31,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from kvpolicy.policy import CacheView, DecodeEviction, EvictionPolicy
+from kvpolicy.statistics import shift_history
 
 from .ops import first_argmin
 
@@ -268,7 +269,9 @@ class LayerCache:
         self._forget_candidates()
         b, h, _, d = like_k.shape
         dev = like_k.device
-        score_dtype = torch.float64 if like_k.dtype == torch.float64 else torch.float32
+        # float64 for float64 models, and for records of low-attention events (exact integers < 2**52)
+        exact = like_k.dtype == torch.float64 or self.policy.score_statistic == "low_history"
+        score_dtype = torch.float64 if exact else torch.float32
         # zeros, not empty: a hole's key and value are read by attention (masked, weight 0), and
         # 0 * NaN from uninitialised memory would poison the row
         keys = torch.zeros(b, h, slots, d, dtype=like_k.dtype, device=dev)
@@ -667,7 +670,10 @@ class LayerCache:
         ``-inf``: that token is evicted first by score-based policies, never kept by a NaN.
 
         For a policy whose ``score_statistic`` is ``"latest"`` (TOVA) ``received`` replaces the
-        scores of the tokens instead; holes and pads keep ``+inf``."""
+        scores of the tokens instead; with ``"low_history"`` (Scissorhands) ``received`` is the
+        step's record of low-attention events (:func:`kvpolicy.statistics.history_record` of the
+        chunk's rows, or of the decode query's :func:`~kvpolicy.statistics.low_attention`), shifted
+        into each token's record. Holes and pads keep ``+inf``."""
         self._require()
         lo, hi = self._range
         scores = self._extra[3] if self._extra is not None else self._scores[:, :, lo:hi]  # type: ignore[index]
@@ -678,9 +684,20 @@ class LayerCache:
         if received.dtype != scores.dtype:
             received = received.to(scores.dtype)
         received = torch.nan_to_num(received, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
-        if self.policy.score_statistic == "latest":
+        statistic = self.policy.score_statistic
+        if statistic == "latest":
             pos = self._extra[2] if self._extra is not None else self._pos[:, :, lo:hi]  # type: ignore[index]
             scores.copy_(torch.where(pos >= 0, received, math.inf))
+        elif statistic == "low_history":
+            # `received` is the step's record (kvpolicy.statistics.history_record): shift it in,
+            # by the chunk's real rows (a left-padded row has fewer) or by one decode query
+            pos = self._extra[2] if self._extra is not None else self._pos[:, :, lo:hi]  # type: ignore[index]
+            rows: Any = 1
+            if self._chunk is not None:
+                valid = self._chunk[2]
+                rows = self._chunk[1] if valid is None else valid.sum(dim=-1).view(-1, 1, 1)
+            history = shift_history(scores, received, rows, self.policy.score_history)  # type: ignore[arg-type]
+            scores.copy_(torch.where(pos >= 0, history, math.inf))
         else:
             if self._cand is not None:
                 low, high = torch.aminmax(received)

@@ -7,6 +7,7 @@ import torch
 
 from kvpolicy._validation import check_eviction_policy, check_int
 from kvpolicy.policy import EvictionPolicy
+from kvpolicy.statistics import history_record, low_attention
 from kvpolicy_numpy.replay import Trace, validate_logits, validate_values
 
 from .layer import LayerCache
@@ -80,7 +81,11 @@ def replay(
         rows = logits_t[:p, :, :p] * scale[:, None, None]
         causal = torch.ones(p, p, dtype=torch.bool, device=device).tril()[:, None, :]
         probs = torch.softmax(rows.masked_fill(~causal, float("-inf")), dim=-1)  # [p, heads, p]
-        layer.accumulate(probs[max(0, p - (policy.prompt_rows or p)) :].sum(dim=0)[None])  # the last prompt_rows rows
+        if policy.score_statistic == "low_history":  # each row is a query of the record (Scissorhands)
+            low = low_attention(probs, 1, kept=causal.expand(probs.shape))  # [p, heads, p]
+            layer.accumulate(history_record(low.permute(1, 0, 2), policy.score_history)[None])  # type: ignore[arg-type]
+        else:
+            layer.accumulate(probs[max(0, p - (policy.prompt_rows or p)) :].sum(dim=0)[None])  # the last prompt_rows rows
         outputs[:p] = torch.einsum("qhk,khd->qhd", probs, values_t[:p])
         step_evict(p - 1)
         kept[p - 1] = layer.positions[0].cpu().numpy().copy()
@@ -92,7 +97,10 @@ def replay(
         scale = _scales(policy, torch.tensor([layer.length], device=device)).to(dtype)  # n = kept keys
         rows = torch.gather(logits_t[t], 1, cached.clamp(min=0)) * scale
         probs = torch.softmax(rows.masked_fill(cached < 0, float("-inf")), dim=-1)  # [heads, n]
-        layer.accumulate(probs[None])
+        if policy.score_statistic == "low_history":
+            layer.accumulate(low_attention(probs, 1, kept=cached >= 0).to(torch.float64)[None])
+        else:
+            layer.accumulate(probs[None])
         outputs[t] = torch.einsum("hk,hkd->hd", probs, v_all[0])
         step_evict(t)
         kept[t] = layer.positions[0].cpu().numpy().copy()

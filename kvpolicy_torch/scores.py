@@ -73,6 +73,7 @@ def received_attention(
     block: int | None = None,
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
     rows: int | None = None,
+    history: int | None = None,
 ) -> torch.Tensor:
     """Attention each key received from the current queries, summed per KV head.
 
@@ -93,6 +94,11 @@ def received_attention(
         rows: a policy's ``prompt_rows``: sum over the last ``rows`` query rows only (TOVA: 1,
             SnapKV: its observation window; they are the chunk's last rows, so they see every
             cached key), computed on those rows only; ``None`` (default): every row.
+        history: for a ``"low_history"`` policy (Scissorhands, ``score_history``): return the
+            chunk's record of low-attention events instead (float64; bit ``k`` set where the
+            ``k``-th query before the last attends to the key less than average,
+            :func:`kvpolicy.statistics.low_attention`, for the last ``history`` queries; pads at
+            the start of a row, as left padding puts them, are no queries).
 
     Returns:
         ``[batch, kv_heads, n]`` float32 (float64 for float64 inputs): the softmax probabilities
@@ -113,6 +119,8 @@ def received_attention(
         >>> r.shape, round(float(r.sum()), 4)  # 4 query heads x 6 rows, each row sums to 1
         (torch.Size([1, 2, 6]), 24.0)
     """
+    if history is not None:
+        return _history_record(query, keys, scaling, history, query_scale=query_scale, mask=mask, query_valid=query_valid)
     if rows is not None:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"rows must be an int >= 1 or None, got {rows!r}")
@@ -192,3 +200,41 @@ def received_attention(
             inv_total.view(b, kv_heads, r, rows).mul_(query_valid[:, None, None, start:stop].to(work))
         out[..., :visible] += torch.matmul(inv_total[:, :, None, :], logits)[:, :, 0]
     return out
+
+
+def _history_record(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    history: int,
+    *,
+    query_scale: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    query_valid: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`received_attention`'s ``history`` case: ``[batch, kv_heads, n]`` float64 records of
+    the last ``history`` queries (a decode step's is its one query's bit), row by row in float64."""
+    from kvpolicy.statistics import low_attention
+
+    if isinstance(history, bool) or not isinstance(history, int) or history < 1:
+        raise ValueError(f"history must be an int >= 1 or None, got {history!r}")
+    b, hq, q, d = query.shape
+    kv_heads, n = keys.shape[1], keys.shape[2]
+    r = hq // kv_heads
+    first = max(0, q - history)  # older rows fall out of every record
+    grouped = group_query_heads(query, kv_heads)[:, :, :, first:].to(torch.float64)  # [b, g, r, rows, d]
+    logits = torch.matmul(grouped, keys.to(torch.float64)[:, :, None].mT) * scaling  # [b, g, r, rows, n]
+    if query_scale is not None:
+        scale = query_scale if query_scale.ndim == 2 else query_scale[None].expand(b, q)
+        logits = logits * scale[:, None, None, first:, None].to(torch.float64)
+    rows = q - first
+    seen = torch.arange(n, device=keys.device)[None, :] <= (n - q + first + torch.arange(rows, device=keys.device))[:, None]
+    seen = seen[None, None]  # [1, 1, rows, n]: causal within the chunk
+    if mask is not None:
+        seen = seen & mask[:, :, first:, :]
+    probs = torch.softmax(logits.masked_fill(~seen[:, :, None], float("-inf")), dim=-1).sum(dim=2)  # [b, g, rows, n]
+    low = low_attention(probs, r, kept=seen.expand(probs.shape))
+    weights = 2.0 ** torch.arange(rows - 1, -1, -1, device=keys.device, dtype=torch.float64)  # the last row is bit 0
+    if query_valid is not None:  # a pad row is no query (left padding: pads come first)
+        weights = weights * query_valid[:, first:].to(torch.float64)[:, None, :]
+    return (low.to(torch.float64) * weights[..., None]).sum(dim=-2)

@@ -9,6 +9,10 @@ Algorithms 1 and 2 one token, one head and one segment at a time, with Python li
   then the eviction rule, repeated until it holds;
 * TOVA: a token's score is only the latest query's probability (the prompt's last row after a
   prefill), not the sum.
+* Scissorhands: a token's score is the list of its last ``history`` low-attention bits (a query
+  gave it less than ``(1 - 1e-6) / n`` of its attention, ``n`` the keys the query saw; every prompt
+  row a query); at ``size`` tokens or more, tokens outside the last ``recent`` go down to
+  ``size - max(1, floor(drop * size))``: the most bits set first, the latest of a tie first.
 
 What it shares with :mod:`kvpolicy_numpy.replay` is only the floating-point arithmetic of the
 attention probabilities (the same NumPy operations in the same order, copied here rather than
@@ -68,6 +72,8 @@ def oracle_params(policy: Any) -> dict[str, Any]:
         p.update(size=policy.size, recent=policy.recent)
     elif kind == "snapkv":
         p.update(size=policy.size, window=policy.window, kernel=policy.kernel)
+    elif kind == "scissorhands":
+        p.update(size=policy.size, history=policy.history, drop=policy.drop, recent=policy.recent)
     elif kind == "full":
         pass
     elif kind == "compose":
@@ -167,6 +173,24 @@ def _tova_round(p: dict[str, Any], cache: list[int], scores: list[float]) -> lis
     return alive
 
 
+def _scissorhands_round(p: dict[str, Any], cache: list[int], bits: list[list[int]]) -> list[int] | None:
+    """Scissorhands: at ``size`` tokens or more, drop tokens before the last ``recent`` down to
+    ``size - max(1, floor(drop * size))``: the most low bits set first, the latest of a tie first."""
+    size, recent = p["size"], p["recent"]
+    m = max(1, min(size - 1, math.floor(p["drop"] * size)))
+    if len(cache) < size:
+        return None
+    alive = list(range(len(cache)))
+    while len(alive) > size - m:  # down to the target, one at a time (counts do not change meanwhile)
+        candidates = alive[: len(alive) - recent]
+        victim = candidates[0]
+        for i in candidates:  # the most bits; among equals the latest (>=)
+            if sum(bits[i]) >= sum(bits[victim]):
+                victim = i
+        alive.remove(victim)
+    return alive
+
+
 def _snapkv_round(p: dict[str, Any], cache: list[int], scores: list[float], phase: str) -> list[int] | None:
     """SnapKV, right after a prompt only: max-pool the scores of the tokens before the window
     (``kernel`` positions centred on each, those that exist), keep the ``size - window`` highest
@@ -243,6 +267,11 @@ def oracle(
     # as the prefill policy of a composition scores it, or by all its rows
     scoring = p["decode"] if p["kind"] == "compose" else p
     latest = scoring["kind"] == "tova"
+    history = scoring.get("history") if scoring["kind"] == "scissorhands" else None
+
+    def low_bits(probs_row: Any, n: int) -> list[int]:
+        # a query's low-attention bits over the n keys it sees
+        return [1 if float(probs_row[j]) < (1 - 1e-6) / n else 0 for j in range(n)]
     prompting = p["prefill"] if p["kind"] == "compose" else p
     prompt_rows = {"tova": 1, "snapkv": prompting.get("window")}.get(prompting["kind"])
     caches: list[list[int]] = [[] for _ in range(heads)]
@@ -277,6 +306,8 @@ def oracle(
             return _h2o_round(q, cache, sc)
         if kind == "tova":
             return _tova_round(q, cache, sc)
+        if kind == "scissorhands":
+            return _scissorhands_round(q, cache, sc)  # type: ignore[arg-type]
         if kind == "streaming_llm":
             return _streaming_round(q, cache)
         if kind == "local":
@@ -342,13 +373,20 @@ def oracle(
         for h in range(heads):
             caches[h] = list(range(n))
             scores[h] = [float(summed[h, j]) for j in range(n)]
+            if history is not None:  # each prompt row is a query: token j's bits from rows j..n-1
+                records: list[list[int]] = [[] for _ in range(n)]
+                for i in range(n):
+                    row_bits = low_bits(probs[i, h], i + 1)
+                    for j in range(i + 1):
+                        records[j] = (records[j] + [row_bits[j]])[-history:]
+                scores[h] = records  # type: ignore[assignment]
         evict_until_stable(n - 1, "prefill" if n > 1 else "decode")  # a one-token prompt is a decode step
         result.kept[n - 1] = [list(c) for c in caches]
 
     for t in range(prompt_len, steps):
         for h in range(heads):
             caches[h].append(t)
-            scores[h].append(0.0)
+            scores[h].append([] if history is not None else 0.0)  # type: ignore[arg-type]
         result.sizes.append(len(caches[0]))
         c = scale(len(caches[0]))  # log n: n = the keys query t attends to (paper, section 3.5)
         row = np.asarray(
@@ -356,6 +394,12 @@ def oracle(
         ) * np.float64(c)
         probs = _softmax(row)
         for h in range(heads):
+            if history is not None:
+                row_bits = low_bits(probs[h], len(caches[h]))
+                for j in range(len(caches[h])):
+                    scores[h][j] = (scores[h][j] + [row_bits[j]])[-history:]  # type: ignore[operator]
+                output(t, h, caches[h], probs[h])
+                continue
             for j in range(len(caches[h])):
                 scores[h][j] = float(probs[h, j]) if latest else scores[h][j] + float(probs[h, j])
             output(t, h, caches[h], probs[h])

@@ -19,10 +19,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 pytest.importorskip("rouge_score")
 
-from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, SnapKV, StreamingLLM, compose  # noqa: E402
+from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, Scissorhands, SnapKV, StreamingLLM, compose  # noqa: E402
 from kvpolicy.eval import compare  # noqa: E402
 from kvpolicy.eval import data as D  # noqa: E402
-from kvpolicy.eval.compare import Engine, _prefill_key  # noqa: E402
+from kvpolicy.eval.compare import Engine, _prefill_key, recorded_history  # noqa: E402
 from kvpolicy.eval.tasks import DataSources, TokenizerAdapter, tw_window  # noqa: E402
 from kvpolicy.models import tiny_llama  # noqa: E402
 
@@ -207,7 +207,8 @@ def test_paper_data_files(model, tmp_path):
     "policy",
     [FullCache(), LocalWindow(12), StreamingLLM(2, 10), H2O(8, 8), BUZZ(2, 6, 3, 10),
      BUZZ(2, 6, 4, 12, log_n=True, log_base=8.0), BUZZ(2, 6, 4, 12, log_n=True, log_base=512.0), TOVA(12),
-     SnapKV(12, window=4), compose(prefill=SnapKV(11, window=4), decode=H2O(6, 6))],
+     SnapKV(12, window=4), compose(prefill=SnapKV(11, window=4), decode=H2O(6, 6)),
+     Scissorhands(12, history=5, drop=0.25, recent=2)],
     ids=repr,
 )
 def test_fork_of_shared_prefill_equals_own_prefill(model, policy):
@@ -220,7 +221,7 @@ def test_fork_of_shared_prefill_equals_own_prefill(model, policy):
     ids = torch.randint(3, 128, (2, 48), generator=g)
     prompt = 40
     log_n = policy.log_n if _prefill_key(policy, prompt) is not None else None
-    rec, first = engine.prefill(ids, prompt, log_n, policy.prompt_rows)
+    rec, first = engine.prefill(ids, prompt, log_n, policy.prompt_rows, recorded_history(policy))
     forked = engine.fork(rec, policy)
     own = EvictingCache(policy, model)
     with torch.no_grad():

@@ -20,7 +20,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import kvpolicy_numpy
-from kvpolicy import BUZZ, H2O, TOVA, EvictionPolicy, FullCache, LocalWindow, SnapKV, StreamingLLM, get_policy
+from kvpolicy import BUZZ, H2O, TOVA, EvictionPolicy, FullCache, LocalWindow, Scissorhands, SnapKV, StreamingLLM, get_policy
 from kvpolicy._validation import check_int
 from kvpolicy.testing import (
     ContractViolation,
@@ -50,11 +50,11 @@ FIXED = settings(max_examples=30, derandomize=True, database=None, deadline=None
 
 
 # ============================================================================ built-ins pass
-BUILTINS = [BUZZ, H2O, StreamingLLM, LocalWindow, FullCache, get_policy("buzz_logn"), TOVA, SnapKV]
+BUILTINS = [BUZZ, H2O, StreamingLLM, LocalWindow, FullCache, get_policy("buzz_logn"), TOVA, SnapKV, Scissorhands]
 
 
 @pytest.mark.parametrize(
-    "factory", BUILTINS, ids=["buzz", "h2o", "streaming_llm", "local", "full", "buzz_logn", "tova", "snapkv"]
+    "factory", BUILTINS, ids=["buzz", "h2o", "streaming_llm", "local", "full", "buzz_logn", "tova", "snapkv", "scissorhands"]
 )
 def test_builtin_policy_keeps_the_contract(kvpolicy_contract, factory) -> None:
     """Each built-in, each property of the contract (the fixture parametrizes over them), with

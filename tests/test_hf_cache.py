@@ -15,12 +15,13 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
 import kvpolicy_numpy  # noqa: E402
-from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, SnapKV, StreamingLLM, compose, make_policy  # noqa: E402
+from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, Scissorhands, SnapKV, StreamingLLM, compose, make_policy  # noqa: E402
 from kvpolicy.models import tiny_llama  # noqa: E402
 from kvpolicy_integrations.hf import EvictingCache, generate  # noqa: E402
 
 COVERING = [FullCache(), BUZZ(4, 64, 5, 300), H2O(100, 100), StreamingLLM(4, 100), LocalWindow(100)]
-EVICTING = [BUZZ(2, 6, 3, 10), BUZZ(2, 6, 4, 12, log_n=True, log_base=8.0), H2O(8, 8), StreamingLLM(2, 10), LocalWindow(12), TOVA(12)]
+EVICTING = [BUZZ(2, 6, 3, 10), BUZZ(2, 6, 4, 12, log_n=True, log_base=8.0), H2O(8, 8), StreamingLLM(2, 10), LocalWindow(12), TOVA(12),
+            Scissorhands(14, history=6, drop=0.25, recent=3)]
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +135,8 @@ def _layer0_logits(model, tokens):
     "policy",
     [BUZZ(2, 5, 3, 8), BUZZ(1, 4, 4, 9, selection="shared"), H2O(6, 6), H2O(5, 7, selection="shared"), StreamingLLM(2, 9), LocalWindow(9),
      TOVA(12), TOVA(10, recent=2, selection="shared"), SnapKV(12, window=4), SnapKV(10, window=3, kernel=3, selection="shared"),
-     compose(prefill=SnapKV(11, window=4), decode=BUZZ(1, 4, 3, 7)), compose(prefill=SnapKV(12, window=3), decode=H2O(5, 6))],
+     compose(prefill=SnapKV(11, window=4), decode=BUZZ(1, 4, 3, 7)), compose(prefill=SnapKV(12, window=3), decode=H2O(5, 6)),
+     Scissorhands(12, history=5, drop=0.25, recent=2), Scissorhands(9, history=3, drop=0.5, recent=0)],
     ids=repr,
 )
 def test_kept_positions_equal_numpy_replay(policy):

@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvpolicy
-from kvpolicy import BUZZ, H2O, TOVA, CacheView, EvictionPolicy, FullCache, LocalWindow, Param, SnapKV, StreamingLLM
+from kvpolicy import BUZZ, H2O, TOVA, CacheView, EvictionPolicy, FullCache, LocalWindow, Param, Scissorhands, SnapKV, StreamingLLM
 from kvpolicy.params import declared_params
 from kvpolicy.testing.strategies import policies
 
-DECLARED = [BUZZ, H2O, TOVA, SnapKV, StreamingLLM, LocalWindow, FullCache]
+DECLARED = [BUZZ, H2O, TOVA, SnapKV, StreamingLLM, LocalWindow, FullCache, Scissorhands]
 
 
 @pytest.mark.parametrize("cls", DECLARED, ids=lambda c: c.__name__)

@@ -40,6 +40,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvpolicy._validation import check_bool
 from kvpolicy.policy import EvictionPolicy
+from kvpolicy.statistics import low_attention
 from kvpolicy_torch import LayerCache, PrefixShift, decode_attention, received_attention, rope_matrix, rope_rotate
 
 from .capabilities import LayerAttention, ModelCapabilities, RopeLayout, cache_kwargs, detect, rope_layouts
@@ -110,13 +111,13 @@ def kvpolicy_sdpa_attention(
             sdpa_scale = scale * scales[0] if scales else scale
             out, _ = sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=sdpa_scale, **kwargs)
             received = received_attention(query, key, sdpa_scale) if uses_scores else None
-            layer.finish_received(received)
+            layer.finish_received(None if received is None else layer.decode_received(received, query.shape[1] // key.shape[1]))
             return out, None
         if dropout or not _fusable(kwargs):
             raise ValueError(f"kvpolicy's decode attention takes no dropout, softcap or position bias; got {sorted(kwargs)}")
         row_scale = torch.tensor(scales, device=query.device) if scales is not None else None
         out, received = decode_attention(query, key, value, scale, bias=bias, row_scale=row_scale, prefix=prefix)
-        layer.finish_received(received if uses_scores else None)
+        layer.finish_received(layer.decode_received(received, query.shape[1] // key.shape[1]) if uses_scores else None)
         return out, None
     mask = layer.window_chunk_mask(store.chunk_mask())
     query_scale = None
@@ -129,7 +130,7 @@ def kvpolicy_sdpa_attention(
     if uses_scores:
         received = received_attention(
             query, key, scale, query_scale=query_scale, mask=mask, query_valid=store.query_valid,
-            rows=layer.policy.prompt_rows,
+            rows=layer.policy.prompt_rows, history=layer.history,
         )
     layer.finish_received(received)
     return out, None
@@ -454,6 +455,21 @@ class EvictingLayer(DynamicLayer):
         lim = qpos - w if kind == "sliding" else torch.div(qpos, w, rounding_mode="floor") * w - 1
         inside = (pos[:, None, :] > lim[:, :, None]) | (qpos < 0)[:, :, None]
         return mask & inside[:, None]
+
+    @property
+    def history(self) -> int | None:
+        """The queries a token's record covers for a ``"low_history"`` policy (Scissorhands), else ``None``."""
+        return self.policy.score_history if self.policy.score_statistic == "low_history" else None
+
+    def decode_received(self, received: torch.Tensor, group: int) -> torch.Tensor:
+        """What a decode step's ``received`` ``[batch, kv_heads, n]`` (its query's attention summed
+        over each KV head's ``group`` query heads) adds to the store: itself, or for a
+        ``"low_history"`` policy (Scissorhands) that query's record of low attention
+        (:func:`kvpolicy.statistics.low_attention`; a chunk's record comes from
+        ``received_attention(history=...)``)."""
+        if self.history is None:
+            return received
+        return low_attention(received, group, kept=self.store.slot_positions >= 0).to(torch.float64)
 
     def finish_received(self, received: torch.Tensor | None) -> None:
         """After attention: accumulate ``received`` ``[batch, kv_heads, n]`` (if any), then evict."""

@@ -293,12 +293,15 @@ class _Recorder:
     the forked policies score a prompt with (``prompt_rows``: all, or TOVA's last row)."""
 
     @staticmethod
-    def make(log_n: Any, rows: int | None = None) -> Any:
+    def make(log_n: Any, rows: int | None = None, history: int | None = None) -> Any:
         from ..policy import EvictionPolicy
 
         class PrefillRecorder(EvictionPolicy):
             name = "prefill_recorder"
             uses_scores = True
+            # Scissorhands' prompt: the record of its last `history` rows (kvpolicy.statistics)
+            score_statistic = "low_history" if history is not None else "accumulate"
+            score_history = history
 
             @property
             def capacity(self) -> None:
@@ -316,6 +319,12 @@ class _Recorder:
         return rec
 
 
+def recorded_history(policy: Any) -> int | None:
+    """The history a shared prefill records for ``policy`` (Scissorhands' ``score_history``: its
+    prompt is a record of low-attention events, :mod:`kvpolicy.statistics`), else ``None``."""
+    return policy.score_history if policy.score_statistic == "low_history" else None
+
+
 def _prefill_key(policy: Any, prompt_length: int) -> Any:
     """Prefills that compute the same thing share a key: log n only changes the prefill where a
     query has seen more tokens than the log base (or when its floor is not 1); a policy whose
@@ -323,6 +332,8 @@ def _prefill_key(policy: Any, prompt_length: int) -> Any:
     ln = policy.log_n
     key = None if ln is None or (ln.floor == 1.0 and prompt_length <= ln.base) else (ln.base, ln.floor)
     rows = policy.prompt_rows
+    if policy.score_statistic == "low_history":  # records, not sums: shared by equal histories only
+        return (key, "history", policy.score_history)
     return key if rows is None or rows >= prompt_length else (key, rows)
 
 
@@ -347,11 +358,12 @@ class Engine:
         installed transformers takes (``kvpolicy.hf.cache_kwargs``)."""
         return self.model(ids, **self._cache_kwargs(self.model, cache), use_cache=True, **kwargs)
 
-    def prefill(self, ids: Any, prompt_length: int, log_n: Any, rows: int | None = None) -> tuple[Any, Any]:
+    def prefill(self, ids: Any, prompt_length: int, log_n: Any, rows: int | None = None,
+                history: int | None = None) -> tuple[Any, Any]:
         from ..hf import EvictingCache
 
         torch = self.torch
-        rec = EvictingCache(_Recorder.make(log_n, rows), self.model)
+        rec = EvictingCache(_Recorder.make(log_n, rows, history), self.model)
         with torch.no_grad():
             out = self.forward(ids[:, :prompt_length], rec, logits_to_keep=1)
         return rec, out.logits[:, -1].float()
@@ -518,8 +530,9 @@ def evaluate(
                     if not (isinstance(pkey, tuple) and pkey[0] == "chunk"):
                         bar.set_postfix_str(f"{task.name}: prefill {len(batch)}x{s0.prompt_length}", refresh=False)
                         log_n = built[idxs[0]][0].log_n if pkey is not None else None
-                        rows = built[idxs[0]][0].prompt_rows
-                        rec, first_logits = engine.prefill(ids, s0.prompt_length, log_n, rows)
+                        first = built[idxs[0]][0]
+                        rec, first_logits = engine.prefill(ids, s0.prompt_length, log_n, first.prompt_rows,
+                                                           recorded_history(first))
                         bar.update(1)
                     done: dict[Any, dict[str, Any]] = {}  # identical policies (e.g. both equalisations) run once
                     for i in idxs:

@@ -7,6 +7,7 @@ from .full import FullCache
 from .h2o import H2O
 from .local import LocalWindow
 from .pyramid import PyramidKV, pyramid_sizes
+from .scissorhands import Scissorhands
 from .snapkv import SnapKV
 from .streaming import StreamingLLM
 from .tova import TOVA
@@ -20,6 +21,7 @@ __all__ = [
     "H2O",
     "LocalWindow",
     "PyramidKV",
+    "Scissorhands",
     "SnapKV",
     "StreamingLLM",
     "TOVA",

@@ -65,6 +65,10 @@ class Composed(EvictionPolicy):
     def score_statistic(self) -> ScoreStatistic:
         return self.decode.score_statistic
 
+    @property  # type: ignore[override]
+    def score_history(self) -> int | None:
+        return self.decode.score_history
+
     @property
     def prompt_rows(self) -> int | None:
         return self.prefill.prompt_rows

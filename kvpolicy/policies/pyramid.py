@@ -108,6 +108,10 @@ class PyramidKV(EvictionPolicy):
     def score_statistic(self) -> ScoreStatistic:
         return self.mean.score_statistic
 
+    @property  # type: ignore[override]
+    def score_history(self) -> int | None:
+        return self.mean.score_history
+
     @property
     def prompt_rows(self) -> int | None:
         return self.mean.prompt_rows

@@ -17,6 +17,7 @@ import numpy as np
 
 from kvpolicy.driver import evict_until_done, log_n_scales, softmax  # the reference's own, so the same bits
 from kvpolicy.policy import CacheView, EvictionPolicy
+from kvpolicy.statistics import history_record, low_attention, shift_history
 
 __all__ = ["ContractViolation", "NumpyCache", "TorchCache", "Lockstep", "softmax"]
 
@@ -104,6 +105,7 @@ class NumpyCache:
         self.positions = np.zeros((batch, heads, 0), dtype=np.int64)
         self.scores = np.zeros((batch, heads, 0), dtype=np.float64)
         self.n_seen = 0
+        self.rows = 1
         self.phase = "decode"
         self._evicting_rounds = 0  # in the current evict() call, against MAX_ROUNDS
 
@@ -116,11 +118,19 @@ class NumpyCache:
         self.positions = np.concatenate([self.positions, new], axis=-1)
         self.scores = np.concatenate([self.scores, np.zeros((self.batch, self.heads, q))], axis=-1)
         self.n_seen += q
+        self.rows = q  # queries of the step (each a row of a "low_history" record)
         self.phase = "prefill" if q > 1 else "decode"
 
     def accumulate(self, received: np.ndarray) -> None:
-        # the policy's score statistic: "latest" replaces the scores (TOVA), else they add up
-        self.scores = received.copy() if self.policy.score_statistic == "latest" else self.scores + received
+        # the policy's score statistic: "latest" replaces the scores (TOVA), "low_history" shifts
+        # the step's record in (Scissorhands, one bit per query of the last append), else they add up
+        statistic = self.policy.score_statistic
+        if statistic == "latest":
+            self.scores = received.copy()
+        elif statistic == "low_history":
+            self.scores = shift_history(self.scores, received, self.rows, self.policy.score_history)  # type: ignore[arg-type]
+        else:
+            self.scores = self.scores + received
 
     def evict(self) -> list[tuple[int, int]]:
         self._evicting_rounds = 0
@@ -278,13 +288,28 @@ def group_sum(received_q: np.ndarray, group: int) -> np.ndarray:
     return acc
 
 
+def step_received(policy: EvictionPolicy, probs: np.ndarray, group: int, visible: np.ndarray, rows: int | None) -> np.ndarray:
+    """What a step of ``q`` queries adds to the scores, ``[batch, kv_heads, n]``, from their
+    probabilities ``probs`` ``[batch, q, q_heads, n]`` (``visible`` ``[q, n]``: which keys each
+    query sees): the sum over the last ``rows`` queries (all when ``None``) and over each KV head's
+    query heads; for a ``"low_history"`` policy (Scissorhands), the step's record of low-attention
+    events instead (:mod:`kvpolicy.statistics`), each query a row of it."""
+    if policy.score_statistic == "low_history":
+        b, q, hq, n = probs.shape
+        per_row = group_sum(probs.reshape(b * q, hq, n), group).reshape(b, q, hq // group, n)
+        low = low_attention(per_row, group, kept=np.broadcast_to(visible[None, :, None, :], per_row.shape))
+        return history_record(low.transpose(0, 2, 1, 3), policy.score_history)  # type: ignore[arg-type]
+    q = probs.shape[1]
+    return group_sum(probs[:, q - min(rows or q, q) :].sum(axis=1), group)
+
+
 def prefill_received(policy: EvictionPolicy, logits: np.ndarray, p: int, group: int) -> np.ndarray:
     """Received attention of a ``p``-token prompt, ``[batch, kv_heads, p]`` (``logits`` is
     ``[batch, steps, q_heads, steps]``); the operations of :func:`kvpolicy_numpy.replay`."""
     rows = logits[:, :p, :, :p] * log_n_scales(policy, np.arange(1, p + 1))[None, :, None, None]
-    causal = np.tril(np.ones((p, p), dtype=bool))[None, :, None, :]
-    probs = softmax(np.where(causal, rows, -np.inf))  # [batch, p, q_heads, p]
-    return group_sum(probs[:, max(0, p - (policy.prompt_rows or p)) :].sum(axis=1), group)  # the last prompt_rows rows
+    causal = np.tril(np.ones((p, p), dtype=bool))
+    probs = softmax(np.where(causal[None, :, None, :], rows, -np.inf))  # [batch, p, q_heads, p]
+    return step_received(policy, probs, group, causal, policy.prompt_rows)  # the last prompt_rows rows
 
 
 def decode_received(policy: EvictionPolicy, logits: np.ndarray, t: int, positions: np.ndarray, group: int) -> np.ndarray:
@@ -292,7 +317,7 @@ def decode_received(policy: EvictionPolicy, logits: np.ndarray, t: int, position
     b, kv, n = positions.shape
     cached = np.repeat(positions, group, axis=1)  # [batch, q_heads, n]
     row = np.take_along_axis(logits[:, t], cached, axis=-1) * log_n_scales(policy, np.asarray([n]))[0]  # n = kept keys
-    return group_sum(softmax(row), group)
+    return step_received(policy, softmax(row)[:, None], group, np.ones((1, n), dtype=bool), None)
 
 
 def run_replay(

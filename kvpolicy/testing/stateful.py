@@ -31,7 +31,7 @@ from kvpolicy._validation import check_bool
 from kvpolicy.policy import EvictionPolicy
 
 from . import _format
-from ._driver import ContractViolation, Lockstep, softmax
+from ._driver import ContractViolation, Lockstep, softmax, step_received
 from .invariants import Invariant, policy_invariants, run_invariants
 from .strategies import LOGIT_EXTREMES, LOGIT_LEVELS, policies
 
@@ -42,11 +42,14 @@ SCORE_KINDS = ("levels", "extremes", "constant", "normal")
 
 
 def received_for(
-    kind: str, seed: int, batch: int, heads: int, n_cached: int, q: int, rows: int | None = None
+    kind: str, seed: int, batch: int, heads: int, n_cached: int, q: int, rows: int | None = None,
+    *, policy: EvictionPolicy | None = None,
 ) -> np.ndarray:
     """Received attention ``[batch, heads, n_cached + q]`` of ``q`` new queries (causal among
     themselves, all seeing the ``n_cached`` cached tokens), summed over the queries (over the last
-    ``rows`` of them when given: a policy's ``prompt_rows``); a pure function of its arguments."""
+    ``rows`` of them when given: a policy's ``prompt_rows``); a ``"low_history"`` ``policy``'s
+    record of the step instead (as the kit's replays compute it); a pure function
+    of its arguments."""
     rng = np.random.default_rng(seed)
     n = n_cached + q
     shape = (batch, q, heads, n)
@@ -62,6 +65,8 @@ def received_for(
         raise ValueError(f"kind must be one of {', '.join(SCORE_KINDS)}, got {kind!r}")
     visible = np.arange(n)[None, :] <= (n_cached + np.arange(q))[:, None]  # [q, n]
     probs = softmax(np.where(visible[None, :, None, :], logits, -np.inf))
+    if policy is not None and policy.score_statistic == "low_history":
+        return step_received(policy, probs, 1, visible, rows)
     return probs[:, q - min(rows or q, q) :].sum(axis=1)
 
 
@@ -113,7 +118,7 @@ class _Run:
                 f"{self.policy!r}: a decode step attends {lock.np.length + 1} tokens, above its capacity {cap}"
             )
         rows = self.policy.prompt_rows if q > 1 else None  # a decode step's one query either way
-        lock.append(q, received_for(kind, seed, self.batch, self.heads, lock.np.length, q, rows))
+        lock.append(q, received_for(kind, seed, self.batch, self.heads, lock.np.length, q, rows, policy=self.policy))
 
     def _evict(self) -> list[tuple[int, int]]:
         rounds = self.lock.evict(self._check_stable)

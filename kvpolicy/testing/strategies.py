@@ -39,6 +39,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import math
 import re
 import typing
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ import numpy as np
 from hypothesis import reject
 from hypothesis import strategies as st
 
-from kvpolicy import BUZZ, H2O, TOVA, EvictionPolicy, FullCache, LocalWindow, Preset, SnapKV, StreamingLLM
+from kvpolicy import BUZZ, H2O, TOVA, EvictionPolicy, FullCache, LocalWindow, Preset, Scissorhands, SnapKV, StreamingLLM
 
 __all__ = [
     "LOGIT_EXTREMES",
@@ -72,6 +73,7 @@ __all__ = [
     "prompt_lengths",
     "replay_cases",
     "selections",
+    "scissorhands_policies",
     "snapkv_policies",
     "streaming_policies",
     "tova_policies",
@@ -162,6 +164,17 @@ def snapkv_policies(draw: st.DrawFn, **fixed: Any) -> SnapKV:
     return _build(SnapKV, kw, fixed)  # type: ignore[return-value]
 
 
+@st.composite
+def scissorhands_policies(draw: st.DrawFn, **fixed: Any) -> Scissorhands:
+    """:class:`~kvpolicy.Scissorhands` with size 2-12, history 1-8, drop 0.05-0.75 and a recent
+    window 0 to what fits (per-head selection only: records do not add up across heads)."""
+    size = fixed.get("size", draw(st.integers(2, 12)))
+    drop = fixed.get("drop", draw(st.floats(0.05, 0.75)))
+    room = size - max(1, min(size - 1, math.floor(drop * size)))
+    params = {"size": size, "history": draw(st.integers(1, 8)), "drop": drop, "recent": draw(st.integers(0, room))}
+    return _build(Scissorhands, params, fixed)  # type: ignore[return-value]
+
+
 def full_policies(**fixed: Any) -> st.SearchStrategy[FullCache]:
     """:class:`~kvpolicy.FullCache` (it has no parameters)."""
     return st.builds(FullCache)
@@ -176,6 +189,7 @@ def any_policy() -> st.SearchStrategy[EvictionPolicy]:
         local_policies(),
         st.just(FullCache()),
         tova_policies(),
+        scissorhands_policies(),
     )
 
 
@@ -187,6 +201,7 @@ _BUILTIN: dict[type, Callable[..., st.SearchStrategy]] = {
     FullCache: full_policies,
     TOVA: tova_policies,
     SnapKV: snapkv_policies,
+    Scissorhands: scissorhands_policies,
 }
 
 
