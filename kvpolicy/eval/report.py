@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_report", "console_summary", "verdicts", "PAPER_TABLES"]
+from .results import TaskResult
+
+__all__ = ["document", "write_report", "console_summary", "verdicts", "PAPER_TABLES"]
 
 BUZZES = ("buzz", "buzz_logn")
 NAMES = {
@@ -105,9 +107,18 @@ PAPER_TABLES: dict[str, dict[str, Any]] = {
 
 # =========================================================================== formatting
 def fmt(metric: str, value: float | None) -> str:
+    """A metric's value as the tables show it: perplexity with 2 decimals, the built-in shares
+    (ROUGE, exact match, recall) in percent, any other metric (a plug-in task's) as it is."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    return f"{value:.2f}" if metric == "ppl" else f"{100 * value:.1f}"
+    if metric == "ppl":
+        return f"{value:.2f}"
+    return f"{100 * value:.1f}" if metric in METRIC_NAMES else f"{value:.4g}"
+
+
+def metric_name(metric: str) -> str:
+    """The name a table or plot gives ``metric`` (a plug-in task's metric is named by its key)."""
+    return METRIC_NAMES.get(metric, metric)
 
 
 def _pct(x: float | None) -> str:
@@ -168,13 +179,13 @@ def verdicts(task: dict[str, Any]) -> list[str]:
             gap_text = f"{fmt(metric, gap)} points" + (f", {gap / se:.1f} s.e." if se else "")
             if near is best:
                 lines.append(
-                    f"Best T/w in this run: {best['ratio']:g}, the theorem's choice ({METRIC_NAMES[metric]} "
+                    f"Best T/w in this run: {best['ratio']:g}, the theorem's choice ({metric_name(metric)} "
                     f"{fmt(metric, _value(best, metric))}); runner-up T/w = {other['ratio']:g} at "
                     f"{fmt(metric, _value(other, metric))} ({gap_text} behind)."
                 )
             else:
                 lines.append(
-                    f"Best T/w in this run: {best['ratio']:g} ({METRIC_NAMES[metric]} {fmt(metric, _value(best, metric))}); "
+                    f"Best T/w in this run: {best['ratio']:g} ({metric_name(metric)} {fmt(metric, _value(best, metric))}); "
                     f"the theorem's {near['ratio']:g} scores {fmt(metric, _value(near, metric))} ({gap_text} below)."
                 )
             sizes = [c["average_cache"] for c in cells]
@@ -256,7 +267,7 @@ def verdicts(task: dict[str, Any]) -> list[str]:
             )
     if full is not None and _value(full, metric) == 0.0 and task["higher_is_better"]:
         lines.append(
-            f"The full cache itself scores 0 {METRIC_NAMES[metric]} here: the model cannot do this task even without "
+            f"The full cache itself scores 0 {metric_name(metric)} here: the model cannot do this task even without "
             "eviction, so these cells cannot tell the policies apart."
         )
     elif full is not None and _value(full, metric) is not None:
@@ -276,10 +287,10 @@ def verdicts(task: dict[str, Any]) -> list[str]:
                 k -= 1
             if pts and k < len(pts):
                 b, lab, _ = pts[k]
-                lines.append(f"{_name(buzz)} keeps at least 99% of the full cache's {METRIC_NAMES[metric]} at every "
+                lines.append(f"{_name(buzz)} keeps at least 99% of the full cache's {metric_name(metric)} at every "
                              f"budget from a realised {_pct(b)} ({lab} requested) up.")
             elif pts:
-                lines.append(f"{_name(buzz)} stays below 99% of the full cache's {METRIC_NAMES[metric]} at its largest "
+                lines.append(f"{_name(buzz)} stays below 99% of the full cache's {metric_name(metric)} at its largest "
                              f"budget here ({_pct(pts[-1][0])} realised).")
     if any_se:
         lines.append(
@@ -351,7 +362,7 @@ def console_summary(doc: dict[str, Any]) -> str:
         metric = task["metric"]
         arrow = "higher is better" if task["higher_is_better"] else "lower is better"
         out.append(f"\n== {task['title']} [{task['name']}], {task['n_samples']} samples; "
-                   f"{METRIC_NAMES[metric]}, {arrow}")
+                   f"{metric_name(metric)}, {arrow}")
         full = next((c for c in task["cells"] if _row(c) == "full"), None)
         if full is not None:
             out.append(f"full cache: {fmt(metric, _value(full, metric))}")
@@ -400,7 +411,7 @@ def _budget_panel(ax: Any, task: dict[str, Any], metric: str, cells: list[dict[s
         if full is not None and full["metrics"].get(metric) is not None:
             ax.axhline(_scale(metric, full["metrics"][metric]), color="black", linestyle="--", linewidth=1.2,
                        label="Full cache")
-        ax.set_ylabel(METRIC_NAMES[metric] + ("" if metric == "ppl" else " (%)"))
+        ax.set_ylabel(metric_name(metric) + ("" if metric == "ppl" else " (%)"))
         ax.set_title(f"{title}\n(requested budget {bud[0]['label']}; realised under each bar)", fontsize=9)
         if metric != "ppl":
             ax.set_ylim(0, max(5.0, ax.get_ylim()[1]))
@@ -416,7 +427,7 @@ def _budget_panel(ax: Any, task: dict[str, Any], metric: str, cells: list[dict[s
     if full is not None and full["metrics"].get(metric) is not None:
         ax.axhline(_scale(metric, full["metrics"][metric]), color="black", linestyle="--", linewidth=1.2, label="Full cache")
     ax.set_xlabel("realised KV cache budget (%)")
-    ax.set_ylabel(METRIC_NAMES[metric] + ("" if metric == "ppl" else " (%)"))
+    ax.set_ylabel(metric_name(metric) + ("" if metric == "ppl" else " (%)"))
     if metric == "ppl":
         ax.set_yscale("log")
     ax.set_title(title, fontsize=10)
@@ -428,7 +439,7 @@ def plot_budget(task: dict[str, Any], path: Path, model: str) -> Path | None:
         return None
     plt = _plt()
     metrics = list(task["metrics"]) if task["name"] in ("summ",) else [task["metric"]]
-    panels: list[tuple[str, list[dict[str, Any]], str]] = [(m, task["cells"], METRIC_NAMES[m]) for m in metrics]
+    panels: list[tuple[str, list[dict[str, Any]], str]] = [(m, task["cells"], metric_name(m)) for m in metrics]
     if task["metric"] == "ppl":
         panels = [("ppl", task["cells"], "all policies (log scale)"),
                   ("ppl_zoom", [c for c in task["cells"] if _row(c) != "local"], "zoom: local window left out")]
@@ -487,7 +498,7 @@ def plot_stream(task: dict[str, Any], path: Path, model: str) -> Path | None:
             ax.axhline(full["metrics"][metric], color="black", linestyle="--", linewidth=1.2, label="Full cache")
         ax.set_yscale("log")
         ax.set_xlabel("measured average cache (tokens)" if eq == "mean" else "capacity: peak tokens per head and layer")
-        ax.set_ylabel(METRIC_NAMES[metric])
+        ax.set_ylabel(metric_name(metric))
         ax.set_title(f"equal {eq}" + (" (the paper's definition)" if eq == "mean" else " (equal peak memory)"), fontsize=9)
         ax.grid(True, alpha=0.3)
     _shared_legend(fig, axes[0], columns=4, fontsize=8)
@@ -518,7 +529,7 @@ def plot_sizes(task: dict[str, Any], path: Path, model: str) -> Path | None:
         ax.axhline(_scale(metric, full["metrics"][metric]), color="black", linestyle="--", label="Full cache")
     ax.set_xticks(range(len(sizes)))
     ax.set_xticklabels([f"cache {s}" for s in sizes])
-    ax.set_ylabel(METRIC_NAMES[metric])
+    ax.set_ylabel(metric_name(metric))
     if metric == "ppl":
         ax.set_yscale("log")
     ax.set_title(f"{task['title']}\nat fixed average cache sizes: {model}, n = {task['n_samples']}", fontsize=10)
@@ -537,7 +548,7 @@ def plot_tw(task: dict[str, Any], path: Path, model: str) -> Path | None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for m, style in (("rouge1", "o-"), ("rouge2", "s-"), ("rougeL", "^-"), ("mean", "D-")):
-        ax.plot([c["ratio"] for c in cells], [100 * c["metrics"][m] for c in cells], style, label=METRIC_NAMES[m],
+        ax.plot([c["ratio"] for c in cells], [100 * c["metrics"][m] for c in cells], style, label=metric_name(m),
                 linewidth=2.2 if m == "mean" else 1.3)
     full = next((c for c in task["cells"] if _row(c) == "full"), None)
     if full is not None:
@@ -609,7 +620,7 @@ def plot_heatmap(task: dict[str, Any], path: Path, model: str) -> Path | None:
             if i == nrows - 1:
                 ax.set_xlabel("prompt tokens", fontsize=8)
     if im is not None:
-        fig.colorbar(im, ax=axes, shrink=0.6, label=f"{METRIC_NAMES[metric]} (%)")
+        fig.colorbar(im, ax=axes, shrink=0.6, label=f"{metric_name(metric)} (%)")
     fig.suptitle(f"{task['title']}: {model}\npanels: policy, requested budget (realised)", fontsize=10)
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -626,7 +637,7 @@ def _task_md(task: dict[str, Any], plots: list[Path], out_dir: Path) -> str:
                  f"up to {task['decode_steps_per_sample']} decode steps per sample")
     for n in task["notes"]:
         lines.append(f"- {n}")
-    lines.append(f"- Metric: {METRIC_NAMES[metric]}, {'higher' if task['higher_is_better'] else 'lower'} is better"
+    lines.append(f"- Metric: {metric_name(metric)}, {'higher' if task['higher_is_better'] else 'lower'} is better"
                  + ("" if metric == "ppl" else "; values in %"))
     lines.append(f"- Task time: {task['seconds']:.0f} s")
     lines.append("")
@@ -655,7 +666,7 @@ def _task_md(task: dict[str, Any], plots: list[Path], out_dir: Path) -> str:
     # every cell
     extra = [m for m in task["metrics"] if m != metric] + [metric]
     header = (["policy", "requested", "equalised", "realised", "avg cache", "capacity", "full avg"]
-              + [METRIC_NAMES[m] for m in extra] + ["vs full", "decode s"])
+              + [metric_name(m) for m in extra] + ["vs full", "decode s"])
     rows = []
     fv = _value(full, metric) if full is not None else None
     for c in task["cells"]:
@@ -732,6 +743,12 @@ def _paper_md(names: Sequence[str]) -> str:
         lines.append(_md_table([""] + t["columns"], [[r] + [f"{v:.{t['decimals']}f}" for v in vals] for r, vals in t["rows"].items()]))
         lines.append("")
     return "\n".join(lines)
+
+
+def document(meta: dict[str, Any], results: Mapping[str, TaskResult]) -> dict[str, Any]:
+    """The report's document, as ``results.json`` holds it: the run's ``meta`` and each task's
+    typed results (:class:`~kvpolicy.eval.results.TaskResult`) in their serialised form."""
+    return {"meta": meta, "tasks": {name: r.as_dict() for name, r in results.items()}}
 
 
 def write_report(doc: dict[str, Any], out_dir: str | Path) -> dict[str, Any]:

