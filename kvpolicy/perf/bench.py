@@ -228,10 +228,11 @@ def _complexity_report(data: dict[str, Any], out: Path, plots: bool) -> list[str
         if not sub:
             continue
         lines += [f"### Microseconds, batch {batch}, {heads} KV heads, head_dim 64, float32", ""]
+        from .eviction import POLICIES
         sizes = sorted({r["size"] for r in sub})
         table = []
         for backend in data["backends"]:
-            for policy in ("buzz", "h2o", "streaming_llm", "local", "full"):
+            for policy in POLICIES:  # every measured policy, in kvpolicy.perf.eviction's order
                 for measure, name in (("one_eviction_s", "one eviction"), ("per_token_s", "per token")):
                     vals = {r["size"]: r[measure] for r in sub if r["backend"] == backend and r["policy"] == policy}
                     if vals:

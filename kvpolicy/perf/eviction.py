@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 #: Policies measured (``buzz_logn`` evicts exactly like ``buzz``: log n changes attention only).
-POLICIES = ("buzz", "h2o", "streaming_llm", "local", "full", "tova")
+POLICIES = ("buzz", "h2o", "streaming_llm", "local", "full", "tova", "scissorhands")
 
 #: Decode steps per round for the policies that evict at every step (and the full cache).
 EVERY_STEP_ROUND = 8
@@ -51,7 +51,7 @@ EVERY_STEP_ROUND = 8
 
 def policy_at_size(name: str, size: int) -> Any:
     """The policy ``name`` with ``capacity == size`` (see the module docstring)."""
-    from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, StreamingLLM, threshold_ratio
+    from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, Scissorhands, StreamingLLM, threshold_ratio
 
     if size < 16:
         raise ValueError(f"size must be >= 16, got {size}")
@@ -70,6 +70,8 @@ def policy_at_size(name: str, size: int) -> Any:
         return FullCache()
     if name == "tova":
         return TOVA(size=size - 1)
+    if name == "scissorhands":  # its defaults: history 16, drop a quarter at capacity, recent 8
+        return Scissorhands(size=size, history=16, drop=0.25, recent=8)
     raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")
 
 
