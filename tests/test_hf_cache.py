@@ -105,27 +105,18 @@ def test_cache_never_exceeds_capacity_and_frees_memory(model, policy):
 
 def _layer0_logits(model, tokens):
     """Pre-softmax logits of layer 0 for a full (non-evicting) forward, [steps, heads, steps]."""
-    captured = {}
+    from layer0 import layer0_inputs
+
     attn = model.model.layers[0].self_attn
-
-    def grab(module, args, kwargs):
-        captured["hidden"] = kwargs.get("hidden_states", args[0] if args else None)
-        captured["pos"] = kwargs["position_embeddings"]
-
-    h = attn.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(tokens)
-    finally:
-        h.remove()
+    hidden, pos = layer0_inputs(model, tokens)
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    x = captured["hidden"]
+    x = hidden
     b, s, _ = x.shape
     d = attn.head_dim
     q = attn.q_proj(x).view(b, s, -1, d).transpose(1, 2)
     k = attn.k_proj(x).view(b, s, -1, d).transpose(1, 2)
-    cos, sin = captured["pos"]
+    cos, sin = pos
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     logits = torch.einsum("bhqd,bhkd->bqhk", q, k) * attn.scaling
     return logits[0].detach().double().numpy()

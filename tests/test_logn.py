@@ -122,11 +122,7 @@ def test_transformers_path_agrees_with_reference_above_and_below_512():
     steps, prompt = 600, 400
     ids = torch.randint(3, 64, (1, steps), generator=torch.Generator().manual_seed(0))
     attn = model.model.layers[0].self_attn
-    captured, outs = {}, []
-
-    def grab(module, args, kwargs):
-        captured["hidden"] = kwargs.get("hidden_states", args[0] if args else None)
-        captured["pos"] = kwargs["position_embeddings"]
+    outs = []
 
     def grab_out(module, args):
         outs.append(args[0].detach())
@@ -143,17 +139,13 @@ def test_transformers_path_agrees_with_reference_above_and_below_512():
         h.remove()
     got = torch.cat(outs, dim=1)[0].view(steps, 2, 8).numpy()  # [steps, heads, d]
 
-    h = attn.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(ids)
-    finally:
-        h.remove()
-    x = captured["hidden"]
+    from layer0 import layer0_inputs
+
+    x, pos = layer0_inputs(model, ids)
     q = attn.q_proj(x).view(1, steps, 2, 8).transpose(1, 2)
     k = attn.k_proj(x).view(1, steps, 2, 8).transpose(1, 2)
     v = attn.v_proj(x).view(1, steps, 2, 8)[0]  # [steps, heads, d]
-    q, k = apply_rotary_pos_emb(q, k, *captured["pos"])
+    q, k = apply_rotary_pos_emb(q, k, *pos)
     logits = (torch.einsum("bhqd,bhkd->bqhk", q, k) * attn.scaling)[0].detach().numpy()
     trace = kvpolicy_numpy.replay(policy, logits, prompt, v.detach().numpy())
     assert trace.evictions and min(trace.sizes) < 512 < max(trace.sizes)

@@ -45,20 +45,8 @@ from typing import Any
 import numpy as np
 
 from .results import CellResult, TaskResult
-from .tasks import (
-    DEFAULT_TASKS,
-    PAPER_TASKS,
-    CacheConfig,
-    DataSources,
-    Sample,
-    Task,
-    TaskOptions,
-    TokenizerAdapter,
-    is_reference,
-    make_tasks,
-    parse_floats,
-    task_registry,
-)
+from .tasks import DEFAULT_TASKS, PAPER_TASKS, CacheConfig, DataSources, Sample, Task, TaskOptions, TokenizerAdapter
+from .tasks import is_reference, make_tasks, parse_floats, task_registry
 
 __all__ = ["add_arguments", "run", "main", "evaluate", "DEFAULT_POLICIES", "DEFAULT_BUDGETS", "MEASURED_DEFAULT"]
 

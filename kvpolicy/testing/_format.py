@@ -51,6 +51,15 @@ def indent(lines: list[str], by: str = "    ") -> str:
     return "\n".join(by + line if line else line for line in lines)
 
 
+def replay_snippet(policy: Any, setup: list[str], call: str, invariants: Any, *,
+                   extra_imports: tuple[str, ...] = ()) -> str:
+    """The code that replays a failed check: ``setup`` lines, the invariants line (if any), then
+    ``call`` (``{inv}`` marks where ``, invariants=invariants`` goes), flagged as raising the error."""
+    inv = invariants_line(invariants)
+    line = call.format(inv=", invariants=invariants" if inv else "") + "  # raises this error"
+    return code_block(policy, [*setup, *([inv] if inv else []), line], extra_imports=extra_imports)
+
+
 def code_block(policy: Any, body: list[str], *, extra_imports: tuple[str, ...] = ()) -> str:
     imports = ["import numpy as np", *extra_imports]
     if any(line.startswith("invariants = [kvpolicy.testing.") for line in body) and "import kvpolicy.testing" not in imports:

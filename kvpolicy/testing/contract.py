@@ -461,18 +461,11 @@ def _replay_property(strategy, invariants, max_steps: int, max_heads: int) -> Ca
 
         def replay_code() -> str:
             p = _format.policy_expr(policy)
-            inv = _format.invariants_line(invariants)
-            extra = ", invariants=invariants" if inv else ""
-            return _format.code_block(
-                policy,
-                [
-                    f"logits = {_format.array_expr(logits, spec)}",
-                    f"trace = kvpolicy_numpy.replay({p}, logits, prompt_len={prompt_len})",
-                    *([inv] if inv else []),
-                    f"kvpolicy.testing.check_replay({p}, logits, prompt_len={prompt_len}{extra})  # raises this error",
-                ],
-                extra_imports=("import kvpolicy_numpy", "import kvpolicy.testing"),
-            )
+            setup = [f"logits = {_format.array_expr(logits, spec)}",
+                     f"trace = kvpolicy_numpy.replay({p}, logits, prompt_len={prompt_len})"]
+            call = f"kvpolicy.testing.check_replay({p}, logits, prompt_len={prompt_len}{{inv}})"
+            return _format.replay_snippet(policy, setup, call, invariants,
+                                          extra_imports=("import kvpolicy_numpy", "import kvpolicy.testing"))
 
         _wrap("replay", lambda: check_replay(policy, logits, prompt_len, invariants=invariants), replay_code)
 
@@ -554,20 +547,12 @@ def _backends_property(strategy, invariants, use_torch: bool, max_steps: int, ma
         logits = batch.logits
 
         def replay_code() -> str:
-            p = _format.policy_expr(policy)
             arr = _format.array_expr(logits, None) if logits.size <= _format.MAX_LITERAL else batch.call()
             torch_arg = "" if use_torch else ", torch=False"
-            inv = _format.invariants_line(invariants)
-            inv_arg = ", invariants=invariants" if inv else ""
-            return _format.code_block(
-                policy,
-                [
-                    f"logits = {arr}  # [batch, steps, query_heads, steps]",
-                    *([inv] if inv else []),
-                    f"kvpolicy.testing.compare_backends({p}, logits, prompt_len={prompt_len}, group={group}{torch_arg}{inv_arg})  # raises this error",
-                ],
-                extra_imports=("import kvpolicy.testing", "import kvpolicy.testing.strategies"),
-            )
+            call = (f"kvpolicy.testing.compare_backends({_format.policy_expr(policy)}, logits, prompt_len={prompt_len}, "
+                    f"group={group}{torch_arg}{{inv}})")
+            return _format.replay_snippet(policy, [f"logits = {arr}  # [batch, steps, query_heads, steps]"], call, invariants,
+                                          extra_imports=("import kvpolicy.testing", "import kvpolicy.testing.strategies"))
 
         _wrap(
             "backends",

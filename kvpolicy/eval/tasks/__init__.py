@@ -33,7 +33,8 @@ from .base import (
 from .ppl import PerplexityOptions, PerplexityTask
 from .stream import StreamOptions, StreamTask
 from .summ import SummarizationOptions, SummarizationTask
-from .needle import NeedleOptions, NeedleTask, PasskeyTask
+from .needle import NeedleOptions, NeedleTask
+from .passkey import PasskeyTask
 from .qa import QAOptions, QATask
 from .kv import KVOptions, KVRetrievalTask
 from .tw import TwOptions, TwSweepTask

@@ -1,4 +1,4 @@
-"""``needle`` and ``passkey``: a needle (or a pass key) at depths of haystacks of given lengths."""
+"""``needle``: a needle sentence at depths of haystacks of given lengths (needle-word recall)."""
 
 from __future__ import annotations
 
@@ -116,26 +116,6 @@ class NeedleTask(Task):
             "--needle-lengths " + ",".join(str(x) for x in self.options.needle_lengths),
             "--needle-depths " + ",".join(f"{x:g}" for x in self.options.needle_depths),
         ]
-
-
-@register_task
-class PasskeyTask(NeedleTask):
-    """Passkey retrieval (a 5-digit number at each depth); exact match."""
-
-    name = "passkey"
-    title = "Passkey retrieval (exact match)"
-    metric = "em"
-    metrics = ("em",)
-    default_max_new_tokens = 8
-    answer_prefix = "The pass key is"
-    help = "passkey retrieval on the same grid (exact match); SmolLM2-135M fails it even with the full cache"
-
-    def _needle_for(self, k: int) -> tuple[str, str, str]:
-        key = str(10000 + int(np.random.default_rng(self.opt.seed * 1000 + k).integers(0, 90000)))
-        return f"The pass key is {key}. Remember it. {key} is the pass key.", "What is the pass key?", key
-
-    def score(self, sample: Sample, output: dict[str, Any]) -> dict[str, float]:
-        return {"em": M.exact_match(output["text"], [sample.target["answer"]])}
 
 
 def _snap_to_sentence(tok: TokenizerAdapter, body: Sequence[int], cut: int, window: int = 48) -> int:

@@ -89,6 +89,15 @@ class PerplexityTask(Task):
         self.data_note = "Wikipedia articles from gensim 4.4.0's test dump (site-packages; markup stripped)"
         return D.load_wiki_articles(min_words=1000)
 
+    def _prefilled_then_scored(self, tok: TokenizerAdapter, prompt: int, m: int, how: str) -> list[Sample]:
+        """Samples of ``prompt`` tokens prefilled then ``m`` scored one at a time (``how``: the
+        note's words on the streamed part), with the note that says so."""
+        need = prompt + m + 1
+        out = self._document_samples(tok, need, prompt, m)
+        self.notes.append(f"each sample: the first {need} tokens of a document (raw text, no chat template); {prompt} "
+                          f"prefilled at once{how}")
+        return out
+
     def _document_samples(self, tok: TokenizerAdapter, need: int, prompt: int, m: int) -> list[Sample]:
         """:func:`_document_samples` over this task's documents, with the data and shortage notes."""
         docs = self._docs()
@@ -99,16 +108,11 @@ class PerplexityTask(Task):
         return out
 
     def samples(self, tok: TokenizerAdapter) -> list[Sample]:
-        prompt = self.opt.context or self.default_context
         m = self.options.ppl_tokens
-        need = prompt + m + 1
-        out = self._document_samples(tok, need, prompt, m)
-        self.notes.append(
-            f"each sample: the first {need} tokens of a document (raw text, no chat template); {prompt} prefilled at "
-            f"once (the policy evicts after the prefill), then {m} tokens fed one at a time, each next-token "
-            "prediction scored"
+        return self._prefilled_then_scored(
+            tok, self.opt.context or self.default_context, m,
+            f" (the policy evicts after the prefill), then {m} tokens fed one at a time, each next-token prediction scored",
         )
-        return out
 
     def score(self, sample: Sample, output: dict[str, Any]) -> dict[str, float]:
         return {"nll": float(output["nll"]), "tokens": float(output["tokens"]),

@@ -122,13 +122,11 @@ class StreamTask(PerplexityTask):
         m = self.tokens
         if m < 1:
             raise ValueError(f"--stream-tokens must be >= 1, got {m}")
-        need = prompt + m + 1
-        out = self._document_samples(tok, need, prompt, m)
-        self.notes.append(
-            f"each sample: the first {need} tokens of a document (raw text, no chat template); {prompt} prefilled at "
-            f"once, then {m} tokens fed one at a time through the evicting cache, each next-token prediction scored "
+        out = self._prefilled_then_scored(
+            tok, prompt, m,
+            f", then {m} tokens fed one at a time through the evicting cache, each next-token prediction scored "
             "(per-token negative log-likelihood; every policy scores the same tokens, so the per-document "
-            "differences are paired)"
+            "differences are paired)",
         )
         meaning = ("*equal mean* plans every policy so its average cache over the scored steps is the target (the "
                    "paper's definition); *equal capacity* gives every policy the target as its capacity (the most "

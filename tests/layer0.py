@@ -1,0 +1,26 @@
+"""What layer 0's attention receives in a full (non-evicting) forward, for the tests that rebuild
+its logits by hand (layer 0 sees only token embeddings, so a full forward reproduces them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def layer0_inputs(model: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """``(hidden_states, (cos, sin))`` that layer 0's self-attention receives when ``model`` runs
+    ``tokens`` without a cache."""
+    captured: dict[str, Any] = {}
+
+    def grab(module: Any, args: Any, kwargs: Any) -> None:
+        captured["hidden"] = kwargs.get("hidden_states", args[0] if args else None)
+        captured["pos"] = kwargs["position_embeddings"]
+
+    h = model.model.layers[0].self_attn.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        h.remove()
+    return captured["hidden"], captured["pos"]
