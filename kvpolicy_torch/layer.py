@@ -30,7 +30,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from kvpolicy.policy import CacheView, DecodeEviction, EvictionPolicy
+from kvpolicy.driver import kept_slots
+from kvpolicy.policy import DecodeEviction, EvictionPolicy
 from kvpolicy.statistics import shift_history
 
 from .ops import first_argmin
@@ -894,35 +895,28 @@ class LayerCache:
 
     def _evict_general(self) -> list[tuple[int, int]]:
         """Ask the policy (``select``) on dense, ordered views, group by group of rows in the same
-        host state, until it keeps everything; apply each keep by compaction."""
+        host state, until it keeps everything (the core's loop, :func:`kvpolicy.driver.kept_slots`);
+        apply all of a group's rounds in one compaction."""
         self._unshift()
         if not self._dense():
             self._compact_rows(list(range(self.batch)))
         rounds: list[tuple[int, int]] = []
-        while True:
-            acted = False
-            for rows in self._groups():
-                r0 = rows[0]
-                n = self._count[r0]
-                pos, scores = self._full()[2:4]
-                if len(rows) < self.batch:
-                    index = torch.tensor(rows, device=pos.device)
-                    pos, scores = pos.index_select(0, index), scores.index_select(0, index)
-                state = dict(self._states[r0])
-                view = CacheView(pos[:, :, :n], scores[:, :, :n], self._seen[r0], state, self._phase)  # type: ignore[arg-type]
-                keep = self.policy.evict(view, self.reduce_scores)
-                if keep is None:
-                    continue
-                kept = int(keep.shape[-1])
-                if kept >= n:
-                    raise RuntimeError(f"{self.policy!r} asked to evict but kept {kept} of {n} tokens")
-                self._keep_rows(rows, keep)
-                for r in rows:
-                    self._states[r] = dict(state)
-                rounds.append((n, kept))
-                acted = True
-            if not acted:
-                break
+        for rows in self._groups():
+            r0 = rows[0]
+            n = self._count[r0]
+            pos, scores = self._full()[2:4]
+            if len(rows) < self.batch:
+                index = torch.tensor(rows, device=pos.device)
+                pos, scores = pos.index_select(0, index), scores.index_select(0, index)
+            state = dict(self._states[r0])
+            keep, done = kept_slots(self.policy, pos[:, :, :n], scores[:, :, :n], self._seen[r0], state, self._phase,
+                                    decide=lambda view: self.policy.evict(view, self.reduce_scores))
+            if keep is None:
+                continue
+            self._keep_rows(rows, keep)
+            for r in rows:
+                self._states[r] = dict(state)
+            rounds += done
         if self._extra is not None:
             if max(self._count) > self.slots:
                 raise RuntimeError(
