@@ -108,6 +108,29 @@ def test_a_task_from_an_entry_point(model, tmp_path, monkeypatch) -> None:
         unregister_task("toy_words")
 
 
+@pytest.mark.parametrize("target, message", [(None, "failed to load: ImportError"), (len, "not a Task subclass")])
+def test_a_broken_entry_point_is_named(monkeypatch, target, message) -> None:
+    """A plug-in that does not import, or names something other than a task, is a ValueError
+    naming the entry point (the user may not know which package brought it)."""
+    import importlib.metadata
+
+    class BrokenEntryPoint:
+        name, value = "broken", "somepkg.tasks:Broken"
+
+        def load(self):
+            if target is None:
+                raise ImportError("no module named somepkg")
+            return target
+
+    real = importlib.metadata.entry_points
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda **kw: [BrokenEntryPoint()] if kw.get("group") == "kvpolicy.tasks" else real(**kw))
+    with pytest.raises(ValueError, match=rf"kvpolicy.tasks entry point 'broken' \(somepkg.tasks:Broken\) .*{message}"):
+        task_registry(reload_entry_points=True)
+    monkeypatch.undo()
+    assert "broken" not in task_registry(reload_entry_points=True)
+
+
 def test_registration_errors() -> None:
     with pytest.raises(ValueError, match="Task subclass with a name"):
         register_task(object)  # type: ignore[arg-type]

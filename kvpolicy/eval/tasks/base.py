@@ -529,7 +529,16 @@ def task_registry(*, reload_entry_points: bool = False) -> dict[str, type[Task]]
         from importlib.metadata import entry_points
 
         for ep in entry_points(group=TASK_ENTRY_POINT_GROUP):
-            cls = ep.load()
+            # a broken plug-in is named (its package may be unknown to the user), not a bare traceback
+            where = f"{TASK_ENTRY_POINT_GROUP} entry point {ep.name!r} ({getattr(ep, 'value', '?')})"
+            try:
+                cls = ep.load()
+            except Exception as exc:
+                _entry_points_loaded = False  # the next call says it again
+                raise ValueError(f"{where} failed to load: {exc!r}") from exc
+            if not (isinstance(cls, type) and issubclass(cls, Task) and cls.name):
+                _entry_points_loaded = False
+                raise ValueError(f"{where} names {cls!r}, not a Task subclass with a name")
             if cls.name.strip().lower() not in TASKS:
                 register_task(cls)
     return TASKS
