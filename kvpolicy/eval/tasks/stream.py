@@ -99,6 +99,9 @@ class StreamTask(PerplexityTask):
             raise ValueError(f"--equalise must be one of 'mean', 'capacity', 'both'; got {eq!r}")
         return ("mean", "capacity") if eq == "both" else (eq,)
 
+    def check(self, policies: Sequence[str], budgets: Sequence[float]) -> None:
+        """Nothing to check (ppl's check reads ppl's --cache-sizes; the stream's sizes default to 50, 100)."""
+
     def configs(self, policies: Sequence[str], budgets: Sequence[float]) -> list[CacheConfig]:
         budgets = () if self.options.short else tuple(budgets)
         targets = [{"size": int(z)} for z in self.sizes] + [{"budget": float(b)} for b in budgets]
