@@ -190,3 +190,16 @@ def test_doc_worked_example() -> None:
         assert recs.split() == ["".join(map(str, records[j])) for j in cache], f"step {t}: records"
         assert ints(after) == trace.kept[t][0].tolist() == ref.kept[t][0], f"step {t}: kept"
         assert ints(h2o_after) == h2o.kept[t][0].tolist(), f"step {t}: H2O"
+
+
+def test_compose_refuses_mixing_records_with_attention_scores() -> None:
+    """A composition keeps one score per token: Scissorhands' records cannot feed SnapKV's or
+    H2O's ranking (nor the reverse); a policy that reads no scores composes with it."""
+    from kvpolicy import SnapKV, StreamingLLM, compose
+
+    with pytest.raises(ValueError, match="same kind of score"):
+        compose(prefill=SnapKV(16, window=4), decode=Scissorhands(size=16))
+    with pytest.raises(ValueError, match="same kind of score"):
+        compose(prefill=Scissorhands(size=16), decode=H2O(8, 8))
+    p = compose(prefill=StreamingLLM(2, 10), decode=Scissorhands(size=16, recent=4))
+    assert p.score_statistic == "low_history" and p.score_history == 16

@@ -56,6 +56,13 @@ class Composed(EvictionPolicy):
             raise ValueError(
                 f"prefill and decode must use the same selection, got {prefill.selection!r} and {decode.selection!r}"
             )
+        statistics = {p.score_statistic for p in (prefill, decode) if p.uses_scores}
+        if "low_history" in statistics and len(statistics) > 1:
+            # one score per token serves both: Scissorhands' records cannot be another policy's sums
+            raise ValueError(
+                f"prefill and decode must keep the same kind of score: {prefill!r} and {decode!r} do not (a "
+                "Scissorhands record of low-attention events cannot serve a policy that ranks attention)"
+            )
         super().__init__(selection=decode.selection)
         self.prefill, self.decode = prefill, decode
         self.log_n: LogNScaling | None = decode.log_n
