@@ -114,11 +114,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requested cache budgets in (0, 1), comma-separated, or 'none' (default: %(default)s); "
                    "each policy's parameters are planned per prompt length so its realised budget is closest")
     g = p.add_argument_group("sizes (N, or TASK=N[,TASK=N...] per task)")
+    # each task's own defaults, read from the registered tasks (a plug-in's included)
+    samples = ", ".join(f"{name}={cls.default_samples}" for name, cls in registry.items())
+    new_tokens = ", ".join(f"{name}={cls.default_max_new_tokens}" for name, cls in registry.items() if cls.kind == "gen")
     g.add_argument("--samples", default=None,
-                   help="samples per task (default: ppl=8 texts, summ=2, needle=1 haystack per length x depth cell, "
-                   "passkey=1, qa=4 questions (x gold positions), kv=2, tw=2)")
+                   help=f"samples per task (default: {samples}; needle/passkey: haystacks per length x depth cell, qa: "
+                   "questions, each at every gold position; the default run's short stream: 4)")
     g.add_argument("--max-new-tokens", default=None,
-                   help="greedy tokens generated per prompt (default: summ/tw=32, qa=32, kv=40, needle=14, passkey=8)")
+                   help=f"greedy tokens generated per prompt (default: {new_tokens})")
     g.add_argument("--context", default=None,
                    help="prompt tokens: ppl = tokens prefilled before scoring (default 448), summ/tw with embedded "
                    "data = exact prompt length (default 512); with --data-dir the longest prompt kept (longer "
