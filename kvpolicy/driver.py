@@ -75,13 +75,7 @@ def evict_until_done(
         >>> pos.tolist(), rounds
         ([[[0, 4, 5]]], [(6, 3)])
     """
-    keep, rounds = kept_slots(policy, positions, scores, n_seen, state, phase, decide=decide)
-    if keep is None:
-        return positions, scores, rounds
-    xp = array_namespace(positions)
-    positions = xp.take_along_axis(positions, keep, axis=-1)
-    if scores is not None:
-        scores = xp.take_along_axis(scores, keep, axis=-1)
+    positions, scores, _, rounds = _rounds(policy, positions, scores, n_seen, state, phase, decide)
     return positions, scores, rounds
 
 
@@ -106,6 +100,20 @@ def kept_slots(
         >>> keep.tolist(), rounds
         ([[[0, 3]]], [(4, 2)])
     """
+    _, _, keep, rounds = _rounds(policy, positions, scores, n_seen, state, phase, decide)
+    return keep, rounds
+
+
+def _rounds(
+    policy: EvictionPolicy,
+    positions: Any,
+    scores: Any | None,
+    n_seen: int,
+    state: dict[str, Any],
+    phase: str,
+    decide: Callable[[CacheView], Any] | None,
+) -> tuple[Any, Any | None, Any | None, list[tuple[int, int]]]:
+    """The loop itself: positions and scores after it, the composite keep and the rounds."""
     ask = policy.evict if decide is None else decide
     xp = array_namespace(positions)
     rounds: list[tuple[int, int]] = []
@@ -114,7 +122,7 @@ def kept_slots(
         shown = xp.zeros(positions.shape, dtype=xp.float64, device=device(positions)) if scores is None else scores
         keep = ask(CacheView(positions, shown, n_seen, state, phase))  # type: ignore[arg-type]
         if keep is None:
-            return total, rounds
+            return positions, scores, total, rounds
         keep = xp.astype(xp.asarray(keep, device=device(positions)), xp.int64)
         before = positions.shape[-1]
         positions = xp.take_along_axis(positions, keep, axis=-1)

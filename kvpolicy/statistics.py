@@ -80,14 +80,12 @@ def shift_history(scores: Array, record: Array, rows: Any, history: int) -> Arra
     ``(scores << rows) + record``, keeping the newest ``history`` bits; exact in float64."""
     xp = array_namespace(scores)
     scores = xp.astype(scores, xp.float64)
+    # rows >= history shifts every old bit out: the old part is then scores % 1 == 0
     if isinstance(rows, int):
-        if rows >= history:
-            return xp.astype(record, xp.float64)
-        return (scores % 2.0 ** (history - rows)) * 2.0**rows + record
-    rows = xp.astype(rows, xp.float64)
-    keep = xp.where(rows >= history, xp.zeros_like(rows), 2.0 ** (history - xp.minimum(rows, float(history))))
-    old = xp.where(keep > 0, scores % xp.where(keep > 0, keep, xp.ones_like(keep)), xp.zeros_like(scores))
-    return old * 2.0 ** xp.minimum(rows, float(history)) + record
+        shift = float(min(rows, history))
+    else:
+        shift = xp.minimum(xp.astype(rows, xp.float64), float(history))
+    return (scores % 2.0 ** (history - shift)) * 2.0**shift + record
 
 
 def history_counts(scores: Array, history: int) -> Array:

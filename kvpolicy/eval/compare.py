@@ -46,7 +46,7 @@ import numpy as np
 
 from .results import CellResult, TaskResult
 from .tasks import DEFAULT_TASKS, PAPER_TASKS, CacheConfig, DataSources, Sample, Task, TaskOptions, TokenizerAdapter
-from .tasks import is_reference, make_tasks, parse_floats, task_registry
+from .tasks import is_reference, make_tasks, parse_floats, split_csv, task_registry
 
 __all__ = ["add_arguments", "run", "main", "evaluate", "DEFAULT_POLICIES", "DEFAULT_BUDGETS", "MEASURED_DEFAULT"]
 
@@ -60,16 +60,12 @@ MEASURED_DEFAULT = ("measured: 5.7 minutes wall, 5.7 minutes of CPU time (float3
 
 
 # =========================================================================== argument parsing
-def _csv(text: str) -> list[str]:
-    return [t.strip() for t in str(text).split(",") if t.strip()]
-
-
 def _per_task(text: str | None, flag: str) -> dict[str, int]:
     """``"4"`` (every task) or ``"ppl=8,summ=4"`` (per task; ``*=N`` for the rest)."""
     if text is None:
         return {}
     out: dict[str, int] = {}
-    for item in _csv(text):
+    for item in split_csv(text):
         key, sep, value = item.partition("=")
         if not sep:
             key, value = "*", key
@@ -157,7 +153,7 @@ def _task_names(text: str | None) -> list[str]:
     if text is None or text.strip().lower() == "default":
         return list(DEFAULT_TASKS)
     names: list[str] = []
-    for t in _csv(text):
+    for t in split_csv(text):
         key = t.lower()
         expand = {"paper": list(PAPER_TASKS), "all": list(task_registry()), "default": list(DEFAULT_TASKS)}.get(key, [key])
         names += [n for n in expand if n not in names]
@@ -170,7 +166,7 @@ def _policy_names(text: str) -> list[str]:
     if text.strip().lower() == "all":
         return list(DEFAULT_POLICIES)
     names = []
-    for t in _csv(text):
+    for t in split_csv(text):
         get_policy(t)  # ValueError listing the known names
         n = normalize_name(t)
         if n not in names:
@@ -641,7 +637,7 @@ def run(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, s
         raise ValueError("--batch-size must be >= 1")
     names = _task_names(args.tasks)
     # the default run carries a short stream task; --tasks stream runs the full protocol
-    args.short_stream = args.tasks is None or "default" in [t.lower() for t in _csv(args.tasks)]
+    args.short_stream = args.tasks is None or "default" in [t.lower() for t in split_csv(args.tasks)]
     if sources is None:
         if args.data_dir and args.data_dir.lower() != "hub" and not Path(args.data_dir).is_dir():
             raise ValueError(f"--data-dir {args.data_dir}: no such folder")

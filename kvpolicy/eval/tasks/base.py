@@ -53,6 +53,7 @@ __all__ = [
     "register_task",
     "sample_order",
     "simulate_chunked_sizes",
+    "split_csv",
     "task_registry",
     "tw_window",
     "unregister_task",
@@ -577,23 +578,28 @@ def make_tasks(names: Iterable[str], options: TaskOptions, sources: DataSources,
 # =========================================================================== flag values
 def parse_floats(text: str, flag: str) -> list[float]:
     """Comma-separated numbers of a flag (``"none"`` or empty: none), or ``ValueError`` naming it."""
-    if str(text).strip().lower() in ("none", ""):
-        return []
-    try:
-        return [float(x) for x in _csv(text)]
-    except ValueError:
-        raise ValueError(f"{flag} expects comma-separated numbers, got {text!r}") from None
+    return _parse_list(text, flag, float, "numbers")
 
 
 def parse_ints(text: str, flag: str) -> list[int]:
     """Comma-separated integers of a flag (``"none"`` or empty: none), or ``ValueError`` naming it."""
+    return _parse_list(text, flag, int, "integers")
+
+
+def split_csv(text: str) -> list[str]:
+    """The non-empty, stripped items of a comma-separated flag value.
+
+    Example:
+        >>> split_csv(" ppl, summ,,")
+        ['ppl', 'summ']
+    """
+    return [t.strip() for t in str(text).split(",") if t.strip()]
+
+
+def _parse_list(text: str, flag: str, convert: Any, what: str) -> list[Any]:
     if str(text).strip().lower() in ("none", ""):
         return []
     try:
-        return [int(x) for x in _csv(text)]
+        return [convert(x) for x in split_csv(text)]
     except ValueError:
-        raise ValueError(f"{flag} expects comma-separated integers, got {text!r}") from None
-
-
-def _csv(text: str) -> list[str]:
-    return [t.strip() for t in str(text).split(",") if t.strip()]
+        raise ValueError(f"{flag} expects comma-separated {what}, got {text!r}") from None
