@@ -135,6 +135,10 @@ class LayerCache:
     candidate_min_scores: int = 1 << 16
     #: Candidate slots per row and head (see :meth:`_lowest_candidates`).
     candidates: int = 256
+    #: Floor of the spare slots of a one-token ``"lowest"`` eviction (H2O, TOVA), up to half the
+    #: capacity: ``slack = max(capacity // 8, min(capacity // 2, min_slack))``, within one
+    #: compaction chunk (``benchmarks/slack_sweep.py`` measures the choice).
+    min_slack: int = 64
 
     def __init__(
         self,
@@ -260,10 +264,11 @@ class LayerCache:
         # A compaction costs a fixed setup (~0.1 ms on a CPU) plus a move per kept slot, once per
         # `slack` steps, while attention reads `slack / 2` extra (masked) slots on average:
         # capacity / 8 keeps the moves at 8 a step whatever the size, and at least 64 (half of a
-        # tiny capacity) keeps small caches from paying the setup every few steps (128 slots:
-        # 16 -> 64 took H2O from 93.5% to 94.9% of the limit's decode speed on SmolLM2-135M).
+        # tiny capacity) keeps small caches from paying the setup every few steps (128 slots: a
+        # floor of 0 / 32 / 64 ran H2O at 95.1 / 96.2 / 96.7% of the limit on SmolLM2-135M,
+        # benchmarks/slack_sweep.py).
         # One compaction chunk bounds it: allocated bytes stay within capacity plus one chunk.
-        slack = max(capacity // 8, min(capacity // 2, 64))
+        slack = max(capacity // 8, min(capacity // 2, self.min_slack))
         return max(1, min(slack, self.compaction_chunk_bytes // max(per_slot, 1)))
 
     def _allocate(self, like_k: torch.Tensor, like_v: torch.Tensor, slots: int) -> None:
