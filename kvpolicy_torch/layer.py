@@ -32,8 +32,9 @@ import torch
 
 from kvpolicy.driver import kept_slots
 from kvpolicy.policy import DecodeEviction, EvictionPolicy
-from kvpolicy.statistics import shift_history
+from kvpolicy.statistics import low_attention, shift_history
 
+from .attention import decode_attention
 from .ops import first_argmin
 
 __all__ = ["LayerCache", "LayerSnapshot", "PrefixShift"]
@@ -187,6 +188,7 @@ class LayerCache:
         self._free: list[list[int]] = []
         self._range = (0, 0)  # slots [lo, hi) the last append returned
         self._bias_needed = False  # whether a slot of that range is a hole (host-side, set by append)
+        self._tail_clean = False  # one row: scores and bias are 0 from the frontier on (see _clean_tail)
         self._chunk: tuple[int, int, torch.Tensor | None] | None = None  # (start, q, valid [b, q]) of a chunk
         self._phase = "decode"
         # key_shift: the sinks' original keys [b, h, sink, d] while their slots hold them shifted
@@ -290,6 +292,7 @@ class LayerCache:
             for new, old in zip((keys, values, pos, scores, bias), self._tensors()):
                 new[:, :, :n] = old[:, :, :n]
         self._k, self._v, self._pos, self._scores, self._bias = keys, values, pos, scores, bias
+        self._tail_clean = False
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return self._k, self._v, self._pos, self._scores, self._bias  # type: ignore[return-value]
@@ -576,8 +579,14 @@ class LayerCache:
             self._k.narrow(2, s, 1).copy_(keys)  # type: ignore[union-attr]
             self._v.narrow(2, s, 1).copy_(values)  # type: ignore[union-attr]
             self._pos.select(2, s).fill_(seen[0])  # type: ignore[union-attr]
-            self._scores.select(2, s).fill_(0)  # type: ignore[union-attr]
-            self._bias.select(2, s).fill_(0)  # type: ignore[union-attr]
+            if s == front[0] and not self.static_shapes:
+                # a frontier slot: no attention reads past the frontier here, so the slots from it
+                # on can hold score and bias 0 ahead of time (two writes fewer a step)
+                if not self._tail_clean:
+                    self._clean_tail()
+            else:
+                self._scores.select(2, s).fill_(0)  # type: ignore[union-attr]
+                self._bias.select(2, s).fill_(0)  # type: ignore[union-attr]
             if s == front[0]:
                 front[0] = s + 1
             seen[0] += 1
@@ -632,8 +641,18 @@ class LayerCache:
         self._range = (0, self.slots if self.static_shapes else max(front))
         self._bias_needed = self._needs_bias()
 
+    def _clean_tail(self) -> None:
+        """One row, shapes not static: score and bias 0 at the frontier and every slot after it
+        (attention and the victim search read below the frontier only), so that a frontier append
+        writes neither. Whatever marks those slots as holes again clears :attr:`_tail_clean`."""
+        f = self._front[0]
+        self._scores[:, :, f:].fill_(0)  # type: ignore[index]
+        self._bias[:, :, f:].fill_(0)  # type: ignore[index]
+        self._tail_clean = True
+
     def _append_chunk(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, real: list[int]) -> None:
         self._forget_candidates()
+        self._tail_clean = False
         b, h, q, _ = keys.shape
         if not self._dense():
             self._compact_rows(list(range(b)))  # chunks see dense rows in position order
@@ -681,23 +700,106 @@ class LayerCache:
         chunk's rows, or of the decode query's :func:`~kvpolicy.statistics.low_attention`), shifted
         into each token's record. Holes and pads keep ``+inf``."""
         self._require()
-        lo, hi = self._range
-        scores = self._extra[3] if self._extra is not None else self._scores[:, :, lo:hi]  # type: ignore[index]
+        scores = self._returned(3)
         if received.shape != scores.shape:
             raise ValueError(f"received must have shape {tuple(scores.shape)}, got {tuple(received.shape)}")
         if received.is_complex():
             raise ValueError("received must be real, got a complex tensor")
+        self._add(scores, received)
+
+    def accumulate_query(self, received: torch.Tensor, group: int) -> None:
+        """:meth:`accumulate` for a decode step: ``received`` ``[batch, kv_heads, n]`` is what its one
+        query gave each returned slot, summed over the ``group`` query heads of each KV head (what
+        :func:`~kvpolicy_torch.decode_attention` returns). For a ``"low_history"`` policy
+        (Scissorhands) it becomes that query's record of low attention first
+        (:func:`kvpolicy.statistics.low_attention`); a chunk's record comes from
+        ``received_attention(history=...)``.
+
+        Example:
+            >>> from kvpolicy import H2O
+            >>> layer = LayerCache(H2O(heavy=2, recent=2))
+            >>> K, V = layer.append(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4))
+            >>> layer.accumulate_query(torch.ones(1, 1, 1), group=1)
+            >>> layer.scores.tolist()
+            [[[1.0]]]
+        """
+        if self.policy.score_statistic == "low_history":
+            received = low_attention(received, group, kept=self.slot_positions >= 0).to(torch.float64)
+        self.accumulate(received)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        scaling: float,
+        *,
+        extra_bias: torch.Tensor | None = None,
+        row_scale: torch.Tensor | None = None,
+        prefix: tuple[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """A decode step's attention over the slots the last (one-token) :meth:`append` returned,
+        holes masked, with what each slot received added to the scores (:meth:`accumulate_query`)
+        when the policy uses them: one pass over the keys
+        (:func:`~kvpolicy_torch.decode_attention`), and no re-validation of a ``received`` this
+        method computed itself (a decode step is a few dozen tiny ops per layer). Then call
+        :meth:`evict`.
+
+        Args:
+            query: ``[batch, q_heads, 1, head_dim]``, ``q_heads`` a multiple of the KV heads (GQA).
+            scaling: the logit scale.
+            extra_bias: ``[batch, kv_heads, n]`` additive bias on top of the holes' (``-inf`` where a
+                sliding window hides a kept token), or ``None``.
+            row_scale, prefix: as in :func:`~kvpolicy_torch.decode_attention` (BUZZ's log n; the
+                query rotated back for StreamingLLM's pos-shifted sinks).
+
+        Returns:
+            ``[batch, 1, q_heads, head_dim]``: the layout transformers' attention functions return.
+
+        Example:
+            >>> from kvpolicy import H2O
+            >>> layer = LayerCache(H2O(heavy=2, recent=2))
+            >>> for t in range(6):
+            ...     K, V = layer.append(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+            ...     out = layer.attend(torch.randn(1, 4, 1, 8), 8 ** -0.5)
+            ...     rounds = layer.evict()
+            >>> out.shape, layer.length
+            (torch.Size([1, 1, 4, 8]), 4)
+        """
+        self._require()
+        if self._phase != "decode" or self._extra is not None:
+            raise ValueError("attend() serves a decode step (one token appended per row); a prompt chunk takes chunk_mask() and accumulate()")
+        hi = self._range[1]
+        key, value = self._k.narrow(2, 0, hi), self._v.narrow(2, 0, hi)  # type: ignore[union-attr]
+        bias = self.bias
+        if extra_bias is not None:
+            bias = extra_bias if bias is None else bias + extra_bias
+        out, received = decode_attention(query, key, value, scaling, bias=bias, row_scale=row_scale, prefix=prefix)
+        if self.policy.uses_scores:
+            if self.policy.score_statistic == "low_history":
+                self.accumulate_query(received, query.shape[1] // key.shape[1])
+            else:  # received comes from a softmax: its shape is right and it is real
+                self._add(self._scores.narrow(2, 0, hi), received)  # type: ignore[union-attr]
+        return out
+
+    def _returned(self, which: int) -> torch.Tensor:
+        """Tensor ``which`` (0 keys, 1 values, 2 positions, 3 scores, 4 bias) at the slots the last
+        :meth:`append` returned."""
+        if self._extra is not None:
+            return self._extra[which]
+        lo, hi = self._range
+        return self._tensors()[which][:, :, lo:hi]
+
+    def _add(self, scores: torch.Tensor, received: torch.Tensor) -> None:
+        """The body of :meth:`accumulate` on the returned slots' ``scores``."""
         if received.dtype != scores.dtype:
             received = received.to(scores.dtype)
         received = torch.nan_to_num(received, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
         statistic = self.policy.score_statistic
         if statistic == "latest":
-            pos = self._extra[2] if self._extra is not None else self._pos[:, :, lo:hi]  # type: ignore[index]
-            scores.copy_(torch.where(pos >= 0, received, math.inf))
+            scores.copy_(torch.where(self._returned(2) >= 0, received, math.inf))
         elif statistic == "low_history":
             # `received` is the step's record (kvpolicy.statistics.history_record): shift it in,
             # by the chunk's real rows (a left-padded row has fewer) or by one decode query
-            pos = self._extra[2] if self._extra is not None else self._pos[:, :, lo:hi]  # type: ignore[index]
+            pos = self._returned(2)
             rows: Any = 1
             if self._chunk is not None:
                 valid = self._chunk[2]
@@ -759,7 +861,7 @@ class LayerCache:
                 bias[r_t, :, s_t] = -math.inf
         else:
             victims = self._lowest(rule, rows)  # [len(rows) or batch, heads]
-            index = victims[..., None]
+            index = victims.unsqueeze(-1)
             if every:
                 pos.scatter_(2, index, -1)
                 scores.scatter_(2, index, math.inf)
@@ -1011,6 +1113,7 @@ class LayerCache:
             for t in flat:
                 t.index_copy_(0, dst, t.index_select(0, r))
         # what lies between the new and the old frontier becomes holes
+        self._tail_clean = False
         old = max(self._front[r] for r in rows)
         if old > kept:
             for t, fill in zip(sources[2:], (-1, math.inf, -math.inf)):
@@ -1030,6 +1133,7 @@ class LayerCache:
         self._forget_candidates()
         n = max(self._front)
         extra, self._extra = self._extra, None
+        self._tail_clean = False
         for t, e, fill in zip(self._tensors(), extra, (None, None, -1, math.inf, -math.inf)):
             t[:, :, :n] = e[:, :, :n]
             if fill is not None:
@@ -1089,6 +1193,7 @@ class LayerCache:
         self._free = [list(f) for f in snap.free] if snap.free else [[] for _ in range(self.batch)]
         if any(slot >= f for fr, f in zip(self._free, self._front) for slot in fr):
             raise ValueError("snapshot free slots must lie below their row's front")
+        self._tail_clean = False
         for t, src, fill in zip((self._pos, self._scores, self._bias), (snap.positions, snap.scores, snap.bias), (-1, math.inf, -math.inf)):
             t.copy_(src)  # type: ignore[union-attr]
             for f in sorted(set(self._front)):
@@ -1132,6 +1237,7 @@ class LayerCache:
         self._k, self._v, self._pos, self._scores, self._bias = (
             t.index_select(0, index.to(t.device)) for t in self._tensors()
         )
+        self._tail_clean = False
 
     def reset(self) -> None:
         """Forget everything (storage is freed)."""

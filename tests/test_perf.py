@@ -196,17 +196,17 @@ def test_fused_and_unfused_decode_agree(policy) -> None:
 
 
 def test_fused_path_is_taken_in_decode_only(monkeypatch) -> None:
-    import kvpolicy_integrations.hf as hf
+    from kvpolicy_torch import LayerCache
 
     model = tiny_llama(num_layers=1, seed=2)
     calls = []
-    original = hf.decode_attention
+    original = LayerCache.attend
 
-    def spy(*a, **k):
-        calls.append(a[0].shape[2])
-        return original(*a, **k)
+    def spy(self, query, *a, **k):
+        calls.append(query.shape[2])
+        return original(self, query, *a, **k)
 
-    monkeypatch.setattr(hf, "decode_attention", spy)
+    monkeypatch.setattr(LayerCache, "attend", spy)
     # prefill goes through SDPA; so does a decode step that needs neither scores nor a mask:
     # StreamingLLM's sink shift is done in the storage (its sinks' keys rotated), so it takes SDPA
     for policy, expected in ((H2O(6, 6), [1, 1, 1]), (StreamingLLM(2, 8), []), (LocalWindow(8), []), (FullCache(), [])):

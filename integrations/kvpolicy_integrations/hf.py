@@ -40,8 +40,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvpolicy._validation import check_bool
 from kvpolicy.policy import EvictionPolicy
-from kvpolicy.statistics import low_attention
-from kvpolicy_torch import LayerCache, PrefixShift, decode_attention, received_attention, rope_matrix, rope_rotate
+from kvpolicy_torch import LayerCache, PrefixShift, received_attention, rope_matrix, rope_rotate
 
 from .capabilities import LayerAttention, ModelCapabilities, RopeLayout, cache_kwargs, detect, rope_layouts
 
@@ -101,23 +100,24 @@ def kvpolicy_sdpa_attention(
     log_n = layer.policy.log_n
     uses_scores = layer.policy.uses_scores
     if q_len == 1:
-        bias = layer.window_bias(store.bias)
+        window = layer.window_bias()
         prefix = layer.take_prefix(query)
         # log n: n = the keys the query attends to (paper, section 3.5): the row's kept tokens
         scales = [log_n.scale(n) for n in store.lengths] if log_n is not None else None
-        plain = bias is None and prefix is None and (scales is None or all(x == scales[0] for x in scales))
+        plain = window is None and prefix is None and store.bias is None and (scales is None or all(x == scales[0] for x in scales))
         if plain and not (uses_scores and layer.fused_decode):
             # SDPA: nothing to mask or shift, and no scores wanted (or the unfused path asked for)
             sdpa_scale = scale * scales[0] if scales else scale
             out, _ = sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=sdpa_scale, **kwargs)
-            received = received_attention(query, key, sdpa_scale) if uses_scores else None
-            layer.finish_received(None if received is None else layer.decode_received(received, query.shape[1] // key.shape[1]))
+            if uses_scores:
+                store.accumulate_query(received_attention(query, key, sdpa_scale), query.shape[1] // key.shape[1])
+            layer.finish_received(None)
             return out, None
         if dropout or not _fusable(kwargs):
             raise ValueError(f"kvpolicy's decode attention takes no dropout, softcap or position bias; got {sorted(kwargs)}")
         row_scale = torch.tensor(scales, device=query.device) if scales is not None else None
-        out, received = decode_attention(query, key, value, scale, bias=bias, row_scale=row_scale, prefix=prefix)
-        layer.finish_received(layer.decode_received(received, query.shape[1] // key.shape[1]) if uses_scores else None)
+        out = store.attend(query, scale, extra_bias=window, row_scale=row_scale, prefix=prefix)
+        layer.finish_received(None)
         return out, None
     mask = layer.window_chunk_mask(store.chunk_mask())
     query_scale = None
@@ -431,18 +431,18 @@ class EvictingLayer(DynamicLayer):
             return [p - w for p in newest]
         return [p // w * w - 1 for p in newest]  # chunked: same chunk as the query
 
-    def window_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """A decode step's additive bias: ``bias`` (holes) plus ``-inf`` for kept tokens whose
-        *original* position lies outside this layer's sliding window or chunk."""
+    def window_bias(self) -> torch.Tensor | None:
+        """A decode step's additive bias ``[batch, kv_heads, n]`` for this sliding or chunked layer:
+        ``-inf`` at kept tokens whose *original* position lies outside the window or chunk, else
+        ``0`` (the holes' ``-inf`` is the store's, :attr:`LayerCache.bias`); ``None`` when no kept
+        token can be outside it yet."""
         limits = self._window_limits()
         if limits is None:
-            return bias
+            return None
         pos = self.store.slot_positions
         lim = torch.tensor(limits, device=pos.device).view(-1, 1, 1)
-        dtype = bias.dtype if bias is not None else torch.float32
-        zero = torch.zeros((), dtype=dtype, device=pos.device)
-        window = torch.where(pos > lim, zero, float("-inf"))
-        return window if bias is None else bias + window
+        zero = torch.zeros((), dtype=torch.float32, device=pos.device)
+        return torch.where(pos > lim, zero, float("-inf"))
 
     def window_chunk_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """A prompt chunk's boolean mask ``[batch | 1, 1, q, n]`` restricted to this layer's sliding
@@ -460,16 +460,6 @@ class EvictingLayer(DynamicLayer):
     def history(self) -> int | None:
         """The queries a token's record covers for a ``"low_history"`` policy (Scissorhands), else ``None``."""
         return self.policy.score_history if self.policy.score_statistic == "low_history" else None
-
-    def decode_received(self, received: torch.Tensor, group: int) -> torch.Tensor:
-        """What a decode step's ``received`` ``[batch, kv_heads, n]`` (its query's attention summed
-        over each KV head's ``group`` query heads) adds to the store: itself, or for a
-        ``"low_history"`` policy (Scissorhands) that query's record of low attention
-        (:func:`kvpolicy.statistics.low_attention`; a chunk's record comes from
-        ``received_attention(history=...)``)."""
-        if self.history is None:
-            return received
-        return low_attention(received, group, kept=self.store.slot_positions >= 0).to(torch.float64)
 
     def finish_received(self, received: torch.Tensor | None) -> None:
         """After attention: accumulate ``received`` ``[batch, kv_heads, n]`` (if any), then evict."""

@@ -453,7 +453,8 @@ class _Timers:
 def step_timers() -> Iterator[_Timers]:
     """Patch the pieces of a decode step with exclusive timers while the context is open.
 
-    Categories: ``attention`` (SDPA), ``attention+scores (fused)`` (the fused decode path),
+    Categories: ``attention`` (SDPA), ``attention+scores (fused)`` (the fused decode path,
+    :meth:`LayerCache.attend`, the scores' accumulation included),
     ``score product`` (``received_attention``), ``accumulate``, ``evict``, ``cache update``
     (append / ``torch.cat``), ``pos-shift`` (``rope_rotate``: StreamingLLM's query rotated back
     for its sinks, or keys re-rotated for other policies with ``positions="cache"``) and
@@ -482,7 +483,7 @@ def step_timers() -> Iterator[_Timers]:
     try:
         patch(hf, "sdpa_attention_forward", "attention")
         patch(hf, "received_attention", "score product")
-        patch(hf, "decode_attention", "attention+scores (fused)")
+        patch(LayerCache, "attend", "attention+scores (fused)")
         patch(LayerCache, "accumulate", "accumulate")
         patch(LayerCache, "evict", "evict")
         patch(hf.EvictingLayer, "update", "cache update")
