@@ -29,7 +29,10 @@ def softmax(logits: np.ndarray, axis: int = -1) -> np.ndarray:
         >>> softmax(np.asarray([0.0, 0.0, -np.inf])).tolist()
         [0.5, 0.5, 0.0]
     """
-    shifted = logits - np.max(logits, axis=axis, keepdims=True)
+    # C order first: NumPy's sum adds in an order that follows the memory layout (pairwise along
+    # a contiguous axis, one by one across a strided one), so the same logits gathered into a
+    # Fortran-ordered array would round differently; the reference must not depend on it
+    shifted = np.ascontiguousarray(logits) - np.max(logits, axis=axis, keepdims=True)
     e = np.exp(shifted)
     return e / np.sum(e, axis=axis, keepdims=True)
 
