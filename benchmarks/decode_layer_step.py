@@ -1,6 +1,6 @@
 """The fixed per-layer cost of a decode step: ``EvictingLayer.update`` plus kvpolicy's attention
 function for H2O, StreamingLLM (pos-shift, sinks rotated in the storage) and the local window,
-over ``--layers`` layers sharing one cache's ``ShiftMatrices``, on SmolLM2-135M's shapes (3 KV
+over ``--layers`` layers sharing one cache's ``ShiftMatrices`` and ``LayerGroup``, on SmolLM2-135M's shapes (3 KV
 heads, 9 query heads, head_dim 64) with ``--keys`` cached keys; against a plain cache (``torch.cat``
 of the new key and value, then SDPA). Microseconds per layer and step, one thread; no model, so
 the caches stay warm (in a model each figure is about twice as large). Run it at two commits to
@@ -19,6 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvpolicy import H2O, LocalWindow, StreamingLLM
 from kvpolicy_integrations.hf import EvictingLayer, ShiftMatrices, kvpolicy_sdpa_attention
+from kvpolicy_torch import LayerGroup
 
 
 class _Module(torch.nn.Module):
@@ -31,9 +32,9 @@ class _Module(torch.nn.Module):
 
 def _policy_step(policy, keys: int, layers: int, steps: int) -> float:
     inv = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
-    shared = ShiftMatrices()
+    shared, group = ShiftMatrices(), LayerGroup(layers)
     mode = "cache" if policy.name == "streaming_llm" else "original"
-    stack = [EvictingLayer(policy, i, positions=mode, inv_freq=inv, shift_matrices=shared) for i in range(layers)]
+    stack = [EvictingLayer(policy, i, positions=mode, inv_freq=inv, shift_matrices=shared, group=group) for i in range(layers)]
     modules = [_Module(i) for i in range(layers)]
     g = torch.Generator().manual_seed(0)
     for layer in stack:

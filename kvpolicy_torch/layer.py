@@ -37,7 +37,7 @@ from kvpolicy.statistics import low_attention, shift_history
 from .attention import decode_attention
 from .ops import first_argmin
 
-__all__ = ["LayerCache", "LayerSnapshot", "PrefixShift"]
+__all__ = ["LayerCache", "LayerGroup", "LayerSnapshot", "PrefixShift"]
 
 _MIN_GROWTH = 16  # slots an unbounded store grows by at least
 #: Unbounded policies (the full cache) grow their storage by this factor (amortised copies, and
@@ -114,6 +114,9 @@ class LayerCache:
             changes (``O(batch x kv_heads x sink)``), so attention needs no second query and can
             take plain SDPA. :attr:`keys_shifted` says when this is in effect; every other read
             (:attr:`keys`, a prompt chunk, a general eviction) sees the original keys.
+        group: a :class:`LayerGroup` shared by the layers of one cache: their one-token
+            evictions by lowest score (H2O, TOVA) are found with one search per decode step for
+            all of them (never visibly deferred: any read of a layer finishes them first).
 
     Example:
         >>> import torch
@@ -149,6 +152,7 @@ class LayerCache:
         static_shapes: bool = False,
         reserve: int | None = None,
         key_shift: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None,
+        group: "LayerGroup | None" = None,
     ) -> None:
         if not isinstance(policy, EvictionPolicy):
             raise ValueError(f"policy must be an EvictionPolicy, got {policy!r}")
@@ -167,9 +171,16 @@ class LayerCache:
         # only the sinks of an "oldest" rule are shifted (a PrefixShift); other layouts shift per slot
         self._sink_shift = key_shift if rule is not None and rule.victim == "oldest" and rule.sink > 0 else None
         self.evictions = 0
+        if group is not None and not isinstance(group, LayerGroup):
+            raise ValueError(f"group must be a LayerGroup or None, got {group!r}")
+        self.group = group
+        self._group_index = group.register() if group is not None else -1
         self._clear()
 
     def _clear(self) -> None:
+        if self.group is not None:
+            self.group.leave(self._group_index)
+        self._deferred = False  # this step's victims are left to the group (see LayerGroup)
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None
@@ -256,6 +267,8 @@ class LayerCache:
     def _require(self) -> None:
         if self._k is None:
             raise ValueError("nothing was appended to this LayerCache yet: call append() first")
+        if self._deferred:
+            self.group.flush()  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ storage
     def _slack(self, capacity: int, per_slot: int) -> int:
@@ -284,9 +297,18 @@ class LayerCache:
         # 0 * NaN from uninitialised memory would poison the row
         keys = torch.zeros(b, h, slots, d, dtype=like_k.dtype, device=dev)
         values = torch.zeros(b, h, slots, like_v.shape[-1], dtype=like_v.dtype, device=dev)
-        pos = torch.full((b, h, slots), -1, dtype=torch.int64, device=dev)
-        scores = torch.full((b, h, slots), math.inf, dtype=score_dtype, device=dev)
-        bias = torch.full((b, h, slots), -math.inf, dtype=score_dtype, device=dev)
+        shared = None
+        if self.group is not None:
+            if self._k is None:
+                shared = self.group.storage(self._group_index, (b, h, slots), score_dtype, dev)
+            else:
+                self.group.leave(self._group_index)  # growth: a shape of its own
+        if shared is not None:
+            pos, scores, bias = shared
+        else:
+            pos = torch.full((b, h, slots), -1, dtype=torch.int64, device=dev)
+            scores = torch.full((b, h, slots), math.inf, dtype=score_dtype, device=dev)
+            bias = torch.full((b, h, slots), -math.inf, dtype=score_dtype, device=dev)
         if self._k is not None:  # growth (unbounded policies): carry what is there
             n = max(self._front)
             for new, old in zip((keys, values, pos, scores, bias), self._tensors()):
@@ -500,6 +522,8 @@ class LayerCache:
                 attended, scored or kept. Read once per chunk (one sync); decode tokens are real.
             real: per-row counts of True in ``valid`` when the caller already has them on the host.
         """
+        if self._deferred:
+            self.group.flush()  # type: ignore[union-attr]
         ks, vs = keys.shape, values.shape
         if len(ks) != 4 or len(vs) != 4 or ks[0] != vs[0] or ks[1] != vs[1] or ks[2] != vs[2]:
             raise ValueError(
@@ -859,21 +883,53 @@ class LayerCache:
                 pos[r_t, :, s_t] = -1
                 scores[r_t, :, s_t] = math.inf
                 bias[r_t, :, s_t] = -math.inf
+        elif every and self._deferrable(rule):
+            self._deferred = True  # the group frees the victims (LayerGroup): after the counts below
         else:
-            victims = self._lowest(rule, rows)  # [len(rows) or batch, heads]
-            index = victims.unsqueeze(-1)
-            if every:
-                pos.scatter_(2, index, -1)
-                scores.scatter_(2, index, math.inf)
-                bias.scatter_(2, index, -math.inf)
-            else:
-                r_t = torch.tensor(rows, device=pos.device)
-                for t, fill in ((pos, -1), (scores, math.inf), (bias, -math.inf)):
-                    part = t.index_select(0, r_t)
-                    part.scatter_(2, index, fill)
-                    t.index_copy_(0, r_t, part)
+            self._free_lowest(rule, rows)
         for r in rows:
             self._count[r] -= 1
+        if self._deferred:
+            hi = self._front[0] - rule.recent
+            self.group.defer(self._group_index, hi, self._free_deferred, self._group_freed)  # type: ignore[union-attr]
+
+    def _deferrable(self, rule: DecodeEviction) -> bool:
+        """Whether this step's victims may wait for the group: every layer keeps its storage in it,
+        the rows stand alike, and the plain scan would find them (not shared, not candidates)."""
+        group = self.group
+        if group is None or not group.complete or self.policy.selection == "shared":
+            return False
+        front = self._front
+        if any(f != front[0] for f in front) or self._uses_candidates(front[0] - rule.recent):
+            return False
+        if self._cand is not None:
+            self._forget_candidates()  # (as the plain scan would)
+        return True
+
+    def _group_freed(self) -> None:
+        self._deferred = False
+
+    def _free_deferred(self) -> None:
+        """Free this step's victims here (the group could not search them with the others')."""
+        self._deferred = False
+        assert self.rule is not None
+        self._free_lowest(self.rule, list(range(self.batch)))
+
+    def _free_lowest(self, rule: DecodeEviction, rows: list[int]) -> None:
+        """The lowest-scored victim of each of ``rows`` and heads becomes a hole."""
+        pos, scores, bias = self._tensors()[2:]
+        victims = self._lowest(rule, rows)  # [len(rows) or batch, heads]
+        index = victims.unsqueeze(-1)
+        if len(rows) == self.batch:
+            pos.scatter_(2, index, -1)
+            scores.scatter_(2, index, math.inf)
+            bias.scatter_(2, index, -math.inf)
+        else:
+            r_t = torch.tensor(rows, device=pos.device)
+            for t, fill in ((pos, -1), (scores, math.inf), (bias, -math.inf)):
+                part = t.index_select(0, r_t)
+                part.scatter_(2, index, fill)
+                t.index_copy_(0, r_t, part)
 
     def _lowest(self, rule: DecodeEviction, rows: list[int]) -> torch.Tensor:
         """Victim slot ``[len(rows), heads]`` of each row: the lowest score outside the newest
@@ -882,15 +938,7 @@ class LayerCache:
         assert scores is not None
         front = [self._front[r] for r in rows]
         hi = max(front) - rule.recent
-        if (
-            hi > 4 * self.candidates  # small caches: the plain scan, decided first (every decode step)
-            and len(rows) == self.batch
-            and self.policy.selection != "shared"
-            and self.policy.score_statistic == "accumulate"  # the bound needs scores that only grow
-            and scores.device.type == "cpu"
-            and scores.shape[0] * scores.shape[1] * hi >= self.candidate_min_scores
-            and all(f == front[0] for f in front)
-        ):
+        if len(rows) == self.batch and all(f == front[0] for f in front) and self._uses_candidates(hi):
             victims = self._lowest_candidates(hi)
             if victims is not None:
                 return victims
@@ -911,6 +959,19 @@ class LayerCache:
         return first_argmin(cand)
 
     # ------------------------------------------------------------------ H2O's victim among candidates
+    def _uses_candidates(self, hi: int) -> bool:
+        """Whether rows alike, with eligible slots ``[0, hi)``, search among candidates (see
+        :meth:`_lowest_candidates`) rather than by the plain scan."""
+        scores = self._scores
+        assert scores is not None
+        return (
+            hi > 4 * self.candidates  # small caches: the plain scan, decided first (every decode step)
+            and self.policy.selection != "shared"
+            and self.policy.score_statistic == "accumulate"  # the bound needs scores that only grow
+            and scores.device.type == "cpu"
+            and scores.shape[0] * scores.shape[1] * hi >= self.candidate_min_scores
+        )
+
     def _forget_candidates(self) -> None:
         self._cand: torch.Tensor | None = None  # [b, h, K] slots searched for the next victim
         self._cand_bound: torch.Tensor | None = None  # [b, h, 1]: every other eligible slot's score is >= it
@@ -1215,6 +1276,9 @@ class LayerCache:
             return
         if self._extra is not None:
             raise RuntimeError("select_batch() between append() and evict()")
+        self._require()
+        if self.group is not None:
+            self.group.leave(self._group_index)  # rows change: tensors of its own
         self._unshift()
         self._forget_candidates()
         host = [
@@ -1242,3 +1306,124 @@ class LayerCache:
     def reset(self) -> None:
         """Forget everything (storage is freed)."""
         self._clear()
+
+
+# ---------------------------------------------------------------------- layers that evict together
+# A one-token eviction by lowest score (H2O, TOVA) costs each layer a victim search and three
+# writes per decode step, a handful of tiny ops whose fixed cost (a few microseconds each, more
+# with the model's weights streaming through the caches) adds up over a model's layers. Yet a
+# layer's victim only has to be gone before that layer attends again, at the next step, and every
+# layer of a cache holds as many tokens at the same slots. So the layers of a :class:`LayerGroup`
+# keep their positions, scores and bias as slices of one tensor ``[layers, batch, kv_heads,
+# slots]``; a layer's :meth:`LayerCache.evict` does its host bookkeeping at once and leaves the
+# victim to the group, and the last layer's eviction of the step finds every layer's victim with
+# one search and frees them with one write per tensor. Any read of a layer before then (its next
+# append, a property, a snapshot) makes the group finish first, layer by layer where it must, so
+# the deferral is never visible: each layer's kept tokens are exactly those of its own eviction.
+class LayerGroup:
+    """Storage and deferred one-token evictions shared by the ``layers`` layers of one cache.
+
+    Pass the same group to every layer's :class:`~kvpolicy_torch.LayerCache` (``group=``), in
+    layer order. The first layer to allocate fixes the shape ``[batch, kv_heads, slots]``; a layer
+    whose storage differs (another capacity, e.g. PyramidKV, or a growing full cache) keeps its own
+    tensors and evicts alone, and then so does every layer (the group's search needs all of them).
+
+    Args:
+        layers: how many layers will join.
+
+    Example:
+        >>> import torch
+        >>> from kvpolicy import H2O
+        >>> from kvpolicy_torch import LayerCache
+        >>> group = LayerGroup(2)
+        >>> stack = [LayerCache(H2O(heavy=2, recent=2), group=group) for _ in range(2)]
+        >>> for t in range(8):
+        ...     for layer in stack:
+        ...         K, V = layer.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
+        ...         layer.accumulate(torch.rand(1, 1, K.shape[2]))
+        ...         rounds = layer.evict()
+        >>> group.batched_evictions > 0, [layer.length for layer in stack]
+        (True, [4, 4])
+    """
+
+    def __init__(self, layers: int) -> None:
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ValueError(f"layers must be an integer >= 1, got {layers!r}")
+        self.layers = layers
+        self._joined = 0  # layers registered so far
+        self._members: set[int] = set()  # indices whose storage is a slice of the group's tensors
+        # layers whose victims wait for the group: (index, eligible slots, free_alone, freed)
+        self._pending: list[tuple[int, int, Callable[[], None], Callable[[], None]]] = []
+        self._pos: torch.Tensor | None = None  # [layers, batch, kv_heads, slots]
+        self._scores: torch.Tensor | None = None
+        self._bias: torch.Tensor | None = None
+        #: Decode steps whose victims the group found for every layer at once (a diagnostic).
+        self.batched_evictions = 0
+
+    def register(self) -> int:
+        """A layer joins (its constructor calls this): its index in the group."""
+        if self._joined >= self.layers:
+            raise ValueError(f"this LayerGroup was made for {self.layers} layers; a layer more joined it")
+        self._joined += 1
+        return self._joined - 1
+
+    @property
+    def complete(self) -> bool:
+        """Whether every layer keeps its positions, scores and bias in the group's tensors."""
+        return len(self._members) == self.layers
+
+    def storage(
+        self, index: int, shape: tuple[int, int, int], score_dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Layer ``index``'s positions, scores and bias ``[batch, kv_heads, slots]`` (``-1``,
+        ``+inf``, ``-inf``: all holes) as slices of the group's tensors, or ``None`` when they
+        cannot be (another shape, dtype or device than the group's)."""
+        if self._pos is None or not self._members - {index}:  # the first layer (again) fixes the shape
+            full = (self.layers, *shape)
+            self._pos = torch.full(full, -1, dtype=torch.int64, device=device)
+            self._scores = torch.full(full, math.inf, dtype=score_dtype, device=device)
+            self._bias = torch.full(full, -math.inf, dtype=score_dtype, device=device)
+        assert self._scores is not None and self._bias is not None
+        if tuple(self._pos.shape[1:]) != shape or self._scores.dtype != score_dtype or self._pos.device != device:
+            self.leave(index)
+            return None
+        pos, scores, bias = self._pos[index], self._scores[index], self._bias[index]
+        pos.fill_(-1)
+        scores.fill_(math.inf)
+        bias.fill_(-math.inf)
+        self._members.add(index)
+        return pos, scores, bias
+
+    def leave(self, index: int) -> None:
+        """Layer ``index`` no longer keeps its storage in the group (it reallocated or was reset)."""
+        self._members.discard(index)
+        self._pending = [p for p in self._pending if p[0] != index]
+
+    def defer(self, index: int, hi: int, free_alone: Callable[[], None], freed: Callable[[], None]) -> None:
+        """Take layer ``index``'s victims of this step: the lowest score of slots ``[0, hi)`` per
+        row and head. ``free_alone()`` frees them the layer's own way; ``freed()`` tells it the
+        group did. Once every layer has deferred, they are all found at once."""
+        self._pending.append((index, hi, free_alone, freed))
+        if len(self._pending) == self.layers:
+            self.flush()
+
+    def flush(self) -> None:
+        """Free every pending layer's victims: with one search and one write per tensor when all
+        layers wait with the same eligible slots, else layer by layer."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        hi = pending[0][1]
+        if len(pending) == self.layers and self.complete and all(p[1] == hi for p in pending):
+            assert self._pos is not None and self._scores is not None and self._bias is not None
+            # each layer's plain scan (LayerCache._lowest), for every layer at once: the same answer
+            victims = first_argmin(self._scores.narrow(3, 0, hi)).unsqueeze(-1)  # [layers, batch, heads, 1]
+            self._pos.scatter_(3, victims, -1)
+            self._scores.scatter_(3, victims, math.inf)
+            self._bias.scatter_(3, victims, -math.inf)
+            for p in pending:
+                p[3]()
+            self.batched_evictions += 1
+            return
+        for p in pending:
+            p[2]()

@@ -40,7 +40,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvpolicy._validation import check_bool
 from kvpolicy.policy import EvictionPolicy
-from kvpolicy_torch import LayerCache, PrefixShift, received_attention, rope_matrix, rope_rotate
+from kvpolicy_torch import LayerCache, LayerGroup, PrefixShift, received_attention, rope_matrix, rope_rotate
 
 from .capabilities import LayerAttention, ModelCapabilities, RopeLayout, cache_kwargs, detect, rope_layouts
 
@@ -308,6 +308,7 @@ class EvictingLayer(DynamicLayer):
         reserve: int | None = None,
         padding: Padding | None = None,
         shift_matrices: ShiftMatrices | None = None,
+        group: LayerGroup | None = None,
     ) -> None:
         super().__init__()
         self.policy = policy
@@ -323,7 +324,7 @@ class EvictingLayer(DynamicLayer):
         # shift changes): the decode step then attends with plain SDPA
         self.store = LayerCache(
             policy, reduce_scores=reduce_scores, static_shapes=static_shapes, reserve=reserve,
-            key_shift=self._shift_keys if self.shifts else None,
+            key_shift=self._shift_keys if self.shifts else None, group=group,
         )
         self.shift_matrices = shift_matrices if shift_matrices is not None else ShiftMatrices()
         self.attention = attention if attention is not None else LayerAttention("full")
@@ -569,11 +570,12 @@ class EvictingCache(Cache):
         self.padding = Padding()  # shared by the layers: the padding of the forward in flight
         shift_matrices = ShiftMatrices()  # shared by the layers: pos-shift rotations, built once a step
         n_layers = len(caps.layers)
+        group = LayerGroup(n_layers)  # shared by the layers: one victim search a decode step for all
         layers = [
             EvictingLayer(
                 policy.for_layer(i, n_layers), i, positions=positions, rope=ropes[i], attention=caps.layers[i], reduce_scores=reduce_scores,
                 fused_decode=fused_decode, static_shapes=static_shapes, reserve=max_tokens, padding=self.padding,
-                shift_matrices=shift_matrices,
+                shift_matrices=shift_matrices, group=group,
             )
             for i in range(len(caps.layers))
         ]
