@@ -412,8 +412,10 @@ class EvictionPolicy(ABC):
         """The policy's size rule, if it declares one: ``rule(n_cached, state) -> n_after``, the
         cache size after evicting until done from ``n_cached`` tokens, on host integers, updating
         ``state`` as :meth:`select` would. The budget planner (:func:`kvpolicy.simulate_sizes`)
-        uses it instead of replaying :meth:`evict` on placeholder arrays; ``None`` (default) means
-        the planner replays, which is exact for any policy, only slower. A policy whose sizes
+        uses it instead of replaying :meth:`evict` on placeholder arrays, and the torch backend
+        skips asking :meth:`evict` at a decode step where the rule keeps every token (a policy
+        without a :class:`DecodeEviction`, such as BUZZ, is asked at every step otherwise); ``None``
+        (default) means the planner replays, which is exact for any policy, only slower. A policy whose sizes
         depend on more than the count and its state leaves it ``None``; a subclass that redefines
         ``select`` or ``evict`` does not inherit its parent's rule. Tests hold each rule to the
         replay.

@@ -166,6 +166,9 @@ class LayerCache:
         if rule is not None and policy.capacity is not None and policy.capacity < rule.limit + 1:
             raise ValueError(f"{policy!r} declares capacity {policy.capacity} below its decode eviction's limit + 1")
         self.rule = rule
+        # a policy without one-token evictions (BUZZ) that declares its size rule: a decode step
+        # at which the rule keeps every token skips the policy's call (host integers only)
+        self._size_rule = policy.size_rule() if rule is None else None
         if key_shift is not None and not callable(key_shift):
             raise ValueError(f"key_shift must be callable (keys, delta) -> keys, got {key_shift!r}")
         # only the sinks of an "oldest" rule are shifted (a PrefixShift); other layouts shift per slot
@@ -853,11 +856,21 @@ class LayerCache:
                 rounds = [(rule.limit + 1, rule.limit)]
             else:
                 rounds = []
+        elif self._declines():
+            rounds = []
         else:
             rounds = self._evict_general()
         self._chunk = None
         self.evictions += len(rounds)
         return rounds
+
+    def _declines(self) -> bool:
+        """A decode step at which the policy's size rule keeps every row's tokens: the policy
+        would decline (its rule is held to its ``select`` by the tests), so it is not asked."""
+        if self._size_rule is None or self._phase != "decode" or self._extra is not None:
+            return False
+        rule = self._size_rule
+        return all(rule(c, dict(s)) == c for c, s in zip(self._count, self._states))
 
     def _evict_one(self, rule: DecodeEviction, rows: list[int]) -> None:
         """Free one slot in each of ``rows`` (all heads): O(batch x heads) writes, nothing moves."""
