@@ -7,7 +7,7 @@
 * :func:`replay`: the reference contract of :func:`kvpolicy_numpy.replay`, through LayerCache.
 """
 
-from .attention import decode_attention, rope_matrix, rope_rotate
+from .attention import decode_attention, grouped_decode, rope_matrix, rope_rotate
 from .layer import LayerCache, LayerGroup, LayerSnapshot, PrefixShift
 from .ops import first_argmin
 from .replay import replay
@@ -20,6 +20,7 @@ __all__ = [
     "PrefixShift",
     "decode_attention",
     "first_argmin",
+    "grouped_decode",
     "group_query_heads",
     "received_attention",
     "replay",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["decode_attention", "rope_matrix", "rope_rotate"]
+__all__ = ["decode_attention", "grouped_decode", "rope_matrix", "rope_rotate"]
 
 
 def rope_rotate(
@@ -114,6 +114,39 @@ def rope_matrix(
     return r[:, None]
 
 
+def grouped_decode(
+    q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, scaling: float, bias3: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The common decode step of :func:`decode_attention` on its grouped 3-D operands, in as few ops
+    as possible (a decode step is a few dozen tiny ops per layer: each one saved counts).
+
+    Args:
+        q3: ``[batch * kv_heads, r, head_dim]``: the ``r`` query heads of each KV head.
+        k3: ``[batch * kv_heads, head_dim, n]``: the keys, transposed (a view is fine).
+        v3: ``[batch * kv_heads, n, head_dim_v]``.
+        scaling: the logit scale.
+        bias3: ``[batch * kv_heads, 1, n]`` additive (``-inf`` at holes), or ``None``; in the
+            inputs' dtype.
+
+    Returns:
+        ``(out3, probs3)``: ``[batch * kv_heads, r, head_dim_v]`` and the probabilities
+        ``[batch * kv_heads, r, n]``, all in the inputs' dtype (float32 or float64: the softmax of
+        a half-precision step wants :func:`decode_attention`).
+
+    Example:
+        >>> q3, k3, v3 = torch.randn(2, 3, 8), torch.randn(2, 8, 5), torch.randn(2, 5, 8)
+        >>> out3, probs3 = grouped_decode(q3, k3, v3, 8 ** -0.5)
+        >>> out3.shape, bool(torch.allclose(probs3.sum(-1), torch.ones(2, 3)))
+        (torch.Size([2, 3, 8]), True)
+    """
+    if bias3 is None:
+        logits3 = torch.bmm(q3, k3).mul_(scaling)
+    else:  # bias + scaling * q.k in one op
+        logits3 = torch.baddbmm(bias3, q3, k3, alpha=scaling)
+    probs3 = torch.softmax(logits3, dim=-1)
+    return torch.bmm(probs3, v3), probs3
+
+
 def decode_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -157,13 +190,9 @@ def decode_attention(
     work = torch.float64 if query.dtype == torch.float64 else torch.float32
     # query head g * r + i attends with KV head g: [b * g, r, d] x [b * g, d, n]
     q3, k3 = query.reshape(b * g, r, d), key.reshape(b * g, n, d).transpose(1, 2)
-    if bias is not None and prefix is None and row_scale is None and work == query.dtype == bias.dtype == value.dtype:
-        # the common decode step in as few ops as possible (a decode step is a few dozen tiny ops
-        # per layer: each one saved counts): bias + scaling * q.k in one, softmax and the value
-        # product on the [b * g, r, n] logits as they come
-        logits3 = torch.baddbmm(bias.reshape(b * g, 1, n), q3, k3, alpha=scaling)
-        probs3 = torch.softmax(logits3, dim=-1)
-        out = torch.bmm(probs3, value.reshape(b * g, n, dv))
+    if prefix is None and row_scale is None and work == query.dtype == value.dtype and (bias is None or bias.dtype == work):
+        bias3 = None if bias is None else bias.reshape(b * g, 1, n)
+        out, probs3 = grouped_decode(q3, k3, value.reshape(b * g, n, dv), scaling, bias3)
         return out.view(b, 1, hq, dv), probs3.view(b, g, r, n).sum(dim=2)
     logits = torch.bmm(q3, k3).to(work).view(b, g, r, n)
     if prefix is not None and prefix[0]:

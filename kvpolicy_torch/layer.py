@@ -34,7 +34,7 @@ from kvpolicy.driver import kept_slots
 from kvpolicy.policy import DecodeEviction, EvictionPolicy
 from kvpolicy.statistics import low_attention, shift_history
 
-from .attention import decode_attention
+from .attention import decode_attention, grouped_decode
 from .ops import first_argmin
 
 __all__ = ["LayerCache", "LayerGroup", "LayerSnapshot", "PrefixShift"]
@@ -185,6 +185,10 @@ class LayerCache:
             self.group.leave(self._group_index)
         self._deferred = False  # this step's victims are left to the group (see LayerGroup)
         self._k: torch.Tensor | None = None
+        # grouped views of the storage (see _set_storage); dropped with it, so reset() frees memory
+        self._k3: torch.Tensor | None = None
+        self._v3: torch.Tensor | None = None
+        self._bias3: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None
         self._scores: torch.Tensor | None = None
@@ -316,8 +320,17 @@ class LayerCache:
             n = max(self._front)
             for new, old in zip((keys, values, pos, scores, bias), self._tensors()):
                 new[:, :, :n] = old[:, :, :n]
-        self._k, self._v, self._pos, self._scores, self._bias = keys, values, pos, scores, bias
+        self._set_storage(keys, values, pos, scores, bias)
         self._tail_clean = False
+
+    def _set_storage(self, *tensors: torch.Tensor) -> None:
+        """Keys, values, positions, scores and bias, and the grouped 3-D views of keys, values and
+        bias ``[batch * kv_heads, ...]`` a decode step attends with (:meth:`attend`)."""
+        self._k, self._v, self._pos, self._scores, self._bias = tensors
+        b, h, slots, _ = self._k.shape
+        self._k3 = self._k.view(b * h, slots, -1)
+        self._v3 = self._v.view(b * h, slots, -1)
+        self._bias3 = self._bias.view(b * h, 1, slots)
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return self._k, self._v, self._pos, self._scores, self._bias  # type: ignore[return-value]
@@ -795,6 +808,24 @@ class LayerCache:
         if self._phase != "decode" or self._extra is not None:
             raise ValueError("attend() serves a decode step (one token appended per row); a prompt chunk takes chunk_mask() and accumulate()")
         hi = self._range[1]
+        scores = self._scores
+        if (
+            extra_bias is None and row_scale is None and prefix is None and self._cand is None
+            and query.dtype == scores.dtype == self._k.dtype  # type: ignore[union-attr]
+            and self.policy.score_statistic == "accumulate" and self.policy.uses_scores
+        ):
+            # the common step (H2O, BUZZ) on the storage's grouped views: grouped_decode, then the
+            # probabilities summed per KV head straight into the scores (NaN as -inf, as accumulate)
+            b, hq, _, d = query.shape
+            bh = self._k3.shape[0]  # type: ignore[union-attr]
+            r = hq * b // bh
+            out3, probs3 = grouped_decode(
+                query.reshape(bh, r, d), self._k3.narrow(1, 0, hi).transpose(1, 2), self._v3.narrow(1, 0, hi),  # type: ignore[union-attr]
+                scaling, self._bias3.narrow(2, 0, hi) if self._bias_needed else None,  # type: ignore[union-attr]
+            )
+            received = probs3.view(b, bh // b, r, hi).sum(dim=2)
+            scores.narrow(2, 0, hi).add_(received.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf))  # type: ignore[union-attr]
+            return out3.view(b, 1, hq, -1)
         key, value = self._k.narrow(2, 0, hi), self._v.narrow(2, 0, hi)  # type: ignore[union-attr]
         bias = self.bias
         if extra_bias is not None:
@@ -1311,9 +1342,7 @@ class LayerCache:
             self._states = [dict(self._states[i]) for i in idx]
             self._fifo = [self._fifo[i] for i in idx]
             self._free = [list(self._free[i]) for i in idx]
-        self._k, self._v, self._pos, self._scores, self._bias = (
-            t.index_select(0, index.to(t.device)) for t in self._tensors()
-        )
+        self._set_storage(*(t.index_select(0, index.to(t.device)) for t in self._tensors()))
         self._tail_clean = False
 
     def reset(self) -> None:

@@ -344,7 +344,11 @@ def test_every_auto_mapping_type_works_or_is_refused_by_name(model_type):
         assert "pos-shift" in str(exc) and "positions='original' works" in str(exc)
 
 
-@pytest.mark.parametrize("module", ["kvpolicy_integrations.capabilities", "kvpolicy_torch.attention", "kvpolicy_integrations.hf"])
+@pytest.mark.parametrize(
+    "module",
+    ["kvpolicy_integrations.capabilities", "kvpolicy_torch.attention", "kvpolicy_torch.layer", "kvpolicy_torch.ops",
+     "kvpolicy_torch.scores", "kvpolicy_torch.replay", "kvpolicy_integrations.hf"],
+)
 def test_docstring_examples(module):
     import doctest
     import importlib

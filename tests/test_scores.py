@@ -135,3 +135,46 @@ def test_decode_attention_equals_the_dense_reference(b, g, r, n, holes, row_scal
     tol = 1e-12 if f64 else 1e-5
     torch.testing.assert_close(out.double(), want_out, rtol=tol, atol=tol)
     torch.testing.assert_close(received.double(), probs.sum(dim=2), rtol=tol, atol=tol)
+
+
+@given(
+    policy=st.sampled_from(["h2o", "buzz", "tova", "scissorhands"]), b=st.integers(1, 2), g=st.integers(1, 3),
+    r=st.integers(1, 3), prompt=st.integers(1, 30), steps=st.integers(1, 30), f64=st.booleans(),
+    window=st.booleans(), seed=st.integers(0, 2**16),
+)  # fmt: skip
+@settings(max_examples=80, deadline=None)
+def test_attend_is_decode_attention_then_accumulate_query(policy, b, g, r, prompt, steps, f64, window, seed):
+    """LayerCache.attend (its fast path on the storage's grouped views, and its general one)
+    equals decode_attention over the slots append returned, holes masked, followed by
+    accumulate_query: the same output and the same scores, bit for bit, every step."""
+    from kvpolicy import BUZZ, H2O, TOVA, Scissorhands
+    from kvpolicy_torch import LayerCache, decode_attention
+
+    make = {"h2o": lambda: H2O(heavy=4, recent=3), "buzz": lambda: BUZZ(sink=2, window=3, stride=3, threshold=6),
+            "tova": lambda: TOVA(size=6, recent=1), "scissorhands": lambda: Scissorhands(size=8, history=4, recent=2)}
+    dtype = torch.float64 if f64 else torch.float32
+    fast, slow = LayerCache(make[policy]()), LayerCache(make[policy]())
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(b, g, prompt, 8, generator=gen, dtype=dtype)
+    for layer in (fast, slow):
+        layer.append(kv, kv)
+        layer.accumulate(torch.rand(b, g, prompt, generator=torch.Generator().manual_seed(seed), dtype=dtype))
+        layer.evict()
+    for t in range(steps):
+        kv = torch.randn(b, g, 1, 8, generator=gen, dtype=dtype)
+        query = torch.randn(b, g * r, 1, 8, generator=gen, dtype=dtype)
+        keys, values = fast.append(kv, kv)
+        slow.append(kv, kv)
+        extra = None
+        if window:  # an extra bias (a sliding window's): the general path
+            extra = torch.zeros(keys.shape[:3]).masked_fill(fast.slot_positions < t, float("-inf"))
+        out = fast.attend(query, 0.3, extra_bias=extra)
+        bias = slow.bias
+        if extra is not None:
+            bias = extra if bias is None else bias + extra
+        want, received = decode_attention(query, keys, values, 0.3, bias=bias)
+        slow.accumulate_query(received, r)
+        assert torch.equal(out, want), t
+        assert torch.equal(fast.scores, slow.scores) and torch.equal(fast.positions, slow.positions), t
+        fast.evict()
+        slow.evict()
