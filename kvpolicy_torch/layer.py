@@ -905,7 +905,6 @@ class LayerCache:
 
     def _evict_one(self, rule: DecodeEviction, rows: list[int]) -> None:
         """Free one slot in each of ``rows`` (all heads): O(batch x heads) writes, nothing moves."""
-        k, v, pos, scores, bias = self._tensors()
         every = len(rows) == self.batch
         if rule.victim == "oldest":
             slots = []
@@ -916,17 +915,16 @@ class LayerCache:
                 slots.append(slot)
                 self._free[r].append(slot)  # type: ignore[arg-type]
                 self._fifo[r] = slot + 1 if slot + 1 < self._front[r] else rule.sink  # type: ignore[operator]
+            # only the position says "hole": the row's next append refills the slot (score and
+            # bias 0) before anything attends to it or searches it, and every other read goes by
+            # positions (ordered views, compaction)
+            pos = self._pos
+            assert pos is not None
             if every and all(s == slots[0] for s in slots):
-                s = slots[0]
-                pos.select(2, s).fill_(-1)
-                scores.select(2, s).fill_(math.inf)
-                bias.select(2, s).fill_(-math.inf)
+                pos.select(2, slots[0]).fill_(-1)
             else:
                 dev = pos.device
-                r_t, s_t = torch.tensor(rows, device=dev), torch.tensor(slots, device=dev)
-                pos[r_t, :, s_t] = -1
-                scores[r_t, :, s_t] = math.inf
-                bias[r_t, :, s_t] = -math.inf
+                pos[torch.tensor(rows, device=dev), :, torch.tensor(slots, device=dev)] = -1
         elif every and self._deferrable(rule):
             self._deferred = True  # the group frees the victims (LayerGroup): after the counts below
         else:
