@@ -132,13 +132,14 @@ class OurSide:
         """One greedy decode step at the token's original position."""
         import torch
 
+        from kvpolicy.hf import cache_kwargs
         from kvpolicy.perf.decode import use_attention_for
 
         use_attention_for(self.model, cand.cache)
         pos = torch.tensor([[cand.position]])
         with torch.no_grad():
             out = self.model(
-                input_ids=cand.token, past_key_values=cand.cache, position_ids=pos, use_cache=True, logits_to_keep=1
+                input_ids=cand.token, **cache_kwargs(self.model, cand.cache), position_ids=pos, use_cache=True, logits_to_keep=1
             )
         cand.token = out.logits[:, -1:].argmax(-1)
         cand.position += 1
@@ -170,6 +171,7 @@ def build_ours(model: Any, prompt: list[int], *, budget: float, decode_tokens: i
     from transformers import DynamicCache
 
     from kvpolicy import plan_policy
+    from kvpolicy.hf import cache_kwargs
     from kvpolicy.perf.decode import Candidate, Prefill, build_cache
 
     n = len(prompt)
@@ -178,7 +180,7 @@ def build_ours(model: Any, prompt: list[int], *, budget: float, decode_tokens: i
         model.set_attn_implementation("sdpa")
         full = DynamicCache(config=model.config)
         start = time.perf_counter()
-        out = model(input_ids=ids, past_key_values=full, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, **cache_kwargs(model, full), use_cache=True, logits_to_keep=1)
         prefill_s = time.perf_counter() - start
         first = out.logits[:, -1:].argmax(-1)
 
