@@ -1408,6 +1408,11 @@ class LayerGroup:
         return self._joined - 1
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the positions, scores and bias the group holds for its layers."""
+        return sum(t.numel() * t.element_size() for t in (self._pos, self._scores, self._bias) if t is not None)
+
+    @property
     def complete(self) -> bool:
         """Whether every layer keeps its positions, scores and bias in the group's tensors."""
         return len(self._members) == self.layers
@@ -1438,6 +1443,8 @@ class LayerGroup:
         """Layer ``index`` no longer keeps its storage in the group (it reallocated or was reset)."""
         self._members.discard(index)
         self._pending = [p for p in self._pending if p[0] != index]
+        if not self._members:  # nobody's storage any more: free it (the next layer to allocate sets a new one)
+            self._pos = self._scores = self._bias = None
 
     def defer(self, index: int, hi: int, free_alone: Callable[[], None], freed: Callable[[], None]) -> None:
         """Take layer ``index``'s victims of this step: the lowest score of slots ``[0, hi)`` per

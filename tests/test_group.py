@@ -7,6 +7,8 @@ rows, layers of other capacities, ``select_batch`` and ``reset``.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -35,6 +37,20 @@ def _step(layers: list[LayerCache], kv: torch.Tensor, received: list[torch.Tenso
         if peek == i:
             seen = layer.positions.tolist()  # the group must free this layer's victims first
     return seen
+
+
+def _lockstep(stack: list[LayerCache], alone: list[LayerCache], g: torch.Generator, *, batch: int, steps: int,
+              after_step: Callable[[int], None] | None = None) -> None:
+    """Decode steps through both stacks on the same inputs (small integer scores: ties); the same
+    state after every step."""
+    for t in range(steps):
+        kv = torch.randn(batch, HEADS, 1, DIM, generator=g)
+        received = [torch.randint(0, 3, (batch, HEADS, 40), generator=g).float() for _ in stack]
+        _step(stack, kv, received, None)
+        _step(alone, kv, received, None)
+        assert [_state(x) for x in stack] == [_state(x) for x in alone], t
+        if after_step is not None:
+            after_step(t)
 
 
 @given(
@@ -86,13 +102,7 @@ def test_layers_of_other_capacities_evict_alone() -> None:
     group = LayerGroup(2)
     stack = [LayerCache(H2O(heavy=4, recent=4), group=group), LayerCache(H2O(heavy=2, recent=2), group=group)]
     alone = [LayerCache(H2O(heavy=4, recent=4)), LayerCache(H2O(heavy=2, recent=2))]
-    g = torch.Generator().manual_seed(0)
-    for t in range(30):
-        kv = torch.randn(1, HEADS, 1, DIM, generator=g)
-        received = [torch.randint(0, 3, (1, HEADS, 40), generator=g).float() for _ in stack]
-        _step(stack, kv, received, None)
-        _step(alone, kv, received, None)
-        assert [_state(x) for x in stack] == [_state(x) for x in alone]
+    _lockstep(stack, alone, torch.Generator().manual_seed(0), batch=1, steps=30)
     assert not group.complete and group.batched_evictions == 0
 
 
@@ -108,15 +118,13 @@ def test_ragged_rows_select_batch_and_reset_leave_the_group_correct() -> None:
         layer.append(kv, kv, valid=valid)
         layer.accumulate(torch.ones(2, HEADS, 8))
         layer.evict()
-    for t in range(12):
-        kv = torch.randn(2, HEADS, 1, DIM, generator=g)
-        received = [torch.randint(0, 3, (2, HEADS, 40), generator=g).float() for _ in stack]
-        _step(stack, kv, received, None)
-        _step(alone, kv, received, None)
-        assert [_state(x) for x in stack] == [_state(x) for x in alone]
+
+    def swap_rows(t: int) -> None:
         if t == 6:
             for layer in stack + alone:
                 layer.select_batch(torch.tensor([1, 0]))  # rows swap: tensors of its own
+
+    _lockstep(stack, alone, g, batch=2, steps=12, after_step=swap_rows)
     assert not group.complete
     for layer in stack:
         layer.reset()
@@ -144,3 +152,15 @@ def test_bad_groups() -> None:
         LayerCache(H2O(heavy=1, recent=1), group=group)
     with pytest.raises(ValueError, match="group must be a LayerGroup"):
         LayerCache(H2O(heavy=1, recent=1), group="all")  # type: ignore[arg-type]
+
+
+def test_a_group_frees_its_storage_when_every_layer_left() -> None:
+    group = LayerGroup(2)
+    stack = [LayerCache(H2O(heavy=2, recent=2), group=group) for _ in range(2)]
+    for layer in stack:
+        layer.append(torch.randn(1, HEADS, 3, DIM), torch.randn(1, HEADS, 3, DIM))
+    assert group.complete and group.nbytes > 0
+    for layer in stack:
+        layer.select_batch(torch.tensor([0, 0]))  # beam-search style: each layer takes tensors of its own
+    assert not group.complete and group.nbytes == 0
+    assert [layer.length for layer in stack] == [3, 3]
