@@ -38,6 +38,8 @@ def test_extending_examples_run(capsys):
     assert [r["cache_size"] for r in result.rows] == [64, 128, 256, 512]  # from_size(size) evicts at size
     assert "one eviction k" in "\n".join(out[3:])
     assert np.isfinite(namespace["k"])  # a fitted slope (its value is timing: not asserted)
+    # the torch-backend section: 16 kept per layer, one group search per step from step 16 on
+    assert out[-1] == "[16, 16, 16, 16] 24"
 
 
 def test_extending_policy_runs_on_torch_backend():
