@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvpolicy import plan_policy
     from kvpolicy.models import tiny_llama
-    from kvpolicy_integrations.hf import EvictingCache
+    from kvpolicy_integrations.hf import EvictingCache, cache_kwargs
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default="h2o,streaming_llm")
@@ -41,10 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     model = tiny_llama(num_layers=args.layers, heads=9, kv_heads=3, head_dim=64, vocab=256, seed=0,
                        max_position_embeddings=args.context + args.steps + 8)
     ids = torch.randint(3, 256, (1, args.context), generator=torch.Generator().manual_seed(0))
+    name = next(iter(cache_kwargs(model, None)))  # 'cache' (transformers >= 5.24) or 'past_key_values', decided outside the compiled step
+
+    def kwarg(cache):
+        return {name: cache}
 
     def step(tok, cache, position):
         with torch.no_grad():
-            return model(tok, past_key_values=cache, position_ids=torch.tensor([[position]]), logits_to_keep=1).logits
+            return model(tok, **kwarg(cache), position_ids=torch.tensor([[position]]), logits_to_keep=1).logits
 
     compiled = torch.compile(step)
     for name in args.policies.split(","):
@@ -53,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, fn in (("eager", step), ("compiled", compiled)):
             cache = EvictingCache(policy, model, static_shapes=True)
             with torch.no_grad():
-                tok = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+                tok = model(ids, **kwarg(cache)).logits[:, -1:].argmax(-1)
             tokens, times = [], []
             for i in range(args.steps):
                 t = time.perf_counter()

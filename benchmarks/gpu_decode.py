@@ -167,13 +167,15 @@ def prefill(model: Any, cache: Any, ids: Any, chunk: int) -> int:
     """Run the prompt through the model in chunks of ``chunk`` tokens; returns the forwards run."""
     import torch
 
+    from kvpolicy_integrations.hf import cache_kwargs
+
     batch, n = ids.shape
     forwards = 0
     with torch.no_grad():
         for start in range(0, n, chunk):
             part = ids[:, start : start + chunk]
             pos = torch.arange(start, start + part.shape[1], device=ids.device).expand(batch, -1)
-            model(input_ids=part, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+            model(input_ids=part, **cache_kwargs(model, cache), position_ids=pos, use_cache=True, logits_to_keep=1)
             forwards += 1
     return forwards
 
@@ -201,6 +203,8 @@ def decode_steps(
     the last column)."""
     import torch
 
+    from kvpolicy_integrations.hf import cache_kwargs
+
     device = str(ids.device)
     batch, steps = ids.shape
     marks, evicted = [_mark(device)], []
@@ -208,7 +212,7 @@ def decode_steps(
         for t in range(steps):
             before = evictions(cache)
             pos = torch.full((batch, 1), position + t, dtype=torch.long, device=ids.device)
-            model(input_ids=ids[:, t : t + 1], past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids[:, t : t + 1], **cache_kwargs(model, cache), position_ids=pos, use_cache=True, logits_to_keep=1)
             evicted.append(evictions(cache) > before)
             marks.append(_mark(device))
             if min_steps is not None and t + 1 >= min_steps and (not until_eviction or any(evicted)):

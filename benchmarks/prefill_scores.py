@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpolicy import H2O, FullCache
-from kvpolicy.hf import EvictingCache
+from kvpolicy.hf import EvictingCache, cache_kwargs
 from kvpolicy.models import tiny_llama
 
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
                 cache = make(n)
                 t = time.perf_counter()
                 with torch.no_grad():
-                    model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
                 times[name].append(time.perf_counter() - t)
                 del cache
         med = {k: statistics.median(v) for k, v in times.items()}

@@ -26,7 +26,7 @@ import torch
 
 from kvpolicy import FullCache, make_policy
 from kvpolicy.deepspeed import init_inference, local_heads, weight_numel_per_rank
-from kvpolicy.hf import EvictingCache
+from kvpolicy.hf import EvictingCache, cache_kwargs
 from kvpolicy.models import load, tiny_llama
 
 PROMPT = (
@@ -95,7 +95,7 @@ def main() -> None:
             for case, policy in policies.items():
                 cache = EvictingCache(policy, reference_model)
                 with torch.no_grad():
-                    toks = reference_model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **gen)
+                    toks = reference_model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(reference_model, cache), **gen)
                 save(out / f"{name}_{case}_ref.npz", toks, cache)
             timings[f"{name}_reference"] = time.perf_counter() - t
             del reference_model
@@ -120,13 +120,13 @@ def main() -> None:
         if args.tp > 1:  # negative control: shared selection *without* the all-reduce
             cache = EvictingCache(policies["h2o30shared"], engine.module)
             with torch.no_grad():
-                toks = engine.module.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **gen)
+                toks = engine.module.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(engine.module, cache), **gen)
             save(out / f"{name}_h2o30noreduce_tp{args.tp}_rank{rank}.npz", toks, cache)
         # engine.module.generate with a cache from make_cache (the do-it-yourself path)
         buzz = policies["buzz30"]
         cache = engine.make_cache(buzz)
         with torch.no_grad():
-            toks = engine.module.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **gen)
+            toks = engine.module.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(engine.module, cache), **gen)
         save(out / f"{name}_buzz30module_tp{args.tp}_rank{rank}.npz", toks, cache,
              kv_start=shard.kv_start, kv_stop=shard.kv_stop)  # fmt: skip
         timings[f"{name}_deepspeed"] = time.perf_counter() - t

@@ -213,7 +213,7 @@ def test_paper_data_files(model, tmp_path):
 )
 def test_fork_of_shared_prefill_equals_own_prefill(model, policy):
     """Starting a policy from the shared, recorded prefill is the same as prefilling with it."""
-    from kvpolicy.hf import EvictingCache
+    from kvpolicy.hf import EvictingCache, cache_kwargs
 
     tok = TokenizerAdapter(CharTokenizer())
     engine = Engine(model, tok)
@@ -225,14 +225,14 @@ def test_fork_of_shared_prefill_equals_own_prefill(model, policy):
     forked = engine.fork(rec, policy)
     own = EvictingCache(policy, model)
     with torch.no_grad():
-        ref_first = model(ids[:, :prompt], past_key_values=own).logits[:, -1]
+        ref_first = model(ids[:, :prompt], **cache_kwargs(model, own)).logits[:, -1]
         torch.testing.assert_close(first, ref_first, rtol=1e-5, atol=1e-5)
         assert forked.lengths() == own.lengths()
         for a, b in zip(forked.layers, own.layers):
             assert torch.equal(a.store.positions, b.store.positions)
         for t in range(prompt, ids.shape[1]):
-            la = model(ids[:, t : t + 1], past_key_values=forked).logits
-            lb = model(ids[:, t : t + 1], past_key_values=own).logits
+            la = model(ids[:, t : t + 1], **cache_kwargs(model, forked)).logits
+            lb = model(ids[:, t : t + 1], **cache_kwargs(model, own)).logits
             torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
 
 

@@ -26,6 +26,7 @@ from kvpolicy.deepspeed import (  # noqa: E402
     split_sizes,
     weight_numel_per_rank,
 )
+from kvpolicy.hf import cache_kwargs  # noqa: E402
 from kvpolicy.models import tiny_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -261,7 +262,7 @@ def test_make_cache_on_a_plain_model_is_a_whole_model_cache():
     assert all(layer.store.reduce_scores is None for layer in cache.layers)  # one rank: nothing to reduce
     ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, past_key_values=cache)
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, **cache_kwargs(model, cache))
     assert cache.gather_positions()[0].shape == (1, 2, 8)  # heavy + recent after eviction
 
 
@@ -305,14 +306,14 @@ def test_long_prompt_refused_by_deepspeed_default_accepted_by_ours():
 @pytest.mark.deepspeed
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
 def test_engine_generate_equals_plain_evicting_cache_tp1():
-    from kvpolicy.hf import EvictingCache
+    from kvpolicy.hf import EvictingCache, cache_kwargs
 
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(3))
     policy = H2O(6, 6)
     ref_model = tiny_llama(seed=5)
     ref_cache = EvictingCache(policy, ref_model)
     with torch.no_grad():
-        ref = ref_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, past_key_values=ref_cache)
+        ref = ref_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, **cache_kwargs(ref_model, ref_cache))
     engine = init_inference(tiny_llama(seed=5), policy, dtype="fp32")
     out = engine.generate(ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(out, ref)

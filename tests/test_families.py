@@ -30,7 +30,7 @@ from families import tiny_model  # noqa: E402
 from kvpolicy import FullCache, LocalWindow, StreamingLLM, make_policy  # noqa: E402
 from kvpolicy.registry import available_policies  # noqa: E402
 from kvpolicy_integrations.capabilities import LayerAttention, detect, rope_layouts  # noqa: E402
-from kvpolicy_integrations.hf import EvictingCache  # noqa: E402
+from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
 from kvpolicy_torch import rope_matrix, rope_rotate  # noqa: E402
 
 PROMPT, NEW = 24, 40
@@ -73,13 +73,13 @@ def _greedy(model, ids, cache, n: int = NEW) -> tuple[torch.Tensor, torch.Tensor
     (a plain loop: ``generate()``'s per-step overhead dominates a tiny model)."""
     seq, logits = ids, []
     with torch.no_grad():
-        step = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        step = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
         for k in range(n):
             logits.append(step[0])
             tok = step.argmax(-1, keepdim=True)
             seq = torch.cat([seq, tok], dim=1)
             if k + 1 < n:
-                step = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1]
+                step = model(input_ids=tok, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
     return seq, torch.stack(logits)
 
 
@@ -175,7 +175,7 @@ def test_mistral_window_shorter_than_the_prompt():
     for cache in (EvictingCache(FullCache(), model), DynamicCache(config=model.config)):
         with torch.no_grad():
             outs.append(model.generate(batch, attention_mask=attention, max_new_tokens=20, min_new_tokens=20,
-                                       do_sample=False, past_key_values=cache, pad_token_id=0))
+                                       do_sample=False, **cache_kwargs(model, cache), pad_token_id=0))
     assert torch.equal(outs[0], outs[1])
 
 
@@ -247,7 +247,7 @@ def test_pos_shift_rotation_matches_rope_at_the_shifted_position(model_type, ove
     ids = torch.full((len(delta), 1), 7)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids), past_key_values=cache)
+        model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache))
     styles = set()
     for layout, layer in zip(layouts, cache.layers):
         keys = layer.keys[:, :, -1]  # [rows, kv_heads, head_dim]
@@ -326,14 +326,14 @@ def test_every_auto_mapping_type_works_or_is_refused_by_name(model_type):
         ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-                                 past_key_values=DynamicCache(config=model.config), pad_token_id=0)
+                                 **cache_kwargs(model, DynamicCache(config=model.config)), pad_token_id=0)
     except Exception as exc:  # noqa: BLE001 - transformers itself cannot run this tiny config
         pytest.skip(f"config accepted; transformers cannot generate with a tiny {model_type} model: {type(exc).__name__}")
     try:
         cache = EvictingCache(FullCache(), model)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-                                 past_key_values=cache, pad_token_id=0)
+                                 **cache_kwargs(model, cache), pad_token_id=0)
     except ValueError as exc:
         assert _named(exc), str(exc)
         return

@@ -51,6 +51,7 @@ def test_rope_equals_a_normally_constructed_model(gpu, dtype, shape):
 def test_chunked_prefill_equals_one_shot(gpu):
     """The benchmark prefills in chunks: the next token's logits match a one-shot prefill."""
     from kvpolicy import FullCache
+    from kvpolicy.hf import cache_kwargs
 
     model = gpu.build_model(gpu.TINY, "cpu", torch.float32)
     ids = torch.randint(3, 128, (2, 50), generator=torch.Generator().manual_seed(0))
@@ -61,7 +62,7 @@ def test_chunked_prefill_equals_one_shot(gpu):
             cache = gpu.make_cache(model, policy)
             gpu.prefill(model, cache, ids, chunk)
             with torch.no_grad():
-                logits.append(model(input_ids=nxt, past_key_values=cache, position_ids=torch.full((2, 1), 50)).logits)
+                logits.append(model(input_ids=nxt, **cache_kwargs(model, cache), position_ids=torch.full((2, 1), 50)).logits)
         torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
 
 

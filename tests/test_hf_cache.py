@@ -17,7 +17,7 @@ from transformers import DynamicCache  # noqa: E402
 import kvpolicy_numpy  # noqa: E402
 from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, Scissorhands, SnapKV, StreamingLLM, compose, make_policy  # noqa: E402
 from kvpolicy.models import tiny_llama  # noqa: E402
-from kvpolicy_integrations.hf import EvictingCache, generate  # noqa: E402
+from kvpolicy_integrations.hf import EvictingCache, cache_kwargs, generate  # noqa: E402
 
 COVERING = [FullCache(), BUZZ(4, 64, 5, 300), H2O(100, 100), StreamingLLM(4, 100), LocalWindow(100)]
 EVICTING = [BUZZ(2, 6, 3, 10), BUZZ(2, 6, 4, 12, log_n=True, log_base=8.0), H2O(8, 8), StreamingLLM(2, 10), LocalWindow(12), TOVA(12),
@@ -37,7 +37,7 @@ def _ids(batch=2, length=40, seed=0):
 def _greedy(model, ids, cache, n=16):
     with torch.no_grad():
         return model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, past_key_values=cache
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, **cache_kwargs(model, cache)
         )
 
 
@@ -58,13 +58,13 @@ def test_logits_match_dynamic_cache_chunked_prefill_and_decode(model, policy):
     ref_cache, cache = DynamicCache(config=model.config), EvictingCache(policy, model)
     with torch.no_grad():
         for lo, hi in [(0, 20), (20, 37), (37, 48)] + [(i, i + 1) for i in range(48, 48)]:
-            a = model(ids[:, lo:hi], past_key_values=ref_cache).logits
-            b = model(ids[:, lo:hi], past_key_values=cache).logits
+            a = model(ids[:, lo:hi], **cache_kwargs(model, ref_cache)).logits
+            b = model(ids[:, lo:hi], **cache_kwargs(model, cache)).logits
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
         tok = ids[:, -1:]
         for _ in range(5):
-            a = model(tok, past_key_values=ref_cache).logits
-            b = model(tok, past_key_values=cache).logits
+            a = model(tok, **cache_kwargs(model, ref_cache)).logits
+            b = model(tok, **cache_kwargs(model, cache)).logits
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
             tok = a[:, -1:].argmax(-1)
 
@@ -78,13 +78,13 @@ def test_mask_function_hands_padding_to_the_cache_and_serves_other_caches(model)
     mask[1, :4] = 0
     cache = EvictingCache(FullCache(), model)
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=cache)
+        model(ids, attention_mask=mask, **cache_kwargs(model, cache))
     assert cache.padding.real == [12, 8] and torch.equal(cache.padding.valid, mask.bool())
     assert cache.layers[0].store.lengths == [12, 8]
     ref_model = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=0)
     with torch.no_grad():
-        want = ref_model(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config)).logits
-        got = model(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config)).logits
+        want = ref_model(ids, attention_mask=mask, **cache_kwargs(ref_model, DynamicCache(config=model.config))).logits
+        got = model(ids, attention_mask=mask, **cache_kwargs(model, DynamicCache(config=model.config))).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -151,12 +151,12 @@ def test_manual_loop_positions_follow_tokens_seen(model):
     policy = H2O(6, 6)
     with_pos, without = EvictingCache(policy, model), EvictingCache(policy, model)
     with torch.no_grad():
-        a = model(ids, past_key_values=with_pos, position_ids=torch.arange(30)[None]).logits
-        b = model(ids, past_key_values=without).logits
+        a = model(ids, **cache_kwargs(model, with_pos), position_ids=torch.arange(30)[None]).logits
+        b = model(ids, **cache_kwargs(model, without)).logits
         tok = a[:, -1:].argmax(-1)
         for t in range(30, 40):
-            a = model(tok, past_key_values=with_pos, position_ids=torch.tensor([[t]])).logits
-            b = model(tok, past_key_values=without).logits
+            a = model(tok, **cache_kwargs(model, with_pos), position_ids=torch.tensor([[t]])).logits
+            b = model(tok, **cache_kwargs(model, without)).logits
             torch.testing.assert_close(a, b)
             tok = a[:, -1:].argmax(-1)
     assert without.get_seq_length() == 40

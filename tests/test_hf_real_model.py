@@ -16,7 +16,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from kvpolicy import FullCache, plan_policy  # noqa: E402
 from kvpolicy.models import load  # noqa: E402
-from kvpolicy_integrations.hf import EvictingCache, generate  # noqa: E402
+from kvpolicy_integrations.hf import EvictingCache, cache_kwargs, generate  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def test_real_model_tensors_and_bytes(smollm):
     plan = plan_policy("buzz", 0.3, context_length=ids.shape[1] + 16, prompt_length=ids.shape[1])
     cache = EvictingCache(plan.policy, model)
     with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, past_key_values=cache)
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, **cache_kwargs(model, cache))
     cfg = model.config
     per_token = 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4  # fp32 K and V
     for layer in cache.layers:
@@ -69,9 +69,9 @@ def test_real_model_chunked_prefill_equals_dynamic_cache(smollm):
     ids = tok(PROMPT, return_tensors="pt")["input_ids"][:, :96]
     ref_cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids[:, :48], past_key_values=ref_cache)
-        ref = model(ids[:, 48:], past_key_values=ref_cache).logits
+        model(ids[:, :48], **cache_kwargs(model, ref_cache))
+        ref = model(ids[:, 48:], **cache_kwargs(model, ref_cache)).logits
         cache = EvictingCache(FullCache(), model)
-        model(ids[:, :48], past_key_values=cache)
-        good = model(ids[:, 48:], past_key_values=cache).logits
+        model(ids[:, :48], **cache_kwargs(model, cache))
+        good = model(ids[:, 48:], **cache_kwargs(model, cache)).logits
     torch.testing.assert_close(good, ref, rtol=1e-3, atol=1e-3)

@@ -115,7 +115,7 @@ def test_transformers_path_agrees_with_reference_above_and_below_512():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     from kvpolicy.models import tiny_llama
-    from kvpolicy_integrations.hf import EvictingCache
+    from kvpolicy_integrations.hf import EvictingCache, cache_kwargs
 
     model = tiny_llama(num_layers=1, heads=2, kv_heads=2, head_dim=8, vocab=64, seed=4,
                        max_position_embeddings=1024).double()
@@ -132,9 +132,9 @@ def test_transformers_path_agrees_with_reference_above_and_below_512():
     h = attn.o_proj.register_forward_pre_hook(grab_out)
     try:
         with torch.no_grad():
-            model(ids[:, :prompt], past_key_values=cache, use_cache=True)
+            model(ids[:, :prompt], **cache_kwargs(model, cache), use_cache=True)
             for t in range(prompt, steps):
-                model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+                model(ids[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True)
     finally:
         h.remove()
     got = torch.cat(outs, dim=1)[0].view(steps, 2, 8).numpy()  # [steps, heads, d]

@@ -151,7 +151,7 @@ def test_layer_cache_index_select_path_keeps_the_same_tokens() -> None:
 pytest.importorskip("transformers")
 
 from kvpolicy.models import tiny_llama  # noqa: E402
-from kvpolicy_integrations.hf import EvictingCache  # noqa: E402
+from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
 from kvpolicy_torch import decode_attention, rope_rotate  # noqa: E402
 
 
@@ -187,7 +187,7 @@ def test_fused_and_unfused_decode_agree(policy) -> None:
     for fused in (True, False):
         cache = EvictingCache(policy, model, fused_decode=fused)
         with torch.no_grad():
-            outs.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, past_key_values=cache))
+            outs.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, **cache_kwargs(model, cache)))
         caches.append(cache)
     assert torch.equal(outs[0], outs[1])
     for a, b in zip(caches[0].layers, caches[1].layers):
@@ -213,7 +213,7 @@ def test_fused_path_is_taken_in_decode_only(monkeypatch) -> None:
         calls.clear()
         cache = EvictingCache(policy, model)
         with torch.no_grad():
-            model.generate(torch.arange(3, 23)[None], max_new_tokens=4, do_sample=False, past_key_values=cache)
+            model.generate(torch.arange(3, 23)[None], max_new_tokens=4, do_sample=False, **cache_kwargs(model, cache))
         assert calls == expected, policy
 
 
@@ -255,15 +255,15 @@ def test_prefill_loaded_into_caches_decodes_like_a_real_prefill() -> None:
     dyn = build_cache(model, Candidate("DynamicCache"), pre)
     full = build_cache(model, Candidate("FullCache", FullCache()), pre)
     with torch.no_grad():
-        a = model(tok, past_key_values=dyn, position_ids=pos).logits
-        b = model(tok, past_key_values=full, position_ids=pos).logits
+        a = model(tok, **cache_kwargs(model, dyn), position_ids=pos).logits
+        b = model(tok, **cache_kwargs(model, full), position_ids=pos).logits
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     # an evicting cache ends in the size and state a real prefill leaves
     policy = BUZZ(2, 4, 3, 9)
     loaded = build_cache(model, Candidate("BUZZ", policy), pre)
     real = EvictingCache(policy, model)
     with torch.no_grad():
-        model(ids, past_key_values=real)
+        model(ids, **cache_kwargs(model, real))
     assert loaded.lengths() == real.lengths()
     assert [layer.store.state for layer in loaded.layers] == [layer.store.state for layer in real.layers]
     assert loaded.get_seq_length() == real.get_seq_length() == 40

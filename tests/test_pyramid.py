@@ -79,12 +79,12 @@ def test_pyramid_keeps_the_contract() -> None:
 def _lengths_after_generate(model, policy, prompt: int, new: int) -> tuple[list[int], list[int]]:
     import torch
 
-    from kvpolicy.hf import EvictingCache
+    from kvpolicy.hf import EvictingCache, cache_kwargs
 
     cache = EvictingCache(policy, model)
     ids = torch.arange(3, 3 + prompt)[None] % model.config.vocab_size
     with torch.no_grad():
-        model.generate(ids, max_new_tokens=new, do_sample=False, past_key_values=cache)
+        model.generate(ids, max_new_tokens=new, do_sample=False, **cache_kwargs(model, cache))
     return cache.lengths(), [layer.store.kv_bytes for layer in cache.layers]
 
 

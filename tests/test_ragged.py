@@ -16,7 +16,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, Scissorhands, SnapKV, StreamingLLM, compose  # noqa: E402
 from kvpolicy.models import tiny_llama  # noqa: E402
-from kvpolicy_integrations.hf import EvictingCache  # noqa: E402
+from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
 from kvpolicy_torch import LayerCache  # noqa: E402
 
 #: Every built-in policy, sized so that rows evict during the prompt or during decoding.
@@ -57,7 +57,7 @@ def _generate(model, ids, mask, cache, n):
     with torch.no_grad():
         # min_new_tokens: no row stops early at EOS (a batch would pad it, a lone prompt stop)
         out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             past_key_values=cache, pad_token_id=0)
+                             **cache_kwargs(model, cache), pad_token_id=0)
     return out[:, ids.shape[1] :]
 
 
@@ -96,14 +96,14 @@ def test_manual_loop_with_padding(tiny, policy) -> None:
     eos = tiny.generation_config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     with torch.no_grad():
-        logits = tiny(ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits
+        logits = tiny(ids, attention_mask=mask, position_ids=pos, **cache_kwargs(tiny, cache)).logits
         for _ in range(8):
             logits[..., eos] = float("-inf")  # as generate(min_new_tokens=...) does
             tok = logits[:, -1:].argmax(-1)
             got.append(tok)
             mask = torch.cat([mask, torch.ones_like(tok)], dim=-1)
             pos = pos[:, -1:] + 1
-            logits = tiny(tok, attention_mask=mask, position_ids=pos, past_key_values=cache).logits
+            logits = tiny(tok, attention_mask=mask, position_ids=pos, **cache_kwargs(tiny, cache)).logits
     assert torch.equal(torch.cat(got, dim=-1), want)
     seen = cache.layers[0].store.seen
     assert seen == [n + 8 for n in LENGTHS]  # pads were never counted

@@ -222,7 +222,7 @@ def test_checkpoint_run_equals_plain_transformers(cpu_runs, example):
     from transformers import AutoModelForCausalLM
 
     from kvpolicy import make_policy
-    from kvpolicy.hf import EvictingCache
+    from kvpolicy.hf import EvictingCache, cache_kwargs
 
     cwd, _ = cpu_runs
     model = AutoModelForCausalLM.from_pretrained(cwd / "tiny-llama", dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -231,7 +231,7 @@ def test_checkpoint_run_equals_plain_transformers(cpu_runs, example):
     policy = make_policy("buzz", 0.25, context_length=308, prompt_length=300)
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), past_key_values=EvictingCache(policy, model),
+            ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, EvictingCache(policy, model)),
             max_new_tokens=8, min_new_tokens=8, do_sample=False, prefill_chunk_size=128,
         )  # fmt: skip
     assert out[0, 300:].tolist() == json.loads((cwd / "parity.json").read_text())["tokens"]

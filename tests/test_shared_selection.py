@@ -130,7 +130,7 @@ def test_deferred_view_computes_once_and_not_for_shape_questions():
 def test_shared_reduction_count_through_evicting_cache():
     """The same through transformers' generate: reductions == eviction rounds over decode."""
     pytest.importorskip("transformers")
-    from kvpolicy.hf import EvictingCache
+    from kvpolicy.hf import EvictingCache, cache_kwargs
     from kvpolicy.models import tiny_llama
 
     model = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=8, vocab=64, seed=0)
@@ -138,7 +138,7 @@ def test_shared_reduction_count_through_evicting_cache():
     cache = EvictingCache(H2O(heavy=4, recent=4, selection="shared"), model, reduce_scores=lambda s: calls.append(1) or s)
     ids = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(0))  # no prefill eviction
     with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, past_key_values=cache)
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, **cache_kwargs(model, cache))
     rounds = sum(layer.store.evictions for layer in cache.layers)
     # 6 prompt tokens, then 19 decode forwards each adding one: a layer exceeds heavy + recent = 8
     # from the third decode step on and evicts one token per step from then: 17 rounds per layer,

@@ -44,14 +44,14 @@ def stream(model, tmp_path_factory):
 def _hand_nll(model, ids, policy):
     """The protocol written out: prefill PREFILL tokens into a fresh evicting cache, then feed
     the next TOKENS tokens one at a time, each scoring the token after it (float64)."""
-    from kvpolicy.hf import EvictingCache
+    from kvpolicy.hf import EvictingCache, cache_kwargs
 
     cache = EvictingCache(policy, model)
     nll = 0.0
     with torch.no_grad():
-        model(ids[:, :PREFILL], past_key_values=cache, use_cache=True)
+        model(ids[:, :PREFILL], **cache_kwargs(model, cache), use_cache=True)
         for t in range(PREFILL, PREFILL + TOKENS):
-            logits = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[0, -1].double()
+            logits = model(ids[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True).logits[0, -1].double()
             nll -= float(torch.log_softmax(logits, dim=-1)[ids[0, t + 1]])
     return nll
 

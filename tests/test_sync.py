@@ -34,7 +34,7 @@ pytest.importorskip("transformers")
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from kvpolicy import BUZZ, H2O, FullCache, LocalWindow, StreamingLLM  # noqa: E402
-from kvpolicy.hf import EvictingCache  # noqa: E402
+from kvpolicy.hf import EvictingCache, cache_kwargs  # noqa: E402
 from kvpolicy.models import tiny_llama  # noqa: E402
 from kvpolicy_torch import LayerCache  # noqa: E402
 
@@ -186,13 +186,13 @@ def test_evicting_cache_decode_has_no_sync_and_no_device_mix(name, device):
     cache = EvictingCache(policy, model)
     ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, position_ids=torch.arange(9, device=device).expand(2, -1))
+        model(input_ids=ids, **cache_kwargs(model, cache), position_ids=torch.arange(9, device=device).expand(2, -1))
         steps = 14
         nxt = torch.randint(3, 64, (2, steps), generator=torch.Generator().manual_seed(1)).to(device)
         with Instruments(device=device if device == "meta" else None) as seen:
             for t in range(steps):
                 pos = torch.full((2, 1), 9 + t, dtype=torch.long, device=device)
-                model(input_ids=nxt[:, t : t + 1], past_key_values=cache, position_ids=pos)
+                model(input_ids=nxt[:, t : t + 1], **cache_kwargs(model, cache), position_ids=pos)
     assert seen.hits == [], "\n".join(seen.hits)
     assert seen.library_ops > 50  # the instruments saw the library's ops in the decode steps
     evictions = sum(layer.store.evictions for layer in cache.layers)

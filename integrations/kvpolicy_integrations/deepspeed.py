@@ -33,7 +33,8 @@ refused (:data:`KERNEL_INJECTION_ERROR`).
 Entry points: :func:`init_inference` (a ``deepspeed.init_inference`` that validates, sets
 ``max_out_tokens`` from the context, and returns an :class:`EvictingInferenceEngine` whose
 ``generate`` evicts) and :func:`make_cache` (the cache for an engine you built yourself; pass it
-as ``past_key_values`` to ``engine.module.generate``). The head arithmetic (:func:`shard_layout`,
+to ``engine.module.generate`` as ``**cache_kwargs(engine.module, cache)``: ``cache=`` on
+transformers >= 5.24, ``past_key_values=`` before). The head arithmetic (:func:`shard_layout`,
 :func:`weight_numel_per_rank`) needs neither DeepSpeed nor a process group.
 """
 
@@ -48,7 +49,7 @@ import torch
 
 from kvpolicy.policy import EvictionPolicy
 
-from .capabilities import detect
+from .capabilities import cache_kwargs, detect
 from .hf import EvictingCache, PositionsMode
 
 __all__ = [
@@ -608,7 +609,7 @@ def make_cache(
     replace_with_kernel_inject=False)``)::
 
         cache = make_cache(engine, BUZZ.from_size(512))
-        engine.module.generate(ids, max_new_tokens=64, do_sample=False, past_key_values=cache)
+        engine.module.generate(ids, max_new_tokens=64, do_sample=False, **cache_kwargs(engine.module, cache))
     """
     if not isinstance(policy, EvictionPolicy):
         raise ValueError(f"policy must be an EvictionPolicy, got {policy!r}")
@@ -770,7 +771,8 @@ class EvictingInferenceEngine:
         return make_cache(self.engine, chosen, positions=self.positions)
 
     def generate(self, input_ids: torch.Tensor | None = None, *, policy: EvictionPolicy | str | None = None, **kwargs: Any) -> Any:
-        """``engine.generate`` with a fresh evicting cache (unless ``past_key_values`` is given).
+        """``engine.generate`` with a fresh evicting cache (unless one is given, as ``cache`` or
+        ``past_key_values``: the name transformers 5.24 deprecates).
 
         Run it on every rank with the same inputs. ``policy`` overrides the engine's for this call.
         """
@@ -784,11 +786,15 @@ class EvictingInferenceEngine:
                 f"prompt of {prompt_length} tokens is longer than context_length={self.context_length} (DeepSpeed's "
                 f"max_out_tokens): pass a larger context_length to kvpolicy.deepspeed.init_inference"
             )
-        if kwargs.get("past_key_values") is None:
+        given = kwargs.pop("cache", None)
+        if given is None:
+            given = kwargs.pop("past_key_values", None)
+        if given is None:
             chosen = self.resolve_policy(prompt_length, kwargs.get("max_new_tokens"), policy)
-            kwargs["past_key_values"] = make_cache(self.engine, chosen, positions=self.positions)
-        if isinstance(kwargs["past_key_values"], ShardedEvictingCache):
-            self.last_cache = kwargs["past_key_values"]
+            given = make_cache(self.engine, chosen, positions=self.positions)
+        if isinstance(given, ShardedEvictingCache):
+            self.last_cache = given
+        kwargs.update(cache_kwargs(self.engine.module, given))  # under the name the installed transformers takes
         kwargs.setdefault("attention_mask", torch.ones_like(input_ids))
         with torch.no_grad():
             return self.engine.generate(input_ids=input_ids, **kwargs)

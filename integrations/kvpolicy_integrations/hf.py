@@ -528,7 +528,7 @@ class EvictingCache(Cache):
         >>> from kvpolicy.models import tiny_llama
         >>> model = tiny_llama()
         >>> cache = EvictingCache(make_policy("buzz", 0.5, context_length=64), model)
-        >>> out = model.generate(torch.arange(1, 33)[None], max_new_tokens=8, do_sample=False, past_key_values=cache)
+        >>> out = model.generate(torch.arange(1, 33)[None], max_new_tokens=8, do_sample=False, **cache_kwargs(model, cache))
         >>> tuple(out.shape), max(cache.lengths()) <= cache.policy.capacity
         ((1, 40), True)
     """
