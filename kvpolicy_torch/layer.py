@@ -54,6 +54,14 @@ class PrefixShift(NamedTuple):
     delta: list[int]
 
 
+def _mark_holes(pos: torch.Tensor, scores: torch.Tensor, bias: torch.Tensor, dim: int, index: torch.Tensor) -> None:
+    """The slots ``index`` along ``dim`` become holes: position ``-1``, score ``+inf`` (never a
+    victim again), bias ``-inf`` (never attended)."""
+    pos.scatter_(dim, index, -1)
+    scores.scatter_(dim, index, math.inf)
+    bias.scatter_(dim, index, -math.inf)
+
+
 def _reverse_slots(x: torch.Tensor, lo: int, hi: int, step: int) -> None:
     """Reverse ``x[:, lo:hi]`` in place, swapping chunks of at most ``step`` slots from both ends."""
     while hi - lo > 1:
@@ -815,7 +823,7 @@ class LayerCache:
             and self.policy.score_statistic == "accumulate" and self.policy.uses_scores
         ):
             # the common step (H2O, BUZZ) on the storage's grouped views: grouped_decode, then the
-            # probabilities summed per KV head straight into the scores (NaN as -inf, as accumulate)
+            # probabilities summed per KV head into the scores (as accumulate, without re-validating)
             b, hq, _, d = query.shape
             bh = self._k3.shape[0]  # type: ignore[union-attr]
             r = hq * b // bh
@@ -823,8 +831,7 @@ class LayerCache:
                 query.reshape(bh, r, d), self._k3.narrow(1, 0, hi).transpose(1, 2), self._v3.narrow(1, 0, hi),  # type: ignore[union-attr]
                 scaling, self._bias3.narrow(2, 0, hi) if self._bias_needed else None,  # type: ignore[union-attr]
             )
-            received = probs3.view(b, bh // b, r, hi).sum(dim=2)
-            scores.narrow(2, 0, hi).add_(received.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf))  # type: ignore[union-attr]
+            self._add(scores.narrow(2, 0, hi), probs3.view(b, bh // b, r, hi).sum(dim=2))  # type: ignore[union-attr]
             return out3.view(b, 1, hq, -1)
         key, value = self._k.narrow(2, 0, hi), self._v.narrow(2, 0, hi)  # type: ignore[union-attr]
         bias = self.bias
@@ -963,9 +970,7 @@ class LayerCache:
         victims = self._lowest(rule, rows)  # [len(rows) or batch, heads]
         index = victims.unsqueeze(-1)
         if len(rows) == self.batch:
-            pos.scatter_(2, index, -1)
-            scores.scatter_(2, index, math.inf)
-            bias.scatter_(2, index, -math.inf)
+            _mark_holes(pos, scores, bias, 2, index)
         else:
             r_t = torch.tensor(rows, device=pos.device)
             for t, fill in ((pos, -1), (scores, math.inf), (bias, -math.inf)):
@@ -1465,9 +1470,7 @@ class LayerGroup:
             assert self._pos is not None and self._scores is not None and self._bias is not None
             # each layer's plain scan (LayerCache._lowest), for every layer at once: the same answer
             victims = first_argmin(self._scores.narrow(3, 0, hi)).unsqueeze(-1)  # [layers, batch, heads, 1]
-            self._pos.scatter_(3, victims, -1)
-            self._scores.scatter_(3, victims, math.inf)
-            self._bias.scatter_(3, victims, -math.inf)
+            _mark_holes(self._pos, self._scores, self._bias, 3, victims)
             for p in pending:
                 p[3]()
             self.batched_evictions += 1

@@ -104,8 +104,9 @@ def kvpolicy_sdpa_attention(
         prefix = layer.take_prefix(query)
         # log n: n = the keys the query attends to (paper, section 3.5): the row's kept tokens
         scales = [log_n.scale(n) for n in store.lengths] if log_n is not None else None
-        plain = window is None and prefix is None and store.bias is None and (scales is None or all(x == scales[0] for x in scales))
-        if plain and not (uses_scores and layer.fused_decode):
+        # (the fused path never needs `plain`: store.bias, a slice, is read only when SDPA may serve)
+        sdpa = not (uses_scores and layer.fused_decode) and window is None and prefix is None
+        if sdpa and store.bias is None and (scales is None or all(x == scales[0] for x in scales)):
             # SDPA: nothing to mask or shift, and no scores wanted (or the unfused path asked for)
             sdpa_scale = scale * scales[0] if scales else scale
             out, _ = sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=sdpa_scale, **kwargs)
