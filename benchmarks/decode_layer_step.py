@@ -18,7 +18,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvpolicy import H2O, LocalWindow, StreamingLLM
-from kvpolicy_integrations.hf import EvictingLayer, ShiftMatrices, kvpolicy_sdpa_attention
+from kvpolicy_integrations.hf import EvictingLayer, ShiftMatrices
 from kvpolicy_torch import LayerGroup
 
 
@@ -48,7 +48,7 @@ def _policy_step(policy, keys: int, layers: int, steps: int) -> float:
     for _ in range(steps):
         for layer, module in zip(stack, modules):
             k, v = layer.update(nk, nk)
-            kvpolicy_sdpa_attention(module, q, k, v, None, scaling=0.125)
+            layer.attention(module, q, k, v, scaling=0.125)
     return (time.perf_counter() - start) / (steps * layers) * 1e6
 
 

@@ -145,15 +145,20 @@ def candidates(context: int, decode_tokens: int, budget: float, unfused: bool = 
     return out
 
 
-def make_cache(model: Any, policy: Any, *, fused_decode: bool = True) -> Any:
+def make_cache(model: Any, policy: Any, *, fused_decode: bool = True, static_tokens: int | None = None) -> Any:
     """``DynamicCache`` (``policy=None``) with transformers' own SDPA attention, else an
-    ``EvictingCache`` (which switches the model to ``kvpolicy_sdpa``)."""
-    from transformers import DynamicCache
+    ``EvictingCache`` (kvpolicy's attention during its own forwards only). ``static_tokens``: the
+    compiled rows' caches, with fixed shapes: transformers' ``StaticCache`` of that many tokens,
+    or an ``EvictingCache(static_shapes=True)``."""
+    from transformers import DynamicCache, StaticCache
 
     from kvpolicy_integrations.hf import EvictingCache
 
+    if static_tokens is not None:
+        if policy is None:
+            return StaticCache(config=model.config, max_cache_len=static_tokens)
+        return EvictingCache(policy, model, static_shapes=True, max_tokens=static_tokens)
     if policy is None:
-        model.set_attn_implementation("sdpa")  # an EvictingCache of an earlier row switched it
         return DynamicCache(config=model.config)
     return EvictingCache(policy, model, fused_decode=fused_decode)
 
@@ -195,24 +200,31 @@ def _elapsed(a: Any, b: Any) -> float:
 
 
 def decode_steps(
-    model: Any, cache: Any, ids: Any, position: int, *, min_steps: int | None = None, until_eviction: bool = False
+    model: Any, cache: Any, ids: Any, position: int, *, min_steps: int | None = None, until_eviction: bool = False,
+    step: Any = None,
 ) -> tuple[list[float], list[bool]]:
     """Decode steps from ``position``, one per column of ``ids`` (``[batch, steps]``): each step's
     seconds (one sync at the end) and whether it evicted (the caches' eviction counters, host
     ints). With ``until_eviction`` it stops after ``min_steps`` once a step has evicted (or at
-    the last column)."""
+    the last column). ``step``: the callable that runs a step (a compiled model; default the
+    model); a static-shaped cache's host-side evictions run between steps (``settle``), inside
+    the step's time, and its device-side evictions are not counted (no host read)."""
     import torch
 
     from kvpolicy_integrations.hf import cache_kwargs
 
     device = str(ids.device)
     batch, steps = ids.shape
+    step = step if step is not None else model
+    settle = getattr(cache, "needs_settle", False)
     marks, evicted = [_mark(device)], []
     with torch.no_grad():
         for t in range(steps):
             before = evictions(cache)
             pos = torch.full((batch, 1), position + t, dtype=torch.long, device=ids.device)
-            model(input_ids=ids[:, t : t + 1], **cache_kwargs(model, cache), position_ids=pos, use_cache=True, logits_to_keep=1)
+            step(input_ids=ids[:, t : t + 1], **cache_kwargs(model, cache), position_ids=pos, use_cache=True, logits_to_keep=1)
+            if settle:
+                cache.settle()
             evicted.append(evictions(cache) > before)
             marks.append(_mark(device))
             if min_steps is not None and t + 1 >= min_steps and (not until_eviction or any(evicted)):
@@ -295,13 +307,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     vocab = shape["vocab_size"]
     planned_new = args.warmup + args.steps
+    from kvpolicy_integrations.hf import compile_decode_step
+
+    # one compiled model per mode, shared by the compiled rows (each cache shape compiles its graph)
+    compiled = {mode: compile_decode_step(model, mode=None if mode == "default" else mode, backend=args.compile_backend)
+                for mode in args.compile_modes}
+    torch._dynamo.config.cache_size_limit = 256
     for batch in args.batches:
         for context in args.contexts:
             g = torch.Generator().manual_seed(context * 100 + batch)
             prompt = torch.randint(3, vocab, (batch, context), generator=g).to(device)
-            for label, policy in candidates(context, planned_new, args.budget, args.unfused):
+            rows_here = [(label, policy, None) for label, policy in candidates(context, planned_new, args.budget, args.unfused)]
+            for mode in args.compile_modes:  # the compiled rows: transformers' StaticCache, then the policies
+                rows_here.append((f"StaticCache (compiled, {mode})", None, mode))
+                rows_here += [(f"{label} (compiled, {mode})", policy, mode) for label, policy, m in rows_here
+                              if m is None and policy is not None and policy.capacity is not None and "unfused" not in label]
+            for label, policy, mode in rows_here:
                 row: dict[str, Any] = {"batch": batch, "context": context, "label": label, "policy": repr(policy) if policy else "DynamicCache"}
-                evicts = policy is not None and policy.capacity is not None
+                # (a compiled step's one-token evictions happen on the device: not counted, so no waiting for one)
+                evicts = policy is not None and policy.capacity is not None and mode is None
                 steps = max(args.steps, args.max_steps) if evicts else args.steps  # at most; stops at the first eviction
                 need = planned_bytes(model, policy, batch, context, args.warmup + steps, args.prefill_chunk)
                 free = free_device_bytes(device)
@@ -317,14 +341,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ids = torch.randint(3, vocab, (batch, args.warmup + steps), generator=g).to(device)
                 cache = None
                 try:
-                    cache = make_cache(model, policy, fused_decode="unfused" not in label)
+                    static_tokens = context + args.warmup + steps + 1 if mode is not None else None
+                    cache = make_cache(model, policy, fused_decode="unfused" not in label, static_tokens=static_tokens)
+                    step = compiled[mode] if mode is not None else None
                     _sync(device)
                     stop = _timer(device)
                     forwards = prefill(model, cache, prompt, args.prefill_chunk)
                     prefill_s = stop()
-                    decode_steps(model, cache, ids[:, : args.warmup], context)  # warm-up, untimed
+                    # warm-up, untimed (the compiled rows compile here, and capture their CUDA graphs)
+                    decode_steps(model, cache, ids[:, : args.warmup], context, step=step)
                     seconds, evicted = decode_steps(
-                        model, cache, ids[:, args.warmup :], context + args.warmup, min_steps=args.steps, until_eviction=evicts
+                        model, cache, ids[:, args.warmup :], context + args.warmup, min_steps=args.steps, until_eviction=evicts,
+                        step=step,
                     )
                 except torch.OutOfMemoryError as e:  # pragma: no cover - GPU only
                     row["skipped"] = f"out of memory: {str(e).splitlines()[0]}"
@@ -432,8 +460,15 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-chunk", type=int, default=4096, help="prefill the prompt in chunks of this many tokens (default 4096)")
     p.add_argument("--unfused", action="store_true", help="also BUZZ with fused_decode=False (SDPA + the extra score product)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (tests the logic on CPU)")
+    p.add_argument("--compile-modes", type=lambda s: [m for m in s.split(",") if m], default=None,
+                   help="compiled rows, one set per torch.compile mode: 'default' (inductor), 'reduce-overhead' (CUDA "
+                        "graphs); default 'default,reduce-overhead' on CUDA, none elsewhere; '' for none")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compiled rows (default inductor)")
     p.add_argument("--out", default="gpu-results")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.compile_modes is None:
+        args.compile_modes = ["default", "reduce-overhead"] if args.device.startswith("cuda") else []
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

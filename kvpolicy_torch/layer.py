@@ -36,13 +36,20 @@ from kvpolicy.statistics import low_attention, shift_history
 
 from .attention import decode_attention, grouped_decode
 from .ops import first_argmin
+from .static import DecodeState, StepOptions
 
 __all__ = ["LayerCache", "LayerGroup", "LayerSnapshot", "PrefixShift"]
 
 _MIN_GROWTH = 16  # slots an unbounded store grows by at least
-#: Unbounded policies (the full cache) grow their storage by this factor (amortised copies, and
-#: at most 1/10 unused slots instead of a doubling's 1/2).
-_GROWTH = 1.1
+_MAX_GROWTH = 4096  # and at most (bounded chunks: a long run never doubles its allocation at once)
+
+
+def _grown(slots: int, need: int = 0) -> int:
+    """Slots of an unbounded store (the full cache) that has ``slots`` and must hold ``need``:
+    one chunk of 1/16 more, between 16 and 4,096 slots (amortised copies of 16 slots a token;
+    a 1,000-token prompt plus a few decoded tokens allocates 1,063 slots, positions, scores and
+    bias included under 1.1x a tight cache for a 64-dimensional head)."""
+    return max(need, slots + min(_MAX_GROWTH, max(_MIN_GROWTH, math.ceil(slots / 16))))
 
 
 class PrefixShift(NamedTuple):
@@ -180,7 +187,9 @@ class LayerCache:
         if key_shift is not None and not callable(key_shift):
             raise ValueError(f"key_shift must be callable (keys, delta) -> keys, got {key_shift!r}")
         # only the sinks of an "oldest" rule are shifted (a PrefixShift); other layouts shift per slot
-        self._sink_shift = key_shift if rule is not None and rule.victim == "oldest" and rule.sink > 0 else None
+        self._sink_shift = (
+            key_shift if rule is not None and rule.victim == "oldest" and rule.sink > 0 and not self.static_shapes else None
+        )
         self.evictions = 0
         if group is not None and not isinstance(group, LayerGroup):
             raise ValueError(f"group must be a LayerGroup or None, got {group!r}")
@@ -225,11 +234,33 @@ class LayerCache:
         self._cand_pause = 0  # decode steps left on full scans (the candidates drained too fast)
         self._cand_age = 0  # searches answered since the last full search
         self._cand_rescans = 0  # full searches so far (tests read it through candidate_searches)
+        # static shapes: a decode step's bookkeeping in device tensors (kvpolicy_torch.static);
+        # `_device_newer` says the device holds steps the host lists have not seen yet
+        self._decode: DecodeState | None = None
+        self._device_newer = False
 
     # ------------------------------------------------------------------ shape and bookkeeping
     @property
     def is_initialized(self) -> bool:
         return self._k is not None
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the newest decode steps ran on the device (``static_shapes``: see
+        :mod:`kvpolicy_torch.static`) and the host lists have not read them back yet; any read of
+        the layer's state reads them back first."""
+        return self._device_newer
+
+    @property
+    def sequence_length(self) -> int | torch.Tensor:
+        """Columns appended so far, pads included (transformers' sequence length). Inside
+        ``torch.compile`` a static-shaped layer answers with a ``[]`` device tensor (no host read,
+        as transformers' ``StaticCache``); elsewhere an int."""
+        if self._decode is not None and torch.compiler.is_compiling():
+            return self._decode.columns  # (kept current by every reload: valid whoever ran last)
+        if self._decode is not None and self._device_newer:
+            return int(self._decode.columns)
+        return self.columns
 
     @property
     def batch(self) -> int:
@@ -252,44 +283,58 @@ class LayerCache:
     @property
     def length(self) -> int:
         """Kept tokens per head (every row); see :attr:`lengths` for rows that differ."""
+        self._host()
         return self._uniform(self._count, "kept tokens (use .lengths)")
 
     @property
     def lengths(self) -> list[int]:
         """Kept tokens per head, per row."""
+        self._host()
         return list(self._count)
 
     @property
     def n_seen(self) -> int:
         """Real tokens appended so far (every row); see :attr:`seen` for rows that differ."""
+        self._host()
         return self._uniform(self._seen, "tokens seen (use .seen)")
 
     @property
     def seen(self) -> list[int]:
         """Real (non-pad) tokens appended so far, per row."""
+        self._host()
         return list(self._seen)
 
     @property
     def state(self) -> dict[str, int]:
         """The policy's state (every row); see :attr:`states`."""
+        self._host()
         return self._uniform(self._states, "policy state (use .states)")
 
     @property
     def states(self) -> list[dict[str, int]]:
         """The policy's state, per row."""
+        self._host()
         return [dict(s) for s in self._states]
+
+    def _host(self) -> None:
+        """Bring the host lists up to date with decode steps the device ran (static shapes)."""
+        if self._device_newer:
+            self._materialize()
 
     def _require(self) -> None:
         if self._k is None:
             raise ValueError("nothing was appended to this LayerCache yet: call append() first")
         if self._deferred:
             self.group.flush()  # type: ignore[union-attr]
+        if self._device_newer:
+            self._materialize()
 
     # ------------------------------------------------------------------ storage
     def _slack(self, capacity: int, per_slot: int) -> int:
-        if self.rule is None or self.rule.victim == "oldest":
+        if self.rule is None or self.rule.victim == "oldest" or self.static_shapes:
             # general evictions compact at once; the oldest token's slot is refilled by the next
-            # append (a ring): in neither case do holes accumulate below the frontier
+            # append (a ring), and a static-shaped decode step writes into its victim's slot: in
+            # none of these do holes accumulate below the frontier
             return 0
         # A compaction costs a fixed setup (~0.1 ms on a CPU) plus a move per kept slot, once per
         # `slack` steps, while attention reads `slack / 2` extra (masked) slots on average:
@@ -330,6 +375,8 @@ class LayerCache:
                 new[:, :, :n] = old[:, :, :n]
         self._set_storage(keys, values, pos, scores, bias)
         self._tail_clean = False
+        if self.static_shapes and (self._decode is None or self._decode.free.shape != (b, h)):
+            self._decode = DecodeState(b, h, dev)
 
     def _set_storage(self, *tensors: torch.Tensor) -> None:
         """Keys, values, positions, scores and bias, and the grouped 3-D views of keys, values and
@@ -367,6 +414,7 @@ class LayerCache:
         """Bytes of the keys and values actually kept (pads and holes excluded)."""
         if self._k is None:
             return 0
+        self._host()
         k, v = self._k, self._v
         per_token = k.shape[1] * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())  # type: ignore[union-attr]
         return per_token * sum(self._count)
@@ -562,6 +610,18 @@ class LayerCache:
         b, h, q, d = ks
         if q == 0:
             raise ValueError("keys must hold at least one token (q >= 1)")
+        if self._decode is not None and q == 1 and valid is None:
+            # static shapes: the step's bookkeeping in device tensors (kvpolicy_torch.static), no
+            # host read and no branch on data, so a compiled step is one graph
+            if (b, h, d, vs[3], keys.dtype, values.dtype, keys.device) != self._like:
+                self._check_like(keys, values)
+            self._decode.append(self._tensors(), keys, values)
+            self._device_newer = True
+            self._phase = "decode"
+            self._chunk = None
+            return self._k, self._v  # type: ignore[return-value]
+        if self._device_newer:
+            self._materialize()
         if self._k is None:
             self._start(keys, values)
         elif (b, h, d, vs[3], keys.dtype, values.dtype, keys.device) != self._like:
@@ -647,7 +707,7 @@ class LayerCache:
         full = [r for r, f in enumerate(self._front) if f >= self.slots and not free[r]]
         if full:
             if self.policy.capacity is None:
-                self._allocate(keys, values, max(self.slots + _MIN_GROWTH, math.ceil(self.slots * _GROWTH)))
+                self._allocate(keys, values, _grown(self.slots))
             else:
                 self._compact_rows([r for r in full if self._count[r] < self._front[r]])
                 if any(self._front[r] >= self.slots for r in full):
@@ -720,7 +780,7 @@ class LayerCache:
         new_scores = torch.where(new_pos >= 0, zeros, math.inf)
         new_bias = torch.where(new_pos >= 0, zeros, -math.inf)
         if self.policy.capacity is None and start + q > self.slots:
-            self._allocate(keys, values, max(start + q, math.ceil(self.slots * _GROWTH), self.reserve or 0))
+            self._allocate(keys, values, max(_grown(self.slots, start + q), self.reserve or 0))
         if start + q <= self.slots:
             for t, new in zip(self._tensors(), (keys, values, new_pos, new_scores, new_bias)):
                 t[:, :, start : start + q] = new
@@ -783,6 +843,7 @@ class LayerCache:
         extra_bias: torch.Tensor | None = None,
         row_scale: torch.Tensor | None = None,
         prefix: tuple[int, torch.Tensor] | None = None,
+        options: StepOptions | None = None,
     ) -> torch.Tensor:
         """A decode step's attention over the slots the last (one-token) :meth:`append` returned,
         holes masked, with what each slot received added to the scores (:meth:`accumulate_query`)
@@ -798,6 +859,10 @@ class LayerCache:
                 sliding window hides a kept token), or ``None``.
             row_scale, prefix: as in :func:`~kvpolicy_torch.decode_attention` (BUZZ's log n; the
                 query rotated back for StreamingLLM's pos-shifted sinks).
+            options: with ``static_shapes``, the same three as a
+                :class:`~kvpolicy_torch.static.StepOptions` (a window, log n, the pos-shifted
+                prefix), computed on the device from its own counts (the three arguments above
+                need host counts, which a static-shaped decode step does not read).
 
         Returns:
             ``[batch, 1, q_heads, head_dim]``: the layout transformers' attention functions return.
@@ -812,6 +877,16 @@ class LayerCache:
             >>> out.shape, layer.length
             (torch.Size([1, 1, 4, 8]), 4)
         """
+        if self._device_newer:  # a static-shaped decode step: everything on the device
+            if extra_bias is not None or row_scale is not None or prefix is not None:
+                raise ValueError("with static_shapes, pass the window, log n and pos-shift as options=StepOptions(...)")
+            storage = self._tensors()
+            out, received = self._decode.attend(storage, query, scaling, options or StepOptions())  # type: ignore[union-attr]
+            if self.policy.uses_scores:
+                history = self.policy.score_history if self.policy.score_statistic == "low_history" else None
+                DecodeState.accumulate(storage, received, self.policy.score_statistic, query.shape[1] // storage[0].shape[1],
+                                       history)
+            return out
         self._require()
         if self._phase != "decode" or self._extra is not None:
             raise ValueError("attend() serves a decode step (one token appended per row); a prompt chunk takes chunk_mask() and accumulate()")
@@ -881,7 +956,19 @@ class LayerCache:
 
     def evict(self) -> list[tuple[int, int]]:
         """Let the policy evict until it is satisfied; return ``(size_before, size_after)`` per round
-        (per group of rows that evicted together)."""
+        (per group of rows that evicted together).
+
+        With ``static_shapes``, after a decode step a one-token eviction is a masked write on the
+        device (no rounds are reported: whether a row evicted is not read back); a general
+        eviction (BUZZ, Scissorhands) runs here in eager code, and is left to :meth:`settle`
+        inside ``torch.compile``."""
+        if self._device_newer:
+            if self.rule is not None:
+                self._decode.evict(self._tensors(), self.rule, self.policy.selection == "shared", self.reduce_scores)  # type: ignore[union-attr]
+                return []
+            if torch.compiler.is_compiling():
+                return []  # announced by needs_settle: the caller runs settle() between compiled steps
+            return self.settle()
         self._require()
         rule = self.rule
         if self._phase == "decode" and rule is not None and self._extra is None:
@@ -900,7 +987,100 @@ class LayerCache:
             rounds = self._evict_general()
         self._chunk = None
         self.evictions += len(rounds)
+        self._reload()
         return rounds
+
+    @property
+    def needs_settle(self) -> bool:
+        """Whether a compiled (static-shaped) decode step may leave work to :meth:`settle`: a
+        bounded policy without a one-token decode eviction (BUZZ, Scissorhands) evicts on the
+        host, between steps."""
+        return self.static_shapes and self.rule is None and self.policy.capacity is not None
+
+    def settle(self) -> list[tuple[int, int]]:
+        """Between compiled decode steps (static shapes): run the general eviction the last
+        steps left to the host, if the policy's rule says one is due (one read of the device's
+        counts); nothing for a policy whose decode eviction ran on the device.
+
+        Example:
+            >>> from kvpolicy import BUZZ
+            >>> layer = LayerCache(BUZZ(sink=1, window=2, stride=3), static_shapes=True)
+            >>> K, V = layer.append(torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4))
+            >>> layer.accumulate(torch.rand(1, 1, 6)); rounds = layer.evict()
+            >>> K, V = layer.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
+            >>> out = layer.attend(torch.randn(1, 1, 1, 4), 0.5)
+            >>> layer.evict() == layer.settle() == []  # (eager code: evict() settled it)
+            True
+        """
+        if not self._device_newer or not self.needs_settle:
+            return []
+        # A decode step appends one real token per row and evicts nothing on the device, so the
+        # host lists follow without reading the device (settle() comes after every compiled step;
+        # _materialize checks it); the device is read only when the size rule says "evict".
+        self._seen = [s + 1 for s in self._seen]
+        self._count = [c + 1 for c in self._count]
+        self.columns += 1
+        self._phase = "decode"
+        if self._declines():
+            return []
+        self._materialize()
+        rounds = [] if self._declines() else self._evict_general()
+        self._chunk = None
+        self.evictions += len(rounds)
+        self._reload()
+        return rounds
+
+    def _materialize(self) -> None:
+        """Static shapes: take the device's counts after the decode steps it ran (one read) and
+        put each row's kept tokens back at ``[0, count)`` in position order (a step writes into
+        its victim's slot), so host code sees the layout it expects; the device state is reloaded."""
+        decode = self._decode
+        assert decode is not None
+        self._device_newer = False
+        seen, count, columns, overflow = decode.read()
+        if overflow:
+            raise RuntimeError(
+                f"{self.policy!r} ran out of its {self.slots} slots in a compiled decode step: a general eviction was "
+                f"due and did not run. Call settle() (EvictingCache.settle) between compiled decode steps when "
+                f"needs_settle is True (kvpolicy.hf.generate does)"
+            )
+        if self.needs_settle and seen[0] - self._seen[0] > 1:
+            raise RuntimeError(
+                f"{self.policy!r}: {seen[0] - self._seen[0]} compiled decode steps ran since the host last settled: "
+                f"call settle() (EvictingCache.settle) after every compiled decode step while needs_settle is True "
+                f"(kvpolicy.hf.greedy_decode does)"
+            )
+        self.columns = columns
+        self._seen, self._count = seen, count
+        k, v, pos, scores, bias = self._tensors()
+        if self.rule is not None:  # one-token evictions scattered the kept tokens: sort by position
+            order = torch.argsort(pos.masked_fill(pos < 0, torch.iinfo(torch.int64).max), dim=-1)
+            for t in (k, v):
+                t.copy_(torch.gather(t, 2, order[..., None].expand_as(t)))
+            for t in (pos, scores):
+                t.copy_(torch.gather(t, 2, order))
+        bias.copy_(torch.where(pos >= 0, 0.0, -math.inf).to(bias.dtype))
+        self._front = list(count)
+        self._fifo = [None] * len(count)
+        self._free = [[] for _ in count]
+        self._range = (0, self.slots)
+        self._bias_needed = True
+        self._tail_clean = False
+        self._forget_candidates()
+        decode.load(self._seen, self._count, self.columns)
+
+    def _reload(self) -> None:
+        """Static shapes, after host code changed the layer: compact it and hand the counts to the
+        device, so the next decode step runs there."""
+        if self._decode is None or self._extra is not None or self._k is None:
+            return
+        if not self._dense():
+            self._compact_rows(list(range(self.batch)))
+        if self.policy.capacity is None and max(self._count) >= self.slots:
+            # an unbounded policy without room for the next token grows here, between steps
+            like_k, like_v = self._k[:, :, :1], self._v[:, :, :1]  # type: ignore[index]
+            self._allocate(like_k, like_v, _grown(self.slots))
+        self._decode.load(self._seen, self._count, self.columns)
 
     def _declines(self) -> bool:
         """A decode step at which the policy's size rule keeps every row's tokens: the policy
@@ -946,7 +1126,7 @@ class LayerCache:
         """Whether this step's victims may wait for the group: every layer keeps its storage in it,
         the rows stand alike, and the plain scan would find them (not shared, not candidates)."""
         group = self.group
-        if group is None or not group.complete or self.policy.selection == "shared":
+        if group is None or not group.complete or self.policy.selection == "shared" or self.static_shapes:
             return False
         front = self._front
         if any(f != front[0] for f in front) or self._uses_candidates(front[0] - rule.recent):
@@ -1315,6 +1495,7 @@ class LayerCache:
         self._range = (0, max(self._front))
         self._bias_needed = self._needs_bias()
         self._phase = "decode"
+        self._reload()
 
     # ------------------------------------------------------------------ batch ops (beam search etc.)
     def select_batch(self, index: torch.Tensor) -> None:
@@ -1347,6 +1528,11 @@ class LayerCache:
             self._free = [list(self._free[i]) for i in idx]
         self._set_storage(*(t.index_select(0, index.to(t.device)) for t in self._tensors()))
         self._tail_clean = False
+        if self.static_shapes:
+            k = self._k
+            assert k is not None
+            self._decode = DecodeState(k.shape[0], k.shape[1], k.device)
+            self._reload()
 
     def reset(self) -> None:
         """Forget everything (storage is freed)."""

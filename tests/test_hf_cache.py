@@ -17,7 +17,7 @@ from transformers import DynamicCache  # noqa: E402
 import kvpolicy_numpy  # noqa: E402
 from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, Scissorhands, SnapKV, StreamingLLM, compose, make_policy  # noqa: E402
 from kvpolicy.models import tiny_llama  # noqa: E402
-from kvpolicy_integrations.hf import EvictingCache, cache_kwargs, generate  # noqa: E402
+from kvpolicy_integrations.hf import EvictingCache, cache_kwargs, generate, greedy_decode  # noqa: E402
 
 COVERING = [FullCache(), BUZZ(4, 64, 5, 300), H2O(100, 100), StreamingLLM(4, 100), LocalWindow(100)]
 EVICTING = [BUZZ(2, 6, 3, 10), BUZZ(2, 6, 4, 12, log_n=True, log_base=8.0), H2O(8, 8), StreamingLLM(2, 10), LocalWindow(12), TOVA(12),
@@ -257,3 +257,16 @@ def test_full_cache_allocates_what_it_needs(model):
             assert allocated <= 1.1 * tight, (max_tokens, store.slots)
             if max_tokens is not None:
                 assert store.slots == max_tokens
+
+
+def test_full_cache_grows_in_bounded_chunks():
+    """Issue 25, item 7: without max_tokens the full cache grows by 1/16 (16 to 4,096 slots a
+    time): after a 1,000-token prompt and 8 decoded tokens everything it allocates (positions,
+    scores and bias included) is under 1.1x a tight cache of SmolLM2's head geometry (random
+    weights, 2 layers)."""
+    model = tiny_llama(num_layers=2, heads=9, kv_heads=3, head_dim=64, vocab=256, seed=0, max_position_embeddings=2048)
+    cache = EvictingCache(FullCache(), model)
+    greedy_decode(model, torch.randint(3, 256, (1, 1000), generator=torch.Generator().manual_seed(0)), cache, 9)
+    for layer in cache.layers:
+        assert layer.store.length == 1008
+        assert layer.store.nbytes <= 1.1 * layer.store.kv_bytes, layer.store.slots

@@ -39,6 +39,10 @@ ALLOWED: dict[tuple[str, str], str] = {
         "transformers has no public getter for a config's attention implementation; hf.py checks "
         "that kvpolicy_sdpa is the one in use"
     ),
+    ("kvpolicy_torch/static.py", "_dynamo"): (
+        "torch._dynamo.mark_static_address is torch's documented way to give a compiled step's state "
+        "fixed addresses (CUDA graphs); torch.compiler has no public alias (transformers' StaticCache uses it too)"
+    ),
     ("kvpolicy/models.py", "_is_quantized"): (
         "transformers marks a GGUF-dequantised config as quantised with this flag and offers no public "
         "way to clear it; the model is saved as a plain float checkpoint"

@@ -27,8 +27,7 @@ distances between query and keys are distances between cache slots).
 
 from __future__ import annotations
 
-import contextvars
-
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
@@ -41,30 +40,37 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from kvpolicy._validation import check_bool
 from kvpolicy.policy import EvictionPolicy
 from kvpolicy_torch import LayerCache, LayerGroup, PrefixShift, received_attention, rope_matrix, rope_rotate
+from kvpolicy_torch.static import StepOptions
 
 from .capabilities import LayerAttention, ModelCapabilities, RopeLayout, cache_kwargs, detect, rope_layouts
 
 __all__ = [
     "ATTENTION_NAME",
+    "LAYER_KWARG",
+    "SCOPED_ATTENTION_NAME",
     "EvictingCache",
     "EvictingLayer",
     "GenerationResult",
     "ShiftMatrices",
     "cache_kwargs",
+    "compile_decode_step",
     "generate",
+    "greedy_decode",
     "register_attention",
+    "scope_attention",
     "use_kvpolicy_attention",
 ]
 
 ATTENTION_NAME = "kvpolicy_sdpa"
+#: The attention implementation a model runs under while (and only while) a forward is given an
+#: :class:`EvictingCache`: see :func:`scope_attention`.
+SCOPED_ATTENTION_NAME = "kvpolicy_evicting"
+#: The keyword :meth:`EvictingLayer.update` adds to the attention call's kwargs: the layer itself.
+#: transformers hands the attention module's kwargs to ``cache.update(..., kwargs=kwargs)`` and
+#: then unpacks the same dict into the attention function, so the attention finds its layer
+#: without any global state (and a compiled step traces it as a plain argument).
+LAYER_KWARG = "kvpolicy_layer"
 PositionsMode = Literal["original", "cache"]
-
-# The layer whose update() ran last in this thread/context: the attention call that follows
-# belongs to it (transformers passes no cache to attention functions).
-_ACTIVE: contextvars.ContextVar["EvictingLayer | None"] = contextvars.ContextVar("kvpolicy_active_layer", default=None)
-# The EvictingCache whose get_mask_sizes() ran last: the mask function called right after it
-# takes the forward's 2-D padding mask for that cache instead of building a 4-D mask.
-_MASK_FOR: contextvars.ContextVar["EvictingCache | None"] = contextvars.ContextVar("kvpolicy_mask_for", default=None)
 
 
 def kvpolicy_sdpa_attention(
@@ -77,64 +83,41 @@ def kvpolicy_sdpa_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA output plus score capture and eviction for the :class:`EvictingLayer` that just updated.
-
-    The mask comes from the layer's slots (holes, pads, causal order inside a prompt chunk), not
-    from transformers: slot order is not sequence order once tokens are evicted.
-    """
-    layer = _ACTIVE.get()
-    if layer is None or not layer.pending or layer.layer_idx != getattr(module, "layer_idx", None):
+    """The ``"kvpolicy_sdpa"`` attention: an :class:`EvictingLayer`'s attention when the cache
+    handed it over (:attr:`LAYER_KWARG`), else transformers' SDPA (a model loaded with
+    ``attn_implementation="kvpolicy_sdpa"`` serves any other cache as an SDPA model would)."""
+    layer = kwargs.pop(LAYER_KWARG, None)
+    if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    _ACTIVE.set(None)
-    if attention_mask is not None:
-        layer.pending = False
-        raise ValueError(
-            f"EvictingCache builds the attention mask from the kept tokens' positions; layer {layer.layer_idx} got a "
-            f"4-D attention mask, which cannot be applied to an evicting cache: a custom mask passed to the forward "
-            f"(pass the usual 2-D padding mask instead), or one the model builds itself (e.g. Doge's dynamic mask: "
-            f"such models are not supported)"
+    return layer.attention(module, query, key, value, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _scoped_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The attention a model runs under during a forward given an :class:`EvictingCache`."""
+    layer = kwargs.pop(LAYER_KWARG, None)
+    if layer is None:
+        # a model whose attention does not pass its kwargs to cache.update (GPT-NeoX and a few
+        # others): the layer of the same index in the cache of the forward in flight
+        scope = _ATTENTION_SCOPE.get(module)
+        index = getattr(module, "layer_idx", None)
+        if scope is not None and scope.cache is not None and isinstance(index, int) and index < len(scope.cache.layers):
+            layer = scope.cache.layers[index]
+    if layer is None:
+        raise RuntimeError(
+            f"layer {getattr(module, 'layer_idx', '?')}: an EvictingCache is in use but this attention was not handed "
+            f"its cache layer: the model's attention does not pass its kwargs to cache.update(..., kwargs=kwargs), "
+            f"as transformers' decoder models do; kvpolicy cannot serve this model"
         )
-    store = layer.store
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q_len = query.shape[2]
-    log_n = layer.policy.log_n
-    uses_scores = layer.policy.uses_scores
-    if q_len == 1:
-        window = layer.window_bias()
-        prefix = layer.take_prefix(query)
-        # log n: n = the keys the query attends to (paper, section 3.5): the row's kept tokens
-        scales = [log_n.scale(n) for n in store.lengths] if log_n is not None else None
-        # (the fused path never needs `plain`: store.bias, a slice, is read only when SDPA may serve)
-        sdpa = not (uses_scores and layer.fused_decode) and window is None and prefix is None
-        if sdpa and store.bias is None and (scales is None or all(x == scales[0] for x in scales)):
-            # SDPA: nothing to mask or shift, and no scores wanted (or the unfused path asked for)
-            sdpa_scale = scale * scales[0] if scales else scale
-            out, _ = sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=sdpa_scale, **kwargs)
-            if uses_scores:
-                store.accumulate_query(received_attention(query, key, sdpa_scale), query.shape[1] // key.shape[1])
-            layer.finish_received(None)
-            return out, None
-        if dropout or not _fusable(kwargs):
-            raise ValueError(f"kvpolicy's decode attention takes no dropout, softcap or position bias; got {sorted(kwargs)}")
-        row_scale = torch.tensor(scales, device=query.device) if scales is not None else None
-        out = store.attend(query, scale, extra_bias=window, row_scale=row_scale, prefix=prefix)
-        layer.finish_received(None)
-        return out, None
-    mask = layer.window_chunk_mask(store.chunk_mask())
-    query_scale = None
-    sdpa_query = query
-    if log_n is not None:
-        query_scale = _chunk_log_n_scales(log_n, store, q_len, query.device)
-        sdpa_query = query * query_scale[:, None, :, None].to(query.dtype)
-    out, _ = sdpa_attention_forward(module, sdpa_query, key, value, mask, dropout=dropout, scaling=scale, **kwargs)
-    received = None
-    if uses_scores:
-        received = received_attention(
-            query, key, scale, query_scale=query_scale, mask=mask, query_valid=store.query_valid,
-            rows=layer.policy.prompt_rows, history=layer.history,
-        )
-    layer.finish_received(received)
-    return out, None
+    return layer.attention(module, query, key, value, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def _chunk_log_n_scales(log_n: Any, store: LayerCache, q: int, device: torch.device) -> torch.Tensor:
@@ -157,24 +140,19 @@ def _fusable(kwargs: dict[str, Any]) -> bool:
     return kwargs.get("position_bias") is None and kwargs.get("softcap") is None
 
 
-def kvpolicy_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """The mask function registered with ``kvpolicy_sdpa``: for an :class:`EvictingCache` it
-    hands the forward's 2-D padding mask to the cache and returns no 4-D mask (the cache's slots
-    define what each query attends, and each layer applies its own sliding window or chunk, read
-    from the config as transformers' ``DynamicCache`` reads it, on original positions); for any
-    other cache it is transformers' ``sdpa_mask``."""
-    cache = _MASK_FOR.get()
-    if cache is None:
-        return sdpa_mask(*args, **kwargs)
-    _MASK_FOR.set(None)
-    cache.note_padding(kwargs.get("attention_mask"), int(kwargs["q_length"]))
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """The mask function of a forward given an :class:`EvictingCache`: no 4-D mask is built (each
+    layer masks from its own slots; the padding reaches the cache from the forward's arguments)."""
     return None
 
 
 def register_attention() -> str:
-    """Register ``"kvpolicy_sdpa"`` in transformers' attention and mask interfaces (idempotent)."""
+    """Register ``"kvpolicy_sdpa"`` (and the scoped implementation an :class:`EvictingCache`'s
+    forwards run under) in transformers' attention and mask interfaces (idempotent)."""
     AttentionInterface.register(ATTENTION_NAME, kvpolicy_sdpa_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, kvpolicy_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionInterface.register(SCOPED_ATTENTION_NAME, _scoped_attention)
+    AttentionMaskInterface.register(SCOPED_ATTENTION_NAME, _no_mask)
     return ATTENTION_NAME
 
 
@@ -182,16 +160,104 @@ register_attention()
 
 
 def use_kvpolicy_attention(model: torch.nn.Module) -> None:
-    """Switch ``model`` to the score-capturing SDPA attention (outputs equal plain SDPA)."""
+    """Switch ``model`` to ``"kvpolicy_sdpa"`` for good (what ``attn_implementation="kvpolicy_sdpa"``
+    at load time does): it serves an :class:`EvictingCache` given only the model's config, and
+    any other cache as SDPA. Not needed when :class:`EvictingCache` is given the model itself,
+    which scopes the switch to its own forwards (:func:`scope_attention`)."""
     register_attention()
     if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
-        try:
-            model.set_attn_implementation(ATTENTION_NAME)
-        except ValueError as exc:  # transformers refuses SDPA for this class (e.g. Git, VaultGemma)
+        _set_implementation(model, ATTENTION_NAME)
+
+
+def _set_implementation(model: torch.nn.Module, name: str) -> None:
+    try:
+        model.set_attn_implementation(name)
+    except ValueError as exc:  # transformers refuses SDPA for this class (e.g. Git, VaultGemma)
+        raise ValueError(
+            f"model_type {getattr(model.config, 'model_type', None)!r} cannot use EvictingCache: its attention "
+            f"cannot run through SDPA, which kvpolicy's attention is built on (transformers: {exc})"
+        ) from exc
+
+
+class _Scope:
+    """The forward hooks of one model (see :func:`scope_attention`)."""
+
+    def __init__(self) -> None:
+        self.owner: torch.nn.Module | None = None  # the module whose forward switched the model
+        self.saved: Any = None  # the implementation to put back
+        self.cache: EvictingCache | None = None  # the cache of the forward in flight
+
+    def before(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if not isinstance(cache, EvictingCache) or self.owner is not None:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        q = (ids if ids is not None else embeds).shape[1]
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        if isinstance(mask, torch.Tensor) and mask.ndim != 2:
             raise ValueError(
-                f"model_type {getattr(model.config, 'model_type', None)!r} cannot use EvictingCache: its attention "
-                f"cannot run through SDPA, which kvpolicy's attention is built on (transformers: {exc})"
-            ) from exc
+                "EvictingCache builds the attention mask from the kept tokens' positions; this forward got a "
+                f"{mask.ndim}-D attention_mask, which cannot be applied to an evicting cache: pass the usual 2-D padding "
+                "mask (or none)"
+            )
+        cache.note_padding(mask if isinstance(mask, torch.Tensor) else None, q)
+        config = module.config
+        self.owner, self.saved, self.cache = module, config._attn_implementation, cache
+        config._attn_implementation = SCOPED_ATTENTION_NAME
+
+    def after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if self.owner is module:
+            module.config._attn_implementation = self.saved
+            self.owner, self.saved, self.cache = None, None, None
+
+
+_SCOPED: "weakref.WeakKeyDictionary[torch.nn.Module, _Scope]" = weakref.WeakKeyDictionary()
+#: attention modules (those with a ``layer_idx``) -> their model's scope, for models whose
+#: attention does not pass its kwargs to ``cache.update`` (see ``_scoped_attention``)
+_ATTENTION_SCOPE: "weakref.WeakKeyDictionary[torch.nn.Module, _Scope]" = weakref.WeakKeyDictionary()
+
+
+def scope_attention(model: torch.nn.Module) -> None:
+    """Let ``model`` run kvpolicy's attention during the forwards given an :class:`EvictingCache`
+    (``cache=`` or ``past_key_values=``), and its own everywhere else (idempotent; the
+    :class:`EvictingCache` constructor calls it).
+
+    Two forward hooks on the model (and on its base model, for callers of ``model.model``) switch
+    the config's attention implementation when such a forward starts and put the model's own back
+    when it ends (even when it raises), and hand the cache the forward's 2-D padding mask. They
+    do nothing for any other cache, so the model keeps running transformers' caches eager and
+    compiled (``fullgraph=True``), and ``output_attentions=True`` on an eager model. Hooks are
+    traced by ``torch.compile`` like the rest of the forward: no global or context state.
+
+    Example:
+        >>> from kvpolicy import H2O
+        >>> from kvpolicy.models import tiny_llama
+        >>> model = tiny_llama()
+        >>> cache = EvictingCache(H2O(4, 4), model)
+        >>> _ = model(torch.arange(1, 9)[None], **cache_kwargs(model, cache))
+        >>> model.config._attn_implementation  # as loaded
+        'sdpa'
+    """
+    register_attention()
+    if model in _SCOPED:
+        return
+    saved = model.config._attn_implementation
+    # transformers' own checks, which it runs for an SDPA-named implementation: can this class run it?
+    _set_implementation(model, ATTENTION_NAME)
+    _set_implementation(model, saved)
+    scope = _Scope()
+    modules = [model]
+    base = getattr(model, "base_model", model)
+    if isinstance(base, torch.nn.Module) and base is not model:
+        modules.append(base)
+    for module in modules:
+        module.register_forward_pre_hook(scope.before, with_kwargs=True)
+        module.register_forward_hook(scope.after, with_kwargs=True, always_call=True)
+    _SCOPED[model] = scope
+    for sub in model.modules():
+        if isinstance(getattr(sub, "layer_idx", None), int):
+            _ATTENTION_SCOPE[sub] = scope
 
 
 @dataclass
@@ -328,12 +394,15 @@ class EvictingLayer(DynamicLayer):
             key_shift=self._shift_keys if self.shifts else None, group=group,
         )
         self.shift_matrices = shift_matrices if shift_matrices is not None else ShiftMatrices()
-        self.attention = attention if attention is not None else LayerAttention("full")
+        #: this layer's attention pattern (full, or a sliding or chunked window)
+        self.attention_kind = attention if attention is not None else LayerAttention("full")
+
         self.fused_decode = fused_decode
         self.padding = padding if padding is not None else Padding()
         self.pending = False
         self._seen_serial = -1
         self._prefix: PrefixShift | None = None
+        self._step_options = self._make_step_options()
 
     # transformers' base classes assign self.keys / self.values; they live in the store here.
     @property  # type: ignore[override]
@@ -359,9 +428,16 @@ class EvictingLayer(DynamicLayer):
         self.is_initialized = True
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, kwargs: dict[str, Any] | None = None,
+        **extra: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``[batch, kv_heads, q, head_dim]`` keys/values; return the slots the queries attend."""
+        """Append ``[batch, kv_heads, q, head_dim]`` keys/values; return the slots the queries attend.
+
+        ``kwargs``: the attention module's keyword arguments, which transformers then unpacks into
+        the attention function: this layer adds itself there (:data:`LAYER_KWARG`), so that
+        :meth:`attention` serves the call that follows."""
+        if kwargs is not None:
+            kwargs[LAYER_KWARG] = self
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.pending:
@@ -374,14 +450,25 @@ class EvictingLayer(DynamicLayer):
                 f"through transformers' attention interface (then kvpolicy cannot serve the model)"
             )
         q = key_states.shape[2]
+        if q == 1 and self.store.static_shapes and self.store.is_initialized:
+            # a static-shaped decode step: device bookkeeping only (kvpolicy_torch.static)
+            keys, values = self.store.append(key_states, value_states)
+            if self.store.on_device:
+                self.pending = True
+                return keys, values
+            self._prefix = None  # (a first step without a prompt: the host path below)
+            return self._finish_update(keys, values)
         pad = self.padding
         valid = real = None
-        if pad.serial != self._seen_serial:  # the padding noted for this forward (once per layer)
+        if q > 1 and pad.serial != self._seen_serial:  # the padding noted for this forward (once per layer)
             self._seen_serial = pad.serial
             if pad.valid is not None and pad.q == q and q > 1:
                 valid, real = pad.valid, pad.real
         keys, values = self.store.append(key_states, value_states, valid=valid, real=real)
         self._prefix = None
+        return self._finish_update(keys, values)
+
+    def _finish_update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.shifts and not self.store.keys_shifted:  # (keys_shifted: the store moved the sinks already)
             shift = self.store.shift()
             if isinstance(shift, PrefixShift):
@@ -390,8 +477,102 @@ class EvictingLayer(DynamicLayer):
             else:
                 keys = self._rotate(keys, shift)
         self.pending = True
-        _ACTIVE.set(self)
         return keys, values
+
+    def attention(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """The attention of the step :meth:`update` just appended, then its scores and eviction:
+        what the attention function calls (transformers passes no cache to attention functions;
+        :meth:`update` hands this layer over through the call's kwargs).
+
+        The mask comes from the layer's slots (holes, pads, causal order inside a prompt chunk,
+        a sliding window on original positions), not from transformers: slot order is not
+        sequence order once tokens are evicted.
+
+        Returns:
+            ``(output [batch, q, q_heads, head_dim], None)``: no attention weights.
+        """
+        if not self.pending:
+            raise ValueError(
+                f"layer {self.layer_idx}: the model's attention ran more than once for one cache update (e.g. DiffLlama's "
+                f"differential attention): not softmax attention over a KV cache as kvpolicy serves it"
+            )
+        self.pending = False
+        store = self.store
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if store.on_device:  # a static-shaped decode step: one graph (kvpolicy_torch.static)
+            if dropout or not _fusable(kwargs):
+                raise ValueError(f"kvpolicy's decode attention takes no dropout, softcap or position bias; got {sorted(kwargs)}")
+            out = store.attend(query, scale, options=self.step_options)
+            store.evict()
+            return out, None
+        q_len = query.shape[2]
+        log_n = self.policy.log_n
+        uses_scores = self.policy.uses_scores
+        if q_len == 1:
+            window = self.window_bias()
+            prefix = self.take_prefix(query)
+            # log n: n = the keys the query attends to (paper, section 3.5): the row's kept tokens
+            scales = [log_n.scale(n) for n in store.lengths] if log_n is not None else None
+            # (the fused path never needs `plain`: store.bias, a slice, is read only when SDPA may serve)
+            sdpa = not (uses_scores and self.fused_decode) and window is None and prefix is None
+            if sdpa and store.bias is None and (scales is None or all(x == scales[0] for x in scales)):
+                # SDPA: nothing to mask or shift, and no scores wanted (or the unfused path asked for)
+                sdpa_scale = scale * scales[0] if scales else scale
+                out, _ = sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=sdpa_scale, **kwargs)
+                if uses_scores:
+                    store.accumulate_query(received_attention(query, key, sdpa_scale), query.shape[1] // key.shape[1])
+                self.finish_received(None)
+                return out, None
+            if dropout or not _fusable(kwargs):
+                raise ValueError(f"kvpolicy's decode attention takes no dropout, softcap or position bias; got {sorted(kwargs)}")
+            row_scale = torch.tensor(scales, device=query.device) if scales is not None else None
+            out = store.attend(query, scale, extra_bias=window, row_scale=row_scale, prefix=prefix)
+            self.finish_received(None)
+            return out, None
+        mask = self.window_chunk_mask(store.chunk_mask())
+        query_scale = None
+        sdpa_query = query
+        if log_n is not None:
+            query_scale = _chunk_log_n_scales(log_n, store, q_len, query.device)
+            sdpa_query = query * query_scale[:, None, :, None].to(query.dtype)
+        out, _ = sdpa_attention_forward(module, sdpa_query, key, value, mask, dropout=dropout, scaling=scale, **kwargs)
+        received = None
+        if uses_scores:
+            received = received_attention(
+                query, key, scale, query_scale=query_scale, mask=mask, query_valid=store.query_valid,
+                rows=self.policy.prompt_rows, history=self.history,
+            )
+        self.finish_received(received)
+        return out, None
+
+    @property
+    def step_options(self) -> StepOptions:
+        """What a static-shaped decode step of this layer adds to plain attention (fixed for the
+        layer's life, so a compiled step traces it as constants)."""
+        return self._step_options
+
+    def _make_step_options(self) -> StepOptions:
+        kind, w = self.attention_kind.kind, self.attention_kind.window
+        window = (kind, int(w)) if kind != "full" and w is not None else None
+        rope = None
+        rule = self.policy.decode_eviction
+        if self.shifts and rule is not None and rule.victim == "oldest" and rule.sink > 0:
+            if self.rope is not None:
+                rope = (self.rope.inv_freq, self.rope.style, self.rope.rotary_dim)
+            else:
+                rope = (self.inv_freq, "half", None)
+        return StepOptions(window=window, log_n=self.policy.log_n, shift_prefix=rule.sink if rope is not None else 0,
+                           rope=rope)
 
     def take_prefix(self, query: torch.Tensor) -> tuple[int, torch.Tensor] | None:
         """For a pos-shift decode step: ``(k, query rotated back by each row's shift)`` for the
@@ -423,7 +604,7 @@ class EvictingLayer(DynamicLayer):
         """Per row, the newest original position a query can no longer see in this sliding or
         chunked layer (keys at positions ``<= limit`` are masked), or ``None`` when no kept token
         can be outside the window yet (host ints only)."""
-        kind, w = self.attention.kind, self.attention.window
+        kind, w = self.attention_kind.kind, self.attention_kind.window
         if kind == "full" or w is None:
             return None
         newest = [s - 1 for s in self.store.seen]  # the query's original position in each row
@@ -451,7 +632,7 @@ class EvictingLayer(DynamicLayer):
         window or chunk, measured on original positions (pad queries keep their own column)."""
         if self._window_limits() is None:
             return mask
-        kind, w = self.attention.kind, int(self.attention.window)  # type: ignore[arg-type]
+        kind, w = self.attention_kind.kind, int(self.attention_kind.window)  # type: ignore[arg-type]
         pos = self.store.slot_positions[:, 0, :]  # rows are compacted for a chunk: head 0 speaks for all
         qpos = pos[:, -mask.shape[-2] :]
         lim = qpos - w if kind == "sliding" else torch.div(qpos, w, rounding_mode="floor") * w - 1
@@ -470,12 +651,18 @@ class EvictingLayer(DynamicLayer):
         self.pending = False
         self.store.evict()
 
-    def get_seq_length(self) -> int:
-        """Columns seen so far, pads included (positions of new tokens start here), not the cached length."""
-        return self.store.columns
+    def get_seq_length(self) -> int | torch.Tensor:  # type: ignore[override]
+        """Columns seen so far, pads included (positions of new tokens start here), not the cached
+        length; a ``[]`` device tensor inside a compiled static-shaped step
+        (:attr:`LayerCache.sequence_length`)."""
+        return self.store.sequence_length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """``(columns + query_length, 0)``; no 4-D mask is built from it (see :func:`kvpolicy_mask`)."""
+        """``(columns + query_length, 0)``; no 4-D mask is built from it (the forwards of an
+        :class:`EvictingCache` run under a mask function that builds none, :func:`scope_attention`).
+        Static shapes: ``(slots + query_length, 0)``, the same at every step."""
+        if self.store.static_shapes and self.store.is_initialized:
+            return self.store.slots + query_length, 0
         return self.store.columns + query_length, 0
 
     def get_max_length(self) -> int:
@@ -563,15 +750,25 @@ class EvictingCache(Cache):
             raise ValueError(f"max_tokens must be an integer >= 1 or None, got {max_tokens!r}")
         fused_decode = check_bool("fused_decode", fused_decode)
         static_shapes = check_bool("static_shapes", static_shapes)
+        if static_shapes and positions == "cache":
+            rule = policy.decode_eviction
+            if rule is None or rule.victim != "oldest":
+                raise ValueError(
+                    f"static_shapes=True with positions='cache' (pos-shift) serves policies whose decode eviction is "
+                    f"'oldest' (StreamingLLM); {policy!r} would re-rotate keys per slot on the host: use "
+                    f"positions='original' or static_shapes=False"
+                )
         if isinstance(model, torch.nn.Module):
-            use_kvpolicy_attention(model)
+            scope_attention(model)
         self.policy = policy
         self.positions_mode = positions
         self.capabilities: ModelCapabilities = caps
         self.padding = Padding()  # shared by the layers: the padding of the forward in flight
         shift_matrices = ShiftMatrices()  # shared by the layers: pos-shift rotations, built once a step
         n_layers = len(caps.layers)
-        group = LayerGroup(n_layers)  # shared by the layers: one victim search a decode step for all
+        # shared by the layers: one victim search a decode step for all (static shapes search on the
+        # device, each layer in its own graph nodes)
+        group = None if static_shapes else LayerGroup(n_layers)
         layers = [
             EvictingLayer(
                 policy.for_layer(i, n_layers), i, positions=positions, rope=ropes[i], attention=caps.layers[i], reduce_scores=reduce_scores,
@@ -582,20 +779,28 @@ class EvictingCache(Cache):
         ]
         super().__init__(layers=layers)
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        """As transformers asks right before it builds a mask: the next mask function call
-        (:func:`kvpolicy_mask`) hands this cache the forward's padding instead of building one."""
-        _MASK_FOR.set(self)
-        return super().get_mask_sizes(query_length, layer_idx)
+    @property
+    def needs_settle(self) -> bool:
+        """Whether compiled decode steps leave work to :meth:`settle` (static shapes and a bounded
+        policy without a one-token decode eviction: BUZZ, Scissorhands)."""
+        return any(layer.store.needs_settle for layer in self.layers)
+
+    def settle(self) -> list[list[tuple[int, int]]]:
+        """Between compiled decode steps: run the general evictions those steps left to the host
+        (see :attr:`needs_settle`; :func:`decode_steps` and :func:`generate` call it). Eager code
+        needs no call: each step evicts itself. Returns each layer's rounds."""
+        return [layer.store.settle() for layer in self.layers]
 
     def note_padding(self, attention_mask: torch.Tensor | None, q_length: int) -> None:
         """Record the padding of the forward about to run (``attention_mask``: the 2-D mask of all
         columns so far, or ``None``). Read once per prompt chunk (one host sync); decode tokens
         (``q_length == 1``) are taken as real, as ``generate()`` makes them."""
+        if q_length == 1:
+            return  # a decode step: nothing to note (and nothing a compiled step would have to guard on)
         pad = self.padding
         pad.serial += 1
         pad.valid, pad.real, pad.q = None, None, q_length
-        if attention_mask is None or q_length == 1 or attention_mask.ndim != 2:
+        if attention_mask is None or attention_mask.ndim != 2:
             return
         valid = attention_mask[:, -q_length:].to(torch.bool)
         real = valid.sum(dim=-1).tolist()
@@ -628,6 +833,88 @@ class EvictingCache(Cache):
             if kept:
                 total += layer.store.kv_bytes // kept * sum(layer.store.seen)
         return total
+
+
+def compile_decode_step(model: torch.nn.Module, *, mode: str | None = None, backend: str = "inductor") -> Callable[..., Any]:
+    """``model`` compiled for decode steps: ``torch.compile(model, fullgraph=True, dynamic=False)``
+    (``mode="reduce-overhead"`` adds CUDA graphs on a GPU). With an ``EvictingCache(...,
+    static_shapes=True)`` a decode step is one graph for every policy whose decode eviction is a
+    :class:`~kvpolicy.DecodeEviction` (and for the others too, whose general evictions run between
+    steps: :meth:`EvictingCache.settle`). Compile once per model and reuse it across caches.
+
+    Example:
+        >>> from kvpolicy.models import tiny_llama
+        >>> step = compile_decode_step(tiny_llama(), backend="eager")
+        >>> callable(step)
+        True
+    """
+    return torch.compile(model, fullgraph=True, dynamic=False, mode=mode, backend=backend)
+
+
+def greedy_decode(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    cache: Any,
+    max_new_tokens: int,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    step: Callable[..., Any] | None = None,
+) -> torch.Tensor:
+    """Greedy decoding with ``cache``: the prompt through ``model`` (eager), then one token a step
+    through ``step`` (default ``model``; e.g. :func:`compile_decode_step`), with
+    :meth:`EvictingCache.settle` between steps when the cache asks for it.
+
+    Decode steps pass positions (each row's next real position) and no attention mask: an
+    :class:`EvictingCache` knows each row's pads from the prompt's mask, so the step's inputs keep
+    their shapes and a compiled step never recompiles. Any other cache is given the growing 2-D mask.
+
+    Args:
+        input_ids: ``[batch, prompt]``; ``attention_mask`` ``[batch, prompt]`` (0: a left pad).
+        step: the callable that runs a decode step (a compiled model).
+
+    Returns:
+        ``[batch, max_new_tokens]``: the new tokens.
+
+    Example:
+        >>> from kvpolicy import H2O
+        >>> from kvpolicy.models import tiny_llama
+        >>> model = tiny_llama()
+        >>> ids = torch.arange(1, 33)[None]
+        >>> new = greedy_decode(model, ids, EvictingCache(H2O(8, 8), model, static_shapes=True), 8)
+        >>> torch.equal(new, greedy_decode(model, ids, EvictingCache(H2O(8, 8), model), 8))
+        True
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if input_ids.ndim != 2 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be [batch, prompt] with a prompt of at least one token, got {tuple(input_ids.shape)}")
+    ours = isinstance(cache, EvictingCache)
+    step = step if step is not None else model
+    if attention_mask is None:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    else:
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+    settle = ours and cache.needs_settle
+    out = []
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                       **cache_kwargs(model, cache)).logits[:, -1]
+        pos = positions[:, -1:] + 1
+        mask = attention_mask
+        for k in range(max_new_tokens):
+            token = logits.argmax(-1, keepdim=True)
+            out.append(token)
+            if k + 1 == max_new_tokens:
+                break
+            extra: dict[str, Any] = {}
+            if not ours and mask is not None:
+                mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+                extra["attention_mask"] = mask
+            logits = step(input_ids=token, position_ids=pos, use_cache=True, **extra, **cache_kwargs(model, cache)).logits[:, -1]
+            if settle:
+                cache.settle()
+            pos = pos + 1
+    return torch.cat(out, dim=1)
 
 
 @dataclass
@@ -663,13 +950,16 @@ def generate(
     max_new_tokens: int = 64,
     chat: bool | None = None,
     positions: PositionsMode | None = None,
+    compile: bool = False,
     **overrides: Any,
 ) -> GenerationResult:
     """Greedy generation of ``prompt`` with an evicting cache, in one call.
 
     ``policy`` is a policy or a registered name resolved with :func:`kvpolicy.make_policy` for
     ``budget`` on this prompt's length plus ``max_new_tokens``. ``chat`` applies the tokenizer's
-    chat template (default: when it has one).
+    chat template (default: when it has one). ``compile=True`` runs the decode steps compiled
+    (:func:`compile_decode_step`, one graph a step, on a static-shaped cache; compiling takes a
+    while, so it pays for long generations) with :func:`greedy_decode`.
 
     Example:
         >>> from kvpolicy.models import tiny_llama
@@ -701,8 +991,13 @@ def generate(
         policy = make_policy(
             policy, budget, context_length=n_prompt + max_new_tokens, prompt_length=n_prompt, **overrides
         )
-    cache = EvictingCache(policy, model, positions=positions, max_tokens=n_prompt + max_new_tokens)
-    with torch.no_grad():
+    compile = check_bool("compile", compile)
+    cache = EvictingCache(policy, model, positions=positions, max_tokens=n_prompt + max_new_tokens, static_shapes=compile)
+    if compile:
+        new = greedy_decode(model, input_ids, cache, max_new_tokens, attention_mask=torch.ones_like(input_ids),
+                            step=compile_decode_step(model))
+        out = torch.cat([input_ids, new], dim=1)
+    else:
         out = model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),

@@ -255,16 +255,12 @@ def _evictions(cache: Any) -> int:
 
 
 def use_attention_for(model: Any, cache: Any) -> None:
-    """Plain ``"sdpa"`` for a ``DynamicCache`` (the baseline users have), kvpolicy's attention for
-    an ``EvictingCache``: creating an ``EvictingCache`` switches the model, and the baseline must
-    not pay for kvpolicy's dispatch."""
-    from kvpolicy_integrations.hf import ATTENTION_NAME, use_kvpolicy_attention
+    """Plain ``"sdpa"`` for the model (the baseline users have): an ``EvictingCache`` switches a
+    model to kvpolicy's attention for its own forwards only (``scope_attention``), and a model
+    left on ``"kvpolicy_sdpa"`` for good would make the baseline pay for kvpolicy's dispatch."""
+    from kvpolicy_integrations.hf import ATTENTION_NAME
 
-    current = getattr(model.config, "_attn_implementation", None)
-    if hasattr(cache, "policy"):
-        if current != ATTENTION_NAME:  # (re-registering would also undo step_timers' wrapper)
-            use_kvpolicy_attention(model)
-    elif current == ATTENTION_NAME:
+    if getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME:
         model.set_attn_implementation("sdpa")
 
 
@@ -479,7 +475,7 @@ def step_timers() -> Iterator[_Timers]:
     # a fresh instance reads transformers' global mapping (its local one is empty); the wrapped
     # entries go in and the originals come back through the public AttentionInterface.register
     interface = AttentionInterface()
-    saved = {key: interface[key] for key in ("sdpa", hf.ATTENTION_NAME) if key in interface}
+    saved = {key: interface[key] for key in ("sdpa", hf.ATTENTION_NAME, hf.SCOPED_ATTENTION_NAME) if key in interface}
     try:
         patch(hf, "sdpa_attention_forward", "attention")
         patch(hf, "received_attention", "score product")
@@ -489,7 +485,8 @@ def step_timers() -> Iterator[_Timers]:
         patch(hf.EvictingLayer, "update", "cache update")
         patch(hf, "rope_rotate", "pos-shift")
         patch(DynamicLayer, "update", "cache update")
-        for key, label in (("sdpa", "attention"), (hf.ATTENTION_NAME, "attention glue")):
+        for key, label in (("sdpa", "attention"), (hf.ATTENTION_NAME, "attention glue"),
+                           (hf.SCOPED_ATTENTION_NAME, "attention glue")):
             if key in saved:
                 AttentionInterface.register(key, timers.wrap(label, saved[key]))
         yield timers

@@ -1,0 +1,221 @@
+"""A decode step as one graph: the bookkeeping of a static-shaped layer in device tensors.
+
+The decode-step protocol of every evicting layer is *update -> attend -> accumulate -> evict*:
+the new token's key and value are written into the storage, the query attends over the slots,
+what each slot received is added to its score, and the policy frees what it must. In the eager
+layout (:class:`~kvpolicy_torch.LayerCache` without ``static_shapes``) each of those steps is
+driven by host integers (per-row counts, the frontier, a ring pointer), which is the fastest
+way on a CPU but cannot be captured: ``torch.compile(fullgraph=True)`` and CUDA graphs need one
+graph with fixed shapes and no host reads.
+
+:class:`DecodeState` holds the same bookkeeping as device tensors, and its methods are the
+step's four parts written without a Python branch on data:
+
+* ``seen`` ``[batch]``: real tokens appended per row; the newest token's original position is
+  ``seen - 1``;
+* ``count`` ``[batch]``: kept tokens per row (every head holds as many);
+* ``free`` ``[batch, kv_heads]``: the slot the next token is written to. After a host-side
+  compaction the kept tokens stand at ``[0, count)`` and ``free = count``; a one-token eviction
+  turns its victim into a hole and the next token is written *there*, so a full layer never needs
+  compacting while it decodes (slot order stops being position order; nothing reads it: attention
+  is order-free, and victims are chosen by position, never by slot);
+* ``overflow`` ``[]`` bool: set when a row was asked to write past its last slot (a policy without
+  a one-token eviction, whose host-side eviction was not run in time); checked on the host.
+
+The one-token eviction (:class:`~kvpolicy.DecodeEviction`, ``"lowest"`` or ``"oldest"``) is a
+masked write that always runs: the victim is searched in every row and freed only where the row
+holds ``limit + 1`` tokens, so a step does the same work whether or not the cache is full.
+Everything else (prompt chunks, a policy's general ``select``, compaction) changes shapes or asks
+the policy on the host; it runs between compiled steps (see ``LayerCache.settle``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvpolicy.policy import DecodeEviction
+from kvpolicy.statistics import LOW_MARGIN
+
+from .attention import rope_rotate
+
+__all__ = ["DecodeState", "StepOptions"]
+
+#: Larger than any position: where(mask, positions, _FAR).argmin() is "the smallest position where mask".
+_FAR = torch.iinfo(torch.int64).max
+
+
+class StepOptions:
+    """What a layer's decode attention adds to plain attention, fixed for a run (so a compiled step
+    traces it as constants): a sliding or chunked ``window`` on original positions, BUZZ's log n,
+    StreamingLLM's pos-shift of the first ``shift_prefix`` slots (the sinks).
+
+    Args:
+        window: ``("sliding" | "chunked", size)`` or ``None``.
+        log_n: a :class:`~kvpolicy.LogNScaling` or ``None``.
+        shift_prefix: slots ``[0, k)`` whose keys sit ``seen - count`` positions later under
+            pos-shift (0: none).
+        rope: ``(inv_freq, style, rotary_dim)`` to rotate the query back for those slots.
+    """
+
+    __slots__ = ("window", "log_n", "shift_prefix", "rope")
+
+    def __init__(self, window=None, log_n=None, shift_prefix: int = 0, rope=None) -> None:  # type: ignore[no-untyped-def]
+        self.window = window
+        self.log_n = log_n
+        self.shift_prefix = shift_prefix if rope is not None else 0
+        self.rope = rope
+
+
+class DecodeState:
+    """Device bookkeeping of one static-shaped layer (see the module docstring).
+
+    Args:
+        batch, kv_heads: the storage's rows and heads.
+        device: where the storage lives.
+
+    Example:
+        >>> import torch
+        >>> state = DecodeState(1, 2, torch.device("cpu"))
+        >>> state.load([3], [3], columns=3)
+        >>> state.free.tolist(), state.seen.tolist()
+        ([[3, 3]], [3])
+    """
+
+    def __init__(self, batch: int, kv_heads: int, device: torch.device) -> None:
+        # allocated once and only ever written in place: a compiled step reads them as inputs at
+        # fixed addresses (CUDA graphs replay on the same memory)
+        self.seen = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.count = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.free = torch.zeros(batch, kv_heads, dtype=torch.int64, device=device)
+        self.overflow = torch.zeros((), dtype=torch.bool, device=device)
+        #: ``[]``: columns appended (pads included), transformers' sequence length
+        self.columns = torch.zeros((), dtype=torch.int64, device=device)
+        if not torch.compiler.is_compiling():
+            for t in (self.seen, self.count, self.free, self.overflow, self.columns):
+                torch._dynamo.mark_static_address(t)
+
+    def load(self, seen: list[int], count: list[int], columns: int = 0) -> None:
+        """From the host, after a compaction (kept tokens at ``[0, count)`` in every row)."""
+        dev = self.seen.device
+        self.seen.copy_(torch.tensor(seen, device=dev))
+        self.count.copy_(torch.tensor(count, device=dev))
+        self.free.copy_(self.count[:, None].expand_as(self.free))
+        self.overflow.fill_(False)
+        self.columns.fill_(columns)
+
+    def read(self) -> tuple[list[int], list[int], int, bool]:
+        """``(seen, count, columns, overflow)`` on the host: one transfer."""
+        flat = torch.cat([self.seen, self.count, self.columns.view(1), self.overflow.view(1).to(torch.int64)]).tolist()
+        b = self.seen.shape[0]
+        return flat[:b], flat[b : 2 * b], flat[-2], bool(flat[-1])
+
+    # ------------------------------------------------------------------ update
+    def append(self, storage: tuple[torch.Tensor, ...], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write one token per row ``[batch, kv_heads, 1, head_dim]`` at each row's free slot:
+        key, value, position ``seen``; score 0 (a first statistic for every rule)."""
+        k, v, pos, scores = storage[:4]
+        slots = k.shape[2]
+        self.overflow |= (self.free >= slots).any()
+        at = self.free.clamp(max=slots - 1)[..., None]  # [b, h, 1]
+        k.scatter_(2, at[..., None].expand(*at.shape, k.shape[-1]), keys)
+        v.scatter_(2, at[..., None].expand(*at.shape, v.shape[-1]), values)
+        pos.scatter_(2, at, self.seen[:, None, None].expand_as(at))
+        scores.scatter_(2, at, torch.zeros_like(at, dtype=scores.dtype))
+        self.seen += 1
+        self.count += 1
+        self.columns += 1
+        self.free += 1  # the next free slot, unless an eviction frees one (evict sets it)
+
+    # ------------------------------------------------------------------ attend
+    def attend(
+        self,
+        storage: tuple[torch.Tensor, ...],
+        query: torch.Tensor,
+        scaling: float,
+        options: StepOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of one query per head over every slot, holes and tokens outside a window
+        masked: ``(out [batch, 1, q_heads, head_dim], received [batch, kv_heads, slots])``,
+        ``received`` the probabilities summed over each KV head's query heads (float32, float64
+        for float64 keys)."""
+        k, v, pos = storage[:3]
+        b, hq, _, d = query.shape
+        h, n = k.shape[1], k.shape[2]
+        r = hq // h
+        work = torch.float64 if k.dtype == torch.float64 else torch.float32
+        visible = pos >= 0
+        if options.window is not None:
+            kind, w = options.window
+            newest = (self.seen - 1)[:, None, None]
+            limit = newest - w if kind == "sliding" else torch.div(newest, w, rounding_mode="floor") * w - 1
+            visible = visible & (pos > limit)
+        q3 = query.reshape(b * h, r, d)
+        logits = torch.bmm(q3, k.view(b * h, n, d).transpose(1, 2)).to(work).view(b, h, r, n)
+        if options.shift_prefix:
+            # StreamingLLM's pos-shift: the sinks' keys count as `seen - count` positions later,
+            # the same as rotating the query back by as much for those slots
+            inv_freq, style, rotary_dim = options.rope
+            s = options.shift_prefix
+            back = rope_rotate(query, -(self.seen - self.count).view(b, 1, 1), inv_freq, style=style,
+                               rotary_dim=rotary_dim)
+            head = torch.bmm(back.reshape(b * h, r, d), k[:, :, :s].reshape(b * h, s, d).transpose(1, 2))
+            logits = torch.cat([head.to(work).view(b, h, r, s), logits[..., s:]], dim=-1)
+        logits = logits * scaling
+        if options.log_n is not None:  # n: the keys this query attends to (paper, section 3.5)
+            logits = logits * options.log_n.scales(self.count).to(work).view(b, 1, 1, 1)
+        logits = logits.masked_fill(~visible[:, :, None, :], -math.inf)
+        probs = torch.softmax(logits, dim=-1)
+        out = torch.bmm(probs.view(b * h, r, n).to(v.dtype), v.view(b * h, n, -1))
+        return out.view(b, 1, hq, -1), probs.sum(dim=2)
+
+    # ------------------------------------------------------------------ accumulate
+    @staticmethod
+    def accumulate(storage: tuple[torch.Tensor, ...], received: torch.Tensor, statistic: str, group: int,
+                   history: int | None) -> None:
+        """Fold one query's ``received`` into the scores (NaN counts as ``-inf``); holes keep ``+inf``.
+        The same rules as :meth:`LayerCache.accumulate` (``"accumulate"``, ``"latest"``,
+        ``"low_history"``), on every slot."""
+        pos, scores = storage[2], storage[3]
+        kept = pos >= 0
+        received = torch.nan_to_num(received.to(scores.dtype), nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        if statistic == "latest":
+            new = received
+        elif statistic == "low_history":
+            assert history is not None
+            n = kept.to(torch.float64).sum(dim=-1, keepdim=True).clamp(min=1)
+            low = kept & (received.to(torch.float64) < (1 - LOW_MARGIN) * group / n)
+            new = (scores % 2.0 ** (history - 1)) * 2.0 + low.to(torch.float64)
+        else:
+            new = scores + received
+        scores.copy_(torch.where(kept, new, math.inf))
+
+    # ------------------------------------------------------------------ evict
+    def evict(self, storage: tuple[torch.Tensor, ...], rule: DecodeEviction, shared: bool,
+              reduce_scores=None) -> None:  # type: ignore[no-untyped-def]
+        """The one-token eviction as a masked write: in each row holding ``limit + 1`` tokens the
+        victim (per head, or one for all heads when ``shared``) becomes a hole and the next token
+        is written to its slot; other rows are left as they are."""
+        pos, scores = storage[2], storage[3]
+        if rule.victim == "oldest":
+            candidate = pos >= rule.sink  # holes (-1) are never candidates
+            victim = torch.where(candidate, pos, _FAR).argmin(dim=-1)  # [b, h]: the oldest after the sinks
+        else:
+            candidate = (pos >= 0) & (pos < (self.seen - rule.recent)[:, None, None])
+            ranked = torch.where(candidate, scores, math.inf)
+            if shared:
+                ranked = ranked.sum(dim=1, keepdim=True)  # every head holds the same positions at the same slots
+                if reduce_scores is not None:  # e.g. summed over tensor-parallel ranks
+                    ranked = reduce_scores(ranked)
+                candidate = candidate[:, :1]
+            low = ranked.amin(dim=-1, keepdim=True)
+            # the lowest score, and of those tied with it the earliest position
+            tied = candidate & (ranked == low)
+            victim = torch.where(tied, pos[:, : tied.shape[1]], _FAR).argmin(dim=-1).expand_as(self.free)
+        over = (self.count > rule.limit)[:, None]  # [b, 1]
+        at = victim[..., None]
+        pos.scatter_(2, at, torch.where(over[..., None], -1, pos.gather(2, at)))
+        scores.scatter_(2, at, torch.where(over[..., None], math.inf, scores.gather(2, at)))
+        self.count -= over[:, 0].to(torch.int64)
+        self.free.copy_(torch.where(over, victim, self.free))
