@@ -1,5 +1,14 @@
 """kvpolicy_torch: the fast backend. Batched, per KV head, GQA aware, CPU and CUDA.
 
+A layer's decode step is one protocol everywhere: **update -> attend -> accumulate -> evict**.
+:meth:`LayerCache.append` writes the new token's key and value and returns what the query
+attends; :meth:`LayerCache.attend` computes the attention and adds what each slot received to
+its score (:meth:`LayerCache.accumulate` when the caller computes attention itself);
+:meth:`LayerCache.evict` lets the policy free what it must. Two layouts serve it: the eager one
+(``kvpolicy_torch.layer``: host integers decide, the fastest on a CPU) and the static one
+(``static_shapes=True``, :mod:`kvpolicy_torch.static`: device tensors decide, one compiled graph a
+step); a prompt chunk and a policy's general ``select`` run on the host in both.
+
 * :class:`LayerCache`: one layer's evicting KV store, preallocated to the policy's capacity.
 * :class:`LayerGroup`: the layers of one cache, whose one-token evictions are searched together.
 * :func:`received_attention`: the attention each cached token receives, summed per KV head.
@@ -8,7 +17,8 @@
 """
 
 from .attention import decode_attention, grouped_decode, rope_matrix, rope_rotate
-from .layer import LayerCache, LayerGroup, LayerSnapshot, PrefixShift
+from .group import LayerGroup
+from .layer import LayerCache, LayerSnapshot, PrefixShift
 from .ops import first_argmin
 from .replay import replay
 from .scores import group_query_heads, received_attention

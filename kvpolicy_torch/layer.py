@@ -35,10 +35,11 @@ from kvpolicy.policy import DecodeEviction, EvictionPolicy
 from kvpolicy.statistics import low_attention, shift_history
 
 from .attention import decode_attention, grouped_decode
+from .group import LayerGroup, mark_holes
 from .ops import first_argmin
 from .static import DecodeState, StepOptions
 
-__all__ = ["LayerCache", "LayerGroup", "LayerSnapshot", "PrefixShift"]
+__all__ = ["LayerCache", "LayerSnapshot", "PrefixShift"]
 
 _MIN_GROWTH = 16  # slots an unbounded store grows by at least
 _MAX_GROWTH = 4096  # and at most (bounded chunks: a long run never doubles its allocation at once)
@@ -59,14 +60,6 @@ class PrefixShift(NamedTuple):
 
     length: int
     delta: list[int]
-
-
-def _mark_holes(pos: torch.Tensor, scores: torch.Tensor, bias: torch.Tensor, dim: int, index: torch.Tensor) -> None:
-    """The slots ``index`` along ``dim`` become holes: position ``-1``, score ``+inf`` (never a
-    victim again), bias ``-inf`` (never attended)."""
-    pos.scatter_(dim, index, -1)
-    scores.scatter_(dim, index, math.inf)
-    bias.scatter_(dim, index, -math.inf)
 
 
 def _reverse_slots(x: torch.Tensor, lo: int, hi: int, step: int) -> None:
@@ -1150,7 +1143,7 @@ class LayerCache:
         victims = self._lowest(rule, rows)  # [len(rows) or batch, heads]
         index = victims.unsqueeze(-1)
         if len(rows) == self.batch:
-            _mark_holes(pos, scores, bias, 2, index)
+            mark_holes(pos, scores, bias, 2, index)
         else:
             r_t = torch.tensor(rows, device=pos.device)
             for t, fill in ((pos, -1), (scores, math.inf), (bias, -math.inf)):
@@ -1537,129 +1530,3 @@ class LayerCache:
     def reset(self) -> None:
         """Forget everything (storage is freed)."""
         self._clear()
-
-
-# ---------------------------------------------------------------------- layers that evict together
-# A one-token eviction by lowest score (H2O, TOVA) costs each layer a victim search and three
-# writes per decode step, a handful of tiny ops whose fixed cost (a few microseconds each, more
-# with the model's weights streaming through the caches) adds up over a model's layers. Yet a
-# layer's victim only has to be gone before that layer attends again, at the next step, and every
-# layer of a cache holds as many tokens at the same slots. So the layers of a :class:`LayerGroup`
-# keep their positions, scores and bias as slices of one tensor ``[layers, batch, kv_heads,
-# slots]``; a layer's :meth:`LayerCache.evict` does its host bookkeeping at once and leaves the
-# victim to the group, and the last layer's eviction of the step finds every layer's victim with
-# one search and frees them with one write per tensor. Any read of a layer before then (its next
-# append, a property, a snapshot) makes the group finish first, layer by layer where it must, so
-# the deferral is never visible: each layer's kept tokens are exactly those of its own eviction.
-class LayerGroup:
-    """Storage and deferred one-token evictions shared by the ``layers`` layers of one cache.
-
-    Pass the same group to every layer's :class:`~kvpolicy_torch.LayerCache` (``group=``), in
-    layer order. The first layer to allocate fixes the shape ``[batch, kv_heads, slots]``; a layer
-    whose storage differs (another capacity, e.g. PyramidKV, or a growing full cache) keeps its own
-    tensors and evicts alone, and then so does every layer (the group's search needs all of them).
-
-    Args:
-        layers: how many layers will join.
-
-    Example:
-        >>> import torch
-        >>> from kvpolicy import H2O
-        >>> from kvpolicy_torch import LayerCache
-        >>> group = LayerGroup(2)
-        >>> stack = [LayerCache(H2O(heavy=2, recent=2), group=group) for _ in range(2)]
-        >>> for t in range(8):
-        ...     for layer in stack:
-        ...         K, V = layer.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
-        ...         layer.accumulate(torch.rand(1, 1, K.shape[2]))
-        ...         rounds = layer.evict()
-        >>> group.batched_evictions > 0, [layer.length for layer in stack]
-        (True, [4, 4])
-    """
-
-    def __init__(self, layers: int) -> None:
-        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-            raise ValueError(f"layers must be an integer >= 1, got {layers!r}")
-        self.layers = layers
-        self._joined = 0  # layers registered so far
-        self._members: set[int] = set()  # indices whose storage is a slice of the group's tensors
-        # layers whose victims wait for the group: (index, eligible slots, free_alone, freed)
-        self._pending: list[tuple[int, int, Callable[[], None], Callable[[], None]]] = []
-        self._pos: torch.Tensor | None = None  # [layers, batch, kv_heads, slots]
-        self._scores: torch.Tensor | None = None
-        self._bias: torch.Tensor | None = None
-        #: Decode steps whose victims the group found for every layer at once (a diagnostic).
-        self.batched_evictions = 0
-
-    def register(self) -> int:
-        """A layer joins (its constructor calls this): its index in the group."""
-        if self._joined >= self.layers:
-            raise ValueError(f"this LayerGroup was made for {self.layers} layers; a layer more joined it")
-        self._joined += 1
-        return self._joined - 1
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the positions, scores and bias the group holds for its layers."""
-        return sum(t.numel() * t.element_size() for t in (self._pos, self._scores, self._bias) if t is not None)
-
-    @property
-    def complete(self) -> bool:
-        """Whether every layer keeps its positions, scores and bias in the group's tensors."""
-        return len(self._members) == self.layers
-
-    def storage(
-        self, index: int, shape: tuple[int, int, int], score_dtype: torch.dtype, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Layer ``index``'s positions, scores and bias ``[batch, kv_heads, slots]`` (``-1``,
-        ``+inf``, ``-inf``: all holes) as slices of the group's tensors, or ``None`` when they
-        cannot be (another shape, dtype or device than the group's)."""
-        if self._pos is None or not self._members - {index}:  # the first layer (again) fixes the shape
-            full = (self.layers, *shape)
-            self._pos = torch.full(full, -1, dtype=torch.int64, device=device)
-            self._scores = torch.full(full, math.inf, dtype=score_dtype, device=device)
-            self._bias = torch.full(full, -math.inf, dtype=score_dtype, device=device)
-        assert self._scores is not None and self._bias is not None
-        if tuple(self._pos.shape[1:]) != shape or self._scores.dtype != score_dtype or self._pos.device != device:
-            self.leave(index)
-            return None
-        pos, scores, bias = self._pos[index], self._scores[index], self._bias[index]
-        pos.fill_(-1)
-        scores.fill_(math.inf)
-        bias.fill_(-math.inf)
-        self._members.add(index)
-        return pos, scores, bias
-
-    def leave(self, index: int) -> None:
-        """Layer ``index`` no longer keeps its storage in the group (it reallocated or was reset)."""
-        self._members.discard(index)
-        self._pending = [p for p in self._pending if p[0] != index]
-        if not self._members:  # nobody's storage any more: free it (the next layer to allocate sets a new one)
-            self._pos = self._scores = self._bias = None
-
-    def defer(self, index: int, hi: int, free_alone: Callable[[], None], freed: Callable[[], None]) -> None:
-        """Take layer ``index``'s victims of this step: the lowest score of slots ``[0, hi)`` per
-        row and head. ``free_alone()`` frees them the layer's own way; ``freed()`` tells it the
-        group did. Once every layer has deferred, they are all found at once."""
-        self._pending.append((index, hi, free_alone, freed))
-        if len(self._pending) == self.layers:
-            self.flush()
-
-    def flush(self) -> None:
-        """Free every pending layer's victims: with one search and one write per tensor when all
-        layers wait with the same eligible slots, else layer by layer."""
-        pending, self._pending = self._pending, []
-        if not pending:
-            return
-        hi = pending[0][1]
-        if len(pending) == self.layers and self.complete and all(p[1] == hi for p in pending):
-            assert self._pos is not None and self._scores is not None and self._bias is not None
-            # each layer's plain scan (LayerCache._lowest), for every layer at once: the same answer
-            victims = first_argmin(self._scores.narrow(3, 0, hi)).unsqueeze(-1)  # [layers, batch, heads, 1]
-            _mark_holes(self._pos, self._scores, self._bias, 3, victims)
-            for p in pending:
-                p[3]()
-            self.batched_evictions += 1
-            return
-        for p in pending:
-            p[2]()
