@@ -120,6 +120,13 @@ class LayerGroup:
         self._members.add(index)
         return pos, scores, bias
 
+    def views(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Layer ``index``'s positions, scores and bias as the slices of the group's tensors it
+        keeps them in, or ``None`` when it keeps its own (a restored copy re-links to them)."""
+        if index not in self._members or self._pos is None or self._scores is None or self._bias is None:
+            return None
+        return self._pos[index], self._scores[index], self._bias[index]
+
     def leave(self, index: int) -> None:
         """Layer ``index`` no longer keeps its storage in the group (it reallocated or was reset)."""
         self._members.discard(index)

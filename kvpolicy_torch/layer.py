@@ -232,6 +232,26 @@ class LayerCache:
         self._decode: DecodeState | None = None
         self._device_newer = False
 
+    # ------------------------------------------------------------------ copies (pickle, deepcopy, torch.save)
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_size_rule"] = None  # a closure: rebuilt from the policy
+        state["_k3"] = state["_v3"] = state["_bias3"] = None  # views: rebuilt from the storage
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._size_rule = self.policy.size_rule() if self.rule is None else None
+        if self._k is not None:
+            # a copy of a grouped layer keeps its positions, scores and bias in the copied group's
+            # tensors again (a copy holds them apart: the group's one search must see its writes)
+            shared = self.group.views(self._group_index) if self.group is not None else None
+            if shared is not None:
+                for mine, theirs in zip((self._pos, self._scores, self._bias), shared):
+                    theirs.copy_(mine)  # type: ignore[arg-type]
+                self._pos, self._scores, self._bias = shared
+            self._set_storage(*self._tensors())
+
     # ------------------------------------------------------------------ shape and bookkeeping
     @property
     def is_initialized(self) -> bool:
@@ -650,6 +670,11 @@ class LayerCache:
             slots = max(q, self.reserve or 0)
         else:
             slots = capacity + self._slack(capacity, per_slot)
+            if self.reserve is not None and max(q, self.reserve) + 1 < slots:
+                # the run needs at most `reserve` tokens (generate(): the prompt plus the new tokens):
+                # allocate those (and one spare a step appends into), growing only if more come
+                slots = max(q, self.reserve) + 1
+        self._full_slots = slots if capacity is None else capacity + self._slack(capacity, per_slot)
         self._seen, self._count, self._front = [0] * b, [0] * b, [0] * b
         self._states = [self.policy.init_state() for _ in range(b)]
         self._fifo = [None] * b
@@ -699,8 +724,9 @@ class LayerCache:
             return
         full = [r for r, f in enumerate(self._front) if f >= self.slots and not free[r]]
         if full:
-            if self.policy.capacity is None:
-                self._allocate(keys, values, _grown(self.slots))
+            if self.policy.capacity is None or self.slots < self._full_slots:  # unbounded, or fewer than planned
+                self._allocate(keys, values, _grown(self.slots) if self.policy.capacity is None
+                               else min(self._full_slots, _grown(self.slots)))
             else:
                 self._compact_rows([r for r in full if self._count[r] < self._front[r]])
                 if any(self._front[r] >= self.slots for r in full):
@@ -774,6 +800,8 @@ class LayerCache:
         new_bias = torch.where(new_pos >= 0, zeros, -math.inf)
         if self.policy.capacity is None and start + q > self.slots:
             self._allocate(keys, values, max(_grown(self.slots, start + q), self.reserve or 0))
+        elif self.slots < self._full_slots and start + q > self.slots:  # more than `reserve` came
+            self._allocate(keys, values, min(self._full_slots, _grown(self.slots, start + q)))
         if start + q <= self.slots:
             for t, new in zip(self._tensors(), (keys, values, new_pos, new_scores, new_bias)):
                 t[:, :, start : start + q] = new
@@ -1069,10 +1097,12 @@ class LayerCache:
             return
         if not self._dense():
             self._compact_rows(list(range(self.batch)))
-        if self.policy.capacity is None and max(self._count) >= self.slots:
-            # an unbounded policy without room for the next token grows here, between steps
+        if (self.policy.capacity is None or self.slots < self._full_slots) and max(self._count) >= self.slots:
+            # a store without room for the next token grows here, between steps (an unbounded policy;
+            # a bounded one sized for `reserve` tokens that is given more)
             like_k, like_v = self._k[:, :, :1], self._v[:, :, :1]  # type: ignore[index]
-            self._allocate(like_k, like_v, _grown(self.slots))
+            grown = _grown(self.slots)
+            self._allocate(like_k, like_v, grown if self.policy.capacity is None else min(grown, self._full_slots))
         self._decode.load(self._seen, self._count, self.columns)
 
     def _declines(self) -> bool:

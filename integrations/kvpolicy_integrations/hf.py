@@ -27,6 +27,7 @@ distances between query and keys are distances between cache slots).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
@@ -195,13 +196,10 @@ class _Scope:
         embeds = kwargs.get("inputs_embeds")
         q = (ids if ids is not None else embeds).shape[1]
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-        if isinstance(mask, torch.Tensor) and mask.ndim != 2:
-            raise ValueError(
-                "EvictingCache builds the attention mask from the kept tokens' positions; this forward got a "
-                f"{mask.ndim}-D attention_mask, which cannot be applied to an evicting cache: pass the usual 2-D padding "
-                "mask (or none)"
-            )
+        cache.check_forward(mask if isinstance(mask, torch.Tensor) else None, q, kwargs.get("use_cache"))
         cache.note_padding(mask if isinstance(mask, torch.Tensor) else None, q)
+        if not torch.compiler.is_compiling():
+            cache.enter()  # (last: the post-hook leaves what this hook entered)
         config = module.config
         self.owner, self.saved, self.cache = module, config._attn_implementation, cache
         config._attn_implementation = SCOPED_ATTENTION_NAME
@@ -209,6 +207,8 @@ class _Scope:
     def after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if self.owner is module:
             module.config._attn_implementation = self.saved
+            if self.cache is not None and not torch.compiler.is_compiling():
+                self.cache.leave()
             self.owner, self.saved, self.cache = None, None, None
 
 
@@ -764,6 +764,7 @@ class EvictingCache(Cache):
         self.positions_mode = positions
         self.capabilities: ModelCapabilities = caps
         self.padding = Padding()  # shared by the layers: the padding of the forward in flight
+        self._busy = threading.Lock()  # one forward at a time (enter / leave)
         shift_matrices = ShiftMatrices()  # shared by the layers: pos-shift rotations, built once a step
         n_layers = len(caps.layers)
         # shared by the layers: one victim search a decode step for all (static shapes search on the
@@ -790,6 +791,61 @@ class EvictingCache(Cache):
         (see :attr:`needs_settle`; :func:`decode_steps` and :func:`generate` call it). Eager code
         needs no call: each step evicts itself. Returns each layer's rounds."""
         return [layer.store.settle() for layer in self.layers]
+
+    def check_forward(self, attention_mask: torch.Tensor | None, q_length: int, use_cache: Any) -> None:
+        """Refuse a forward this cache cannot serve exactly (its hooks call this first): a 4-D mask,
+        ``use_cache=False`` (transformers then feeds the whole sequence at every step), or a 2-D
+        mask that does not cover the columns this cache has seen plus the new ones (a new prompt
+        without :meth:`reset`)."""
+        if use_cache is False:
+            raise ValueError(
+                "use_cache=False with an EvictingCache: transformers would feed the whole sequence to the cache at every "
+                "step (a fine-tuned checkpoint's generation config may say use_cache=False): pass use_cache=True"
+            )
+        if attention_mask is None:
+            return
+        if attention_mask.ndim != 2:
+            raise ValueError(
+                "EvictingCache builds the attention mask from the kept tokens' positions; this forward got a "
+                f"{attention_mask.ndim}-D attention_mask, which cannot be applied to an evicting cache: pass the usual 2-D "
+                "padding mask (or none)"
+            )
+        seen = self.layers[0].store.sequence_length if self.layers[0].store.is_initialized else 0
+        if isinstance(seen, int) and attention_mask.shape[1] != seen + q_length:
+            raise ValueError(
+                f"this EvictingCache has seen {seen} columns, but the forward's attention_mask covers "
+                f"{attention_mask.shape[1]} for {q_length} new tokens: a cache serves one sequence (batch) from its first "
+                f"token; for a new prompt call cache.reset() (or make a new cache)"
+            )
+
+    def enter(self) -> None:
+        """A forward starts using this cache (its hooks call this): one at a time."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                "this EvictingCache is already in use by another forward (another thread?): a cache holds one "
+                "sequence's state; give each thread its own cache"
+            )
+
+    def leave(self) -> None:
+        """The forward that :meth:`enter`-ed has ended."""
+        if self._busy.locked():
+            self._busy.release()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_busy"]  # a lock: a copy gets its own
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._busy = threading.Lock()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' entry point: layer ``layer_idx`` appends (see :meth:`EvictingLayer.update`)."""
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"layer_idx {layer_idx} is out of range: this EvictingCache was built for {len(self.layers)} layers")
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def note_padding(self, attention_mask: torch.Tensor | None, q_length: int) -> None:
         """Record the padding of the forward about to run (``attention_mask``: the 2-D mask of all
