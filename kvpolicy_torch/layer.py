@@ -35,6 +35,7 @@ from kvpolicy.policy import DecodeEviction, EvictionPolicy
 from kvpolicy.statistics import low_attention, shift_history
 
 from .attention import decode_attention, grouped_decode
+from .checks import check_append, check_capacity, check_query
 from .ops import first_argmin
 
 __all__ = ["LayerCache", "LayerGroup", "LayerSnapshot", "PrefixShift"]
@@ -164,6 +165,7 @@ class LayerCache:
     ) -> None:
         if not isinstance(policy, EvictionPolicy):
             raise ValueError(f"policy must be an EvictionPolicy, got {policy!r}")
+        check_capacity(policy)
         self.policy = policy
         self.reduce_scores = reduce_scores
         self.static_shapes = bool(static_shapes)
@@ -546,6 +548,7 @@ class LayerCache:
                 attended, scored or kept. Read once per chunk (one sync); decode tokens are real.
             real: per-row counts of True in ``valid`` when the caller already has them on the host.
         """
+        check_append(self, keys, values)
         if self._deferred:
             self.group.flush()  # type: ignore[union-attr]
         ks, vs = keys.shape, values.shape
@@ -812,6 +815,7 @@ class LayerCache:
             >>> out.shape, layer.length
             (torch.Size([1, 1, 4, 8]), 4)
         """
+        check_query(query, self._k)
         self._require()
         if self._phase != "decode" or self._extra is not None:
             raise ValueError("attend() serves a decode step (one token appended per row); a prompt chunk takes chunk_mask() and accumulate()")
