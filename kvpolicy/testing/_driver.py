@@ -203,10 +203,13 @@ class TorchCache:
     def evict(self) -> list[tuple[int, int]]:
         if not self.layer.is_initialized:  # nothing appended yet (LayerCache.evict needs storage)
             return []
-        before = self.layer.positions.cpu().numpy(), self.layer.scores.cpu().numpy()
+        before = self._snapshot()  # copies: on the CPU a dense layer's positions are views of its storage
         rounds = self.layer.evict()
-        check_untouched(self.layer.policy, before, (self.layer.positions.cpu().numpy(), self.layer.scores.cpu().numpy()))
+        check_untouched(self.layer.policy, before, self._snapshot())
         return rounds
+
+    def _snapshot(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.layer.positions.cpu().numpy().copy(), self.layer.scores.cpu().numpy().copy()
 
 
 def check_untouched(policy: EvictionPolicy, before: tuple[np.ndarray, np.ndarray], after: tuple[np.ndarray, np.ndarray]) -> None:
