@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvpolicy._validation import check_int
 from kvpolicy.policy import EvictionPolicy
 
 __all__ = ["available_bytes", "check_append", "check_capacity", "check_kv", "check_memory", "check_query"]
@@ -124,7 +125,7 @@ def check_memory(policy: EvictionPolicy, tokens: int, keys: torch.Tensor, values
 def check_append(layer: Any, keys: Any, values: Any) -> None:
     """What :meth:`~kvpolicy_torch.LayerCache.append` checks first, before the layer's first
     allocation: :func:`check_kv`, and :func:`check_memory` for its policy's capacity (or, for an
-    unbounded policy, its ``reserve``). Later appends cost nothing here: the layer holds every one
+    unbounded policy, its ``reserve``, an integer >= 0). Later appends cost nothing here: the layer holds every one
     to the first one's shapes, dtypes and device itself.
 
     Example:
@@ -135,8 +136,9 @@ def check_append(layer: Any, keys: Any, values: Any) -> None:
     if layer.is_initialized:
         return  # later appends must match the first one, which the layer compares in one tuple
     check_kv(keys, values)
+    reserve = None if layer.reserve is None else check_int("reserve", layer.reserve, minimum=0)
     cap = layer.policy.capacity
-    tokens, what = (cap, "capacity") if cap is not None else (max(keys.shape[2], layer.reserve or 0), "reserve")
+    tokens, what = (cap, "capacity") if cap is not None else (max(keys.shape[2], reserve or 0), "reserve")
     check_memory(layer.policy, tokens, keys, values, what)
 
 

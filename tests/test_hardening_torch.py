@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kvpolicy import H2O, LocalWindow, PolicyError, StreamingLLM  # noqa: E402
+from kvpolicy import H2O, FullCache, LocalWindow, PolicyError, StreamingLLM  # noqa: E402
 from kvpolicy_torch import LayerCache  # noqa: E402
 from kvpolicy_torch.checks import check_capacity, check_kv, check_memory, check_query  # noqa: E402
 from misbehaving import CORRUPTIONS, Corrupting  # noqa: E402
@@ -120,6 +120,17 @@ def test_an_allocation_that_cannot_fit_fails_before_allocating() -> None:
     with pytest.raises(ValueError, match=r"LocalWindow\(window=1000000000\) needs [\d,.]+ GiB for its capacity of 1000000001 tokens"):
         layer.append(torch.zeros(1, 8, 1, 64), torch.zeros(1, 8, 1, 64))
     assert not layer.is_initialized
+
+
+@pytest.mark.parametrize("reserve", [-1, 2.5, "64"])
+def test_a_bad_reserve_is_named(reserve) -> None:
+    with pytest.raises(ValueError, match="reserve must be"):
+        LayerCache(FullCache(), reserve=reserve).append(kv(), kv())
+
+
+def test_an_unbounded_reserve_that_cannot_fit() -> None:
+    with pytest.raises(ValueError, match=r"FullCache\(\) needs [\d,.]+ GiB for its reserve of 1000000000000 tokens"):
+        LayerCache(FullCache(), reserve=10**12).append(kv(), kv())
 
 
 def test_check_memory_passes_what_fits() -> None:
