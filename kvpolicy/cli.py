@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["main", "synthetic_logits", "draw_trace", "check_output_file", "describe_os_error"]
+__all__ = ["main", "synthetic_logits", "draw_trace", "check_output_file", "check_output_folder", "describe_os_error"]
 
 
 class CLIError(ValueError):
@@ -272,12 +272,31 @@ def check_output_file(path: Path, flag: str) -> Path:
         ...
         kvpolicy.cli.CLIError: --out /proc/x.png: cannot write there (/proc is not a folder kvpolicy may write to)
     """
-    import os
-
     if path.is_dir():
         raise CLIError(f"{flag} {path}: is a folder; give a file name, e.g. {path / 'trace.png'}")
-    parent = path.parent
-    existing = next((p for p in (parent, *parent.parents) if p.exists()), None)
+    _check_writable_below(path.parent, path, flag)
+    return path
+
+
+def check_output_folder(path: Path, flag: str) -> Path:
+    """``path`` if it is a folder that can be written to or made, else :class:`CLIError` naming
+    ``flag`` (``kvpolicy compare --out``: checked before the model is loaded).
+
+    Example:
+        >>> check_output_folder(Path("/proc/report"), "--out")
+        Traceback (most recent call last):
+        ...
+        kvpolicy.cli.CLIError: --out /proc/report: cannot write there (/proc is not a folder kvpolicy may write to)
+    """
+    _check_writable_below(path, path, flag)
+    return path
+
+
+def _check_writable_below(folder: Path, path: Path, flag: str) -> None:
+    """The nearest existing folder at or above ``folder`` must be a folder kvpolicy may write to."""
+    import os
+
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
         raise CLIError(f"{flag} {path}: {existing} is a file, not a folder")
     # /proc, /sys and read-only mounts: os.access may say yes to root, so look at the mount as well
@@ -289,7 +308,6 @@ def check_output_file(path: Path, flag: str) -> Path:
             writable = False
     if not writable:
         raise CLIError(f"{flag} {path}: cannot write there ({existing} is not a folder kvpolicy may write to)")
-    return path
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:

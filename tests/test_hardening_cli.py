@@ -54,6 +54,12 @@ def test_trace_out_is_a_folder(capsys, tmp_path) -> None:
     assert rc == 0 and (tmp_path / "new" / "t.png").is_file(), err
 
 
+def test_compare_out_where_nothing_can_be_written(capsys) -> None:
+    """Refused before the model is loaded, not after the whole run."""
+    err = refused(capsys, "compare", "--out", "/proc/report", "--no-progress")
+    assert "--out /proc/report: cannot write there" in err and "loading" not in err
+
+
 def test_compare_device_gpu(capsys) -> None:
     err = refused(capsys, "compare", "--device", "gpu", "--no-progress")
     assert "--device 'gpu' is not a torch device: use cpu, cuda" in err

@@ -625,9 +625,11 @@ def run(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, s
 
     from . import report
 
+    from ..cli import check_output_folder
     from ..models import check_device
 
     check_device(args.device, "--device")
+    check_output_folder(Path(args.out), "--out")
     threads = _threads(str(args.threads))
     if threads is not None and torch.device(args.device).type == "cpu":
         torch.set_num_threads(threads)
