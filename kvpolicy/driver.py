@@ -18,6 +18,7 @@ import numpy as np
 from array_api_compat import device
 
 from .policy import CacheView, EvictionPolicy, array_namespace
+from .registry import is_builtin_policy
 
 __all__ = [
     "NonFiniteWarning",
@@ -124,13 +125,16 @@ def _first_bad_row(keep: Any, n: int) -> str:
     return "a slot is out of range, repeated or out of order"  # pragma: no cover - found above
 
 
-def check_keep(policy: EvictionPolicy, keep: Any, positions: Any) -> Any:
+def check_keep(policy: EvictionPolicy, keep: Any, positions: Any, *, values: bool = True) -> Any:
     """``keep`` (what ``policy`` returned for a view of ``positions`` ``[batch, heads, n]``) as int64
     on the positions' device, or :class:`PolicyError` naming the policy and the rule it broke:
-    shape ``[batch, heads, k]``, integer slots, strictly ascending (so unique), in ``[0, n)``, and
-    fewer than ``n`` (return ``None`` to keep every token). On torch the value checks cost one host
-    read per eviction round of the general path (prompts, BUZZ's periodic rounds), none on the
-    one-token decode path (:class:`~kvpolicy.DecodeEviction`), which never asks ``select``.
+    shape ``[batch, heads, k]``, integer slots, fewer than ``n`` (return ``None`` to keep every
+    token) and, with ``values``, strictly ascending (so unique) in ``[0, n)``. The value checks read
+    the answer on the host: one read per eviction round (a sync on an accelerator), so the loop
+    (:func:`kept_slots`) leaves them out only at a torch decode step of a built-in policy
+    (:func:`kvpolicy.registry.is_builtin_policy`: held to the contract by the conformance kit), to
+    keep the decode path free of syncs; the one-token decode path
+    (:class:`~kvpolicy.DecodeEviction`) never asks ``select`` at all.
 
     Example:
         >>> from kvpolicy import H2O
@@ -155,7 +159,7 @@ def check_keep(policy: EvictionPolicy, keep: Any, positions: Any) -> Any:
     k = keep.shape[-1]
     if k >= n:
         raise PolicyError(f"{policy!r} asked to evict but kept {k} of {n} tokens (select() returns None to keep every token)")
-    if k:
+    if k and values:
         bad = xp.any(keep[..., 0] < 0) | xp.any(keep[..., -1] >= n)
         if k > 1:
             bad = bad | xp.any(keep[..., 1:] <= keep[..., :-1])
@@ -285,6 +289,11 @@ def _rounds(
     """The loop itself: positions and scores after it, the composite keep and the rounds."""
     ask = policy.evict if decide is None else decide
     xp = array_namespace(positions)
+    # the answers' values are read on the host except at a torch decode step of a built-in (no sync
+    # there) and on torch's meta device (no values at all)
+    values = isinstance(positions, np.ndarray) or (
+        getattr(device(positions), "type", None) != "meta" and (phase != "decode" or not is_builtin_policy(policy))
+    )
     rounds: list[tuple[int, int]] = []
     total = None  # composite keep: slots of the input
     while True:
@@ -302,7 +311,7 @@ def _rounds(
         if keep is None:
             check_capacity_kept(policy, positions.shape[-1])
             return positions, scores, total, rounds
-        keep = check_keep(policy, keep, positions)
+        keep = check_keep(policy, keep, positions, values=values)
         before = positions.shape[-1]
         positions = xp.take_along_axis(positions, keep, axis=-1)
         if scores is not None:

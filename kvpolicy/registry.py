@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     from .policy import EvictionPolicy
 
-__all__ = ["register_policy", "mark_builtin_policies", "get_policy", "create_policy", "available_policies", "Preset", "ENTRY_POINT_GROUP"]
+__all__ = ["register_policy", "mark_builtin_policies", "is_builtin_policy", "get_policy", "create_policy", "available_policies", "Preset", "ENTRY_POINT_GROUP"]
 
 ENTRY_POINT_GROUP = "kvpolicy.policies"
 
@@ -34,8 +34,9 @@ _ALIASES = {
     "buzz_log_n": "buzz_logn",
 }
 _entry_points_loaded = False
-#: Names kvpolicy itself registered (see :func:`mark_builtin_policies`).
+#: Names kvpolicy itself registered, and their classes (see :func:`mark_builtin_policies`).
 _BUILTINS: set[str] = set()
+_BUILTIN_CLASSES: set[type] = set()
 
 P = TypeVar("P", bound="type[EvictionPolicy]")
 
@@ -82,7 +83,27 @@ def mark_builtin_policies() -> frozenset[str]:
         True
     """
     _BUILTINS.update(_REGISTRY)
+    _BUILTIN_CLASSES.update(e.cls if isinstance(e, Preset) else e for e in _REGISTRY.values())
     return frozenset(_BUILTINS)
+
+
+def is_builtin_policy(policy: object) -> bool:
+    """Whether ``policy`` is an instance of one of kvpolicy's own policy classes exactly (not a
+    subclass, which may redefine ``select``), and so is every policy it wraps (a composition's
+    parts): the policies the conformance kit holds to the contract in kvpolicy's own CI. The torch
+    backend skips the host read of its answer checks for them at decode steps (no sync there).
+
+    Example:
+        >>> from kvpolicy import H2O, compose, SnapKV
+        >>> is_builtin_policy(H2O(heavy=2, recent=2)), is_builtin_policy(compose(prefill=SnapKV(size=40), decode=H2O(heavy=2, recent=2)))
+        (True, True)
+    """
+    from .policy import EvictionPolicy
+
+    if type(policy) not in _BUILTIN_CLASSES:
+        return False
+    inner = [v for v in policy.params().values() if isinstance(v, EvictionPolicy)]  # type: ignore[attr-defined]
+    return all(is_builtin_policy(v) for v in inner)
 
 
 def _same_definition(old: object, new: object) -> bool:

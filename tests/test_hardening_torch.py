@@ -43,6 +43,29 @@ def test_layer_cache_refuses_duplicate_slots() -> None:
         drive(LayerCache(Corrupting("duplicate")), 8)
 
 
+class DuplicatingH2O(H2O):
+    """H2O whose every eviction keeps its first kept slot twice."""
+
+    def select(self, view):
+        keep = super().select(view)
+        if keep is None:
+            return None
+        keep = view.xp.asarray(keep, copy=True)
+        keep[..., 1] = keep[..., 0]
+        return keep
+
+
+def test_a_subclass_of_a_builtin_is_checked_at_decode_steps() -> None:
+    """Built-ins skip the host read at torch decode steps (no sync: the kit holds them to the
+    contract); a subclass that redefines select is not one of them."""
+    from kvpolicy.registry import is_builtin_policy
+
+    policy = DuplicatingH2O(heavy=2, recent=2)
+    assert is_builtin_policy(H2O(heavy=2, recent=2)) and not is_builtin_policy(policy)
+    with pytest.raises(PolicyError, match=r"DuplicatingH2O\(heavy=2, recent=2\).*appears twice"):
+        drive(LayerCache(policy), 8)
+
+
 def test_a_prompt_chunk_is_checked_too() -> None:
     layer = LayerCache(Corrupting("unsorted"))
     keys, _ = layer.append(kv(q=9), kv(q=9))
