@@ -7,6 +7,10 @@ eval's chunked-prefill sizes, the steady-state finder and eviction workloads of
 :func:`evict_until_done`: ask ``policy.evict``, gather what it keeps, ask again, until it returns
 ``None``. The torch backend (``kvpolicy_torch.LayerCache``) runs the same loop (:func:`kept_slots`) on
 torch views of its dense rows and applies all rounds in one compaction.
+
+The loop holds every policy to the contract on every backend (:func:`check_keep`,
+:func:`check_capacity_kept`: a :class:`PolicyError` names the policy) and shows it read-only views
+(:func:`read_only`).
 """
 
 from __future__ import annotations
@@ -23,9 +27,16 @@ from .registry import is_builtin_policy
 __all__ = [
     "NonFiniteWarning",
     "PolicyError",
+    "check_capacity_kept",
+    "check_keep",
+    "evict_until_done",
+    "kept_slots",
+    "log_n_scales",
     "nonfinite_rows",
+    "read_only",
+    "softmax",
     "warn_nonfinite",
-    "check_capacity_kept", "check_keep", "evict_until_done", "kept_slots", "log_n_scales", "read_only", "softmax"]
+]
 
 
 class PolicyError(RuntimeError):
