@@ -11,6 +11,7 @@ Example:
     True
 """
 
+from .driver import PolicyError
 from .budget import PolicyPlan, make_policy, plan_capacity, plan_policy, realised_budget, simulate_sizes
 from .policies import (
     BUZZ,
@@ -56,6 +57,7 @@ __all__ = [
     "LogNScaling",
     "Param",
     "REQUIRED",
+    "PolicyError",
     "PolicyPlan",
     "Preset",
     "PyramidKV",

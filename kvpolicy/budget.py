@@ -213,6 +213,14 @@ def plan_policy(
 
     lo, hi = entry.min_size, max(entry.min_size, context_length)
     if evaluate(lo)[1] > budget + 0.05:
+        fixed = _blocking_overrides(entry, budget, context_length, prompt_length, full_avg, overrides)
+        if fixed:
+            named = ", ".join(f"{k}={overrides[k]!r}" for k in fixed)
+            raise ValueError(
+                f"{named} keeps {cls.name} at a realised budget of at least {evaluate(lo)[1]:.3f} on a "
+                f"{context_length}-token run, above the requested budget {budget}: lower {' and '.join(fixed)} or "
+                "leave it out so the budget sets it"
+            )
         raise ValueError(
             f"budget {budget} is below the smallest {cls.name} reaches on a {context_length}-token run "
             f"({evaluate(lo)[1]:.3f}); allowed range: [{evaluate(lo)[1]:.3f}, 1]"
@@ -239,6 +247,27 @@ def plan_policy(
     candidates = [evaluate(lo)] + ([evaluate(lo - 1)] if lo > entry.min_size else [])
     policy, realised, avg = min(candidates, key=lambda c: abs(c[1] - budget))
     return PolicyPlan(policy, budget, realised, context_length, prompt_length, avg, full_avg, threshold_ratio)
+
+
+def _blocking_overrides(
+    entry: Any, budget: float, context_length: int, prompt_length: int, full_avg: float, overrides: dict[str, Any]
+) -> list[str]:
+    """The fixed parameters of ``overrides`` without which ``budget`` becomes reachable (each left
+    out alone, then all together): what an unreachable budget is to be blamed on."""
+    from .policies.buzz import BUZZ  # threshold_ratio is planning input, not a parameter to blame
+
+    def reachable(kept: dict[str, Any]) -> bool:
+        try:
+            smallest = entry.from_size(entry.min_size, **kept)
+        except ValueError:
+            return False
+        return float(np.mean(simulate_sizes(smallest, context_length, prompt_length))) / full_avg <= budget + 0.05
+
+    names = [k for k in overrides if not (k == "threshold_ratio" and issubclass(getattr(entry, "cls", entry), BUZZ))]
+    alone = [k for k in names if reachable({j: v for j, v in overrides.items() if j != k})]
+    if alone:
+        return alone
+    return names if names and reachable({j: v for j, v in overrides.items() if j not in names}) else []
 
 
 def plan_capacity(

@@ -7,6 +7,10 @@ eval's chunked-prefill sizes, the steady-state finder and eviction workloads of
 :func:`evict_until_done`: ask ``policy.evict``, gather what it keeps, ask again, until it returns
 ``None``. The torch backend (``kvpolicy_torch.LayerCache``) runs the same loop (:func:`kept_slots`) on
 torch views of its dense rows and applies all rounds in one compaction.
+
+The loop holds every policy to the contract on every backend (:func:`check_keep`,
+:func:`check_capacity_kept`: a :class:`PolicyError` names the policy) and shows it read-only views
+(:func:`read_only`).
 """
 
 from __future__ import annotations
@@ -18,8 +22,185 @@ import numpy as np
 from array_api_compat import device
 
 from .policy import CacheView, EvictionPolicy, array_namespace
+from .registry import is_builtin_policy
 
-__all__ = ["evict_until_done", "kept_slots", "log_n_scales", "softmax"]
+__all__ = [
+    "NonFiniteWarning",
+    "PolicyError",
+    "check_capacity_kept",
+    "check_keep",
+    "evict_until_done",
+    "kept_slots",
+    "log_n_scales",
+    "nonfinite_rows",
+    "read_only",
+    "softmax",
+    "warn_nonfinite",
+]
+
+
+class PolicyError(RuntimeError):
+    """A policy broke the eviction contract at run time (what its ``select`` returned, or what it
+    left in the cache); the message names the policy and what to fix. Every backend raises it:
+    the NumPy reference, ``kvpolicy_torch.LayerCache`` and the planners all run :func:`kept_slots`.
+
+    ``n_cached`` is set when the policy stopped evicting above its capacity (the tokens it left)."""
+
+    def __init__(self, message: str, *, n_cached: int | None = None) -> None:
+        super().__init__(message)
+        self.n_cached = n_cached
+
+
+class NonFiniteWarning(RuntimeWarning):
+    """Attention probabilities became NaN inside a replay (the logits times the log-n scale
+    overflowed, e.g. BUZZ with log n on logits near the float limit). The scores they feed follow
+    the NaN rule of :attr:`kvpolicy.CacheView.ranking_scores` (a NaN score ranks lowest); the
+    warning names the first step and head, and the trace lists every one (``Trace.nonfinite``)."""
+
+
+def nonfinite_rows(probs: Any, first_step: int) -> list[tuple[int, int]]:
+    """``(step, head)`` of every row of ``probs`` ``[steps, heads, n]`` (NumPy or torch; rows are
+    steps ``first_step, first_step + 1, ...``) holding a NaN or infinite probability.
+
+    Example:
+        >>> nonfinite_rows(np.array([[[0.5, 0.5]], [[np.nan, np.nan]]]), 10)
+        [(11, 0)]
+    """
+    xp = array_namespace(probs)
+    bad = xp.any(~xp.isfinite(probs), axis=-1)  # [steps, heads]
+    rows = np.argwhere(np.asarray(bad.tolist(), dtype=bool).reshape(bad.shape))
+    return [(first_step + int(t), int(h)) for t, h in rows]
+
+
+def warn_nonfinite(policy: EvictionPolicy, where: list[tuple[int, int]]) -> None:
+    """One :class:`NonFiniteWarning` for a replay of ``policy`` whose attention rows ``where``
+    (``(step, head)``, see :func:`nonfinite_rows`) were not finite; nothing when ``where`` is empty.
+
+    Example:
+        >>> import warnings
+        >>> from kvpolicy import H2O
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_nonfinite(H2O(heavy=1, recent=1), [(3, 0)])
+        >>> caught[0].category.__name__
+        'NonFiniteWarning'
+    """
+    if not where:
+        return
+    import warnings
+
+    step, head = where[0]
+    scaled = " times the log-n scale" if policy.log_n is not None else ""
+    warnings.warn(
+        f"{policy!r}: attention probabilities became NaN at step {step} (head {head}) and {len(where) - 1} more "
+        f"(step, head) rows: the logits{scaled} overflowed float64. Their scores are NaN, which rank lowest "
+        "(kvpolicy.CacheView.ranking_scores): such tokens go first. Trace.nonfinite lists every row; scale the "
+        "logits down to avoid it.",
+        NonFiniteWarning,
+        stacklevel=3,
+    )
+
+
+def read_only(x: Any) -> Any:
+    """``x`` as the policy may see it: for a NumPy array a view whose writes raise ``ValueError``
+    (``flags.writeable`` is ``False``; ``x`` itself stays writable); a torch tensor as it is (torch
+    has no read-only tensors: the conformance kit, :func:`kvpolicy.testing.check_policy`, detects
+    a policy that writes into its view instead).
+
+    Example:
+        >>> x = np.arange(3)
+        >>> read_only(x).flags.writeable, x.flags.writeable
+        (False, True)
+    """
+    if isinstance(x, np.ndarray):
+        x = x.view()
+        x.flags.writeable = False
+    return x
+
+
+def _first_bad_row(keep: Any, n: int) -> str:
+    """Where and how a keep array breaks the rules (the error path only: reads it on the host)."""
+    rows = np.asarray(keep.tolist(), dtype=np.int64).reshape(-1, keep.shape[-1])
+    heads = keep.shape[1]
+    for i, row in enumerate(rows):
+        if row.size and (row.min() < 0 or row.max() >= n):
+            why = f"slot {int(row[(row < 0) | (row >= n)][0])} is outside [0, {n})"
+        elif row.size > 1 and np.any(np.diff(row) == 0):
+            why = f"slot {int(row[1:][np.diff(row) == 0][0])} appears twice"
+        elif row.size > 1 and np.any(np.diff(row) < 0):
+            why = "the slots are not in ascending order"
+        else:
+            continue
+        shown = row.tolist() if row.size <= 32 else row[:32].tolist() + ["..."]
+        return f"row {i // heads}, head {i % heads}: {why} (got {shown})"
+    return "a slot is out of range, repeated or out of order"  # pragma: no cover - found above
+
+
+def check_keep(policy: EvictionPolicy, keep: Any, positions: Any, *, values: bool = True) -> Any:
+    """``keep`` (what ``policy`` returned for a view of ``positions`` ``[batch, heads, n]``) as int64
+    on the positions' device, or :class:`PolicyError` naming the policy and the rule it broke:
+    shape ``[batch, heads, k]``, integer slots, fewer than ``n`` (return ``None`` to keep every
+    token) and, with ``values``, strictly ascending (so unique) in ``[0, n)``. The value checks read
+    the answer on the host: one read per eviction round (a sync on an accelerator), so the loop
+    (:func:`kept_slots`) leaves them out only at a torch decode step of a built-in policy
+    (:func:`kvpolicy.registry.is_builtin_policy`: held to the contract by the conformance kit), to
+    keep the decode path free of syncs; the one-token decode path
+    (:class:`~kvpolicy.DecodeEviction`) never asks ``select`` at all.
+
+    Example:
+        >>> from kvpolicy import H2O
+        >>> check_keep(H2O(heavy=1, recent=1), np.array([[[0, 2]]]), np.arange(3)[None, None]).tolist()
+        [[[0, 2]]]
+        >>> check_keep(H2O(heavy=1, recent=1), np.array([[[2, 0]]]), np.arange(3)[None, None])
+        Traceback (most recent call last):
+        ...
+        kvpolicy.driver.PolicyError: H2O(heavy=1, recent=1).select() must return slots in ascending order, each once, in [0, 3): row 0, head 0: the slots are not in ascending order (got [2, 0])
+    """
+    xp = array_namespace(positions)
+    keep = xp.asarray(keep, device=device(positions))
+    batch, heads, n = positions.shape
+    if keep.ndim != 3 or tuple(keep.shape[:2]) != (batch, heads):
+        raise PolicyError(
+            f"{policy!r}.select() returned slots of shape {tuple(keep.shape)}; expected [batch, heads, k] = "
+            f"[{batch}, {heads}, k]"
+        )
+    if not xp.isdtype(keep.dtype, "integral"):
+        raise PolicyError(f"{policy!r}.select() returned slots of dtype {keep.dtype}; expected integers (int64)")
+    keep = xp.astype(keep, xp.int64)
+    k = keep.shape[-1]
+    if k >= n:
+        raise PolicyError(f"{policy!r} asked to evict but kept {k} of {n} tokens (select() returns None to keep every token)")
+    if k and values:
+        bad = xp.any(keep[..., 0] < 0) | xp.any(keep[..., -1] >= n)
+        if k > 1:
+            bad = bad | xp.any(keep[..., 1:] <= keep[..., :-1])
+        if bool(bad):
+            raise PolicyError(
+                f"{policy!r}.select() must return slots in ascending order, each once, in [0, {n}): "
+                + _first_bad_row(keep, n)
+            )
+    return keep
+
+
+def check_capacity_kept(policy: EvictionPolicy, n_cached: int) -> None:
+    """:class:`PolicyError` when ``policy`` stopped evicting (``select`` returned ``None``) with
+    more than its :attr:`~kvpolicy.EvictionPolicy.capacity` tokens cached.
+
+    Example:
+        >>> from kvpolicy import StreamingLLM
+        >>> check_capacity_kept(StreamingLLM(sink=1, window=2), 4)
+        >>> check_capacity_kept(StreamingLLM(sink=1, window=2), 5)
+        Traceback (most recent call last):
+        ...
+        kvpolicy.driver.PolicyError: StreamingLLM(sink=1, window=2) stopped evicting with 5 tokens cached, more than its capacity 4: select() must keep evicting (it is asked again after every round) until at most capacity - 1 tokens remain
+    """
+    cap = policy.capacity
+    if cap is not None and n_cached > cap:
+        raise PolicyError(
+            f"{policy!r} stopped evicting with {n_cached} tokens cached, more than its capacity {cap}: select() must "
+            "keep evicting (it is asked again after every round) until at most capacity - 1 tokens remain",
+            n_cached=n_cached,
+        )
 
 
 def softmax(logits: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -119,20 +300,33 @@ def _rounds(
     """The loop itself: positions and scores after it, the composite keep and the rounds."""
     ask = policy.evict if decide is None else decide
     xp = array_namespace(positions)
+    # the answers' values are read on the host except at a torch decode step of a built-in (no sync
+    # there) and on torch's meta device (no values at all)
+    values = isinstance(positions, np.ndarray) or (
+        getattr(device(positions), "type", None) != "meta" and (phase != "decode" or not is_builtin_policy(policy))
+    )
     rounds: list[tuple[int, int]] = []
     total = None  # composite keep: slots of the input
     while True:
         shown = xp.zeros(positions.shape, dtype=xp.float64, device=device(positions)) if scores is None else scores
-        keep = ask(CacheView(positions, shown, n_seen, state, phase))  # type: ignore[arg-type]
+        view = CacheView(read_only(positions), read_only(shown), n_seen, state, phase)  # type: ignore[arg-type]
+        try:
+            keep = ask(view)
+        except ValueError as e:
+            if "read-only" not in str(e):
+                raise
+            raise PolicyError(
+                f"{policy!r} wrote into the view it was shown: view.positions and view.scores are read-only "
+                "(copy them first, e.g. view.xp.asarray(view.scores, copy=True), or keep your own data in view.state)"
+            ) from e
         if keep is None:
+            check_capacity_kept(policy, positions.shape[-1])
             return positions, scores, total, rounds
-        keep = xp.astype(xp.asarray(keep, device=device(positions)), xp.int64)
+        keep = check_keep(policy, keep, positions, values=values)
         before = positions.shape[-1]
         positions = xp.take_along_axis(positions, keep, axis=-1)
         if scores is not None:
             scores = xp.take_along_axis(scores, keep, axis=-1)
-        if positions.shape[-1] >= before:
-            raise RuntimeError(f"{policy!r} asked to evict but kept {positions.shape[-1]} of {before} tokens")
         if total is None:
             total = keep
         else:

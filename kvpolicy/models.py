@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
+    "check_device",
     "EMBEDDED_ALIASES",
     "EMBEDDED_GGUF",
     "EMBEDDED_MODEL",
@@ -175,6 +176,40 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: str | Any = "cpu") ->
     raise ValueError(f"unsupported dtype {dtype!r}; use a torch.dtype or one of {sorted(_DTYPE_ALIASES)}")
 
 
+def check_device(device: Any, name: str = "device") -> "torch.device":
+    """``device`` as a :class:`torch.device` this machine has, or ``ValueError`` naming ``name``
+    and what to use instead: an unknown spelling (``"gpu"``), CUDA on a torch built without it or
+    with no GPU visible, a CUDA index past the last GPU, MPS where there is none.
+
+    Example:
+        >>> check_device("cpu")
+        device(type='cpu')
+        >>> check_device("gpu")
+        Traceback (most recent call last):
+        ...
+        ValueError: device 'gpu' is not a torch device: use cpu, cuda, cuda:N (N a GPU index) or mps
+    """
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{name} {device!r} is not a torch device: use cpu, cuda, cuda:N (N a GPU index) or mps") from None
+    if dev.type == "cuda":
+        if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+            raise ValueError(f"{name} {device!r}: this torch ({torch.__version__}) is built without CUDA; use cpu, or install a CUDA build of torch")
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ValueError(f"{name} {device!r}: no CUDA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES), or use cpu")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"{name} {device!r}: this machine has {count} CUDA GPU{'s' if count > 1 else ''} (cuda:0 to cuda:{count - 1})")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{name} {device!r}: MPS is not available on this machine; use cpu")
+    elif dev.type not in ("cpu", "cuda", "mps", "meta"):
+        raise ValueError(f"{name} {device!r}: kvpolicy runs on cpu, cuda or mps, not {dev.type}")
+    return dev
+
+
 # --------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------
@@ -219,7 +254,10 @@ def load(
     from ._validation import check_bool
 
     progress = check_bool("progress", progress)
+    device = check_device(device)
     target_dtype = resolve_dtype(dtype, device)
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ValueError(f"name_or_path must be a model name or a path, got {name_or_path!r}")
     name = os.fspath(name_or_path)
 
     if name.lower() in EMBEDDED_ALIASES:
@@ -243,8 +281,15 @@ def load(
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         extra = {"cache_dir": os.fspath(cache_dir)} if cache_dir is not None else {}
-        model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sdpa", dtype=target_dtype, **extra)
-        tokenizer = AutoTokenizer.from_pretrained(name, **extra)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sdpa", dtype=target_dtype, **extra)
+            tokenizer = AutoTokenizer.from_pretrained(name, **extra)
+        except OSError as e:  # transformers' "not a local folder, not on the hub (or no network)"
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(
+                f"model {name!r} not found: it is not an embedded model ({', '.join(sorted(EMBEDDED_ALIASES))}), "
+                f"not a local model folder or .gguf file, and the Hugging Face hub did not provide it ({first})"
+            ) from e
 
     if model.dtype != target_dtype:
         model = model.to(dtype=target_dtype)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     from .policy import EvictionPolicy
 
-__all__ = ["register_policy", "get_policy", "create_policy", "available_policies", "Preset", "ENTRY_POINT_GROUP"]
+__all__ = ["register_policy", "mark_builtin_policies", "is_builtin_policy", "get_policy", "create_policy", "available_policies", "Preset", "ENTRY_POINT_GROUP"]
 
 ENTRY_POINT_GROUP = "kvpolicy.policies"
 
@@ -34,6 +34,9 @@ _ALIASES = {
     "buzz_log_n": "buzz_logn",
 }
 _entry_points_loaded = False
+#: Names kvpolicy itself registered, and their classes (see :func:`mark_builtin_policies`).
+_BUILTINS: set[str] = set()
+_BUILTIN_CLASSES: set[type] = set()
 
 P = TypeVar("P", bound="type[EvictionPolicy]")
 
@@ -61,18 +64,75 @@ class Preset:
         return self.cls.min_size
 
 
+def _spelling(name: str) -> str:
+    return name.strip().lower().replace("-", "_").replace(" ", "_")
+
+
 def normalize_name(name: str) -> str:
-    key = name.strip().lower().replace("-", "_").replace(" ", "_")
+    key = _spelling(name)
     return _ALIASES.get(key, key)
 
 
+def mark_builtin_policies() -> frozenset[str]:
+    """Record every name registered so far as a built-in (kvpolicy calls it once, after its own
+    policies are registered) and return them: :func:`register_policy` refuses to replace a
+    built-in, or take one of their aliases, unless it is given ``replace=True``.
+
+    Example:
+        >>> "h2o" in mark_builtin_policies()
+        True
+    """
+    _BUILTINS.update(_REGISTRY)
+    _BUILTIN_CLASSES.update(e.cls if isinstance(e, Preset) else e for e in _REGISTRY.values())
+    return frozenset(_BUILTINS)
+
+
+def is_builtin_policy(policy: object) -> bool:
+    """Whether ``policy`` is an instance of one of kvpolicy's own policy classes exactly (not a
+    subclass, which may redefine ``select``), and so is every policy it wraps (a composition's
+    parts): the policies the conformance kit holds to the contract in kvpolicy's own CI. The torch
+    backend skips the host read of its answer checks for them at decode steps (no sync there).
+
+    Example:
+        >>> from kvpolicy import H2O, compose, SnapKV
+        >>> is_builtin_policy(H2O(heavy=2, recent=2)), is_builtin_policy(compose(prefill=SnapKV(size=40), decode=H2O(heavy=2, recent=2)))
+        (True, True)
+    """
+    from .policy import EvictionPolicy
+
+    if type(policy) not in _BUILTIN_CLASSES:
+        return False
+    inner = [v for v in policy.params().values() if isinstance(v, EvictionPolicy)]  # type: ignore[attr-defined]
+    return all(is_builtin_policy(v) for v in inner)
+
+
+def _same_definition(old: object, new: object) -> bool:
+    """``new`` is ``old``, or the same definition run again (a module reloaded, a notebook cell re-run)."""
+    if old == new:
+        return True
+    a, b = (x.cls if isinstance(x, Preset) else x for x in (old, new))
+    fixed = (getattr(old, "fixed", None), getattr(new, "fixed", None))
+    return (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__) and fixed[0] == fixed[1]  # type: ignore[union-attr]
+
+
 def register_policy(
-    cls: P | None = None, *, name: str | None = None, preset: dict[str, Any] | None = None, doc: str = ""
+    cls: P | None = None,
+    *,
+    name: str | None = None,
+    preset: dict[str, Any] | None = None,
+    doc: str = "",
+    replace: bool = False,
 ) -> Any:
     """Register an :class:`~kvpolicy.EvictionPolicy` subclass under ``name`` (default: ``cls.name``).
 
     Usable as a bare decorator, as ``@register_policy(name="x")``, or to register a preset:
     ``register_policy(BUZZ, name="buzz_logn", preset={"log_n": True})``.
+
+    A name that is taken (a built-in such as ``"h2o"``, one of its aliases such as
+    ``"streaming"``, or another package's policy) raises ``ValueError`` unless ``replace=True``:
+    :func:`make_policy`, the ``kvpolicy`` command and ``kvpolicy compare`` would otherwise run
+    the newcomer under the old name without a word. Registering the same definition again (a
+    re-imported module) is fine.
 
     Example:
         >>> from kvpolicy import EvictionPolicy, register_policy, get_policy
@@ -86,15 +146,38 @@ def register_policy(
         True
     """
 
+    from ._validation import check_bool
+
+    replace = bool(check_bool("replace", replace))
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"name must be a string, got {name!r}")
+
     def decorate(c: P) -> P:
         from .policy import EvictionPolicy
 
         if not (inspect.isclass(c) and issubclass(c, EvictionPolicy)):
             raise ValueError(f"register_policy expects an EvictionPolicy subclass, got {c!r}")
-        key = normalize_name(name or c.name or c.__name__)
-        if not key:
+        spelled = _spelling(name or c.name or c.__name__)
+        if not spelled:
             raise ValueError(f"policy {c.__name__} needs a non-empty `name`")
-        _REGISTRY[key] = Preset(c, dict(preset), doc) if preset else c
+        entry = Preset(c, dict(preset), doc) if preset else c
+        if spelled in _ALIASES:
+            if not replace:
+                raise ValueError(
+                    f"policy name {spelled!r} is an alias of the built-in policy {_ALIASES[spelled]!r}: register "
+                    f"{c.__name__} under another name, or pass replace=True to make {spelled!r} name it instead"
+                )
+            del _ALIASES[spelled]
+        old = _REGISTRY.get(spelled)
+        if old is not None and not replace and not _same_definition(old, entry):
+            taken = old.cls if isinstance(old, Preset) else old
+            shown = f"{taken.__module__}.{taken.__qualname__}" + (" (a preset)" if isinstance(old, Preset) else "")
+            what = "the built-in policy" if spelled in _BUILTINS else "already registered to"
+            raise ValueError(
+                f"policy name {spelled!r} is {what} {shown}: register {c.__name__} under another name, or pass replace=True to replace it (make_policy, the "
+                "kvpolicy command and compare then run yours under this name)"
+            )
+        _REGISTRY[spelled] = entry
         return c
 
     if cls is not None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvpolicy._validation import check_eviction_policy, check_int
-from kvpolicy.driver import evict_until_done, log_n_scales, softmax
+from kvpolicy.driver import evict_until_done, log_n_scales, nonfinite_rows, softmax, warn_nonfinite
 from kvpolicy.policy import EvictionPolicy
 from kvpolicy.statistics import history_record, low_attention, shift_history
 
@@ -30,6 +30,10 @@ class Trace:
         outputs: ``[steps, heads, d]`` attention outputs under the policy (when values given).
         full_outputs: the same with the full cache and no logit scaling (the paper's ``O_t``).
         prompt_len: tokens in the prefill.
+        nonfinite: ``(step, head)`` of every attention row whose probabilities were not finite
+            (the logits times the log-n scale overflowed; prompt rows are steps ``0..prompt_len-1``):
+            their NaN scores ranked lowest (``CacheView.ranking_scores``). Empty on ordinary input;
+            a replay that fills it also warns (:class:`kvpolicy.driver.NonFiniteWarning`).
     """
 
     kept: list[np.ndarray | None]
@@ -39,6 +43,7 @@ class Trace:
     outputs: np.ndarray | None = None
     full_outputs: np.ndarray | None = None
     _steps: int = field(default=0, repr=False)
+    nonfinite: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def realised_budget(self) -> float:
@@ -164,6 +169,7 @@ def replay(
     sizes: list[int] = []
     evictions: list[tuple[int, int, int]] = []
     outputs = np.zeros((steps, heads, values.shape[2])) if values is not None else None
+    nonfinite: list[tuple[int, int]] = []  # (step, head) rows whose probabilities overflowed
 
     def evict_until_stable(t: int, phase: str) -> None:
         nonlocal positions, scores
@@ -175,6 +181,7 @@ def replay(
         rows = logits[:p, :, :p] * log_n_scales(policy, np.arange(1, p + 1))[:, None, None]
         causal = np.tril(np.ones((p, p), dtype=bool))[:, None, :]
         probs = softmax(np.where(causal, rows, -np.inf))  # [p, heads, p]
+        nonfinite += nonfinite_rows(probs, 0)
         positions = np.broadcast_to(np.arange(p, dtype=np.int64), (1, heads, p)).copy()
         # policy.prompt_rows: only the prompt's last rows score it (TOVA: 1, SnapKV: its window)
         scores = probs[max(0, p - (policy.prompt_rows or p)) :].sum(axis=0)[None]
@@ -196,6 +203,8 @@ def replay(
         # log n: n = the keys this query attends to, i.e. the kept ones (paper, section 3.5)
         row = logits[t][head_index, cached] * log_n_scales(policy, np.asarray([cached.shape[-1]]))[0]
         probs = softmax(row)
+        if not np.isfinite(probs).all():
+            nonfinite += nonfinite_rows(probs[None], t)
         if policy.score_statistic == "latest":
             scores = probs[None]
         elif policy.score_statistic == "low_history":
@@ -212,4 +221,5 @@ def replay(
         causal = np.tril(np.ones((steps, steps), dtype=bool))[:, None, :]
         full = softmax(np.where(causal, logits, -np.inf))
         full_outputs = np.einsum("qhk,khd->qhd", full, values)
-    return Trace(kept, np.asarray(sizes, dtype=np.int64), evictions, prompt_len, outputs, full_outputs, steps)
+    warn_nonfinite(policy, nonfinite)
+    return Trace(kept, np.asarray(sizes, dtype=np.int64), evictions, prompt_len, outputs, full_outputs, steps, nonfinite)

@@ -35,6 +35,7 @@ from kvpolicy.policy import DecodeEviction, EvictionPolicy
 from kvpolicy.statistics import low_attention, shift_history
 
 from .attention import decode_attention, grouped_decode
+from .checks import check_append, check_capacity, check_query
 from .group import LayerGroup, mark_holes
 from .ops import first_argmin
 from .static import DecodeState, StepOptions
@@ -164,6 +165,7 @@ class LayerCache:
     ) -> None:
         if not isinstance(policy, EvictionPolicy):
             raise ValueError(f"policy must be an EvictionPolicy, got {policy!r}")
+        check_capacity(policy)
         self.policy = policy
         self.reduce_scores = reduce_scores
         self.static_shapes = bool(static_shapes)
@@ -607,6 +609,7 @@ class LayerCache:
                 attended, scored or kept. Read once per chunk (one sync); decode tokens are real.
             real: per-row counts of True in ``valid`` when the caller already has them on the host.
         """
+        check_append(self, keys, values)
         if self._deferred:
             self.group.flush()  # type: ignore[union-attr]
         ks, vs = keys.shape, values.shape
@@ -898,6 +901,7 @@ class LayerCache:
             >>> out.shape, layer.length
             (torch.Size([1, 1, 4, 8]), 4)
         """
+        check_query(query, self._k)
         if self._device_newer:  # a static-shaped decode step: everything on the device
             if extra_bias is not None or row_scale is not None or prefix is not None:
                 raise ValueError("with static_shapes, pass the window, log n and pos-shift as options=StepOptions(...)")

@@ -7,6 +7,7 @@ import torch
 
 from kvpolicy._validation import check_eviction_policy, check_int
 from kvpolicy.policy import EvictionPolicy
+from kvpolicy.driver import nonfinite_rows, warn_nonfinite
 from kvpolicy.statistics import history_record, low_attention
 from kvpolicy_numpy.replay import Trace, validate_logits, validate_values
 
@@ -69,6 +70,7 @@ def replay(
     evictions: list[tuple[int, int, int]] = []
     outputs = torch.zeros(steps, heads, values_t.shape[2], dtype=dtype, device=device)
     dummy_keys = torch.zeros(1, heads, 1, 1, dtype=dtype, device=device)
+    nonfinite: list[tuple[int, int]] = []  # (step, head) rows whose probabilities overflowed
 
     def step_evict(t: int) -> None:
         evictions.extend((t, before, after) for before, after in layer.evict())
@@ -81,6 +83,7 @@ def replay(
         rows = logits_t[:p, :, :p] * scale[:, None, None]
         causal = torch.ones(p, p, dtype=torch.bool, device=device).tril()[:, None, :]
         probs = torch.softmax(rows.masked_fill(~causal, float("-inf")), dim=-1)  # [p, heads, p]
+        nonfinite += nonfinite_rows(probs, 0)
         if policy.score_statistic == "low_history":  # each row is a query of the record (Scissorhands)
             low = low_attention(probs, 1, kept=causal.expand(probs.shape))  # [p, heads, p]
             layer.accumulate(history_record(low.permute(1, 0, 2), policy.score_history)[None])  # type: ignore[arg-type]
@@ -97,6 +100,7 @@ def replay(
         scale = _scales(policy, torch.tensor([layer.length], device=device)).to(dtype)  # n = kept keys
         rows = torch.gather(logits_t[t], 1, cached.clamp(min=0)) * scale
         probs = torch.softmax(rows.masked_fill(cached < 0, float("-inf")), dim=-1)  # [heads, n]
+        nonfinite += nonfinite_rows(probs[None], t)  # (a host read a step: replay is a tool, not the decode path)
         if policy.score_statistic == "low_history":
             layer.accumulate(low_attention(probs, 1, kept=cached >= 0).to(torch.float64)[None])
         else:
@@ -109,6 +113,7 @@ def replay(
     full = torch.softmax(logits_t.masked_fill(~causal, float("-inf")), dim=-1)
     full_outputs = torch.einsum("qhk,khd->qhd", full, values_t)
     has_values = values is not None
+    warn_nonfinite(policy, nonfinite)
     return Trace(
         kept,
         np.asarray(sizes, dtype=np.int64),
@@ -117,4 +122,5 @@ def replay(
         outputs.cpu().numpy() if has_values else None,
         full_outputs.cpu().numpy() if has_values else None,
         steps,
+        nonfinite,
     )

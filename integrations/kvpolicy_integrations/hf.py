@@ -1029,8 +1029,19 @@ def generate(
         >>> len(res.token_ids)
         4
     """
+    from kvpolicy._validation import check_eviction_policy, check_float, check_int
     from kvpolicy.budget import make_policy
 
+    # every argument checked before the tokenizer or the model is touched
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a string, got {type(prompt).__name__} {prompt!r:.80}")
+    if not prompt.strip():
+        raise ValueError(f"prompt is empty ({prompt!r}): give generate() some text to continue")
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
+    if isinstance(policy, str):
+        budget = check_float("budget", budget, low=0.0, high=1.0, low_open=True)
+    else:
+        policy = check_eviction_policy("policy", policy)
     chat = check_bool("chat", chat, allow_none=True)
     use_chat = chat if chat is not None else bool(getattr(tokenizer, "chat_template", None))
     if use_chat:
@@ -1043,6 +1054,8 @@ def generate(
     device = next(model.parameters()).device
     input_ids = enc["input_ids"].to(device)
     n_prompt = int(input_ids.shape[1])
+    if n_prompt == 0:
+        raise ValueError(f"prompt {prompt!r:.80} is empty after tokenization (0 tokens): give generate() some text")
     if isinstance(policy, str):
         policy = make_policy(
             policy, budget, context_length=n_prompt + max_new_tokens, prompt_length=n_prompt, **overrides

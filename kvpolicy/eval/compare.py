@@ -47,6 +47,7 @@ import numpy as np
 from .results import CellResult, TaskResult
 from .tasks import DEFAULT_TASKS, PAPER_TASKS, CacheConfig, DataSources, Sample, Task, TaskOptions, TokenizerAdapter
 from .tasks import is_reference, make_tasks, parse_floats, split_csv, task_registry
+from .tasks.base import PAPER_FILES
 
 __all__ = ["add_arguments", "run", "main", "evaluate", "DEFAULT_POLICIES", "DEFAULT_BUDGETS", "MEASURED_DEFAULT"]
 
@@ -624,6 +625,11 @@ def run(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, s
 
     from . import report
 
+    from ..cli import check_output_folder
+    from ..models import check_device
+
+    check_device(args.device, "--device")
+    check_output_folder(Path(args.out), "--out")
     threads = _threads(str(args.threads))
     if threads is not None and torch.device(args.device).type == "cpu":
         torch.set_num_threads(threads)
@@ -639,8 +645,14 @@ def run(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, s
     # the default run carries a short stream task; --tasks stream runs the full protocol
     args.short_stream = args.tasks is None or "default" in [t.lower() for t in split_csv(args.tasks)]
     if sources is None:
-        if args.data_dir and args.data_dir.lower() != "hub" and not Path(args.data_dir).is_dir():
-            raise ValueError(f"--data-dir {args.data_dir}: no such folder")
+        if args.data_dir and args.data_dir.lower() != "hub":
+            if not Path(args.data_dir).is_dir():
+                raise ValueError(f"--data-dir {args.data_dir}: no such folder")
+            if not any((Path(args.data_dir) / name).is_file() for name in PAPER_FILES):
+                raise ValueError(
+                    f"--data-dir {args.data_dir} holds none of the paper's files ({', '.join(PAPER_FILES)}): point it at "
+                    "the folder that has them (see the shared data README), or leave --data-dir out for the embedded text"
+                )
         sources = DataSources(data_dir=args.data_dir)  # qa's --qa-distractors is its own option
     registry = task_registry()
     tasks = make_tasks(names, TaskOptions(), sources,

@@ -20,6 +20,7 @@ order, with a seed it takes a seeded random subset (still returned in file order
 from __future__ import annotations
 
 import bz2
+import contextlib
 import gzip
 import html
 import importlib.metadata
@@ -49,7 +50,10 @@ __all__ = [
     "Codec",
     "CharCodec",
     "shared_data_dir",
+    "decode_utf8",
     "read_jsonl",
+    "read_jsonl_lines",
+    "record_errors",
     "load_wikitext",
     "parse_wikitext",
     "load_xsum",
@@ -200,16 +204,94 @@ def _open_text(path: Path) -> Any:
     return open(path, encoding="utf-8")
 
 
-def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """Yield the JSON objects of a (optionally gzipped) jsonl file, skipping blank lines."""
+def decode_utf8(data: bytes, where: str | os.PathLike[str], first_line: int = 1) -> str:
+    r"""``data`` decoded as UTF-8, or ``ValueError`` naming ``where`` and the line (counted from
+    ``first_line``) of the first byte that is not UTF-8.
+
+    Example:
+        >>> decode_utf8(b"ok\nbad \xff", "notes.txt")
+        Traceback (most recent call last):
+        ...
+        ValueError: notes.txt:2: not UTF-8 text (byte 0xff at column 5); save the file as UTF-8
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + data.count(b"\n", 0, e.start)
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(
+            f"{where}:{line}: not UTF-8 text (byte {data[e.start]:#04x} at column {column}); save the file as UTF-8"
+        ) from None
+
+
+def read_jsonl_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    r"""``(line number, object)`` for every non-blank line of a (optionally gzipped, by magic bytes)
+    jsonl file. A line that is not UTF-8 or not JSON, a JSON value that is not an object
+    (``[...]`` where ``{...}`` belongs), and corrupt or truncated gzip data raise ``ValueError``
+    naming the file and the line.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        ...     _ = f.write('{"a": 1}\n\n[1, 2]\n')
+        >>> list(read_jsonl_lines(f.name))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: ...jsonl:3: expected one JSON object ({...}) per line, got a JSON array
+    """
+    import zlib
+
     p = _require_file(path, "jsonl")
-    with _open_text(p) as fh:
-        for lineno, line in enumerate(fh, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{p}:{lineno}: invalid JSON: {exc}") from exc
+    with open(p, "rb") as fh:
+        gz = fh.read(2) == b"\x1f\x8b"
+    lineno = 0
+    with (gzip.open(p, "rb") if gz else open(p, "rb")) as fh:
+        while True:
+            try:
+                raw = fh.readline()
+            except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+                raise ValueError(f"{p}:{lineno + 1}: corrupt or truncated gzip data ({exc}); download the file again") from None
+            if not raw:
+                return
+            lineno += 1
+            line = decode_utf8(raw, p, lineno)
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{p}:{lineno}: invalid JSON: {exc}") from None
+            if not isinstance(obj, dict):
+                kind = {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(obj), "number")
+                raise ValueError(f"{p}:{lineno}: expected one JSON object ({{...}}) per line, got a JSON {kind}")
+            yield lineno, obj
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Yield the JSON objects of a (optionally gzipped) jsonl file, skipping blank lines; errors
+    name the file and line (see :func:`read_jsonl_lines`)."""
+    for _, obj in read_jsonl_lines(path):
+        yield obj
+
+
+@contextlib.contextmanager
+def record_errors(path: str | os.PathLike[str], line: int) -> Iterator[None]:
+    """Turn what reading one record of a data file can raise (a missing key, a value of the wrong
+    kind) into ``ValueError`` naming the file and the line.
+
+    Example:
+        >>> with record_errors("data.jsonl", 7):
+        ...     {"question": "?"}["answers"]
+        Traceback (most recent call last):
+        ...
+        ValueError: data.jsonl:7: the record has no 'answers' key
+    """
+    try:
+        yield
+    except KeyError as e:
+        raise ValueError(f"{path}:{line}: the record has no {e.args[0]!r} key") from None
+    except (TypeError, IndexError, AttributeError) as e:
+        raise ValueError(f"{path}:{line}: the record does not have the expected structure ({e})") from None
 
 
 def _select(n: int, limit: int | None, seed: int | None) -> list[int]:
@@ -319,11 +401,12 @@ def load_wikitext(
     perplexity text is ``"\\n".join(d.text for d in docs)``.
     """
     if path is not None:
-        raw = _require_file(path, "wikitext").read_bytes().decode("utf-8")
+        p = _require_file(path, "wikitext")
+        raw = decode_utf8(p.read_bytes(), p)
     else:
         local = _shared_file("wikitext-2-raw-test.txt")
         if local is not None:
-            raw = local.read_bytes().decode("utf-8")
+            raw = decode_utf8(local.read_bytes(), local)
         else:
             try:
                 import datasets  # type: ignore[import-not-found]
@@ -363,11 +446,13 @@ def load_xsum(
         p = _shared_file("xsum_0shot.jsonl")
     out: list[SummaryExample] = []
     if p is not None:
-        rows = list(read_jsonl(p))
+        rows = list(read_jsonl_lines(p))
         for i in _select(len(rows), limit, seed):
-            r = rows[i]
+            line, r = rows[i]
             if "article" not in r or "summary_gt" not in r:
-                raise ValueError(f"{p}: row {i} lacks 'article'/'summary_gt' (keys: {sorted(r)})")
+                raise ValueError(f"{p}:{line}: the record lacks 'article'/'summary_gt' (keys: {sorted(r)})")
+            if not (isinstance(r["article"], str) and isinstance(r["summary_gt"], str)):
+                raise ValueError(f"{p}:{line}: 'article' and 'summary_gt' must be strings")
             gen = {k: r[k] for k in ("max_tokens", "temperature", "top_p", "stop", "n") if k in r}
             out.append(
                 SummaryExample(
@@ -608,19 +693,23 @@ def load_nq_multidoc(
                 "https://github.com/nelson-liu/lost-in-the-middle (qa_data/nq-open-oracle.jsonl.gz)"
             )
         p = found
-    rows = list(read_jsonl(p))
+    rows = list(read_jsonl_lines(p))
     pool = _distractor_pool(distractor_pool, distractor_max_words) if n_docs > 1 else None
     out: list[QAExample] = []
     for i in _select(len(rows), limit, seed):
-        r = rows[i]
-        answers = tuple(str(a) for a in r["answers"])
-        ctxs = r.get("ctxs") or []
-        if not ctxs:
-            raise ValueError(f"{p}: row {i} has no 'ctxs' gold passage")
-        gold_ctx = next((c for c in ctxs if c.get("isgold")), ctxs[0])
+        line, r = rows[i]
+        with record_errors(p, line):
+            if not isinstance(r["answers"], list):
+                raise TypeError(f"'answers' must be a list of strings, got {r['answers']!r}")
+            answers = tuple(str(a) for a in r["answers"])
+            ctxs = r.get("ctxs") or []
+            if not ctxs:
+                raise ValueError(f"{p}:{line}: the record has no 'ctxs' gold passage")
+            gold_ctx = next((c for c in ctxs if c.get("isgold")), ctxs[0])
+            gold = Passage(title=str(gold_ctx.get("title", "")), text=str(gold_ctx["text"]), is_gold=True)
+            r = {**r, "question": str(r["question"])}
         # substring EM is near-degenerate for 1-2 character answers ("7", "S"); flag them
         short = any(len(normalize_answer(a)) < 3 for a in answers)
-        gold = Passage(title=gold_ctx.get("title", ""), text=gold_ctx["text"], is_gold=True)
         distractors: list[Passage] = []
         if pool is not None:
             gold_title = gold.title.strip().lower()
@@ -705,14 +794,16 @@ def load_kv_retrieval(
                 "from https://github.com/nelson-liu/lost-in-the-middle (kv_retrieval_data/)"
             )
         p = found
-    rows = list(read_jsonl(p))
+    rows = list(read_jsonl_lines(p))
     out: list[RetrievalExample] = []
     for i in _select(len(rows), limit, seed):
-        r = rows[i]
-        records = [(str(k), str(v)) for k, v in r["ordered_kv_records"]]
+        line, r = rows[i]
+        with record_errors(p, line):
+            records = [(str(k), str(v)) for k, v in r["ordered_kv_records"]]
+            r = {**r, "key": str(r["key"]), "value": str(r["value"])}
         keys = [k for k, _ in records]
         if r["key"] not in keys:
-            raise ValueError(f"{p}: row {i}: key {r['key']!r} not among its records")
+            raise ValueError(f"{p}:{line}: key {r['key']!r} is not among the record's ordered_kv_records")
         pos = keys.index(r["key"])
         if gold_index is not None:
             if not 0 <= gold_index < len(records):

@@ -1,6 +1,6 @@
 """Built-in policies, one per module."""
 
-from ..registry import register_policy
+from ..registry import mark_builtin_policies, register_policy
 from .buzz import BUZZ, estimate_threshold, fixed_point_middle, small_stride, threshold_ratio
 from .composition import Composed, compose
 from .full import FullCache
@@ -13,6 +13,7 @@ from .streaming import StreamingLLM
 from .tova import TOVA
 
 register_policy(BUZZ, name="buzz_logn", preset={"log_n": True}, doc="BUZZ with log n attention scaling")
+mark_builtin_policies()  # register_policy refuses to replace these (or take their aliases) unless told to
 
 __all__ = [
     "BUZZ",

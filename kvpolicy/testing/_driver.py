@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from kvpolicy.driver import evict_until_done, log_n_scales, softmax  # the reference's own, so the same bits
+from kvpolicy.driver import evict_until_done, log_n_scales, read_only, softmax  # the reference's own, so the same bits
 from kvpolicy.policy import CacheView, EvictionPolicy
 from kvpolicy.statistics import history_record, low_attention, shift_history
 
@@ -89,7 +89,7 @@ def probe_host_decision(policy: EvictionPolicy, view: CacheView) -> tuple[int | 
     """Ask ``policy`` on ``view`` with negated scores and a copy of its state: ``(kept count or
     None, state after)``. Whether to evict and how many to keep must come out the same as with
     the real scores (they are host decisions)."""
-    probe = CacheView(view.positions, -view.scores, view.n_seen, dict(view.state), view.phase)
+    probe = CacheView(view.positions, read_only(-view.scores), view.n_seen, dict(view.state), view.phase)
     keep = policy.evict(probe)
     return (None if keep is None else int(np.asarray(keep).shape[-1])), probe.state
 
@@ -203,7 +203,34 @@ class TorchCache:
     def evict(self) -> list[tuple[int, int]]:
         if not self.layer.is_initialized:  # nothing appended yet (LayerCache.evict needs storage)
             return []
-        return self.layer.evict()
+        before = self._snapshot()  # copies: on the CPU a dense layer's positions are views of its storage
+        rounds = self.layer.evict()
+        check_untouched(self.layer.policy, before, self._snapshot())
+        return rounds
+
+    def _snapshot(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.layer.positions.cpu().numpy().copy(), self.layer.scores.cpu().numpy().copy()
+
+
+def check_untouched(policy: EvictionPolicy, before: tuple[np.ndarray, np.ndarray], after: tuple[np.ndarray, np.ndarray]) -> None:
+    """The torch backend's views are not read-only (torch has none), so a policy that writes into
+    ``view.positions`` or ``view.scores`` would change the cache: every token kept after an
+    eviction must hold the position and the score (bit for bit, NaN included) it held before.
+    ``before`` and ``after`` are ``(positions, scores)`` ``[batch, heads, n]`` in position order."""
+    (pos0, sc0), (pos1, sc1) = before, after
+    for b, h in np.ndindex(*pos1.shape[:2]):
+        real = pos0[b, h] >= 0  # (a slot freed by a one-token eviction reads as position -1 until compacted)
+        p0, s0 = pos0[b, h][real], sc0[b, h][real]
+        where = np.searchsorted(p0, pos1[b, h])
+        same = bool(np.all(where < p0.shape[-1]))
+        if same:
+            same = np.array_equal(p0[where], pos1[b, h]) and np.array_equal(s0[where], sc1[b, h], equal_nan=True)
+        if not same:
+            raise ContractViolation(
+                f"{policy!r} wrote into the view it was shown on the torch backend (row {b}, KV head {h}: the kept "
+                "tokens' positions or scores changed in the eviction); view.positions and view.scores are read-only: "
+                "copy them first (view.xp.asarray(view.scores, copy=True))"
+            )
 
 
 class Lockstep:

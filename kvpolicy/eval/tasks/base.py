@@ -300,6 +300,10 @@ def tw_window(ratio: float, size: int, stride: int = 5, sink: int = 4) -> int:
 
 
 # =========================================================================== data sources
+#: The paper-faithful files a ``--data-dir`` folder holds (each task reads its own).
+PAPER_FILES = ("wikitext-2-raw-test.txt", "xsum_0shot.jsonl", "nq-open-oracle.jsonl.gz", "kv-retrieval-75_keys.jsonl.gz")
+
+
 @dataclass
 class DataSources:
     """Where each task reads its data.

@@ -1,0 +1,179 @@
+"""Input checks of :class:`~kvpolicy_torch.LayerCache`: what it is given is checked before anything
+is allocated or written, and each error names the argument and what to do.
+
+Shapes and dtypes only (host metadata): no check reads a tensor's values, so none costs a
+host-device sync. :func:`check_capacity` runs when a layer is built, :func:`check_append` at every
+:meth:`~kvpolicy_torch.LayerCache.append` (its memory bound only before the first allocation),
+:func:`check_query` at every :meth:`~kvpolicy_torch.LayerCache.attend`.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from typing import Any
+
+import torch
+
+from kvpolicy._validation import check_int
+from kvpolicy.policy import EvictionPolicy
+
+__all__ = ["available_bytes", "check_append", "check_capacity", "check_kv", "check_memory", "check_query"]
+
+
+def check_capacity(policy: EvictionPolicy) -> int | None:
+    """``policy.capacity`` if it is ``None`` (unbounded) or an integer ``>= 1``, else ``ValueError``
+    naming the policy: a cache cannot hold 0 or 4.5 tokens.
+
+    Example:
+        >>> from kvpolicy import H2O
+        >>> check_capacity(H2O(heavy=2, recent=2))
+        5
+    """
+    cap = policy.capacity
+    if cap is None:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, numbers.Integral) or cap < 1:
+        raise ValueError(
+            f"{policy!r}.capacity must be None (unbounded) or an integer >= 1 (the most tokens one layer holds "
+            f"per head), got {cap!r}: fix the policy's capacity property"
+        )
+    return int(cap)
+
+
+def check_kv(keys: Any, values: Any) -> None:
+    """``keys`` and ``values`` as :meth:`~kvpolicy_torch.LayerCache.append` takes them:
+    floating-point tensors ``[batch, kv_heads, q, head_dim]`` of one dtype, on one device, with
+    equal first three dimensions and ``q >= 1``; else ``TypeError``/``ValueError`` saying what to
+    change.
+
+    Example:
+        >>> check_kv(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4, dtype=torch.float16))
+        Traceback (most recent call last):
+        ...
+        ValueError: keys and values must share a dtype, got torch.float32 keys and torch.float16 values: cast one to the other's (e.g. values.to(keys.dtype))
+    """
+    for name, x in (("keys", keys), ("values", values)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor [batch, kv_heads, q, head_dim], got {type(x).__name__}")
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be [batch, kv_heads, q, head_dim] (4 dimensions), got shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be floating point (float16, bfloat16, float32 or float64), got {x.dtype}")
+    if keys.shape[:3] != values.shape[:3]:
+        raise ValueError(
+            "keys and values must be [batch, kv_heads, q, head_dim] with equal first three dims, "
+            f"got {tuple(keys.shape)} and {tuple(values.shape)}"
+        )
+    if keys.shape[2] == 0:
+        raise ValueError("keys must hold at least one token (q >= 1)")
+    if keys.dtype != values.dtype:
+        raise ValueError(
+            f"keys and values must share a dtype, got {keys.dtype} keys and {values.dtype} values: cast one to the "
+            "other's (e.g. values.to(keys.dtype))"
+        )
+    if keys.device != values.device:
+        raise ValueError(f"keys and values must be on one device, got keys on {keys.device} and values on {values.device}")
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory an allocation on ``device`` can hope for: free memory of a CUDA device, the machine's
+    physical memory for the CPU (what the operating system may lend; the free part changes by the
+    second), or ``-1`` where it is not known (no bound then).
+
+    Example:
+        >>> available_bytes(torch.device("cpu")) > 0
+        True
+    """
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type == "cpu":
+        try:
+            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        except (AttributeError, ValueError, OSError):  # not a POSIX system
+            return -1
+    return -1
+
+
+def check_memory(policy: EvictionPolicy, tokens: int, keys: torch.Tensor, values: torch.Tensor, what: str = "capacity") -> None:
+    """``ValueError`` before a layer allocates ``tokens`` slots for keys and values shaped like
+    ``keys``/``values`` when their bytes (keys, values, positions and scores) exceed
+    :func:`available_bytes` of their device: a clear message instead of the allocator's, naming
+    the policy and what sets the size (``what``: its ``capacity``, or the layer's ``reserve``).
+
+    Example:
+        >>> from kvpolicy import LocalWindow
+        >>> kv = torch.zeros(1, 8, 1, 128)
+        >>> check_memory(LocalWindow(window=10**12), 10**12, kv, kv)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: LocalWindow(window=1000000000000) needs ... for its capacity of 1000000000000 tokens ...
+    """
+    b, h, _, d = keys.shape
+    per_slot = b * h * (d * keys.element_size() + values.shape[3] * values.element_size() + 8 + 4)
+    need = tokens * per_slot
+    have = available_bytes(keys.device)
+    if have >= 0 and need > have:
+        raise ValueError(
+            f"{policy!r} needs {need / 2**30:,.1f} GiB for its {what} of {tokens} tokens (batch {b}, {h} KV heads, "
+            f"head_dim {d}, {keys.dtype}) per layer, more than the {have / 2**30:,.1f} GiB {keys.device} has: "
+            "choose a smaller policy (e.g. kvpolicy.make_policy(name, budget, context_length=...) sizes it for the run)"
+        )
+
+
+def check_append(layer: Any, keys: Any, values: Any) -> None:
+    """What :meth:`~kvpolicy_torch.LayerCache.append` checks first, before the layer's first
+    allocation: :func:`check_kv`, and :func:`check_memory` for its policy's capacity (or, for an
+    unbounded policy, its ``reserve``, an integer >= 0). Later appends cost nothing here: the layer holds every one
+    to the first one's shapes, dtypes and device itself.
+
+    Example:
+        >>> from kvpolicy import H2O
+        >>> from kvpolicy_torch import LayerCache
+        >>> check_append(LayerCache(H2O(heavy=2, recent=2)), torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+    """
+    if layer.is_initialized:
+        return  # later appends must match the first one, which the layer compares in one tuple
+    check_kv(keys, values)
+    reserve = None if layer.reserve is None else check_int("reserve", layer.reserve, minimum=0)
+    cap = layer.policy.capacity
+    tokens, what = (cap, "capacity") if cap is not None else (max(keys.shape[2], reserve or 0), "reserve")
+    if cap is not None and reserve is not None and max(keys.shape[2], reserve) + 1 < cap:
+        tokens, what = max(keys.shape[2], reserve) + 1, "reserve"  # what the layer allocates for a run of `reserve` tokens
+    check_memory(layer.policy, tokens, keys, values, what)
+
+
+def check_query(query: Any, keys: torch.Tensor | None) -> None:
+    """A decode query for :meth:`~kvpolicy_torch.LayerCache.attend` over a layer whose storage is
+    shaped like ``keys`` ``[batch, kv_heads, slots, head_dim]`` (``None``: nothing appended yet, so
+    there is nothing to compare): a tensor ``[batch, q_heads, 1, head_dim]``, same batch and
+    head size, ``q_heads`` a multiple of ``kv_heads`` (GQA); else ``ValueError`` saying what differs.
+
+    Example:
+        >>> check_query(torch.zeros(1, 6, 1, 8), torch.zeros(1, 4, 16, 8))
+        Traceback (most recent call last):
+        ...
+        ValueError: query heads (6) must be a multiple of the cache's KV heads (4) (grouped-query attention): check the model's num_attention_heads and num_key_value_heads
+    """
+    shape = getattr(query, "shape", None)
+    if keys is not None and shape is not None and len(shape) == 4:  # the common case first: one tuple test
+        b, h, _, d = keys.shape
+        if shape[0] == b and shape[2] == 1 and shape[3] == d and shape[1] % h == 0 and isinstance(query, torch.Tensor):
+            return
+    if not isinstance(query, torch.Tensor):
+        raise TypeError(f"query must be a torch.Tensor [batch, q_heads, 1, head_dim], got {type(query).__name__}")
+    if query.ndim != 4 or query.shape[2] != 1:
+        raise ValueError(f"query must be [batch, q_heads, 1, head_dim] (one decode token), got shape {tuple(query.shape)}")
+    if keys is None:
+        return
+    b, h, _, d = keys.shape
+    if query.shape[0] != b:
+        raise ValueError(f"query batch ({query.shape[0]}) differs from the cache's ({b})")
+    if query.shape[1] % h:
+        raise ValueError(
+            f"query heads ({query.shape[1]}) must be a multiple of the cache's KV heads ({h}) (grouped-query "
+            "attention): check the model's num_attention_heads and num_key_value_heads"
+        )
+    if query.shape[3] != d:
+        raise ValueError(f"query head size ({query.shape[3]}) differs from the keys' ({d}): queries and keys must share head_dim")
