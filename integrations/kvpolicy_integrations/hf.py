@@ -98,7 +98,7 @@ def kvpolicy_sdpa_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q_len = query.shape[2]
     log_n = layer.policy.log_n
-    uses_scores = layer.policy.uses_scores
+    uses_scores = layer.policy.captures_attention  # (scores from keys: no capture, the store computes them)
     if q_len == 1:
         window = layer.window_bias()
         prefix = layer.take_prefix(query)

@@ -52,7 +52,7 @@ from kvpolicy._validation import check_bool
 from kvpolicy.policy import EvictionPolicy
 
 from . import _format
-from ._driver import ContractViolation, NumpyCache, run_replay, sequence_rows
+from ._driver import ContractViolation, NumpyCache, example_keys, run_replay, sequence_rows
 from ._util import torch_available
 from .invariants import Invariant, policy_invariants, run_invariants
 from .strategies import TIE_KINDS, LogitsSpec, gqa_shapes, logits_specs, padded_batches, policies, prompt_lengths
@@ -114,8 +114,9 @@ def check_replay(
     logits = np.asarray(logits, dtype=np.float64)
     steps = logits.shape[0]
     invs = policy_invariants(policy, invariants)
+    keys = example_keys(policy, logits)  # a policy scoring keys gets the kit's keys of this example
     try:
-        trace = kvpolicy_numpy.replay(policy, logits, prompt_len)
+        trace = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=keys)
     except RuntimeError as e:  # the reference backend's own checks
         raise ContractViolation(f"kvpolicy_numpy.replay refused {policy!r}: {e}") from None
     cap = policy.capacity
@@ -141,7 +142,7 @@ def check_replay(
         except AssertionError as e:
             raise ContractViolation(f"invariant broken: {e}") from None
         previous = kept
-    again = kvpolicy_numpy.replay(policy, logits, prompt_len)
+    again = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=keys)
     for t in range(steps):
         a, b = trace.kept[t], again.kept[t]
         if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
@@ -226,7 +227,7 @@ def check_full_cache(policy: EvictionPolicy, logits: np.ndarray, prompt_len: int
     if cap is None:
         return
     steps = logits.shape[0]
-    trace = kvpolicy_numpy.replay(policy, logits, prompt_len)
+    trace = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=example_keys(policy, logits))
     full = kvpolicy_numpy.replay(FullCache(), logits, prompt_len)
     early = [(t, before, after) for t, before, after in trace.evictions if t < cap - 1]
     if early:
@@ -462,7 +463,7 @@ def _replay_property(strategy, invariants, max_steps: int, max_heads: int) -> Ca
         def replay_code() -> str:
             p = _format.policy_expr(policy)
             setup = [f"logits = {_format.array_expr(logits, spec)}",
-                     f"trace = kvpolicy_numpy.replay({p}, logits, prompt_len={prompt_len})"]
+                     f"trace = kvpolicy_numpy.replay({p}, logits, prompt_len={prompt_len}, keys=kvpolicy.testing.example_keys({p}, logits))"]
             call = f"kvpolicy.testing.check_replay({p}, logits, prompt_len={prompt_len}{{inv}})"
             return _format.replay_snippet(policy, setup, call, invariants,
                                           extra_imports=("import kvpolicy_numpy", "import kvpolicy.testing"))
@@ -494,7 +495,7 @@ def _sizes_property(strategy, max_heads: int, max_batch: int, max_prompt: int, l
             if args is not None and batch == 1:
                 steps, prompt = args
                 lines += [
-                    f"trace = kvpolicy_numpy.replay({p}, np.zeros(({steps}, {heads}, {steps})), prompt_len={prompt})",
+                    f"trace = kvpolicy_numpy.replay({p}, np.zeros(({steps}, {heads}, {steps})), prompt_len={prompt}, keys=kvpolicy.testing.example_keys({p}, np.zeros(({steps}, {heads}, {steps}))))",
                     "print(max(len(k[0]) for k in trace.kept if k is not None))  # tokens kept after an eviction",
                 ]
             lines.append(
@@ -525,10 +526,10 @@ def _full_cache_property(strategy, max_steps: int, max_heads: int) -> Callable[.
                 policy,
                 [
                     f"logits = {_format.array_expr(logits, spec)}",
-                    f"trace = kvpolicy_numpy.replay({p}, logits, prompt_len={prompt_len})",
+                    f"trace = kvpolicy_numpy.replay({p}, logits, prompt_len={prompt_len}, keys=kvpolicy.testing.example_keys({p}, logits))",
                     "print(trace.evictions)  # (token, size before, size after): expected none before the capacity is reached",
                 ],
-                extra_imports=("import kvpolicy_numpy",),
+                extra_imports=("import kvpolicy_numpy", "import kvpolicy.testing"),
             )
 
         _wrap("full_cache", lambda: check_full_cache(policy, logits, prompt_len), replay_code)
