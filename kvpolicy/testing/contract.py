@@ -49,7 +49,7 @@ from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
 from kvpolicy._validation import check_bool
-from kvpolicy.policy import EvictionPolicy
+from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
 
 from . import _format
 from ._driver import ContractViolation, NumpyCache, example_keys, run_replay, sequence_rows
@@ -95,6 +95,13 @@ def _check_positions(policy: EvictionPolicy, kept: np.ndarray, t: int, where: st
             raise ContractViolation(f"{where}: positions after token {t} (head {h}) are outside [0, {t}]: {row}")
     if getattr(policy, "selection", "per_head") == "shared" and kept.shape[0] > 1 and not (kept == kept[:1]).all():
         raise ContractViolation(f"{where}: selection='shared' kept different tokens per head after token {t}: {kept.tolist()}")
+
+
+def _keys_arg(policy: EvictionPolicy, expr: str, logits: str) -> str:
+    """The ``keys=`` argument of a printed replay: the kit's keys for a policy scoring keys."""
+    if policy.score_statistic not in KEY_STATISTICS:
+        return ""
+    return f", keys=kvpolicy.testing.example_keys({expr}, {logits})"
 
 
 def check_replay(
@@ -463,7 +470,7 @@ def _replay_property(strategy, invariants, max_steps: int, max_heads: int) -> Ca
         def replay_code() -> str:
             p = _format.policy_expr(policy)
             setup = [f"logits = {_format.array_expr(logits, spec)}",
-                     f"trace = kvpolicy_numpy.replay({p}, logits, prompt_len={prompt_len}, keys=kvpolicy.testing.example_keys({p}, logits))"]
+                     f"trace = kvpolicy_numpy.replay({p}, logits, prompt_len={prompt_len}{_keys_arg(policy, p, 'logits')})"]
             call = f"kvpolicy.testing.check_replay({p}, logits, prompt_len={prompt_len}{{inv}})"
             return _format.replay_snippet(policy, setup, call, invariants,
                                           extra_imports=("import kvpolicy_numpy", "import kvpolicy.testing"))
@@ -495,7 +502,8 @@ def _sizes_property(strategy, max_heads: int, max_batch: int, max_prompt: int, l
             if args is not None and batch == 1:
                 steps, prompt = args
                 lines += [
-                    f"trace = kvpolicy_numpy.replay({p}, np.zeros(({steps}, {heads}, {steps})), prompt_len={prompt}, keys=kvpolicy.testing.example_keys({p}, np.zeros(({steps}, {heads}, {steps}))))",
+                    f"trace = kvpolicy_numpy.replay({p}, np.zeros(({steps}, {heads}, {steps})), prompt_len={prompt}"
+                    f"{_keys_arg(policy, p, f'np.zeros(({steps}, {heads}, {steps}))')})",
                     "print(max(len(k[0]) for k in trace.kept if k is not None))  # tokens kept after an eviction",
                 ]
             lines.append(
@@ -526,7 +534,7 @@ def _full_cache_property(strategy, max_steps: int, max_heads: int) -> Callable[.
                 policy,
                 [
                     f"logits = {_format.array_expr(logits, spec)}",
-                    f"trace = kvpolicy_numpy.replay({p}, logits, prompt_len={prompt_len}, keys=kvpolicy.testing.example_keys({p}, logits))",
+                    f"trace = kvpolicy_numpy.replay({p}, logits, prompt_len={prompt_len}{_keys_arg(policy, p, 'logits')})",
                     "print(trace.evictions)  # (token, size before, size after): expected none before the capacity is reached",
                 ],
                 extra_imports=("import kvpolicy_numpy", "import kvpolicy.testing"),
