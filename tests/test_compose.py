@@ -99,11 +99,11 @@ def test_composed_reads_like_its_parts() -> None:
     assert q.log_n == q.decode.log_n and q.init_state() == {"decode.n_old": 0}
     assert compose(prefill=SnapKV(size=9, window=2), decode=LocalWindow(8)).default_positions == "original"
     assert p == compose(prefill=SnapKV(size=40, window=8), decode=TOVA(size=20)) and len({p, q}) == 2
-    assert repr(p) == "Composed(prefill=SnapKV(size=40, window=8, kernel=5), decode=TOVA(size=20, recent=0))"
+    assert repr(p) == "Composed(prefill=SnapKV(size=40, window=8, kernel=5, pooling='avg'), decode=TOVA(size=20, recent=0))"
     import json
 
     assert json.loads(json.dumps(p.params())) == {
-        "prefill": {"policy": "snapkv", "size": 40, "window": 8, "kernel": 5, "selection": "per_head"},
+        "prefill": {"policy": "snapkv", "size": 40, "window": 8, "kernel": 5, "pooling": "avg", "selection": "per_head"},
         "decode": {"policy": "tova", "size": 20, "recent": 0, "selection": "per_head"},
     }
     assert p != compose(prefill=SnapKV(size=40, window=8), decode=TOVA(size=21)) and p != p.decode
@@ -132,8 +132,8 @@ def test_doc_worked_example() -> None:
 
     text = DOC.read_text(encoding="utf-8")
     logits = setup(text, "snapkv-setup")["logits"]
-    p = compose(prefill=SnapKV(size=6, window=2, kernel=3), decode=H2O(heavy=3, recent=3))
-    assert "`compose(prefill=SnapKV(size=6, window=2, kernel=3),\ndecode=H2O(heavy=3, recent=3))` (capacity 7)" in text
+    p = compose(prefill=SnapKV(size=6, window=2, kernel=3, pooling="max"), decode=H2O(heavy=3, recent=3))
+    assert "`compose(prefill=SnapKV(size=6, window=2, kernel=3,\npooling=\"max\"), decode=H2O(heavy=3, recent=3))` (capacity 7)" in text
     assert p.capacity == 7
     trace = kvpolicy_numpy.replay(p, logits, 12)
     assert _kept(trace) == oracle(p, logits, 12).kept

@@ -163,12 +163,13 @@ def key_policies(draw: st.DrawFn, kind: type = Knorm, **fixed: Any) -> EvictionP
 @st.composite
 def snapkv_policies(draw: st.DrawFn, **fixed: Any) -> SnapKV:
     """:class:`~kvpolicy.SnapKV` with window 1-6, size window + 1 to window + 8, kernel 1-7 (odd),
-    both selections."""
+    both poolings, both selections."""
     window = fixed.get("window", draw(st.integers(1, 6)))
     kw = {
         "size": draw(st.integers(window + 1, window + 8)),
         "window": window,
         "kernel": draw(st.sampled_from([1, 3, 5, 7])),
+        "pooling": draw(st.sampled_from(["avg", "max"])),
         "selection": draw(selections),
     }
     return _build(SnapKV, kw, fixed)  # type: ignore[return-value]
