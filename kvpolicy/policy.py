@@ -453,6 +453,11 @@ class EvictionPolicy(ABC):
         """
         return None
 
+    #: The ``selection`` a policy declaring :class:`~kvpolicy.Param` s gets when none is given (its
+    #: derived constructor's default): ``"per_head"`` for every built-in but TOVA, whose paper
+    #: averages the attention over a layer's heads (``"shared"``).
+    default_selection: ClassVar[Selection] = "per_head"
+
     def __init__(self, *, selection: Selection = "per_head") -> None:
         self.selection: Selection = check_choice("selection", selection, ("per_head", "shared"))  # type: ignore[assignment]
 
@@ -554,7 +559,8 @@ class EvictionPolicy(ABC):
     # ----------------------------------------------------------------- niceties
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
-        if self.selection != "per_head":
+        # named when not per_head, and always for a class whose default is another (TOVA)
+        if self.selection != "per_head" or type(self).default_selection != "per_head":
             args = f"{args}, selection={self.selection!r}" if args else f"selection={self.selection!r}"
         return f"{type(self).__name__}({args})"
 

@@ -25,19 +25,21 @@ class TOVA(EvictionPolicy):
         size: tokens kept between steps, the paper's multi-state size (>= 1).
         recent: newest tokens never evicted (0 to ``size - 1``; default 0: the paper has no
             recent window).
-        selection: ``"per_head"`` (default): every KV head keeps its own tokens (GQA: scores
-            summed over the head's query heads); ``"shared"``: scores summed over all heads of
-            the layer, the same tokens kept on every head, which is the paper's variant (it
-            averages the attention over a layer's heads; a sum ranks the same way).
+        selection: ``"shared"`` (default since issue 27): scores summed over all heads of the
+            layer, the same tokens kept on every head, the paper's variant (it averages the
+            attention over a layer's heads; a sum ranks the same way) and kvpress's
+            ``TOVAPress``; ``"per_head"``: every KV head keeps its own tokens (GQA: scores summed
+            over the head's query heads). ``repr`` always names it.
 
     Example:
         >>> from kvpolicy import TOVA
-        >>> TOVA(size=64).capacity
-        65
+        >>> TOVA(size=64).capacity, TOVA(size=64)
+        (65, TOVA(size=64, recent=0, selection='shared'))
     """
 
     name = "tova"
     score_statistic = "latest"
+    default_selection = "shared"
 
     size = Param(int, minimum=1, doc="tokens kept")
     recent = Param(int, 0, minimum=0, maximum=lambda p: p.size - 1, doc="most recent tokens always kept (0: none)")
