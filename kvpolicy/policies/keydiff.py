@@ -3,15 +3,13 @@ LLM Inference in Resource-Constrained Environments")."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..params import Param
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, SizeRule, keep_at_most
 from ..registry import register_policy
+from .lowest import KeepHighest
 
 
 @register_policy
-class KeyDiff(EvictionPolicy):
+class KeyDiff(KeepHighest):
     """Keep the ``size`` tokens whose keys differ most from the others.
 
     A token's score is minus the cosine similarity of its cached key with the anchor, the mean of
@@ -41,34 +39,9 @@ class KeyDiff(EvictionPolicy):
     name = "keydiff"
     score_statistic = "key_diff"
 
-    size = Param(int, minimum=1, doc="tokens kept")
     recent = Param(int, 0, minimum=0, maximum=lambda p: p.size - 1,
                    doc="most recent tokens always kept, outside the anchor (0: the paper's rule)")
 
     @property  # type: ignore[override]
     def key_recent(self) -> int:
         return self.recent
-
-    @property
-    def capacity(self) -> int:
-        return self.size + 1
-
-    def select(self, view: CacheView) -> Array | None:
-        n = view.n_cached
-        if n <= self.size:
-            return None
-        # the keys most like the anchor (lowest scores) outside the recent window go, the earliest of a tie first
-        return view.drop_lowest(n - self.size, self.recent)
-
-    @property
-    def decode_eviction(self) -> DecodeEviction:
-        return DecodeEviction(limit=self.size, victim="lowest", recent=self.recent)
-
-    def size_rule(self) -> SizeRule:
-        return keep_at_most(self.size)
-
-    min_size = 1
-
-    @classmethod
-    def from_size(cls, size: int, **overrides: Any) -> "KeyDiff":
-        return cls(size=size, **overrides)

@@ -3,15 +3,12 @@ Compression")."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..params import Param
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, SizeRule, keep_at_most
 from ..registry import register_policy
+from .lowest import KeepHighest
 
 
 @register_policy
-class Knorm(EvictionPolicy):
+class Knorm(KeepHighest):
     """Keep the ``size`` tokens whose keys have the lowest L2 norm.
 
     A token's score is minus the L2 norm of its cached key (``score_statistic = "key_norm"``,
@@ -37,30 +34,3 @@ class Knorm(EvictionPolicy):
 
     name = "knorm"
     score_statistic = "key_norm"
-
-    size = Param(int, minimum=1, doc="tokens kept")
-    recent = Param(int, 0, minimum=0, maximum=lambda p: p.size - 1, doc="most recent tokens always kept (0: none)")
-
-    @property
-    def capacity(self) -> int:
-        return self.size + 1
-
-    def select(self, view: CacheView) -> Array | None:
-        n = view.n_cached
-        if n <= self.size:
-            return None
-        # the lowest scores (largest norms) outside the recent window go, the earliest of a tie first
-        return view.drop_lowest(n - self.size, self.recent)
-
-    @property
-    def decode_eviction(self) -> DecodeEviction:
-        return DecodeEviction(limit=self.size, victim="lowest", recent=self.recent)
-
-    def size_rule(self) -> SizeRule:
-        return keep_at_most(self.size)
-
-    min_size = 1
-
-    @classmethod
-    def from_size(cls, size: int, **overrides: Any) -> "Knorm":
-        return cls(size=size, **overrides)
