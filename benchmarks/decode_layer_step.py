@@ -1,5 +1,6 @@
 """The fixed per-layer cost of a decode step: ``EvictingLayer.update`` plus kvpolicy's attention
-function for H2O, StreamingLLM (pos-shift, sinks rotated in the storage) and the local window,
+function for H2O, StreamingLLM (pos-shift, sinks rotated in the storage), the local window, and
+Knorm and KeyDiff (scores recomputed from the held keys at every step that evicts),
 over ``--layers`` layers sharing one cache's ``ShiftMatrices`` and ``LayerGroup``, on SmolLM2-135M's shapes (3 KV
 heads, 9 query heads, head_dim 64) with ``--keys`` cached keys; against a plain cache (``torch.cat``
 of the new key and value, then SDPA). Microseconds per layer and step, one thread; no model, so
@@ -17,7 +18,7 @@ import time
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvpolicy import H2O, LocalWindow, StreamingLLM
+from kvpolicy import H2O, KeyDiff, Knorm, LocalWindow, StreamingLLM
 from kvpolicy_integrations.hf import EvictingLayer, ShiftMatrices
 from kvpolicy_torch import LayerGroup
 
@@ -79,6 +80,8 @@ def main() -> None:
         "H2O": lambda: _policy_step(H2O(heavy=n // 2, recent=n - n // 2), n, args.layers, args.steps),
         "StreamingLLM": lambda: _policy_step(StreamingLLM(sink=4, window=n - 4), n, args.layers, args.steps),
         "local window": lambda: _policy_step(LocalWindow(window=n), n, args.layers, args.steps),
+        "Knorm": lambda: _policy_step(Knorm(size=n), n, args.layers, args.steps),
+        "KeyDiff": lambda: _policy_step(KeyDiff(size=n), n, args.layers, args.steps),
     }
     for label, run in cases.items():
         print(f"{label:20s} {min(run() for _ in range(args.repeats)):6.1f} us per layer and step")

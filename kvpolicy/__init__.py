@@ -18,6 +18,8 @@ from .policies import (
     Composed,
     H2O,
     FullCache,
+    KeyDiff,
+    Knorm,
     LocalWindow,
     PyramidKV,
     Scissorhands,
@@ -31,7 +33,7 @@ from .policies import (
     threshold_ratio,
 )
 from .params import REQUIRED, Param, declared_params
-from .policy import CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling
+from .policy import KEY_STATISTICS, CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling
 from .registry import (
     ENTRY_POINT_GROUP,
     Preset,
@@ -50,9 +52,12 @@ __all__ = [
     "DecodeEviction",
     "DeferredScoresView",
     "ENTRY_POINT_GROUP",
+    "KEY_STATISTICS",
     "EvictionPolicy",
     "FullCache",
     "H2O",
+    "KeyDiff",
+    "Knorm",
     "LocalWindow",
     "LogNScaling",
     "Param",

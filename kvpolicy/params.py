@@ -175,7 +175,7 @@ def make_init(cls: type, params: tuple[Param, ...]) -> Callable[..., None]:
     ``__post_init__`` hook if it has one."""
     from .policy import EvictionPolicy, Selection
 
-    def __init__(self: Any, *args: Any, selection: Selection = "per_head", **kwargs: Any) -> None:
+    def __init__(self: Any, *args: Any, selection: Selection | None = None, **kwargs: Any) -> None:
         positional = [p for p in params if not p.keyword_only]
         if len(args) > len(positional):
             raise ValueError(f"{cls.__name__} takes at most {len(positional)} positional parameters "
@@ -193,7 +193,7 @@ def make_init(cls: type, params: tuple[Param, ...]) -> Callable[..., None]:
         for p in params:
             if p.keyword not in given and p.default is REQUIRED:
                 raise ValueError(f"{cls.__name__} needs parameter {p.keyword!r}")
-        EvictionPolicy.__init__(self, selection=selection)
+        EvictionPolicy.__init__(self, selection=cls.default_selection if selection is None else selection)
         values = {p.attribute: given.get(p.keyword, p.default) for p in params}  # type: ignore[arg-type]
         for p in params:  # raw first: dynamic bounds may read any parameter
             self.__dict__[p.attribute] = values[p.attribute]
@@ -208,7 +208,8 @@ def make_init(cls: type, params: tuple[Param, ...]) -> Callable[..., None]:
         kind = inspect.Parameter.KEYWORD_ONLY if p.keyword_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
         default = inspect.Parameter.empty if p.default is REQUIRED else p.default
         parameters.append(inspect.Parameter(p.keyword, kind, default=default, annotation=p.annotation))  # type: ignore[arg-type]
-    parameters.append(inspect.Parameter("selection", inspect.Parameter.KEYWORD_ONLY, default="per_head", annotation=Selection))
+    parameters.append(inspect.Parameter("selection", inspect.Parameter.KEYWORD_ONLY, default=getattr(cls, "default_selection", "per_head"),
+                                        annotation=Selection))
     __init__.__signature__ = inspect.Signature(parameters, return_annotation=None)  # type: ignore[attr-defined]
     __init__.__annotations__ = {p.keyword: p.annotation for p in params} | {"selection": Selection, "return": None}
     __init__.__qualname__ = f"{cls.__qualname__}.__init__"

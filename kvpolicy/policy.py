@@ -27,12 +27,17 @@ from typing import Any, Callable, ClassVar, Literal
 from ._validation import check_choice, check_float, check_int
 from .params import Param, declared_params, make_init
 
-__all__ = ["CacheView", "DecodeEviction", "DeferredScoresView", "EvictionPolicy", "LogNScaling", "ScoreStatistic", "Selection"]
+__all__ = ["KEY_STATISTICS", "CacheView", "DecodeEviction", "DeferredScoresView", "EvictionPolicy", "LogNScaling", "ScoreStatistic", "Selection"]
 
 Array = Any  # a NumPy ndarray or a torch.Tensor; anything array-api-compat understands
 Selection = Literal["per_head", "shared"]
-#: How received attention updates a token's score (:attr:`EvictionPolicy.score_statistic`).
-ScoreStatistic = Literal["accumulate", "latest", "low_history"]
+#: How a token's score is computed (:attr:`EvictionPolicy.score_statistic`): from the attention it
+#: received (``"accumulate"``, ``"latest"``, ``"low_history"``) or from the cached keys
+#: (``"key_norm"``, ``"key_diff"``, see :data:`KEY_STATISTICS`).
+ScoreStatistic = Literal["accumulate", "latest", "low_history", "key_norm", "key_diff"]
+#: The score statistics that backends compute from the cached keys (:mod:`kvpolicy.statistics`),
+#: not from attention: a policy with one needs no score capture inside attention.
+KEY_STATISTICS: tuple[str, ...] = ("key_norm", "key_diff")
 
 
 def array_namespace(x: Array) -> Any:
@@ -364,7 +369,9 @@ class EvictionPolicy(ABC):
     #: so far. ``"latest"`` (TOVA): it replaces the score, so a score is the latest query's
     #: (or prompt chunk's, see :attr:`prompt_rows`). Either way summed over the query heads of a
     #: KV head. Every backend applies it (the NumPy reference, the conformance kit,
-    #: ``kvpolicy_torch.LayerCache.accumulate``).
+    #: ``kvpolicy_torch.LayerCache.accumulate``). ``"key_norm"`` (Knorm) and ``"key_diff"``
+    #: (KeyDiff) come from the cached keys instead, recomputed by the backend before every
+    #: eviction decision (:func:`kvpolicy.statistics.key_scores`); received attention is ignored.
     score_statistic: ClassVar[ScoreStatistic] = "accumulate"
     #: For ``score_statistic = "low_history"`` (Scissorhands): the queries a token's record of
     #: low-attention events covers (:mod:`kvpolicy.statistics`); ``None`` otherwise.
@@ -389,6 +396,24 @@ class EvictionPolicy(ABC):
         # Likewise its size rule: the parent's arithmetic describes the parent's select().
         if ("select" in cls.__dict__ or "evict" in cls.__dict__) and "size_rule" not in cls.__dict__:
             cls.size_rule = EvictionPolicy.size_rule  # type: ignore[method-assign]
+
+    @property
+    def captures_attention(self) -> bool:
+        """Whether backends must capture the attention each cached token receives for this
+        policy: it reads scores (:attr:`uses_scores`) and they come from attention, not from the
+        cached keys (:data:`KEY_STATISTICS`). ``False``: decode can take plain SDPA (or flash
+        attention) with no score capture.
+
+        Example:
+            >>> from kvpolicy import H2O, StreamingLLM
+            >>> H2O(heavy=2, recent=2).captures_attention, StreamingLLM(sink=1, window=2).captures_attention
+            (True, False)
+        """
+        return self.uses_scores and self.score_statistic not in KEY_STATISTICS
+
+    #: For a key statistic (:data:`KEY_STATISTICS`): the newest tokens that are no candidates of
+    #: the statistic (KeyDiff's anchor is the mean over the candidates' keys only). ``0``: all.
+    key_recent: int = 0
 
     @property
     def prompt_rows(self) -> int | None:
@@ -427,6 +452,11 @@ class EvictionPolicy(ABC):
             (3, 3)
         """
         return None
+
+    #: The ``selection`` a policy declaring :class:`~kvpolicy.Param` s gets when none is given (its
+    #: derived constructor's default): ``"per_head"`` for every built-in but TOVA, whose paper
+    #: averages the attention over a layer's heads (``"shared"``).
+    default_selection: ClassVar[Selection] = "per_head"
 
     def __init__(self, *, selection: Selection = "per_head") -> None:
         self.selection: Selection = check_choice("selection", selection, ("per_head", "shared"))  # type: ignore[assignment]
@@ -529,7 +559,8 @@ class EvictionPolicy(ABC):
     # ----------------------------------------------------------------- niceties
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
-        if self.selection != "per_head":
+        # named when not per_head, and always for a class whose default is another (TOVA)
+        if self.selection != "per_head" or type(self).default_selection != "per_head":
             args = f"{args}, selection={self.selection!r}" if args else f"selection={self.selection!r}"
         return f"{type(self).__name__}({args})"
 

@@ -1,4 +1,19 @@
-"""Scissorhands' score statistic, on any array namespace: a per-token record of low-attention events.
+"""Score statistics every backend computes with the same functions, on any array namespace.
+
+Statistics from keys (:data:`kvpolicy.policy.KEY_STATISTICS`): :func:`key_scores` gives each cached
+token's score from the cached keys, recomputed before every eviction decision: ``"key_norm"``
+(Knorm: minus the key's L2 norm) and ``"key_diff"`` (KeyDiff: minus the cosine similarity of the
+key with the mean of the candidates' L2-normalised keys).
+
+Example:
+    >>> import numpy as np
+    >>> keys = np.array([[[3.0, 4.0], [1.0, 0.0], [0.0, 2.0]]])  # [heads, n, d]
+    >>> key_scores("key_norm", keys, np.arange(3)[None], 3).tolist()
+    [[-5.0, -1.0, -2.0]]
+    >>> [round(x, 4) for x in key_scores("key_diff", keys, np.arange(3)[None], 3)[0].tolist()]
+    [-0.9965, -0.6644, -0.7474]
+
+Scissorhands' score statistic: a per-token record of low-attention events.
 
 A policy whose :attr:`~kvpolicy.EvictionPolicy.score_statistic` is ``"low_history"`` (Scissorhands)
 keeps, as each token's score, the record of the last ``history`` queries: bit ``k`` is 1 when the
@@ -33,7 +48,16 @@ from array_api_compat import device
 
 from .policy import Array, array_namespace
 
-__all__ = ["LOW_MARGIN", "MAX_HISTORY", "history_counts", "history_record", "low_attention", "shift_history"]
+__all__ = ["COSINE_GRID", "KEY_EPS", "LOW_MARGIN", "MAX_HISTORY", "history_counts", "history_record", "key_scores", "low_attention", "shift_history"]
+
+#: KeyDiff's cosines are rounded to multiples of this (``2 ** -30``, far below the float32 precision
+#: of a model's keys): cosines equal up to float rounding, which any two candidates have when there
+#: are two (each is as similar to their mean), are then exactly equal on every backend, whatever
+#: order each sums in, and the tie goes to the earliest position.
+COSINE_GRID = 2.0**-30
+#: Norms below this count as this when a key (or KeyDiff's anchor) is L2-normalised, as
+#: ``torch.nn.functional.normalize`` does: a zero key has cosine 0 with everything.
+KEY_EPS = 1e-12
 
 #: A token is "below average" when it receives less than ``(1 - LOW_MARGIN)`` times the average:
 #: exact ties (uniform attention) stay "average" whatever the float rounding of each backend.
@@ -100,3 +124,42 @@ def history_counts(scores: Array, history: int) -> Array:
         count = count + xp.astype(bits % 2.0, xp.int64)
         bits = xp.floor(bits / 2.0)
     return xp.where(valid, count, xp.full_like(count, history + 1))
+
+
+def key_scores(statistic: str, keys: Array, positions: Array, n_seen: Any, recent: int = 0) -> Array:
+    """Float64 ``[..., n]``: each cached token's score from its key, for a key statistic.
+
+    Args:
+        statistic: ``"key_norm"``: minus the key's L2 norm (Knorm keeps the smallest norms);
+            ``"key_diff"``: minus the cosine similarity of the key with the anchor, the mean of
+            the candidates' L2-normalised keys (KeyDiff keeps the keys least like the others).
+        keys: ``[..., n, d]`` the cached keys (any real dtype; computed in float64).
+        positions: ``[..., n]`` their original positions, ``-1`` at a hole or pad (score ``+inf``:
+            never a victim, never a candidate).
+        n_seen: tokens seen so far: an int, or an array broadcastable to ``positions[..., :1]``
+            (one per row of a left-padded batch).
+        recent: the newest ``recent`` positions (``>= n_seen - recent``) are no candidates of
+            KeyDiff's anchor (its ``recent`` window, always kept anyway).
+
+    Normalising divides by ``max(norm, KEY_EPS)``; a head without candidates has anchor 0, so
+    cosine 0 everywhere. Cosines are rounded to multiples of :data:`COSINE_GRID` (ties that float
+    rounding would otherwise break differently per backend). Raises ``ValueError`` for another statistic.
+    """
+    xp = array_namespace(keys)
+    k = xp.astype(keys, xp.float64)
+    kept = positions >= 0
+    norm = xp.sqrt(xp.sum(k * k, axis=-1))
+    if statistic == "key_norm":
+        score = -norm
+    elif statistic == "key_diff":
+        unit = k / xp.clip(norm, min=KEY_EPS)[..., None]
+        candidate = kept & (positions < n_seen - recent)
+        weight = xp.astype(candidate, xp.float64)
+        count = xp.clip(xp.sum(weight, axis=-1, keepdims=True), min=1.0)
+        anchor = xp.sum(unit * weight[..., None], axis=-2) / count  # [..., d]
+        anchor = anchor / xp.clip(xp.sqrt(xp.sum(anchor * anchor, axis=-1, keepdims=True)), min=KEY_EPS)
+        cosine = xp.sum(unit * anchor[..., None, :], axis=-1)
+        score = -xp.round(cosine / COSINE_GRID) * COSINE_GRID
+    else:
+        raise ValueError(f"statistic must be one of key_norm, key_diff, got {statistic!r}")
+    return xp.where(kept, score, xp.full_like(score, xp.inf))

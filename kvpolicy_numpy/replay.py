@@ -11,10 +11,10 @@ import numpy as np
 
 from kvpolicy._validation import check_eviction_policy, check_int
 from kvpolicy.driver import evict_until_done, log_n_scales, nonfinite_rows, softmax, warn_nonfinite
-from kvpolicy.policy import EvictionPolicy
-from kvpolicy.statistics import history_record, low_attention, shift_history
+from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
+from kvpolicy.statistics import history_record, key_scores, low_attention, shift_history
 
-__all__ = ["Trace", "replay", "softmax", "validate_logits", "validate_values"]
+__all__ = ["Trace", "replay", "softmax", "validate_keys", "validate_logits", "validate_values"]
 
 
 @dataclass
@@ -122,11 +122,38 @@ def validate_values(values: object, steps: int, heads: int) -> np.ndarray:
     return values
 
 
+def validate_keys(keys: object, steps: int, heads: int, policy: EvictionPolicy) -> np.ndarray | None:
+    """``keys`` as a float64 ``[steps, heads, head_dim]`` array (``None`` stays ``None``), or
+    ``ValueError`` (shape, complex; ``None`` for a policy whose scores come from keys).
+
+    Example:
+        >>> from kvpolicy import Knorm
+        >>> validate_keys(None, 4, 2, Knorm(size=2))
+        Traceback (most recent call last):
+        ...
+        ValueError: keys are required for Knorm(size=2, recent=0): its scores come from the cached keys (score_statistic 'key_norm'); pass keys=[steps, heads, head_dim]
+    """
+    if keys is None:
+        if policy.score_statistic in KEY_STATISTICS:
+            raise ValueError(
+                f"keys are required for {policy!r}: its scores come from the cached keys (score_statistic "
+                f"{policy.score_statistic!r}); pass keys=[steps, heads, head_dim]"
+            )
+        return None
+    keys = _real_array("keys", keys)
+    if keys.ndim != 3 or keys.shape[:2] != (steps, heads) or keys.shape[2] == 0:
+        raise ValueError(
+            f"keys must have shape [steps, heads, head_dim] = [{steps}, {heads}, head_dim >= 1], got {tuple(keys.shape)}"
+        )
+    return keys
+
+
 def replay(
     policy: EvictionPolicy,
     logits: np.ndarray,
     prompt_len: int = 0,
     values: np.ndarray | None = None,
+    keys: np.ndarray | None = None,
 ) -> Trace:
     """Replay ``policy`` on pre-softmax attention logits of one sequence.
 
@@ -138,6 +165,8 @@ def replay(
         prompt_len: the first ``prompt_len`` tokens are one prefill (causal softmax per prompt
             row, scores summed over the rows), then one token per step.
         values: optional ``[steps, heads, d]`` value vectors, to compute attention outputs.
+        keys: ``[steps, heads, head_dim]`` key vectors, required by a policy whose scores come from
+            the cached keys (:data:`kvpolicy.KEY_STATISTICS`: Knorm, KeyDiff); ignored otherwise.
 
     Per step ``t``: key ``t`` is appended; query ``t`` attends with a softmax over the kept keys
     (logits times the policy's log-n scale, if any, with ``n`` the number of kept keys; prompt row
@@ -146,7 +175,10 @@ def replay(
     that probability; with ``"low_history"`` its record of low-attention events shifts in this
     query's bit, :mod:`kvpolicy.statistics`; a prompt's scores come from its last
     ``policy.prompt_rows`` rows when that is set, each row a query of a record); then the policy
-    evicts, repeatedly until it returns ``None``.
+    evicts, repeatedly until it returns ``None``. For a key statistic the scores are instead
+    recomputed from the kept tokens' keys right before each eviction
+    (:func:`kvpolicy.statistics.key_scores`, with ``n_seen = t + 1`` and the policy's
+    ``key_recent``).
 
     Example:
         >>> import numpy as np
@@ -161,6 +193,8 @@ def replay(
     prompt_len = check_int("prompt_len", prompt_len, minimum=0, maximum=steps)
     if values is not None:
         values = validate_values(values, steps, heads)
+    keys = validate_keys(keys, steps, heads, policy)
+    from_keys = policy.score_statistic in KEY_STATISTICS
 
     state = policy.init_state()
     positions = np.zeros((1, heads, 0), dtype=np.int64)
@@ -173,6 +207,9 @@ def replay(
 
     def evict_until_stable(t: int, phase: str) -> None:
         nonlocal positions, scores
+        if from_keys:  # the scores of the kept tokens, from their keys [heads, n, d]
+            cached = keys[positions[0], np.arange(heads)[:, None]]  # type: ignore[index]
+            scores = key_scores(policy.score_statistic, cached[None], positions, t + 1, policy.key_recent)
         positions, scores, rounds = evict_until_done(policy, positions, scores, t + 1, state, phase)
         evictions.extend((t, before, after) for before, after in rounds)
 

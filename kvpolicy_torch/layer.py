@@ -31,8 +31,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from kvpolicy.driver import kept_slots
-from kvpolicy.policy import DecodeEviction, EvictionPolicy
-from kvpolicy.statistics import low_attention, shift_history
+from kvpolicy.policy import KEY_STATISTICS, DecodeEviction, EvictionPolicy
+from kvpolicy.statistics import key_scores, low_attention, shift_history
 
 from .attention import decode_attention, grouped_decode
 from .checks import check_append, check_capacity, check_query
@@ -366,7 +366,8 @@ class LayerCache:
         b, h, _, d = like_k.shape
         dev = like_k.device
         # float64 for float64 models, and for records of low-attention events (exact integers < 2**52)
-        exact = like_k.dtype == torch.float64 or self.policy.score_statistic == "low_history"
+        # (and for scores from keys: computed in float64, as the reference does)
+        exact = like_k.dtype == torch.float64 or self.policy.score_statistic in ("low_history", *KEY_STATISTICS)
         score_dtype = torch.float64 if exact else torch.float32
         # zeros, not empty: a hole's key and value are read by attention (masked, weight 0), and
         # 0 * NaN from uninitialised memory would poison the row
@@ -830,7 +831,9 @@ class LayerCache:
         scores of the tokens instead; with ``"low_history"`` (Scissorhands) ``received`` is the
         step's record of low-attention events (:func:`kvpolicy.statistics.history_record` of the
         chunk's rows, or of the decode query's :func:`~kvpolicy.statistics.low_attention`), shifted
-        into each token's record. Holes and pads keep ``+inf``."""
+        into each token's record. Holes and pads keep ``+inf``. For a statistic from keys (Knorm,
+        KeyDiff: :data:`kvpolicy.KEY_STATISTICS`) ``received`` is checked and ignored: :meth:`evict`
+        computes the scores from the keys held."""
         self._require()
         scores = self._returned(3)
         if received.shape != scores.shape:
@@ -907,7 +910,7 @@ class LayerCache:
                 raise ValueError("with static_shapes, pass the window, log n and pos-shift as options=StepOptions(...)")
             storage = self._tensors()
             out, received = self._decode.attend(storage, query, scaling, options or StepOptions())  # type: ignore[union-attr]
-            if self.policy.uses_scores:
+            if self.policy.captures_attention:
                 history = self.policy.score_history if self.policy.score_statistic == "low_history" else None
                 DecodeState.accumulate(storage, received, self.policy.score_statistic, query.shape[1] // storage[0].shape[1],
                                        history)
@@ -938,7 +941,7 @@ class LayerCache:
         if extra_bias is not None:
             bias = extra_bias if bias is None else bias + extra_bias
         out, received = decode_attention(query, key, value, scaling, bias=bias, row_scale=row_scale, prefix=prefix)
-        if self.policy.uses_scores:
+        if self.policy.captures_attention:
             if self.policy.score_statistic == "low_history":
                 self.accumulate_query(received, query.shape[1] // key.shape[1])
             else:  # received comes from a softmax: its shape is right and it is real
@@ -959,6 +962,8 @@ class LayerCache:
             received = received.to(scores.dtype)
         received = torch.nan_to_num(received, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
         statistic = self.policy.score_statistic
+        if statistic in KEY_STATISTICS:
+            return  # scores come from the keys (evict computes them)
         if statistic == "latest":
             scores.copy_(torch.where(self._returned(2) >= 0, received, math.inf))
         elif statistic == "low_history":
@@ -989,6 +994,10 @@ class LayerCache:
         inside ``torch.compile``."""
         if self._device_newer:
             if self.rule is not None:
+                if self.policy.score_statistic in KEY_STATISTICS:  # scores from the keys held (Knorm, KeyDiff)
+                    k, _, pos, scores, _ = self._tensors()
+                    seen = self._decode.seen.view(-1, 1, 1)  # type: ignore[union-attr]
+                    scores.copy_(key_scores(self.policy.score_statistic, k, pos, seen, self.policy.key_recent))
                 self._decode.evict(self._tensors(), self.rule, self.policy.selection == "shared", self.reduce_scores)  # type: ignore[union-attr]
                 return []
             if torch.compiler.is_compiling():
@@ -996,6 +1005,10 @@ class LayerCache:
             return self.settle()
         self._require()
         rule = self.rule
+        if self.policy.score_statistic in KEY_STATISTICS and (
+            rule is None or self._phase != "decode" or self._extra is not None or max(self._count) > rule.limit
+        ):  # (a decode step under the one-token rule's limit evicts nothing: no scores needed)
+            self._score_keys()
         if self._phase == "decode" and rule is not None and self._extra is None:
             over = rule.limit + 1
             rows = list(range(self.batch)) if all(c == over for c in self._count) else [r for r, c in enumerate(self._count) if c == over]
@@ -1108,6 +1121,16 @@ class LayerCache:
             grown = _grown(self.slots)
             self._allocate(like_k, like_v, grown if self.policy.capacity is None else min(grown, self._full_slots))
         self._decode.load(self._seen, self._count, self.columns)
+
+    def _score_keys(self) -> None:
+        """A statistic from keys (Knorm, KeyDiff): every held token's score, recomputed from the
+        keys held (:func:`kvpolicy.statistics.key_scores`) before the policy decides; holes and
+        pads ``+inf``."""
+        k, _, pos, scores, _ = self._working()
+        seen: Any = self._seen[0]
+        if any(s != seen for s in self._seen):
+            seen = torch.tensor(self._seen, device=pos.device).view(-1, 1, 1)
+        scores.copy_(key_scores(self.policy.score_statistic, k, pos, seen, self.policy.key_recent))
 
     def _declines(self) -> bool:
         """A decode step at which the policy's size rule keeps every row's tokens: the policy

@@ -9,7 +9,7 @@ from kvpolicy._validation import check_eviction_policy, check_int
 from kvpolicy.policy import EvictionPolicy
 from kvpolicy.driver import nonfinite_rows, warn_nonfinite
 from kvpolicy.statistics import history_record, low_attention
-from kvpolicy_numpy.replay import Trace, validate_logits, validate_values
+from kvpolicy_numpy.replay import Trace, validate_keys, validate_logits, validate_values
 
 from .layer import LayerCache
 
@@ -36,6 +36,7 @@ def replay(
     logits: np.ndarray | torch.Tensor,
     prompt_len: int = 0,
     values: np.ndarray | torch.Tensor | None = None,
+    keys: np.ndarray | torch.Tensor | None = None,
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float64,
@@ -63,6 +64,9 @@ def replay(
         values_t = torch.as_tensor(validate_values(_host(values), steps, heads), dtype=dtype, device=device)
     else:
         values_t = torch.zeros(steps, heads, 1, dtype=dtype, device=device)
+    keys_np = validate_keys(None if keys is None else _host(keys), steps, heads, policy)
+    # a policy whose scores come from keys computes them from these (LayerCache holds them)
+    keys_t = torch.zeros(steps, heads, 1, dtype=dtype, device=device) if keys_np is None else torch.as_tensor(keys_np, dtype=dtype, device=device)
 
     layer = LayerCache(policy)
     kept: list[np.ndarray | None] = [None] * steps
@@ -78,7 +82,7 @@ def replay(
     if prompt_len:
         p = prompt_len
         vals = values_t[:p].permute(1, 0, 2)[None]  # [1, heads, p, d]
-        layer.append(dummy_keys.expand(1, heads, p, 1), vals)
+        layer.append(keys_t[:p].permute(1, 0, 2)[None], vals)
         scale = _scales(policy, torch.arange(1, p + 1, device=device)).to(dtype)
         rows = logits_t[:p, :, :p] * scale[:, None, None]
         causal = torch.ones(p, p, dtype=torch.bool, device=device).tril()[:, None, :]
@@ -94,7 +98,7 @@ def replay(
         kept[p - 1] = layer.positions[0].cpu().numpy().copy()
 
     for t in range(prompt_len, steps):
-        _, v_all = layer.append(dummy_keys, values_t[t][None, :, None, :])
+        _, v_all = layer.append(keys_t[t][None, :, None, :], values_t[t][None, :, None, :])
         sizes.append(layer.length)
         cached = layer.slot_positions[0]  # [heads, n] in slot order, -1 at holes
         scale = _scales(policy, torch.tensor([layer.length], device=device)).to(dtype)  # n = kept keys

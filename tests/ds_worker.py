@@ -44,6 +44,8 @@ def cases(prompt_length: int, new_tokens: int) -> dict[str, object]:
         "h2o30": make_policy("h2o", 0.3, **run),
         "h2o30shared": make_policy("h2o", 0.3, selection="shared", **run),
         "pyramid30": make_policy("pyramid_h2o", 0.3, **run),  # per-layer budgets (PyramidKV schedule)
+        "knorm30": make_policy("knorm", 0.3, **run),  # scores from keys: no capture, each rank its heads
+        "keydiff30": make_policy("keydiff", 0.3, **run),
     }
 
 

@@ -71,7 +71,7 @@ def oracle_params(policy: Any) -> dict[str, Any]:
     elif kind == "tova":
         p.update(size=policy.size, recent=policy.recent)
     elif kind == "snapkv":
-        p.update(size=policy.size, window=policy.window, kernel=policy.kernel)
+        p.update(size=policy.size, window=policy.window, kernel=policy.kernel, pooling=policy.pooling)
     elif kind == "scissorhands":
         p.update(size=policy.size, history=policy.history, drop=policy.drop, recent=policy.recent)
     elif kind == "full":
@@ -192,9 +192,11 @@ def _scissorhands_round(p: dict[str, Any], cache: list[int], bits: list[list[int
 
 
 def _snapkv_round(p: dict[str, Any], cache: list[int], scores: list[float], phase: str) -> list[int] | None:
-    """SnapKV, right after a prompt only: max-pool the scores of the tokens before the window
-    (``kernel`` positions centred on each, those that exist), keep the ``size - window`` highest
-    (picked one at a time; a tie goes to the higher own score, then the earliest), and the window."""
+    """SnapKV, right after a prompt only: pool the scores of the tokens before the window (``kernel``
+    positions centred on each: the largest of those that exist, or their sum over ``kernel``,
+    zeros past the edges, added centre first, then each pair of neighbours), keep the ``size -
+    window`` highest (picked one at a time; a tie goes to the higher own score, then the
+    earliest), and the window."""
     size, window, kernel = p["size"], p["window"], p["kernel"]
     n = len(cache)
     if phase != "prefill" or n <= size:
@@ -203,6 +205,12 @@ def _snapkv_round(p: dict[str, Any], cache: list[int], scores: list[float], phas
     half = kernel // 2
     pooled = []
     for j in range(prefix):
+        if p.get("pooling", "avg") == "avg":
+            total = scores[j]
+            for k in range(1, half + 1):
+                total = total + ((scores[j - k] if j - k >= 0 else 0.0) + (scores[j + k] if j + k < prefix else 0.0))
+            pooled.append(total / kernel)
+            continue
         best = scores[j]
         for i in range(max(0, j - half), min(prefix, j + half + 1)):
             if scores[i] > best:

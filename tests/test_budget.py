@@ -27,6 +27,7 @@ from kvpolicy import (
     threshold_ratio,
 )
 from kvpolicy.policies import small_stride
+from kvpolicy.testing import example_keys
 from kvpolicy_numpy import replay
 from strategies import any_policy
 
@@ -90,7 +91,7 @@ def test_simulate_sizes_equals_replay_sizes(policy, steps, data) -> None:
     """Sizes depend on counts only: the planner's simulation is the replay's, on any scores."""
     prompt_len = data.draw(st.integers(0, steps))
     logits = np.random.default_rng(steps).normal(size=(steps, 1, steps))
-    trace = replay(policy, logits, prompt_len)
+    trace = replay(policy, logits, prompt_len, keys=example_keys(policy, logits))  # keys: Knorm, KeyDiff
     assert simulate_sizes(policy, steps, prompt_len).tolist() == trace.sizes.tolist()
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, StreamingLLM, make_policy
+from kvpolicy import BUZZ, H2O, TOVA, FullCache, KeyDiff, LocalWindow, StreamingLLM, make_policy
 from kvpolicy.hf import EvictingCache, cache_kwargs, compile_decode_step, greedy_decode
 from kvpolicy.models import tiny_llama
 
@@ -44,6 +44,7 @@ POLICIES = {
     "local": lambda: LocalWindow(window=24),
     "pyramid_h2o": lambda: make_policy("pyramid_h2o", 0.1, context_length=PROMPT + STEPS),
     "buzz": lambda: BUZZ(sink=2, window=12, stride=3),
+    "keydiff": lambda: KeyDiff(size=24),
 }
 
 

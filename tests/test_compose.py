@@ -93,20 +93,23 @@ def test_presets_plan_like_any_policy() -> None:
 
 
 def test_composed_reads_like_its_parts() -> None:
-    p = compose(prefill=SnapKV(size=40, window=8), decode=TOVA(size=20))
+    p = compose(prefill=SnapKV(size=40, window=8, selection="shared"), decode=TOVA(size=20))  # TOVA: shared by default
     assert (p.score_statistic, p.prompt_rows, p.capacity, p.uses_scores) == ("latest", 8, 21, True)
     q = compose(prefill=SnapKV(size=40, window=8), decode=BUZZ(sink=2, window=8, stride=3, threshold=9, log_n=True))
     assert q.log_n == q.decode.log_n and q.init_state() == {"decode.n_old": 0}
     assert compose(prefill=SnapKV(size=9, window=2), decode=LocalWindow(8)).default_positions == "original"
-    assert p == compose(prefill=SnapKV(size=40, window=8), decode=TOVA(size=20)) and len({p, q}) == 2
-    assert repr(p) == "Composed(prefill=SnapKV(size=40, window=8, kernel=5), decode=TOVA(size=20, recent=0))"
+    assert p == compose(prefill=SnapKV(size=40, window=8, selection="shared"), decode=TOVA(size=20)) and len({p, q}) == 2
+    assert repr(p) == ("Composed(prefill=SnapKV(size=40, window=8, kernel=5, pooling='avg', selection='shared'), "
+                       "decode=TOVA(size=20, recent=0, selection='shared'))")
     import json
 
     assert json.loads(json.dumps(p.params())) == {
-        "prefill": {"policy": "snapkv", "size": 40, "window": 8, "kernel": 5, "selection": "per_head"},
-        "decode": {"policy": "tova", "size": 20, "recent": 0, "selection": "per_head"},
+        "prefill": {"policy": "snapkv", "size": 40, "window": 8, "kernel": 5, "pooling": "avg", "selection": "shared"},
+        "decode": {"policy": "tova", "size": 20, "recent": 0, "selection": "shared"},
     }
-    assert p != compose(prefill=SnapKV(size=40, window=8), decode=TOVA(size=21)) and p != p.decode
+    assert p != compose(prefill=SnapKV(size=40, window=8, selection="shared"), decode=TOVA(size=21)) and p != p.decode
+    with pytest.raises(ValueError, match="the same selection, got 'per_head' and 'shared'"):
+        compose(prefill=SnapKV(size=40, window=8), decode=TOVA(size=20))
 
 
 @pytest.mark.parametrize(
@@ -132,8 +135,8 @@ def test_doc_worked_example() -> None:
 
     text = DOC.read_text(encoding="utf-8")
     logits = setup(text, "snapkv-setup")["logits"]
-    p = compose(prefill=SnapKV(size=6, window=2, kernel=3), decode=H2O(heavy=3, recent=3))
-    assert "`compose(prefill=SnapKV(size=6, window=2, kernel=3),\ndecode=H2O(heavy=3, recent=3))` (capacity 7)" in text
+    p = compose(prefill=SnapKV(size=6, window=2, kernel=3, pooling="max"), decode=H2O(heavy=3, recent=3))
+    assert "`compose(prefill=SnapKV(size=6, window=2, kernel=3,\npooling=\"max\"), decode=H2O(heavy=3, recent=3))` (capacity 7)" in text
     assert p.capacity == 7
     trace = kvpolicy_numpy.replay(p, logits, 12)
     assert _kept(trace) == oracle(p, logits, 12).kept

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
 
-from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, Scissorhands, SnapKV, StreamingLLM, compose  # noqa: E402
+from kvpolicy import BUZZ, H2O, TOVA, FullCache, KeyDiff, Knorm, LocalWindow, Scissorhands, SnapKV, StreamingLLM, compose  # noqa: E402
 from kvpolicy.models import tiny_llama  # noqa: E402
 from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
 from kvpolicy_torch import LayerCache  # noqa: E402
@@ -34,6 +34,9 @@ POLICIES = [
     compose(prefill=SnapKV(12, window=4), decode=H2O(5, 6)),
     Scissorhands(12, history=6, drop=0.25, recent=2),
     Scissorhands(10, history=3, drop=0.5, recent=0),
+    Knorm(12),  # scores from keys: no score capture
+    KeyDiff(11, recent=2),
+    KeyDiff(12, selection="shared"),
 ]
 LENGTHS = (9, 14, 20, 27)  # four prompts, all different
 

@@ -93,17 +93,17 @@ def test_window_rows_score_the_prompt() -> None:
 
 def test_snapkv_keeps_what_the_window_attends_to() -> None:
     """Prompt of 12, window 2: the window's queries attend to tokens 3 and 8; every earlier row
-    attends to token 1. Pooling (kernel 3) gives 2, 3, 4 the pooled score of 3 and 7, 8, 9 that of
+    attends to token 1. Max pooling (kernel 3) gives 2, 3, 4 the pooled score of 3 and 7, 8, 9 that of
     8; four are kept: 3 (its own score breaks the tie), then 2 and 4, then 8; token 1, which
     H2O-style summed scores would keep, goes."""
     logits = np.zeros((14, 1, 14))
     logits[:10, 0, 1] = 6.0
     logits[10:, 0, 3] = 6.0
     logits[10:, 0, 8] = 5.0
-    trace = kvpolicy_numpy.replay(SnapKV(size=6, window=2, kernel=3), logits, 12)
+    trace = kvpolicy_numpy.replay(SnapKV(size=6, window=2, kernel=3, pooling="max"), logits, 12)
     assert trace.kept[11][0].tolist() == [2, 3, 4, 8, 10, 11]
     assert trace.kept[13][0].tolist() == [2, 3, 4, 8, 10, 11, 12, 13]  # decode never evicts
-    assert _kept(trace) == oracle(SnapKV(size=6, window=2, kernel=3), logits, 12).kept
+    assert _kept(trace) == oracle(SnapKV(size=6, window=2, kernel=3, pooling="max"), logits, 12).kept
 
 
 def test_snapkv_registry_and_budget() -> None:
@@ -134,7 +134,7 @@ def test_doc_worked_example() -> None:
     text = DOC.read_text(encoding="utf-8")
     ns = setup(text, "snapkv-setup")
     policy, logits = ns["policy"], ns["logits"]
-    assert policy == SnapKV(size=6, window=2, kernel=3) and logits.shape == (14, 1, 14)
+    assert policy == SnapKV(size=6, window=2, kernel=3, pooling="max") and logits.shape == (14, 1, 14)
     prompt = 12
     assert f"replay(policy, logits, prompt_len={prompt})" in text
     rows = table(text, "snapkv-prefill")
@@ -154,3 +154,7 @@ def test_doc_worked_example() -> None:
     assert trace.kept[13][0].tolist() == kept + [12, 13] and "add `12 13`" in text
     h2o = kvpolicy_numpy.replay(H2O(heavy=4, recent=2), logits, prompt).kept[prompt - 1][0].tolist()
     assert "`H2O(heavy=4, recent=2)` on the same prompt keeps `" + " ".join(map(str, h2o)) + "`" in text
+    avg = SnapKV(size=6, window=2, kernel=3)  # the default pooling
+    kept_avg = kvpolicy_numpy.replay(avg, logits, prompt).kept[prompt - 1][0].tolist()
+    assert kept_avg == oracle(avg, logits, prompt).kept[prompt - 1][0]
+    assert "average pooling (the default) keeps `" + " ".join(map(str, kept_avg)) + "`" in text

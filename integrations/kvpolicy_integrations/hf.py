@@ -517,7 +517,7 @@ class EvictingLayer(DynamicLayer):
             return out, None
         q_len = query.shape[2]
         log_n = self.policy.log_n
-        uses_scores = self.policy.uses_scores
+        uses_scores = self.policy.captures_attention  # (scores from keys: no capture, the store computes them)
         if q_len == 1:
             window = self.window_bias()
             prefix = self.take_prefix(query)

@@ -32,6 +32,8 @@ NAMES = {
     "snapkv_tova": "SnapKV + TOVA",
     "pyramidkv": "PyramidKV",
     "pyramid_h2o": "H2O, PyramidKV budgets",
+    "knorm": "Knorm",
+    "keydiff": "KeyDiff",
 }
 COLORS = {
     "local": "#7f7f7f",

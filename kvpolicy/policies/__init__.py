@@ -5,6 +5,8 @@ from .buzz import BUZZ, estimate_threshold, fixed_point_middle, small_stride, th
 from .composition import Composed, compose
 from .full import FullCache
 from .h2o import H2O
+from .keydiff import KeyDiff
+from .knorm import Knorm
 from .local import LocalWindow
 from .pyramid import PyramidKV, pyramid_sizes
 from .scissorhands import Scissorhands
@@ -20,6 +22,8 @@ __all__ = [
     "Composed",
     "FullCache",
     "H2O",
+    "KeyDiff",
+    "Knorm",
     "LocalWindow",
     "PyramidKV",
     "Scissorhands",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..policy import Array, CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling, ScoreStatistic
+from ..policy import KEY_STATISTICS, Array, CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling, ScoreStatistic
 from ..registry import get_policy, register_policy
 
 __all__ = ["Composed", "compose"]
@@ -63,6 +63,12 @@ class Composed(EvictionPolicy):
                 f"prefill and decode must keep the same kind of score: {prefill!r} and {decode!r} do not (a "
                 "Scissorhands record of low-attention events cannot serve a policy that ranks attention)"
             )
+        if len(statistics) > 1 and statistics & set(KEY_STATISTICS):
+            # one score per token serves both: scores from keys are recomputed before each decision
+            raise ValueError(
+                f"prefill and decode must keep the same kind of score: {prefill!r} and {decode!r} do not (scores "
+                "computed from the keys, Knorm's or KeyDiff's, cannot serve a policy that ranks attention)"
+            )
         super().__init__(selection=decode.selection)
         self.prefill, self.decode = prefill, decode
         self.log_n: LogNScaling | None = decode.log_n
@@ -75,6 +81,10 @@ class Composed(EvictionPolicy):
     @property  # type: ignore[override]
     def score_history(self) -> int | None:
         return self.decode.score_history
+
+    @property  # type: ignore[override]
+    def key_recent(self) -> int:
+        return self.decode.key_recent
 
     @property
     def prompt_rows(self) -> int | None:

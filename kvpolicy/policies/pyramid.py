@@ -112,6 +112,10 @@ class PyramidKV(EvictionPolicy):
     def score_history(self) -> int | None:
         return self.mean.score_history
 
+    @property  # type: ignore[override]
+    def key_recent(self) -> int:
+        return self.mean.key_recent
+
     @property
     def prompt_rows(self) -> int | None:
         return self.mean.prompt_rows

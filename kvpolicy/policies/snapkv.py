@@ -37,6 +37,35 @@ def max_pool(view: CacheView, scores: Array, kernel: int) -> Array:
     return pooled
 
 
+def avg_pool(view: CacheView, scores: Array, kernel: int) -> Array:
+    """1-D average pooling along the last axis, stride 1, ``kernel // 2`` positions each side,
+    edges padded with zeros that count (``torch.nn.functional.avg_pool1d(s, kernel, 1, kernel //
+    2)``, the SnapKV authors' and kvpress's pooling): pooled ``[j]`` is the sum of the scores of
+    the ``kernel`` positions centred on ``j`` that exist, over ``kernel``. The sum is taken in one
+    fixed order (``s[j]``, then ``s[j - k] + s[j + k]`` for ``k = 1, 2, ...``), so every backend
+    rounds alike; a NaN (``+inf`` next to ``-inf``) counts as ``-inf``.
+
+    Example:
+        >>> import numpy as np
+        >>> s = np.array([[[0.3, 0.9, 0.0, 0.0, 0.6]]])
+        >>> avg_pool(CacheView(np.arange(5)[None, None], s, 5), s, 3).round(2).tolist()
+        [[[0.4, 0.4, 0.3, 0.2, 0.2]]]
+    """
+    xp = view.xp
+    n = scores.shape[-1]
+    total = scores
+    for shift in range(1, min(kernel // 2, n - 1) + 1):  # neighbours further than n - 1 add zeros
+        pad = xp.zeros_like(scores[..., :shift])
+        left = xp.concat([pad, scores[..., : n - shift]], axis=-1)  # left[j] = scores[j - shift]
+        right = xp.concat([scores[..., shift:], pad], axis=-1)  # right[j] = scores[j + shift]
+        total = total + (left + right)
+    pooled = total / kernel
+    return xp.where(xp.isnan(pooled), -xp.inf, pooled)
+
+
+_POOLS = {"avg": avg_pool, "max": max_pool}
+
+
 @register_policy
 class SnapKV(EvictionPolicy):
     """A prefill policy: after the prompt, keep the observation window and the ``size - window``
@@ -45,7 +74,8 @@ class SnapKV(EvictionPolicy):
     A prompt's scores come from its last ``window`` rows only (the observation window:
     ``prompt_rows = window``), summed over those rows and the query heads of each KV head. Right
     after a prompt (chunk) of more than ``size`` tokens, the scores of the tokens before the last
-    ``window`` are max-pooled (``kernel`` positions centred on each token, stride 1) and the
+    ``window`` are pooled (``kernel`` positions centred on each token, stride 1: averaged by
+    default, as in the authors' code and kvpress, or their maximum) and the
     ``size - window`` highest pooled scores are kept per KV head (ties, which pooling makes
     common: the higher own score, then the earliest position; a NaN score counts as ``-inf``),
     with the last ``window`` tokens. Decode steps never evict:
@@ -58,6 +88,9 @@ class SnapKV(EvictionPolicy):
         window: the observation window, the last prompt tokens (>= 1; the paper uses 32).
         kernel: the pooling kernel, odd (>= 1; the paper's clustering kernel is 5 to 7; 1 turns
             pooling off).
+        pooling: ``"avg"`` (default: the authors' code, FasterDecoding/SnapKV ``snapkv_utils.py``,
+            and kvpress's ``SnapKVPress``; zeros past the edges count, :func:`avg_pool`) or
+            ``"max"`` (the authors' option, :func:`max_pool`).
         selection: ``"per_head"`` (default) or ``"shared"`` across KV heads.
 
     Example:
@@ -71,7 +104,8 @@ class SnapKV(EvictionPolicy):
 
     size = Param(int, minimum=lambda p: p.window + 1, doc="tokens a prompt keeps (window included)")
     window = Param(int, 32, minimum=1, doc="the observation window: last prompt positions that score, always kept")
-    kernel = Param(int, 5, minimum=1, check=lambda p, k: _odd_kernel(k), doc="max-pool kernel (odd)")
+    kernel = Param(int, 5, minimum=1, check=lambda p, k: _odd_kernel(k), doc="pooling kernel (odd)")
+    pooling = Param(str, "avg", choices=("avg", "max"), doc="how scores are pooled: avg (the authors' default) or max")
 
     @property
     def capacity(self) -> None:
@@ -88,7 +122,7 @@ class SnapKV(EvictionPolicy):
         xp = view.xp
         prefix = n - self.window
         scores = view.ranking_scores[..., :prefix]
-        pooled = max_pool(view, scores, self.kernel)
+        pooled = _POOLS[self.pooling](view, scores, self.kernel)
         # Highest pooled score first; pooling makes ties systematic (a peak's neighbours share
         # its value), so a tie goes to the higher own score, then to the earliest position: a
         # stable sort by own score, then a stable sort by pooled score.

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..params import Param
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy
 from ..registry import register_policy
+from .lowest import KeepHighest
 
 
 @register_policy
-class TOVA(EvictionPolicy):
+class TOVA(KeepHighest):
     """Keep ``size`` tokens; at capacity drop the one the *current* query attends to least.
 
     A token's score is the attention it received from the latest query only (``score_statistic
@@ -25,41 +22,18 @@ class TOVA(EvictionPolicy):
         size: tokens kept between steps, the paper's multi-state size (>= 1).
         recent: newest tokens never evicted (0 to ``size - 1``; default 0: the paper has no
             recent window).
-        selection: ``"per_head"`` (default): every KV head keeps its own tokens (GQA: scores
-            summed over the head's query heads); ``"shared"``: scores summed over all heads of
-            the layer, the same tokens kept on every head, which is the paper's variant (it
-            averages the attention over a layer's heads; a sum ranks the same way).
+        selection: ``"shared"`` (default since issue 27): scores summed over all heads of the
+            layer, the same tokens kept on every head, the paper's variant (it averages the
+            attention over a layer's heads; a sum ranks the same way) and kvpress's
+            ``TOVAPress``; ``"per_head"``: every KV head keeps its own tokens (GQA: scores summed
+            over the head's query heads). ``repr`` always names it.
 
     Example:
         >>> from kvpolicy import TOVA
-        >>> TOVA(size=64).capacity
-        65
+        >>> TOVA(size=64).capacity, TOVA(size=64)
+        (65, TOVA(size=64, recent=0, selection='shared'))
     """
 
     name = "tova"
     score_statistic = "latest"
-
-    size = Param(int, minimum=1, doc="tokens kept")
-    recent = Param(int, 0, minimum=0, maximum=lambda p: p.size - 1, doc="most recent tokens always kept (0: none)")
-
-    @property
-    def capacity(self) -> int:
-        return self.size + 1
-
-    def select(self, view: CacheView) -> Array | None:
-        n = view.n_cached
-        if n <= self.size:
-            return None
-        # the lowest latest-query scores outside the recent window go, the earliest of a tie first
-        return view.drop_lowest(n - self.size, self.recent)
-
-    @property
-    def decode_eviction(self) -> DecodeEviction:
-        # One over `size`: the lowest (latest-query) score outside the recent window goes.
-        return DecodeEviction(limit=self.size, victim="lowest", recent=self.recent)
-
-    min_size = 1
-
-    @classmethod
-    def from_size(cls, size: int, **overrides: Any) -> "TOVA":
-        return cls(size=size, **overrides)
+    default_selection = "shared"

@@ -11,15 +11,51 @@ scores and a copy of its state first).
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from kvpolicy.driver import evict_until_done, log_n_scales, read_only, softmax  # the reference's own, so the same bits
-from kvpolicy.policy import CacheView, EvictionPolicy
-from kvpolicy.statistics import history_record, low_attention, shift_history
+from kvpolicy.policy import KEY_STATISTICS, CacheView, EvictionPolicy
+from kvpolicy.statistics import history_record, key_scores, low_attention, shift_history
 
-__all__ = ["ContractViolation", "NumpyCache", "TorchCache", "Lockstep", "softmax"]
+__all__ = ["ContractViolation", "NumpyCache", "TorchCache", "Lockstep", "example_keys", "seeded_keys", "softmax"]
+
+#: Width of the keys the kit draws for a policy whose scores come from keys.
+KEY_DIM = 3
+
+
+def seeded_keys(seed: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Float64 keys ``[*shape, KEY_DIM]`` from ``seed``: small integer levels (-2..2: equal and
+    parallel keys, so exact ties of a key statistic) for half the seeds, normal draws otherwise."""
+    rng = np.random.default_rng(seed)
+    if rng.integers(2):
+        return rng.integers(-2, 3, size=(*shape, KEY_DIM)).astype(np.float64)
+    return rng.normal(size=(*shape, KEY_DIM))
+
+
+def example_keys(policy: EvictionPolicy, logits: np.ndarray, kv_heads: int | None = None) -> np.ndarray | None:
+    """The keys the kit pairs with an example's ``logits`` for a policy whose scores come from
+    keys (:data:`kvpolicy.KEY_STATISTICS`), ``None`` for any other: ``[steps, kv_heads, KEY_DIM]``
+    for ``[steps, heads, steps]`` logits (``kv_heads`` default: ``heads``), ``[batch, steps,
+    kv_heads, KEY_DIM]`` for ``[batch, steps, query_heads, steps]``. Each sequence's keys are a
+    function of its own logits (:func:`seeded_keys`), so a row of a batch gets the keys it gets alone.
+
+    Example:
+        >>> from kvpolicy import Knorm
+        >>> logits = np.zeros((5, 2, 5))
+        >>> example_keys(Knorm(size=2), logits).shape, example_keys(Knorm(size=2), logits[None], 1).shape
+        ((5, 2, 3), (1, 5, 1, 3))
+    """
+    if policy.score_statistic not in KEY_STATISTICS:
+        return None
+    logits = np.asarray(logits, dtype=np.float64)
+    if logits.ndim == 4:
+        return np.stack([example_keys(policy, row, kv_heads) for row in logits])  # type: ignore[misc]
+    steps, heads = logits.shape[:2]
+    seed = zlib.crc32(np.ascontiguousarray(logits).tobytes())
+    return seeded_keys(seed, (steps, heads if kv_heads is None else kv_heads))
 
 #: Eviction rounds after one append before a policy is declared to never stop.
 MAX_ROUNDS = 1000
@@ -108,12 +144,16 @@ class NumpyCache:
         self.rows = 1
         self.phase = "decode"
         self._evicting_rounds = 0  # in the current evict() call, against MAX_ROUNDS
+        self.all_keys = np.zeros((batch, heads, 0, KEY_DIM))  # by position (a policy scoring keys)
 
     @property
     def length(self) -> int:
         return int(self.positions.shape[-1])
 
-    def append(self, q: int) -> None:
+    def append(self, q: int, keys: np.ndarray | None = None) -> None:
+        """``q`` tokens; ``keys`` ``[batch, heads, q, KEY_DIM]`` (default zeros) for a key statistic."""
+        new_keys = np.zeros((self.batch, self.heads, q, KEY_DIM)) if keys is None else np.asarray(keys, dtype=np.float64)
+        self.all_keys = np.concatenate([self.all_keys, new_keys], axis=2)
         new = np.broadcast_to(np.arange(self.n_seen, self.n_seen + q, dtype=np.int64), (self.batch, self.heads, q))
         self.positions = np.concatenate([self.positions, new], axis=-1)
         self.scores = np.concatenate([self.scores, np.zeros((self.batch, self.heads, q))], axis=-1)
@@ -134,6 +174,9 @@ class NumpyCache:
 
     def evict(self) -> list[tuple[int, int]]:
         self._evicting_rounds = 0
+        if self.policy.score_statistic in KEY_STATISTICS:  # scores from the kept tokens' keys
+            cached = np.take_along_axis(self.all_keys, self.positions[..., None], axis=2)
+            self.scores = key_scores(self.policy.score_statistic, cached, self.positions, self.n_seen, self.policy.key_recent)
         self.positions, self.scores, rounds = evict_until_done(
             self.policy, self.positions, self.scores, self.n_seen, self.state, self.phase, decide=self._decide
         )
@@ -191,9 +234,9 @@ class TorchCache:
             return np.zeros((self.batch, self.heads, 0), dtype=np.int64)
         return self.layer.positions.cpu().numpy()
 
-    def append(self, q: int) -> None:
-        kv = self.torch.zeros(self.batch, self.heads, q, 1, dtype=self.torch.float64)
-        self.layer.append(kv, kv)
+    def append(self, q: int, keys: np.ndarray | None = None) -> None:
+        kv = self.torch.zeros(self.batch, self.heads, q, KEY_DIM, dtype=self.torch.float64)
+        self.layer.append(kv if keys is None else self.torch.from_numpy(np.ascontiguousarray(keys, dtype=np.float64)), kv)
 
     def accumulate(self, received: np.ndarray) -> None:
         # received is in position order (the NumPy side's layout); the layer's slots may have holes
@@ -260,11 +303,11 @@ class Lockstep:
     def n_seen(self) -> int:
         return self.np.n_seen
 
-    def append(self, q: int, received: np.ndarray) -> None:
-        self.np.append(q)
+    def append(self, q: int, received: np.ndarray, keys: np.ndarray | None = None) -> None:
+        self.np.append(q, keys)
         self.np.accumulate(received)
         if self.tc is not None:
-            self.tc.append(q)
+            self.tc.append(q, keys)
             self.tc.accumulate(received)
 
     def evict(self, check: Callable[[], None] | None = None) -> list[tuple[int, int]]:
@@ -371,16 +414,18 @@ def run_replay(
     run = Lockstep(policy, batch, q_heads // group, torch=torch, probe=probe, describe=describe)
     kept: list[np.ndarray | None] = [None] * steps
     check = None if on_step is None else (lambda: on_step(run.n_seen - 1, run.np.positions, []))
+    keys = example_keys(policy, logits, q_heads // group)  # [batch, steps, kv_heads, KEY_DIM] or None
+    step_keys = (lambda a, b: None) if keys is None else (lambda a, b: keys[:, a:b].transpose(0, 2, 1, 3))
     if prompt_len:
-        run.append(prompt_len, prefill_received(policy, logits, prompt_len, group))
+        run.append(prompt_len, prefill_received(policy, logits, prompt_len, group), step_keys(0, prompt_len))
         rounds = run.evict(check)
         kept[prompt_len - 1] = run.positions.copy()
     for t in range(prompt_len, steps):
-        run.np.append(1)
+        run.np.append(1, step_keys(t, t + 1))
         received = decode_received(policy, logits, t, run.np.positions, group)
         run.np.accumulate(received)
         if run.tc is not None:
-            run.tc.append(1)
+            run.tc.append(1, step_keys(t, t + 1))
             run.tc.accumulate(received)
         run.evict(check)
         kept[t] = run.positions.copy()

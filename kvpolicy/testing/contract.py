@@ -50,10 +50,10 @@ from hypothesis import strategies as st
 
 from kvpolicy._validation import check_bool
 from kvpolicy.driver import PolicyError
-from kvpolicy.policy import EvictionPolicy
+from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
 
 from . import _format
-from ._driver import ContractViolation, NumpyCache, run_replay, sequence_rows
+from ._driver import ContractViolation, NumpyCache, example_keys, run_replay, sequence_rows
 from ._util import torch_available
 from .invariants import Invariant, policy_invariants, run_invariants
 from .strategies import TIE_KINDS, LogitsSpec, gqa_shapes, logits_specs, padded_batches, policies, prompt_lengths
@@ -98,6 +98,13 @@ def _check_positions(policy: EvictionPolicy, kept: np.ndarray, t: int, where: st
         raise ContractViolation(f"{where}: selection='shared' kept different tokens per head after token {t}: {kept.tolist()}")
 
 
+def _keys_arg(policy: EvictionPolicy, expr: str, logits: str) -> str:
+    """The ``keys=`` argument of a printed replay: the kit's keys for a policy scoring keys."""
+    if policy.score_statistic not in KEY_STATISTICS:
+        return ""
+    return f", keys=kvpolicy.testing.example_keys({expr}, {logits})"
+
+
 def check_replay(
     policy: EvictionPolicy,
     logits: np.ndarray,
@@ -115,8 +122,9 @@ def check_replay(
     logits = np.asarray(logits, dtype=np.float64)
     steps = logits.shape[0]
     invs = policy_invariants(policy, invariants)
+    keys = example_keys(policy, logits)  # a policy scoring keys gets the kit's keys of this example
     try:
-        trace = kvpolicy_numpy.replay(policy, logits, prompt_len)
+        trace = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=keys)
     except RuntimeError as e:  # the reference backend's own checks
         raise ContractViolation(f"kvpolicy_numpy.replay refused {policy!r}: {e}") from None
     cap = policy.capacity
@@ -142,7 +150,7 @@ def check_replay(
         except AssertionError as e:
             raise ContractViolation(f"invariant broken: {e}") from None
         previous = kept
-    again = kvpolicy_numpy.replay(policy, logits, prompt_len)
+    again = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=keys)
     for t in range(steps):
         a, b = trace.kept[t], again.kept[t]
         if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
@@ -232,7 +240,7 @@ def check_full_cache(policy: EvictionPolicy, logits: np.ndarray, prompt_len: int
     if cap is None:
         return
     steps = logits.shape[0]
-    trace = kvpolicy_numpy.replay(policy, logits, prompt_len)
+    trace = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=example_keys(policy, logits))
     full = kvpolicy_numpy.replay(FullCache(), logits, prompt_len)
     early = [(t, before, after) for t, before, after in trace.evictions if t < cap - 1]
     if early:
@@ -468,7 +476,7 @@ def _replay_property(strategy, invariants, max_steps: int, max_heads: int) -> Ca
         def replay_code() -> str:
             p = _format.policy_expr(policy)
             setup = [f"logits = {_format.array_expr(logits, spec)}",
-                     f"trace = kvpolicy_numpy.replay({p}, logits, prompt_len={prompt_len})"]
+                     f"trace = kvpolicy_numpy.replay({p}, logits, prompt_len={prompt_len}{_keys_arg(policy, p, 'logits')})"]
             call = f"kvpolicy.testing.check_replay({p}, logits, prompt_len={prompt_len}{{inv}})"
             return _format.replay_snippet(policy, setup, call, invariants,
                                           extra_imports=("import kvpolicy_numpy", "import kvpolicy.testing"))
@@ -501,7 +509,8 @@ def _sizes_property(strategy, max_heads: int, max_batch: int, max_prompt: int, l
                 steps, prompt = args
                 lines += [
                     "# the reference backend refuses the same run (kvpolicy.driver.PolicyError):",
-                    f"# kvpolicy_numpy.replay({p}, np.zeros(({steps}, {heads}, {steps})), prompt_len={prompt})",
+                    f"# kvpolicy_numpy.replay({p}, np.zeros(({steps}, {heads}, {steps})), prompt_len={prompt}"
+                    f"{_keys_arg(policy, p, f'np.zeros(({steps}, {heads}, {steps}))')})",
                 ]
             lines.append(
                 f"kvpolicy.testing.check_sizes({p}, batch={batch}, heads={heads}, max_prompt={max_prompt}, "
@@ -531,10 +540,10 @@ def _full_cache_property(strategy, max_steps: int, max_heads: int) -> Callable[.
                 policy,
                 [
                     f"logits = {_format.array_expr(logits, spec)}",
-                    f"trace = kvpolicy_numpy.replay({p}, logits, prompt_len={prompt_len})",
+                    f"trace = kvpolicy_numpy.replay({p}, logits, prompt_len={prompt_len}{_keys_arg(policy, p, 'logits')})",
                     "print(trace.evictions)  # (token, size before, size after): expected none before the capacity is reached",
                 ],
-                extra_imports=("import kvpolicy_numpy",),
+                extra_imports=("import kvpolicy_numpy", "import kvpolicy.testing"),
             )
 
         _wrap("full_cache", lambda: check_full_cache(policy, logits, prompt_len), replay_code)

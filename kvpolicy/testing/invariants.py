@@ -95,16 +95,16 @@ def keeps_everything() -> Invariant:
 
 def builtin_invariants(policy: Any) -> list[Invariant]:
     """What each built-in policy promises: BUZZ and StreamingLLM keep their sink and window, H2O
-    and TOVA (and Scissorhands) their recent tokens, SnapKV its observation window, the local window its window, the full cache everything. Matched by exact
+    and TOVA (and Scissorhands, Knorm, KeyDiff) their recent tokens, SnapKV its observation window, the local window its window, the full cache everything. Matched by exact
     type (a subclass may change the rules); ``[]`` for any other policy."""
-    from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, Scissorhands, SnapKV, StreamingLLM
+    from kvpolicy import BUZZ, H2O, TOVA, FullCache, KeyDiff, Knorm, LocalWindow, Scissorhands, SnapKV, StreamingLLM
 
     kind = type(policy)
     if kind is SnapKV:
         return [keeps_last("window")]
     if kind in (BUZZ, StreamingLLM):
         return [keeps_first("sink"), keeps_last("window")]
-    if kind in (H2O, TOVA, Scissorhands):
+    if kind in (H2O, TOVA, Scissorhands, Knorm, KeyDiff):
         return [keeps_last("recent")]
     if kind is LocalWindow:
         return [keeps_last("window")]

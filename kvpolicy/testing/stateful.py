@@ -31,7 +31,7 @@ from kvpolicy._validation import check_bool
 from kvpolicy.policy import EvictionPolicy
 
 from . import _format
-from ._driver import ContractViolation, Lockstep, softmax, step_received
+from ._driver import ContractViolation, Lockstep, seeded_keys, softmax, step_received
 from .invariants import Invariant, policy_invariants, run_invariants
 from .strategies import LOGIT_EXTREMES, LOGIT_LEVELS, policies
 
@@ -118,7 +118,8 @@ class _Run:
                 f"{self.policy!r}: a decode step attends {lock.np.length + 1} tokens, above its capacity {cap}"
             )
         rows = self.policy.prompt_rows if q > 1 else None  # a decode step's one query either way
-        lock.append(q, received_for(kind, seed, self.batch, self.heads, lock.np.length, q, rows, policy=self.policy))
+        keys = seeded_keys(seed, (self.batch, self.heads, q))  # read by a policy scoring keys only
+        lock.append(q, received_for(kind, seed, self.batch, self.heads, lock.np.length, q, rows, policy=self.policy), keys)
 
     def _evict(self) -> list[tuple[int, int]]:
         rounds = self.lock.evict(self._check_stable)

@@ -49,7 +49,7 @@ import numpy as np
 from hypothesis import reject
 from hypothesis import strategies as st
 
-from kvpolicy import BUZZ, H2O, TOVA, EvictionPolicy, FullCache, LocalWindow, Preset, Scissorhands, SnapKV, StreamingLLM
+from kvpolicy import BUZZ, H2O, TOVA, EvictionPolicy, FullCache, KeyDiff, Knorm, LocalWindow, Preset, Scissorhands, SnapKV, StreamingLLM
 
 __all__ = [
     "LOGIT_EXTREMES",
@@ -77,6 +77,7 @@ __all__ = [
     "snapkv_policies",
     "streaming_policies",
     "tova_policies",
+    "key_policies",
 ]
 
 #: Kinds weighted towards exact ties in the accumulated scores (three in four draws), for
@@ -151,14 +152,24 @@ def tova_policies(draw: st.DrawFn, **fixed: Any) -> TOVA:
 
 
 @st.composite
+def key_policies(draw: st.DrawFn, kind: type = Knorm, **fixed: Any) -> EvictionPolicy:
+    """:class:`~kvpolicy.Knorm` or :class:`~kvpolicy.KeyDiff` (``kind``), scores from keys, with
+    size 1-12, recent 0 half the time (else 0 to size - 1), both selections."""
+    size = fixed.get("size", draw(st.integers(1, 12)))
+    recent = draw(st.one_of(st.just(0), st.integers(0, size - 1)))
+    return _build(kind, {"size": size, "recent": recent, "selection": draw(selections)}, fixed)  # type: ignore[arg-type]
+
+
+@st.composite
 def snapkv_policies(draw: st.DrawFn, **fixed: Any) -> SnapKV:
     """:class:`~kvpolicy.SnapKV` with window 1-6, size window + 1 to window + 8, kernel 1-7 (odd),
-    both selections."""
+    both poolings, both selections."""
     window = fixed.get("window", draw(st.integers(1, 6)))
     kw = {
         "size": draw(st.integers(window + 1, window + 8)),
         "window": window,
         "kernel": draw(st.sampled_from([1, 3, 5, 7])),
+        "pooling": draw(st.sampled_from(["avg", "max"])),
         "selection": draw(selections),
     }
     return _build(SnapKV, kw, fixed)  # type: ignore[return-value]
@@ -189,6 +200,8 @@ def any_policy() -> st.SearchStrategy[EvictionPolicy]:
         local_policies(),
         st.just(FullCache()),
         tova_policies(),
+        key_policies(Knorm),
+        key_policies(KeyDiff),
         scissorhands_policies(),
     )
 
@@ -200,6 +213,8 @@ _BUILTIN: dict[type, Callable[..., st.SearchStrategy]] = {
     LocalWindow: local_policies,
     FullCache: full_policies,
     TOVA: tova_policies,
+    Knorm: lambda **fixed: key_policies(Knorm, **fixed),
+    KeyDiff: lambda **fixed: key_policies(KeyDiff, **fixed),
     SnapKV: snapkv_policies,
     Scissorhands: scissorhands_policies,
 }

@@ -1,0 +1,47 @@
+"""KeyDiff (Park et al., 2025, "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context
+LLM Inference in Resource-Constrained Environments")."""
+
+from __future__ import annotations
+
+from ..params import Param
+from ..registry import register_policy
+from .lowest import KeepHighest
+
+
+@register_policy
+class KeyDiff(KeepHighest):
+    """Keep the ``size`` tokens whose keys differ most from the others.
+
+    A token's score is minus the cosine similarity of its cached key with the anchor, the mean of
+    the candidates' L2-normalised keys (``score_statistic = "key_diff"``,
+    :func:`kvpolicy.statistics.key_scores`); the candidates are the cached tokens outside the
+    newest ``recent``. Backends recompute the scores from the keys they hold before every eviction
+    decision (the anchor moves as tokens come and go), so attention is never captured. While the
+    cache holds more than ``size`` tokens, the candidate most similar to the anchor goes (the
+    lowest score; ties: the earliest position): one token per decode step, the paper's decode
+    rule; after a prompt longer than ``size``, the ``size`` least similar keys (the newest
+    ``recent`` among them) are kept in one decision, kvpress's ``KeyDiffPress`` when ``recent=0``.
+
+    Parameters:
+        size: tokens kept between steps (>= 1).
+        recent: newest tokens never evicted and not in the anchor (0 to ``size - 1``; default 0,
+            the paper's rule).
+        selection: ``"per_head"`` (default): every KV head keeps its own tokens (its own anchor);
+            ``"shared"``: scores summed over the heads of the layer, the same tokens on every head.
+
+    Example:
+        >>> from kvpolicy import KeyDiff
+        >>> p = KeyDiff(size=64, recent=4)
+        >>> p.capacity, p.key_recent, p.captures_attention
+        (65, 4, False)
+    """
+
+    name = "keydiff"
+    score_statistic = "key_diff"
+
+    recent = Param(int, 0, minimum=0, maximum=lambda p: p.size - 1,
+                   doc="most recent tokens always kept, outside the anchor (0: the paper's rule)")
+
+    @property  # type: ignore[override]
+    def key_recent(self) -> int:
+        return self.recent
