@@ -112,8 +112,10 @@ class LayerCache:
         static_shapes: attend over every allocated slot (holes masked) at every decode step, so
             the decode step's shapes never change (``torch.compile``, CUDA graphs). Default: only
             up to the frontier.
-        reserve: tokens to allocate for an unbounded policy at the first append (e.g. prompt plus
-            ``max_new_tokens``), instead of growing.
+        reserve: the most tokens the run will append (e.g. prompt plus ``max_new_tokens``): an
+            unbounded policy allocates that at the first append instead of growing, and a bounded
+            one whose capacity is larger allocates no more than that (growing up to its capacity
+            if more come).
         key_shift: StreamingLLM's pos-shift done in the storage: ``key_shift(keys, delta)`` rotates
             keys ``[batch, kv_heads, s, head_dim]`` by ``delta`` positions (RoPE), ``delta`` a list
             of host ints, one per row (callers may memoise on it: it is the same in every layer).

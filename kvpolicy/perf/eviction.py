@@ -177,7 +177,7 @@ class TorchWorkload:
         dtype = dtype or torch.float32
         g = torch.Generator().manual_seed(seed)
         extra = EVERY_STEP_ROUND + 1 if policy.capacity is None else 0
-        self.layer = LayerCache(policy, reserve=size + extra)
+        self.layer = LayerCache(policy, reserve=size + extra if policy.capacity is None else None)
         kv = torch.randn(batch, heads, size - 1, head_dim, generator=g, dtype=dtype).to(device)
         self.layer.append(kv, kv)
         received = torch.rand(batch, heads, size - 1, generator=g).to(device=device, dtype=self.layer.scores.dtype)
