@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .driver import PolicyError
+
 __all__ = ["main", "synthetic_logits", "draw_trace", "check_output_file", "check_output_folder", "describe_os_error"]
 
 
@@ -438,6 +440,9 @@ def run_command(prog: str, run: Callable[[argparse.Namespace], Any], args: argpa
         return 2
     except OSError as e:
         print(f"{prog}: error: {describe_os_error(e)}", file=sys.stderr)
+        return 2
+    except PolicyError as e:  # a (third-party) policy broke its contract: it names the policy
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
 
 
