@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -91,6 +91,12 @@ class RulerTask(Task):
             return self.options.subtasks
         has_qa = self.src.qa is not None or (self.src.paper and not self.src.hub)
         return R.SYNTHETIC_SUBTASKS + (R.QA_SUBTASKS if has_qa else ())
+
+    def check(self, policies: Sequence[str], budgets: Sequence[float]) -> None:
+        """Before the model loads: QA subtasks need QA data (``--data-dir`` or in-memory rows)."""
+        if any(R.SUBTASKS[s].family == "qa" for s in self.subtasks) and self.src.qa is None and (
+                self.src.hub or not self.src.paper):
+            raise ValueError("ruler's qa subtask needs --data-dir with nq-open-oracle.jsonl.gz (it has no hub loader)")
 
     def _resources(self) -> R.RulerResources:
         if self.src.haystack is not None:
