@@ -114,13 +114,16 @@ def run(args: argparse.Namespace) -> int:
             out.append({"id": s["id"], "subtask": s["subtask"], "press": name, "ratio": ratio, "kept_context": kept,
                         "context": int(ctx.shape[1]), "text": text})
         print(f"[{k + 1}/{len(samples)}] {s['id']} {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    import kvpress
-
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump({"kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "?", "threads": args.threads,
-                   "seconds": time.perf_counter() - t0, "outputs": out}, fh)
+        _write(args.out, out, args.threads, time.perf_counter() - t0)  # after every sample: a cut run keeps its part
     print(f"{len(out)} outputs -> {args.out}")
     return 0
+
+
+def _write(path: str, outputs: list[dict[str, Any]], threads: int, seconds: float) -> None:
+    from importlib.metadata import version
+
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump({"kvpress": version("kvpress"), "threads": threads, "seconds": seconds, "outputs": outputs}, fh)
 
 
 _TOKENIZERS: dict[str, Any] = {}
@@ -146,7 +149,7 @@ def score(args: argparse.Namespace) -> int:
         s = samples[o["id"]]
         per.setdefault((o["press"], o["ratio"]), {})[o["id"]] = R.string_match(o["text"], s["answers"], s["metric"])
     full = per[("full", 0.0)]
-    subtasks = list(dict.fromkeys(s["subtask"] for s in samples.values()))
+    subtasks = list(dict.fromkeys(samples[k]["subtask"] for k in full))
     header = ["kvpress press", "ratio", "mean", "vs full (paired s.e.)"] + subtasks
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for (press, ratio), vals in per.items():
@@ -169,10 +172,11 @@ def score(args: argparse.Namespace) -> int:
             theirs = per.get((c["policy"], ratio))
             if theirs is None:
                 continue
-            d = [mine[k] - theirs[k] for k in mine if k in theirs]
-            print(f"- {c['policy']} ratio {ratio:g}: kvpolicy {100 * _mean(list(mine.values())):.1f} (realised budget "
-                  f"{100 * c['realised_budget']:.1f}%), kvpress {100 * _mean(list(theirs.values())):.1f}; "
-                  f"difference {100 * _mean(d):+.1f} (s.e. {100 * _se(d):.1f})")
+            both = [k for k in mine if k in theirs]  # a cut kvpress run covers a prefix of the samples
+            d = [mine[k] - theirs[k] for k in both]
+            print(f"- {c['policy']} ratio {ratio:g} ({len(both)} samples): kvpolicy {100 * _mean([mine[k] for k in both]):.1f} "
+                  f"(realised budget {100 * c['realised_budget']:.1f}% over the whole run), kvpress "
+                  f"{100 * _mean([theirs[k] for k in both]):.1f}; difference {100 * _mean(d):+.1f} (s.e. {100 * _se(d):.1f})")
     return 0
 
 

@@ -64,9 +64,10 @@ class RulerTask(Task):
         group.add_argument(
             "--ruler-length", type=int, default=DEFAULT_LENGTH,
             help=f"ruler: tokens of prompt plus RULER's tokens to generate, chat template included (RULER's rule; "
-            f"default {DEFAULT_LENGTH}: SmolLM2-135M was trained at 2,048 tokens and one sample's prefill with score "
-            f"capture plus ~16 policy x budget decodes takes ~15 s at 1,024 on one CPU thread; kvpress's "
-            f"leaderboard uses 4,096; in [256, 131072])")
+            f"in [256, 131072]; default {DEFAULT_LENGTH}: on a CPU, one thread, a 1,024-token sample's prefill with "
+            f"score capture and its 16 policy x budget decodes (question and answer) take ~40 s, so a run of the 12 "
+            f"subtasks x 2 samples fits in half an hour; SmolLM2-135M accepts 8,192 positions; kvpress's "
+            f"leaderboard uses 4,096)")
         group.add_argument(
             "--ruler-subtasks", default=None,
             help="ruler: comma-separated subtasks from " + ", ".join(R.SUBTASKS)
