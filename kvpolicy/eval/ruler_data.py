@@ -302,23 +302,20 @@ def _variable_names(rng: random.Random, n: int) -> list[str]:
     return out
 
 
-def _vt_context(spec: SubtaskSpec, rng: random.Random, size: int, value: str | None = None) -> tuple[str, str, list[str]]:
+def _vt_context(spec: SubtaskSpec, rng: random.Random, size: int) -> tuple[str, str, list[str]]:
+    """Noise lines with ``n_chains`` chains of ``n_hops`` assignments; the first chain's value and names."""
     names = _variable_names(rng, spec.n_chains * (spec.n_hops + 1))
-    chains, first = [], None
+    chains, values = [], []
     for c in range(spec.n_chains):
         v = names[c * (spec.n_hops + 1) : (c + 1) * (spec.n_hops + 1)]
-        start = value if value is not None else str(rng.randint(10000, 99999))
-        chain = [f"VAR {v[0]} = {start}"] + [f"VAR {v[j + 1]} = VAR {v[j]}" for j in range(spec.n_hops)]
-        chains.append(chain)
-        if first is None:
-            first = (start, v)
+        values.append(str(rng.randint(10000, 99999)))
+        chains.append([f"VAR {v[0]} = {values[-1]}"] + [f"VAR {v[j + 1]} = VAR {v[j]}" for j in range(spec.n_hops)])
     lines = [NOISE] * size
     for chain in chains:  # each chain in order, at sorted random places among the noise
         spots = sorted(rng.choices(range(len(lines) + 1), k=len(chain)))
         for j, (at, item) in enumerate(zip(spots, chain)):
             lines.insert(at + j, item)
-    assert first is not None
-    return "\n".join(lines), first[0], first[1]
+    return "\n".join(lines), values[0], names[: spec.n_hops + 1]
 
 
 def _vt_prompt(spec: SubtaskSpec, context: str, value: str) -> tuple[str, str, str]:
