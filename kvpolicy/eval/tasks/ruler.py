@@ -195,11 +195,11 @@ class RulerTask(Task):
         if not cells:
             return []
         subtasks = list(cells[0]["groups"])
-        full = next((c for c in cells if c["kind"] == "full"), None)
+        full = next((c for c in cells if _reference(c)), None)
         header = ["policy", "ratio (kvpress)", "budget (realised)"] + subtasks + ["mean", "vs full (paired s.e.)"]
         rows = []
         for c in cells:
-            ratio = "0" if c["kind"] == "full" else (f"{1 - c['requested_budget']:.2f}" if c["requested_budget"] is not None else "-")
+            ratio = "0" if _reference(c) else (f"{1 - c['requested_budget']:.2f}" if c["requested_budget"] is not None else "-")
             vals = [_pct(c["groups"][s].get("string_match")) for s in subtasks]
             gap = "-"
             if full is not None and c is not full:
@@ -232,7 +232,7 @@ class RulerTask(Task):
         subtasks = list(cells[0]["groups"])
         fig, (ax, hm) = plt.subplots(1, 2, figsize=(13.5, 0.32 * len(cells) + 3.2),
                                      gridspec_kw={"width_ratios": [1, 1.6]})
-        full = next((c for c in cells if c["kind"] == "full"), None)
+        full = next((c for c in cells if _reference(c)), None)
         policies = list(dict.fromkeys((c.get("row") or c["policy"]) for c in cells if c["kind"] == "budget"))
         for p in policies:
             pts = sorted((1 - c["requested_budget"], 100 * c["metrics"]["string_match"]) for c in cells
@@ -254,7 +254,7 @@ class RulerTask(Task):
         hm.set_xticks(range(len(subtasks)))
         hm.set_xticklabels(subtasks, rotation=40, ha="right", fontsize=7)
         hm.set_yticks(range(len(cells)))
-        hm.set_yticklabels([(c.get("row") or c["policy"]) + ("" if c["kind"] == "full" else f" r={1 - c['requested_budget']:.2f}")
+        hm.set_yticklabels([(c.get("row") or c["policy"]) + ("" if _reference(c) else f" r={1 - c['requested_budget']:.2f}")
                             for c in cells], fontsize=7)
         fig.colorbar(im, ax=hm, shrink=0.8, label="string match (%)")
         fig.suptitle(f"{task['title']}: {model}, n = {task['n_samples']} samples", fontsize=10)
@@ -263,6 +263,11 @@ class RulerTask(Task):
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return [path]
+
+
+def _reference(cell: dict[str, Any]) -> bool:
+    """Whether a results.json cell is the reference line (a policy that keeps every token)."""
+    return cell["kind"] not in ("budget", "size", "ratio")
 
 
 def _pct(x: float | None) -> str:
