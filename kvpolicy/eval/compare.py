@@ -107,9 +107,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="comma-separated registered policy names (see `kvpolicy policies`); 'full' is the "
                    "reference line of the plots (default: %(default)s)")
-    g.add_argument("--budgets", default=",".join(f"{b:g}" for b in DEFAULT_BUDGETS),
-                   help="requested cache budgets in (0, 1), comma-separated, or 'none' (default: %(default)s); "
-                   "each policy's parameters are planned per prompt length so its realised budget is closest")
+    g.add_argument("--budgets", default=None,
+                   help="requested cache budgets in (0, 1) (the share of the cache kept), comma-separated, or 'none' "
+                   f"(default: {','.join(f'{b:g}' for b in DEFAULT_BUDGETS)}); each policy's parameters are planned per "
+                   "prompt length so its realised budget is closest")
+    g.add_argument("--compression-ratios", default=None,
+                   help="the budgets as kvpress reports them: compression ratios in (0, 1), the share of the cache "
+                   "removed, comma-separated; ratio r runs budget 1 - r (0.25,0.5,0.75 = --budgets 0.75,0.5,0.25); "
+                   "not with --budgets")
     g = p.add_argument_group("sizes (N, or TASK=N[,TASK=N...] per task)")
     # each task's own defaults, read from the registered tasks (a plug-in's included)
     samples = ", ".join(f"{name}={cls.default_samples}" for name, cls in registry.items())
@@ -148,6 +153,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0,
                    help="sample selection (0 = file order, else a seeded shuffle) and torch seed (default 0)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _budgets(args: argparse.Namespace) -> list[float]:
+    """The requested budgets: ``--budgets``, or ``1 - r`` for each of ``--compression-ratios``."""
+    ratios = getattr(args, "compression_ratios", None)
+    if ratios is not None and args.budgets is not None:
+        raise ValueError("--budgets and --compression-ratios are two spellings of the same setting: give one")
+    if ratios is not None:
+        values = parse_floats(ratios, "--compression-ratios")
+        for r in values:
+            if not 0.0 < r < 1.0:
+                raise ValueError(f"--compression-ratios must lie in (0, 1), got {r:g} (ratio 0 is the policy 'full')")
+        return [round(1.0 - r, 12) for r in values]
+    budgets = parse_floats(args.budgets, "--budgets") if args.budgets is not None else list(DEFAULT_BUDGETS)
+    for b in budgets:
+        if not 0.0 < b < 1.0:
+            raise ValueError(f"--budgets must lie in (0, 1), got {b:g} (the full cache is the policy 'full')")
+    return budgets
 
 
 def _task_names(text: str | None) -> list[str]:
@@ -282,6 +305,18 @@ class Engine:
                 out = self.forward(ids[:, start : min(start + chunk, prompt_length)], cache, logits_to_keep=1)
         return cache, out.logits[:, -1].float()
 
+    def feed(self, ids: Any, start: int, stop: int, cache: Any) -> tuple[Any, list[float], list[int]]:
+        """Feed prompt tokens ``start .. stop - 1`` (a question asked after the prefill's eviction)
+        one at a time through ``cache``, as decode steps: the policy evicts as at any decode step.
+        Returns the last step's logits and each step's cache size and full-cache size."""
+        sizes, fulls = [], []
+        with self.torch.no_grad():
+            for t in range(start, stop):
+                sizes.append(self._length(cache) + 1)
+                fulls.append(t + 1)
+                logits = self.forward(ids[:, t : t + 1], cache).logits[:, -1].float()
+        return logits, sizes, fulls
+
     def fork(self, rec: Any, policy: Any) -> Any:
         """A fresh cache for ``policy`` in the state its own prefill would have left it in."""
         from ..hf import EvictingCache
@@ -358,7 +393,8 @@ def _batches(samples: Sequence[Sample], batch_size: int) -> list[list[Sample]]:
     """Samples of identical shape (kind, length, prompt, steps) share a batch, in first-seen order."""
     groups: OrderedDict[tuple[Any, ...], list[Sample]] = OrderedDict()
     for s in samples:
-        groups.setdefault((s.kind, len(s.input_ids), s.prompt_length, s.n_score, s.max_new_tokens), []).append(s)
+        groups.setdefault((s.kind, len(s.input_ids), s.prompt_length, s.question_length, s.n_score, s.max_new_tokens),
+                          []).append(s)
     out = []
     for g in groups.values():
         for i in range(0, len(g), max(1, batch_size)):
@@ -397,14 +433,14 @@ def evaluate(
         plans: dict[tuple[int, int], list[tuple[Any, dict[str, Any]]]] = {}
         for batch in batches:
             s = batch[0]
-            key = (s.prompt_length, s.prompt_length + s.decode_steps)
+            key = (s.prefill_length, s.prefill_length + s.decode_steps)
             if key not in plans:
                 plans[key] = [c.build(*key) for c in configs]
         units = 0
         for batch in batches:
             s = batch[0]
-            built = plans[(s.prompt_length, s.prompt_length + s.decode_steps)]
-            shared = {_prefill_key(p, s.prompt_length) for (p, _), c in zip(built, configs) if not c.chunk}
+            built = plans[(s.prefill_length, s.prefill_length + s.decode_steps)]
+            shared = {_prefill_key(p, s.prefill_length) for (p, _), c in zip(built, configs) if not c.chunk}
             units += len(shared) + len(configs)
         total += units
         prepared.append((task, samples, configs, batches, plans, time.perf_counter() - t0))
@@ -422,20 +458,20 @@ def evaluate(
             }
             for batch in batches:
                 s0 = batch[0]
-                key = (s0.prompt_length, s0.prompt_length + s0.decode_steps)
+                key = (s0.prefill_length, s0.prefill_length + s0.decode_steps)
                 built = plans[key]
                 ids = torch.tensor([s.input_ids for s in batch], dtype=torch.long, device=engine.device)
                 by_prefill: dict[Any, list[int]] = defaultdict(list)
                 for i, (p, _) in enumerate(built):
-                    key = ("chunk", i) if configs[i].chunk else _prefill_key(p, s0.prompt_length)
+                    key = ("chunk", i) if configs[i].chunk else _prefill_key(p, s0.prefill_length)
                     by_prefill[key].append(i)
                 for pkey, idxs in by_prefill.items():
                     rec = first_logits = None
                     if not (isinstance(pkey, tuple) and pkey[0] == "chunk"):
-                        bar.set_postfix_str(f"{task.name}: prefill {len(batch)}x{s0.prompt_length}", refresh=False)
+                        bar.set_postfix_str(f"{task.name}: prefill {len(batch)}x{s0.prefill_length}", refresh=False)
                         log_n = built[idxs[0]][0].log_n if pkey is not None else None
                         first = built[idxs[0]][0]
-                        rec, first_logits = engine.prefill(ids, s0.prompt_length, log_n, first.prompt_rows,
+                        rec, first_logits = engine.prefill(ids, s0.prefill_length, log_n, first.prompt_rows,
                                                            recorded_history(first))
                         bar.update(1)
                     done: dict[Any, dict[str, Any]] = {}  # identical policies (e.g. both equalisations) run once
@@ -450,15 +486,19 @@ def evaluate(
                             out, cache = done[same], None
                         else:
                             if rec is None:
-                                cache, first_logits = engine.prefill_chunked(ids, s0.prompt_length, policy, configs[i].chunk)
+                                cache, first_logits = engine.prefill_chunked(ids, s0.prefill_length, policy, configs[i].chunk)
                             else:
                                 cache = engine.fork(rec, policy)
+                            asked: tuple[list[float], list[int]] = ([], [])
+                            if s0.question_length:  # the question comes after the prefill's eviction
+                                first_logits, *asked = engine.feed(ids, s0.prefill_length, s0.prompt_length, cache)
                             if s0.kind == "ppl":
                                 steps = s0.n_score
                                 out = engine.run_ppl(ids, s0.prompt_length, steps, cache, on_step=lambda k, w=what, n=steps: (
                                     bar.set_postfix_str(f"{w} step {k}/{n}")))
                             else:
                                 out = engine.run_gen(ids, first_logits, s0.max_new_tokens, cache)
+                                out["sizes"], out["fulls"] = asked[0] + out["sizes"], asked[1] + out["fulls"]
                             done[same] = out
                         a = acc[i]
                         a["seconds"] += time.perf_counter() - t0
@@ -635,10 +675,7 @@ def run(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, s
         torch.set_num_threads(threads)
     torch.manual_seed(args.seed)
     policies = _policy_names(args.policies)
-    budgets = parse_floats(args.budgets, "--budgets")
-    for b in budgets:
-        if not 0.0 < b < 1.0:
-            raise ValueError(f"--budgets must lie in (0, 1), got {b:g} (the full cache is the policy 'full')")
+    budgets = _budgets(args)
     if args.batch_size < 1:
         raise ValueError("--batch-size must be >= 1")
     names = _task_names(args.tasks)

@@ -61,6 +61,7 @@ METRIC_NAMES = {
     "mean": "mean ROUGE (geometric)",
     "em": "exact match",
     "recall": "needle-word recall",
+    "string_match": "string match",
 }
 
 STREAM_CAPTION = {
@@ -630,6 +631,13 @@ def plot_heatmap(task: dict[str, Any], path: Path, model: str) -> Path | None:
 
 
 # =========================================================================== markdown
+def _task_class(name: str) -> Any:
+    """The registered task class behind a results.json task (``None``: not registered here)."""
+    from .tasks import task_registry
+
+    return task_registry().get(name)
+
+
 def _task_md(task: dict[str, Any], plots: list[Path], out_dir: Path) -> str:
     metric = task["metric"]
     lines = [f"## {task['title']} (`{task['name']}`)", ""]
@@ -659,6 +667,9 @@ def _task_md(task: dict[str, Any], plots: list[Path], out_dir: Path) -> str:
             lines.append("")
             lines.append(_md_table(*_pivot(task, kind)))
             lines.append("")
+    cls = _task_class(task["name"])
+    if cls is not None:
+        lines += cls.report_markdown(task)
     v = verdicts(task)
     if v:
         lines.append("**Verdict (computed from the cells above):**")
@@ -768,6 +779,9 @@ def write_report(doc: dict[str, Any], out_dir: str | Path) -> dict[str, Any]:
             p = fn(task, out / f"{name}_{suffix}.png", model)
             if p is not None:
                 plots.append(p)
+        cls = _task_class(name)
+        if cls is not None:
+            plots += cls.report_plots(task, out, model)
         task["plots"] = [p.name for p in plots]
         all_plots += plots
         sections.append(_task_md(task, plots, out))

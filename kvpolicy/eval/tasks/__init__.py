@@ -5,7 +5,7 @@ A new task is one :class:`Task` subclass in ``kvpolicy/eval/tasks/<name>.py`` de
 entry point group (``name = "package.module:TaskClass"``). Its own settings are an ``Options``
 dataclass set by the flags it adds (:meth:`Task.add_arguments`); ``kvpolicy compare`` lists it,
 adds its flags and runs it like the built-ins. The built-ins: ``ppl``, ``stream``, ``summ``,
-``needle``, ``passkey``, ``qa``, ``kv`` and ``tw`` (see their modules).
+``needle``, ``passkey``, ``qa``, ``kv``, ``tw`` and ``ruler`` (see their modules).
 """
 
 from .base import (
@@ -39,6 +39,7 @@ from .passkey import PasskeyTask
 from .qa import QAOptions, QATask
 from .kv import KVOptions, KVRetrievalTask
 from .tw import TwOptions, TwSweepTask
+from .ruler import RulerOptions, RulerTask
 
 __all__ = [
     "CacheConfig",
@@ -55,6 +56,8 @@ __all__ = [
     "PerplexityTask",
     "QAOptions",
     "QATask",
+    "RulerOptions",
+    "RulerTask",
     "Sample",
     "StreamOptions",
     "StreamTask",

@@ -143,11 +143,21 @@ class Sample:
     max_new_tokens: int = 0  # gen
     target: dict[str, Any] = field(default_factory=dict)
     group: tuple[Any, ...] = ()  # e.g. (gold position,), (length, depth)
+    #: ``gen``: the last ``question_length`` prompt tokens (the question) are fed after the prefill's
+    #: eviction, one at a time, as decode steps, so the eviction after the prefill never sees them
+    #: (kvpress's default, ``query_aware=False``); 0: the whole prompt is prefilled and compressed.
+    question_length: int = 0
+
+    @property
+    def prefill_length(self) -> int:
+        """Prompt tokens prefilled before the policy's first eviction."""
+        return self.prompt_length - self.question_length
 
     @property
     def decode_steps(self) -> int:
-        """Decode steps (forwards of one token) this sample runs at most."""
-        return self.n_score if self.kind == "ppl" else max(self.max_new_tokens - 1, 0)
+        """Decode steps (forwards of one token) this sample runs at most, a question fed after the
+        prefill's eviction included."""
+        return self.n_score if self.kind == "ppl" else max(self.max_new_tokens - 1, 0) + self.question_length
 
 
 @dataclass(frozen=True)
@@ -496,6 +506,18 @@ class Task:
 
     def cli_flags(self) -> list[str]:
         """Task-specific flags that reproduce this task's samples (for the printed commands)."""
+        return []
+
+    @classmethod
+    def report_markdown(cls, task: dict[str, Any]) -> list[str]:
+        """Markdown lines this task adds to its section of ``report.md``, computed from ``task``
+        (the task as ``results.json`` holds it); none by default."""
+        return []
+
+    @classmethod
+    def report_plots(cls, task: dict[str, Any], out_dir: Path, model: str) -> list[Path]:
+        """PNG plots this task adds to the report, written into ``out_dir`` from ``task`` (as
+        ``results.json`` holds it) for ``model``; their paths (none by default)."""
         return []
 
 
