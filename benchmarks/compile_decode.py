@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     for context in [int(c) for c in args.contexts.split(",")]:
         keep = max(2, round(args.budget * context))
+        if total >= keep:
+            raise SystemExit(f"--rounds x --steps + 2 = {total} decode steps must stay below the {keep} tokens kept at "
+                             f"context {context} (the compiled limit holds that many slots)")
         pre = prefill(model, context)
         runs: dict[str, Callable[[], float]] = {}
 

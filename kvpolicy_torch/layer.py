@@ -408,6 +408,12 @@ class LayerCache:
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return self._k, self._v, self._pos, self._scores, self._bias  # type: ignore[return-value]
 
+    def _device_storage(self) -> tuple[torch.Tensor, ...]:
+        """Keys, values, positions and scores: what a static-shaped decode step reads and writes
+        (its masks come from the positions: the bias is rebuilt when the host reads the layer, and
+        a compiled step guards only on what it touches)."""
+        return self._k, self._v, self._pos, self._scores  # type: ignore[return-value]
+
     def _full(self) -> tuple[torch.Tensor, ...]:
         """The whole (contiguous) tensors compaction works in: the transient set, else the storage."""
         return self._extra if self._extra is not None else self._tensors()
@@ -634,7 +640,7 @@ class LayerCache:
             # host read and no branch on data, so a compiled step is one graph
             if (b, h, d, vs[3], keys.dtype, values.dtype, keys.device) != self._like:
                 self._check_like(keys, values)
-            self._decode.append(self._tensors(), keys, values)
+            self._decode.append(self._device_storage(), keys, values)
             self._device_newer = True
             self._phase = "decode"
             self._chunk = None
@@ -910,7 +916,7 @@ class LayerCache:
         if self._device_newer:  # a static-shaped decode step: everything on the device
             if extra_bias is not None or row_scale is not None or prefix is not None:
                 raise ValueError("with static_shapes, pass the window, log n and pos-shift as options=StepOptions(...)")
-            storage = self._tensors()
+            storage = self._device_storage()
             out, received = self._decode.attend(storage, query, scaling, options or StepOptions())  # type: ignore[union-attr]
             if self.policy.captures_attention:
                 history = self.policy.score_history if self.policy.score_statistic == "low_history" else None
@@ -997,10 +1003,10 @@ class LayerCache:
         if self._device_newer:
             if self.rule is not None:
                 if self.policy.score_statistic in KEY_STATISTICS:  # scores from the keys held (Knorm, KeyDiff)
-                    k, _, pos, scores, _ = self._tensors()
+                    k, _, pos, scores = self._device_storage()
                     seen = self._decode.seen.view(-1, 1, 1)  # type: ignore[union-attr]
                     scores.copy_(key_scores(self.policy.score_statistic, k, pos, seen, self.policy.key_recent))
-                self._decode.evict(self._tensors(), self.rule, self.policy.selection == "shared", self.reduce_scores)  # type: ignore[union-attr]
+                self._decode.evict(self._device_storage(), self.rule, self.policy.selection == "shared", self.reduce_scores)  # type: ignore[union-attr]
                 return []
             if torch.compiler.is_compiling():
                 return []  # announced by needs_settle: the caller runs settle() between compiled steps
