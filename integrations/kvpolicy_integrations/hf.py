@@ -15,6 +15,11 @@ Pieces:
   It is registered in ``AttentionInterface`` *and* ``AttentionMaskInterface`` (without the latter
   transformers passes no mask, and SDPA's top-left ``is_causal`` then drops keys during a
   chunked prefill).
+* :func:`scope_attention`: the model runs kvpolicy's attention only during the forwards given an
+  :class:`EvictingCache` (forward hooks), and its own everywhere else; each layer hands itself to
+  its attention through the kwargs transformers passes to ``cache.update`` (no global state).
+* ``static_shapes=True``: a decode step is one graph (``torch.compile(fullgraph=True)``, CUDA
+  graphs): :func:`compile_decode_step`, :func:`greedy_decode`, :meth:`EvictingCache.settle`.
 * :func:`generate`: the one-line helper.
 
 Positions: ``get_seq_length`` is the number of tokens *seen* (like transformers' own
