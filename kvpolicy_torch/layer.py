@@ -274,9 +274,9 @@ class LayerCache:
         ``torch.compile`` a static-shaped layer answers with a ``[]`` device tensor (no host read,
         as transformers' ``StaticCache``); elsewhere an int."""
         if self._decode is not None and torch.compiler.is_compiling():
-            return self._decode.columns  # (kept current by every reload: valid whoever ran last)
+            return self._decode.sequence_length()  # (kept current by every reload: valid whoever ran last)
         if self._decode is not None and self._device_newer:
-            return int(self._decode.columns)
+            return int(self._decode.sequence_length())
         return self.columns
 
     @property
@@ -640,7 +640,10 @@ class LayerCache:
             # host read and no branch on data, so a compiled step is one graph
             if (b, h, d, vs[3], keys.dtype, values.dtype, keys.device) != self._like:
                 self._check_like(keys, values)
-            self._decode.append(self._device_storage(), keys, values)
+            # (a one-token eviction keeps every row at or below limit + 1 tokens: no overflow while
+            # the storage holds more than the limit)
+            self._decode.append(self._device_storage(), keys, values,
+                                may_overflow=self.rule is None or self.slots <= self.rule.limit)
             self._device_newer = True
             self._phase = "decode"
             self._chunk = None

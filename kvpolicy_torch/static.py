@@ -90,10 +90,11 @@ class DecodeState:
         self.count = torch.zeros(batch, dtype=torch.int64, device=device)
         self.free = torch.zeros(batch, kv_heads, dtype=torch.int64, device=device)
         self.overflow = torch.zeros((), dtype=torch.bool, device=device)
-        #: ``[]``: columns appended (pads included), transformers' sequence length
-        self.columns = torch.zeros((), dtype=torch.int64, device=device)
+        #: ``[]``: columns appended (pads included) minus row 0's ``seen``, fixed between loads (a
+        #: decode step adds one to both): see :meth:`sequence_length`
+        self.column_offset = torch.zeros((), dtype=torch.int64, device=device)
         if not torch.compiler.is_compiling():
-            for t in (self.seen, self.count, self.free, self.overflow, self.columns):
+            for t in (self.seen, self.count, self.free, self.overflow, self.column_offset):
                 torch._dynamo.mark_static_address(t)
 
     def load(self, seen: list[int], count: list[int], columns: int = 0) -> None:
@@ -103,21 +104,30 @@ class DecodeState:
         self.count.copy_(torch.tensor(count, device=dev))
         self.free.copy_(self.count[:, None].expand_as(self.free))
         self.overflow.fill_(False)
-        self.columns.fill_(columns)
+        self.column_offset.fill_(columns - seen[0])
+
+    def sequence_length(self) -> torch.Tensor:
+        """``[]``: columns appended so far, pads included (transformers' sequence length)."""
+        return self.column_offset + self.seen[0]
 
     def read(self) -> tuple[list[int], list[int], int, bool]:
         """``(seen, count, columns, overflow)`` on the host: one transfer."""
-        flat = torch.cat([self.seen, self.count, self.columns.view(1), self.overflow.view(1).to(torch.int64)]).tolist()
+        flat = torch.cat([self.seen, self.count, self.column_offset.view(1), self.overflow.view(1).to(torch.int64)]).tolist()
         b = self.seen.shape[0]
-        return flat[:b], flat[b : 2 * b], flat[-2], bool(flat[-1])
+        return flat[:b], flat[b : 2 * b], flat[-2] + flat[0], bool(flat[-1])
 
     # ------------------------------------------------------------------ update
-    def append(self, storage: tuple[torch.Tensor, ...], keys: torch.Tensor, values: torch.Tensor) -> None:
+    def append(self, storage: tuple[torch.Tensor, ...], keys: torch.Tensor, values: torch.Tensor,
+               may_overflow: bool = True) -> None:
         """Write one token per row ``[batch, kv_heads, 1, head_dim]`` at each row's free slot:
-        key, value, position ``seen``; score 0 (a first statistic for every rule)."""
+        key, value, position ``seen``; score 0 (a first statistic for every rule).
+        ``may_overflow=False``: the layer knows no row can run out of slots (a one-token eviction
+        frees one at every step from ``limit + 1`` tokens on, and the storage holds more), so the
+        check is left out of the step."""
         k, v, pos, scores = storage[:4]
         slots = k.shape[2]
-        self.overflow |= (self.free >= slots).any()
+        if may_overflow:
+            self.overflow |= (self.free >= slots).any()
         at = self.free.clamp(max=slots - 1)[..., None]  # [b, h, 1]
         k.scatter_(2, at[..., None].expand(*at.shape, k.shape[-1]), keys)
         v.scatter_(2, at[..., None].expand(*at.shape, v.shape[-1]), values)
@@ -125,7 +135,6 @@ class DecodeState:
         scores.scatter_(2, at, torch.zeros_like(at, dtype=scores.dtype))
         self.seen += 1
         self.count += 1
-        self.columns += 1
         self.free += 1  # the next free slot, unless an eviction frees one (evict sets it)
 
     # ------------------------------------------------------------------ attend
