@@ -343,8 +343,7 @@ class LayerCache:
             raise ValueError("nothing was appended to this LayerCache yet: call append() first")
         if self._deferred:
             self.group.flush()  # type: ignore[union-attr]
-        if self._device_newer:
-            self._materialize()
+        self._host()
 
     # ------------------------------------------------------------------ storage
     def _slack(self, capacity: int, per_slot: int) -> int:
@@ -407,6 +406,14 @@ class LayerCache:
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return self._k, self._v, self._pos, self._scores, self._bias  # type: ignore[return-value]
+
+    def _grown_slots(self, need: int = 0) -> int:
+        """The slots after one growth step (:func:`_grown`) of a store that must hold ``need``: an
+        unbounded policy's at least ``reserve``, a bounded one's at most its planned slots."""
+        grown = _grown(self.slots, need)
+        if self.policy.capacity is None:
+            return max(grown, self.reserve or 0)
+        return min(grown, self._full_slots)
 
     def _device_storage(self) -> tuple[torch.Tensor, ...]:
         """Keys, values, positions and scores: what a static-shaped decode step reads and writes
@@ -648,8 +655,7 @@ class LayerCache:
             self._phase = "decode"
             self._chunk = None
             return self._k, self._v  # type: ignore[return-value]
-        if self._device_newer:
-            self._materialize()
+        self._host()
         if self._k is None:
             self._start(keys, values)
         elif (b, h, d, vs[3], keys.dtype, values.dtype, keys.device) != self._like:
@@ -740,8 +746,7 @@ class LayerCache:
         full = [r for r, f in enumerate(self._front) if f >= self.slots and not free[r]]
         if full:
             if self.policy.capacity is None or self.slots < self._full_slots:  # unbounded, or fewer than planned
-                self._allocate(keys, values, _grown(self.slots) if self.policy.capacity is None
-                               else min(self._full_slots, _grown(self.slots)))
+                self._allocate(keys, values, self._grown_slots())
             else:
                 self._compact_rows([r for r in full if self._count[r] < self._front[r]])
                 if any(self._front[r] >= self.slots for r in full):
@@ -813,10 +818,8 @@ class LayerCache:
         zeros = torch.zeros((), dtype=self._scores.dtype, device=dev)  # type: ignore[union-attr]
         new_scores = torch.where(new_pos >= 0, zeros, math.inf)
         new_bias = torch.where(new_pos >= 0, zeros, -math.inf)
-        if self.policy.capacity is None and start + q > self.slots:
-            self._allocate(keys, values, max(_grown(self.slots, start + q), self.reserve or 0))
-        elif self.slots < self._full_slots and start + q > self.slots:  # more than `reserve` came
-            self._allocate(keys, values, min(self._full_slots, _grown(self.slots, start + q)))
+        if (self.policy.capacity is None or self.slots < self._full_slots) and start + q > self.slots:
+            self._allocate(keys, values, self._grown_slots(start + q))  # (unbounded, or more than `reserve` came)
         if start + q <= self.slots:
             for t, new in zip(self._tensors(), (keys, values, new_pos, new_scores, new_bias)):
                 t[:, :, start : start + q] = new
@@ -1129,8 +1132,7 @@ class LayerCache:
             # a store without room for the next token grows here, between steps (an unbounded policy;
             # a bounded one sized for `reserve` tokens that is given more)
             like_k, like_v = self._k[:, :, :1], self._v[:, :, :1]  # type: ignore[index]
-            grown = _grown(self.slots)
-            self._allocate(like_k, like_v, grown if self.policy.capacity is None else min(grown, self._full_slots))
+            self._allocate(like_k, like_v, self._grown_slots())
         self._decode.load(self._seen, self._count, self.columns)
 
     def _score_keys(self) -> None:

@@ -36,7 +36,7 @@ import math
 import torch
 
 from kvpolicy.policy import DecodeEviction
-from kvpolicy.statistics import LOW_MARGIN
+from kvpolicy.statistics import low_attention, shift_history
 
 from .attention import rope_rotate
 
@@ -191,11 +191,9 @@ class DecodeState:
         received = torch.nan_to_num(received.to(scores.dtype), nan=-math.inf, posinf=math.inf, neginf=-math.inf)
         if statistic == "latest":
             new = received
-        elif statistic == "low_history":
+        elif statistic == "low_history":  # the one query's record, shifted in (as the eager layout)
             assert history is not None
-            n = kept.to(torch.float64).sum(dim=-1, keepdim=True).clamp(min=1)
-            low = kept & (received.to(torch.float64) < (1 - LOW_MARGIN) * group / n)
-            new = (scores % 2.0 ** (history - 1)) * 2.0 + low.to(torch.float64)
+            new = shift_history(scores, low_attention(received, group, kept=kept).to(torch.float64), 1, history)
         else:
             new = scores + received
         scores.copy_(torch.where(kept, new, math.inf))
