@@ -14,6 +14,7 @@ Example:
 from .driver import PolicyError
 from .budget import PolicyPlan, make_policy, plan_capacity, plan_policy, realised_budget, simulate_sizes
 from .policies import (
+    AdaKV,
     BUZZ,
     Composed,
     H2O,
@@ -33,7 +34,7 @@ from .policies import (
     threshold_ratio,
 )
 from .params import REQUIRED, Param, declared_params
-from .policy import KEY_STATISTICS, CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling
+from .policy import KEY_STATISTICS, CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling, Ranking
 from .registry import (
     ENTRY_POINT_GROUP,
     Preset,
@@ -46,6 +47,7 @@ from .registry import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaKV",
     "BUZZ",
     "Composed",
     "CacheView",
@@ -66,6 +68,7 @@ __all__ = [
     "PolicyPlan",
     "Preset",
     "PyramidKV",
+    "Ranking",
     "Scissorhands",
     "SnapKV",
     "StreamingLLM",

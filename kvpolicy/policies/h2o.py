@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..params import Param
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, SizeRule, keep_at_most
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Ranking, SizeRule, keep_at_most
 from ..registry import register_policy
 
 
@@ -45,6 +45,13 @@ class H2O(EvictionPolicy):
             return None
         # the lowest accumulated scores outside the recent window go, the earliest of a tie first
         return view.drop_lowest(n - self.heavy - self.recent, self.recent)
+
+    def head_budget(self, n_cached: int, phase: str) -> int | None:
+        return self.heavy + self.recent if n_cached > self.heavy + self.recent else None
+
+    def ranking(self, view: CacheView) -> Ranking:
+        # select's order: the lowest score goes first, the earliest of a tie; the recent window stays
+        return view.lowest_first(self.recent)
 
     @property
     def decode_eviction(self) -> DecodeEviction:

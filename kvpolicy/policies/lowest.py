@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..params import Param
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, SizeRule, keep_at_most
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Ranking, SizeRule, keep_at_most
 
 
 class KeepHighest(EvictionPolicy):
@@ -35,6 +35,13 @@ class KeepHighest(EvictionPolicy):
             return None
         # the lowest scores outside the recent window go, the earliest of a tie first
         return view.drop_lowest(n - self.size, self.recent)
+
+    def head_budget(self, n_cached: int, phase: str) -> int | None:
+        return self.size if n_cached > self.size else None
+
+    def ranking(self, view: CacheView) -> Ranking:
+        # select's order: the lowest score goes first, the earliest of a tie; the recent window stays
+        return view.lowest_first(self.recent)
 
     @property
     def decode_eviction(self) -> DecodeEviction:
