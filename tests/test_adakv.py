@@ -231,3 +231,35 @@ def test_doc_worked_example() -> None:
         assert ints(r[4]) == [int(j) for j in trace.kept[t][h] if j >= 0]
         assert ints(r[5]) == h2o.kept[t][h].tolist()
     assert [int((k >= 0).sum()) for k in (trace.kept[4], trace.kept[5])] == [6, 6]
+
+
+# ---------------------------------------------------------------------------- the conformance kit
+def test_the_kit_passes_adakv_over_every_scorer() -> None:
+    from kvpolicy.testing import check_policy
+
+    report = check_policy(AdaKV, torch=False)  # the torch backend: tests/test_adakv_torch.py
+    assert report.passed == ["replay", "sizes", "full_cache", "backends", "stateful"]
+
+
+def test_the_kit_refuses_holes_after_tokens() -> None:
+    """A head-wise policy whose rows put holes after tokens (or keep every slot without a hole)
+    breaks the contract: the kit and the backends say so."""
+    from kvpolicy import PolicyError
+    from kvpolicy.testing import ContractViolation, check_policy
+
+    class TrailingHoles(H2O):
+        name = "trailing_holes_demo"
+
+        def select(self, view):
+            keep = super().select(view)
+            if keep is None:
+                return None
+            keep = keep.copy()
+            keep[:, -1, -1] = -1  # the last head's newest slot as a hole, after its tokens
+            return keep
+
+    with pytest.raises(ContractViolation, match="holes"):
+        check_policy(TrailingHoles, {"heavy": st.just(2), "recent": st.just(1)}, checks=["backends"], torch=False,
+                     settings=settings(max_examples=5, deadline=None))
+    with pytest.raises(PolicyError, match="hole"):
+        replay(TrailingHoles(2, 1), np.zeros((6, 2, 6)), prompt_len=5)
