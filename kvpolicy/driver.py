@@ -191,7 +191,7 @@ def check_keep(policy: EvictionPolicy, keep: Any, positions: Any, *, values: boo
         raise PolicyError(f"{policy!r}.select() returned slots of dtype {keep.dtype}; expected integers (int64)")
     keep = xp.astype(keep, xp.int64)
     k = keep.shape[-1]
-    if k > n or (k == n and not values):
+    if k > n or (k == n and not values and not policy.ragged_heads):  # (a ragged keep may make holes only)
         raise PolicyError(f"{policy!r} asked to evict but kept {k} of {n} tokens (select() returns None to keep every token)")
     if k and values:
         # holes (-1) may lead a row (head-wise budgets); what follows ascends strictly in [0, n)

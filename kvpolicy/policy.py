@@ -538,6 +538,11 @@ class EvictionPolicy(ABC):
         cls = type(self)
         return cls.ranking is not EvictionPolicy.ranking and cls.head_budget is not EvictionPolicy.head_budget
 
+    #: ``True`` for head-wise budgets (:class:`~kvpolicy.AdaKV`): a layer's heads may hold different
+    #: numbers of tokens, so ``select`` may return rows that start with holes (``-1``) and views
+    #: may show them; backends then count a row's slots as its widest head's.
+    ragged_heads: ClassVar[bool] = False
+
     #: ``False`` for a policy that never evicts (the full cache): the planners give it budget 1
     #: and refuse a capacity, and eval runs it once, as the reference line, not per budget.
     evicts: ClassVar[bool] = True

@@ -237,7 +237,7 @@ def test_doc_worked_example() -> None:
 def test_the_kit_passes_adakv_over_every_scorer() -> None:
     from kvpolicy.testing import check_policy
 
-    report = check_policy(AdaKV, torch=False)  # the torch backend: tests/test_adakv_torch.py
+    report = check_policy(AdaKV)  # with the torch backend in lockstep when installed
     assert report.passed == ["replay", "sizes", "full_cache", "backends", "stateful"]
 
 

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
 
-from kvpolicy import BUZZ, H2O, TOVA, FullCache, KeyDiff, Knorm, LocalWindow, Scissorhands, SnapKV, StreamingLLM, compose  # noqa: E402
+from kvpolicy import BUZZ, H2O, AdaKV, TOVA, FullCache, KeyDiff, Knorm, LocalWindow, Scissorhands, SnapKV, StreamingLLM, compose  # noqa: E402
 from kvpolicy.models import tiny_llama  # noqa: E402
 from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
 from kvpolicy_torch import LayerCache  # noqa: E402
@@ -37,6 +37,9 @@ POLICIES = [
     Knorm(12),  # scores from keys: no score capture
     KeyDiff(11, recent=2),
     KeyDiff(12, selection="shared"),
+    AdaKV(H2O(6, 6), 0.2),  # head-wise budgets: heads hold different numbers of tokens
+    AdaKV(KeyDiff(11, recent=2), 0.0),
+    AdaKV(SnapKV(12, window=4), 0.5),
 ]
 LENGTHS = (9, 14, 20, 27)  # four prompts, all different
 

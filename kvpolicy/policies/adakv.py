@@ -114,6 +114,7 @@ class AdaKV(EvictionPolicy):
     """
 
     name = "adakv"
+    ragged_heads = True
 
     def __init__(self, scorer: EvictionPolicy, alpha_safeguard: float = 0.2) -> None:
         if not isinstance(scorer, EvictionPolicy):

@@ -332,13 +332,15 @@ def check_untouched(policy: EvictionPolicy, before: tuple[np.ndarray, np.ndarray
     for b, h in np.ndindex(*pos1.shape[:2]):
         real = pos0[b, h] >= 0  # (a slot freed by a one-token eviction reads as position -1 until compacted)
         p0, s0 = pos0[b, h][real], sc0[b, h][real]
-        where = np.searchsorted(p0, pos1[b, h])
+        held = pos1[b, h] >= 0  # (holes lead a head that keeps fewer, under head-wise budgets)
+        p1, s1 = pos1[b, h][held], sc1[b, h][held]
+        where = np.searchsorted(p0, p1)
         same = bool(np.all(where < p0.shape[-1]))
         if same:
             # (a key statistic's scores are the backend's own, recomputed from the keys at each
             # eviction: only the positions are the policy's to leave alone)
-            scores_kept = policy.score_statistic in KEY_STATISTICS or np.array_equal(s0[where], sc1[b, h], equal_nan=True)
-            same = np.array_equal(p0[where], pos1[b, h]) and scores_kept
+            scores_kept = policy.score_statistic in KEY_STATISTICS or np.array_equal(s0[where], s1, equal_nan=True)
+            same = np.array_equal(p0[where], p1) and scores_kept
         if not same:
             raise ContractViolation(
                 f"{policy!r} wrote into the view it was shown on the torch backend (row {b}, KV head {h}: the kept "

@@ -1,0 +1,156 @@
+"""AdaKV head-wise budgets on the torch backend and in the transformers cache.
+
+Differential: ``kvpolicy_torch.replay`` (LayerCache) keeps what ``kvpolicy_numpy.replay`` keeps,
+holes included; a LayerCache's kept bytes are the layer's budget while its storage is the widest
+head's slots; attention never reads a hole; layer 0 of an evicting greedy generation on a tiny
+random-weight Llama (float64) keeps what the reference keeps on that layer's logits and keys. Fast
+(tiny shapes and models); left-padded batches are in tests/test_ragged.py, the kit in
+tests/test_adakv.py, the embedded model in the slow test at the end.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvpolicy_numpy
+from kvpolicy import H2O, TOVA, AdaKV, KeyDiff, Knorm, SnapKV
+
+torch = pytest.importorskip("torch")
+import kvpolicy_torch  # noqa: E402
+from kvpolicy_torch import LayerCache  # noqa: E402
+
+SCORERS = st.one_of(
+    st.builds(H2O, heavy=st.integers(1, 6), recent=st.integers(1, 4)),
+    st.builds(TOVA, size=st.integers(1, 8), selection=st.just("per_head")),
+    st.builds(Knorm, size=st.integers(1, 8)),
+    st.builds(KeyDiff, size=st.integers(2, 8), recent=st.integers(0, 1)),
+    st.builds(SnapKV, size=st.integers(3, 10), window=st.integers(1, 2), kernel=st.sampled_from([1, 3, 5])),
+)
+
+
+@given(SCORERS, st.sampled_from([0.0, 0.2, 0.6, 1.0]), st.integers(1, 4), st.integers(2, 26), st.data())
+@settings(max_examples=80, deadline=None)
+def test_torch_keeps_what_the_reference_keeps(scorer, alpha, heads, steps, data) -> None:
+    prompt = data.draw(st.integers(0, steps - 1))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    logits = rng.integers(-2, 3, size=(steps, heads, steps)).astype(np.float64)  # ties
+    keys = rng.integers(-2, 3, size=(steps, heads, 4)).astype(np.float64)
+    policy = AdaKV(scorer, alpha)
+    want = kvpolicy_numpy.replay(policy, logits, prompt, keys=keys)
+    got = kvpolicy_torch.replay(policy, logits, prompt, keys=keys)
+    for a, b in zip(want.kept, got.kept):
+        assert (a is None and b is None) or np.array_equal(a, b)
+    assert want.sizes.tolist() == got.sizes.tolist()
+
+
+def _layer(policy, heads=3, prompt=40, decode=25, seed=0):
+    """A LayerCache after a ``prompt``-token prefill and ``decode`` steps of random attention."""
+    g = torch.Generator().manual_seed(seed)
+    layer = LayerCache(policy)
+    k = torch.randn(1, heads, prompt, 8, generator=g, dtype=torch.float64)
+    layer.append(k, k.clone())
+    head_weight = torch.tensor([0.2, 1.0, 5.0][:heads], dtype=torch.float64)[None, :, None]  # sharp to flat
+    layer.accumulate(torch.softmax(torch.randn(1, heads, prompt, generator=g, dtype=torch.float64) * head_weight, -1))
+    layer.evict()
+    for _ in range(decode):
+        k = torch.randn(1, heads, 1, 8, generator=g, dtype=torch.float64)
+        layer.append(k, k.clone())
+        n = layer.slot_positions.shape[-1]
+        received = torch.softmax(torch.randn(1, heads, n, generator=g, dtype=torch.float64) * head_weight, -1)
+        layer.accumulate(received * (layer.slot_positions >= 0))
+        layer.evict()
+    return layer
+
+
+@pytest.mark.parametrize("policy", [AdaKV(H2O(8, 4), 0.2), AdaKV(H2O(8, 4), 0.0), AdaKV(KeyDiff(12), 0.2)], ids=repr)
+def test_kept_bytes_are_the_budget_and_storage_the_widest_head(policy) -> None:
+    heads = 3
+    layer = _layer(policy, heads)
+    per_token = 2 * 8 * 8  # a key and a value of 8 float64
+    b = policy.share
+    assert layer.kv_bytes == heads * b * per_token  # the layer's budget, exactly
+    pos = layer.positions[0]
+    held = (pos >= 0).sum(-1)
+    assert int(held.sum()) == heads * b and int(held.min()) >= policy.floor
+    # the storage: slots for the widest head (allocated for the mean, grown when a head needs
+    # more, never past the most one head can hold)
+    widest = int(held.max())
+    assert layer.length == widest and widest <= policy.head_capacity(heads) - 1
+    assert max(policy.capacity, widest + 1) <= layer.slots <= policy.head_capacity(heads)
+    assert layer.nbytes >= layer.kv_bytes
+
+
+def test_attention_never_reads_a_hole() -> None:
+    """A decode step's output equals attention over each head's held tokens alone."""
+    policy = AdaKV(H2O(6, 3), 0.0)
+    layer = _layer(policy, heads=3, decode=10, seed=1)
+    k = torch.randn(1, 3, 1, 8, dtype=torch.float64)
+    K, V = layer.append(k, k.clone())
+    q = torch.randn(1, 3, 1, 8, dtype=torch.float64)
+    out = layer.attend(q, 0.35)
+    pos = layer.slot_positions[0]
+    assert bool((pos < 0).any())  # some head holds holes
+    for h in range(3):
+        held = pos[h] >= 0
+        w = torch.softmax((K[0, h][held] @ q[0, h, 0]) * 0.35, 0)
+        torch.testing.assert_close(out[0, 0, h] if out.ndim == 4 and out.shape[1] == 1 else out[0, h, 0], w @ V[0, h][held])
+
+
+def test_static_shapes_and_chunks_after_a_headwise_eviction_are_refused() -> None:
+    with pytest.raises(ValueError, match="static_shapes"):
+        LayerCache(AdaKV(H2O(4, 2)), static_shapes=True)
+    layer = _layer(AdaKV(H2O(6, 3), 0.0), heads=3, decode=5)
+    k = torch.randn(1, 3, 4, 8, dtype=torch.float64)
+    layer.append(k, k.clone())
+    with pytest.raises(NotImplementedError, match="per KV head"):
+        layer.chunk_mask()
+
+
+# ============================================================================ transformers
+transformers = pytest.importorskip("transformers")
+from kvpolicy.models import tiny_llama  # noqa: E402
+from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
+
+
+def _layer0(model, tokens):
+    """Layer 0's pre-softmax logits ``[steps, heads, steps]`` and RoPE'd keys in a full forward."""
+    from layer0 import layer0_inputs
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    attn = model.model.layers[0].self_attn
+    hidden, (cos, sin) = layer0_inputs(model, tokens)
+    b, s, _ = hidden.shape
+    d = attn.head_dim
+    q = attn.q_proj(hidden).view(b, s, -1, d).transpose(1, 2)
+    k = attn.k_proj(hidden).view(b, s, -1, d).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    logits = torch.einsum("bhqd,bhkd->bqhk", q, k) * attn.scaling
+    return logits[0].detach().double().numpy(), k[0].transpose(0, 1).detach().double().numpy()
+
+
+@pytest.mark.parametrize(
+    "policy", [AdaKV(H2O(6, 4), 0.2), AdaKV(KeyDiff(10, recent=2), 0.0), AdaKV(SnapKV(12, window=4), 0.5)], ids=repr
+)
+def test_evicting_cache_keeps_what_the_reference_keeps_on_layer0(policy) -> None:
+    """Layer 0 of an evicting greedy generation (prefill of 30, 20 decode steps; 4 heads, no GQA)
+    keeps what kvpolicy_numpy.replay keeps on layer 0's logits and keys, holes included; every
+    layer holds the layer budget."""
+    model = tiny_llama(num_layers=2, heads=4, kv_heads=4, head_dim=8, vocab=96, seed=3).double()
+    ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(5))
+    cache = EvictingCache(policy, model)
+    with torch.no_grad():
+        out = model(ids, **cache_kwargs(model, cache))
+        tokens = [ids]
+        for _ in range(20):
+            tok = out.logits[:, -1:].argmax(-1)
+            tokens.append(tok)
+            out = model(tok, **cache_kwargs(model, cache))
+    logits, keys = _layer0(model, torch.cat(tokens, dim=1))
+    trace = kvpolicy_numpy.replay(policy, logits, prompt_len=ids.shape[1], keys=keys)
+    np.testing.assert_array_equal(cache.layers[0].store.positions[0].numpy(), trace.kept[-1])
+    for layer in cache.layers:
+        held = int((layer.store.positions >= 0).sum())
+        assert held == 4 * (policy.share if policy.capacity is not None else trace.sizes[-1])
