@@ -154,3 +154,14 @@ def test_evicting_cache_keeps_what_the_reference_keeps_on_layer0(policy) -> None
     for layer in cache.layers:
         held = int((layer.store.positions >= 0).sum())
         assert held == 4 * (policy.share if policy.capacity is not None else trace.sizes[-1])
+
+
+def test_tensor_parallel_ranks_refuse_headwise_budgets() -> None:
+    """Under tensor parallelism a layer's heads are split over ranks, and AdaKV's one top-k over
+    them would need the ranks to exchange rankings: refused with the reason, not run per rank."""
+    from kvpolicy.deepspeed import ShardedEvictingCache, shard_layout
+
+    model = tiny_llama(num_layers=1, heads=4, kv_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        ShardedEvictingCache(AdaKV(H2O(4, 2)), model, layout=shard_layout(model, 2), rank=0)
+    ShardedEvictingCache(AdaKV(H2O(4, 2)), model, layout=shard_layout(model, 1), rank=0)  # one rank: fine
