@@ -165,3 +165,40 @@ def test_tensor_parallel_ranks_refuse_headwise_budgets() -> None:
     with pytest.raises(ValueError, match="tensor-parallel"):
         ShardedEvictingCache(AdaKV(H2O(4, 2)), model, layout=shard_layout(model, 2), rank=0)
     ShardedEvictingCache(AdaKV(H2O(4, 2)), model, layout=shard_layout(model, 1), rank=0)  # one rank: fine
+
+
+@pytest.mark.slow
+def test_real_model_keeps_the_budget_and_alpha_one_is_the_scorer() -> None:
+    """SmolLM2-135M (real weights, 30 layers, 3 KV heads x 64 dims, float32), a 200-token prompt
+    and 8 greedy tokens at budget 0.25: AdaKV over H2O keeps exactly the layer budget's bytes in
+    every layer, each head at least its floor, heads' shares differ somewhere; with
+    ``alpha_safeguard = 1`` it generates H2O's tokens and keeps H2O's positions in every layer."""
+    from kvpolicy import make_policy, models
+
+    model, tok = models.load("smollm2-135m")
+    text = " ".join(f"Note {i}: the crate in bay {i} holds {i * 7 % 13} blue boxes." for i in range(30))
+    ids = tok(text, return_tensors="pt")["input_ids"][:, :200]
+    h2o = make_policy("h2o", 0.25, context_length=208, prompt_length=200)
+
+    def run(policy):
+        cache = EvictingCache(policy, model)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                                 do_sample=False, **cache_kwargs(model, cache))  # fmt: skip
+        return out, [layer.store for layer in cache.layers]
+
+    out, stores = run(AdaKV(h2o, 0.2))
+    b = h2o.heavy + h2o.recent
+    per_token = 2 * 64 * 4  # a key and a value, head_dim 64, float32
+    spread = False
+    for store in stores:
+        assert store.kv_bytes == 3 * b * per_token
+        held = (store.positions[0] >= 0).sum(-1)
+        assert int(held.min()) >= int(0.2 * b) and int(held.sum()) == 3 * b
+        spread |= bool(held.max() > held.min())
+    assert spread
+    same, same_stores = run(AdaKV(h2o, 1.0))
+    alone, alone_stores = run(h2o)
+    assert torch.equal(same, alone)
+    for a, b_ in zip(same_stores, alone_stores):
+        assert torch.equal(a.positions, b_.positions)
