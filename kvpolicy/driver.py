@@ -136,14 +136,15 @@ def take_slots(x: Any, keep: Any, fill: Any) -> Any:
     return xp.where(keep >= 0, taken, xp.asarray(fill, dtype=x.dtype, device=device(x)))
 
 
-def _first_bad_row(keep: Any, n: int) -> str:
+def _first_bad_row(policy: EvictionPolicy, keep: Any, n: int) -> str:
     """Where and how a keep array breaks the rules (the error path only: reads it on the host)."""
     rows = np.asarray(keep.tolist(), dtype=np.int64).reshape(-1, keep.shape[-1])
     heads = keep.shape[1]
     for i, row in enumerate(rows):
         held = row[np.argmax(row >= 0) if (row >= 0).any() else row.size :]  # after the leading holes
-        if row.size and (row.min() < -1 or row.max() >= n):
-            why = f"slot {int(row[(row < -1) | (row >= n)][0])} is outside [0, {n})"
+        low = -1 if policy.ragged_heads else 0
+        if row.size and (row.min() < low or row.max() >= n):
+            why = f"slot {int(row[(row < low) | (row >= n)][0])} is outside [0, {n})"
         elif (held < 0).any():
             why = "a hole (-1) follows a slot (holes, head-wise budgets' only, lead a row)"
         elif held.size == row.size == n and held.tolist() == list(range(n)):
@@ -194,8 +195,9 @@ def check_keep(policy: EvictionPolicy, keep: Any, positions: Any, *, values: boo
     if k > n or (k == n and not values and not policy.ragged_heads):  # (a ragged keep may make holes only)
         raise PolicyError(f"{policy!r} asked to evict but kept {k} of {n} tokens (select() returns None to keep every token)")
     if k and values:
-        # holes (-1) may lead a row (head-wise budgets); what follows ascends strictly in [0, n)
-        bad = xp.any(keep < -1) | xp.any(keep[..., -1] >= n)
+        # holes (-1) may lead a row of a head-wise policy (ragged_heads); what follows ascends
+        # strictly in [0, n)
+        bad = xp.any(keep < (-1 if policy.ragged_heads else 0)) | xp.any(keep[..., -1] >= n)
         if k > 1:
             later, earlier = keep[..., 1:], keep[..., :-1]
             bad = bad | xp.any(((later <= earlier) & (later >= 0)) | ((later < 0) & (earlier >= 0)))
@@ -208,7 +210,7 @@ def check_keep(policy: EvictionPolicy, keep: Any, positions: Any, *, values: boo
                 )
             raise PolicyError(
                 f"{policy!r}.select() must return slots in ascending order, each once, in [0, {n}): "
-                + _first_bad_row(keep, n)
+                + _first_bad_row(policy, keep, n)
             )
     return keep
 

@@ -249,6 +249,7 @@ def test_the_kit_refuses_holes_after_tokens() -> None:
 
     class TrailingHoles(H2O):
         name = "trailing_holes_demo"
+        ragged_heads = True  # holes are allowed, in front only
 
         def select(self, view):
             keep = super().select(view)
@@ -263,3 +264,14 @@ def test_the_kit_refuses_holes_after_tokens() -> None:
                      settings=settings(max_examples=5, deadline=None))
     with pytest.raises(PolicyError, match="hole"):
         replay(TrailingHoles(2, 1), np.zeros((6, 2, 6)), prompt_len=5)
+
+    class LeadingHoles(H2O):  # not head-wise: no hole at all
+        def select(self, view):
+            keep = super().select(view)
+            if keep is not None:
+                keep = keep.copy()
+                keep[:, -1, 0] = -1
+            return keep
+
+    with pytest.raises(PolicyError, match="outside"):
+        replay(LeadingHoles(2, 1), np.zeros((6, 2, 6)), prompt_len=5)

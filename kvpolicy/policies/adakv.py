@@ -74,8 +74,9 @@ def headwise_keep(view: CacheView, ranking: Ranking, budget: int, floor: int) ->
 
 @register_policy
 class AdaKV(EvictionPolicy):
-    """Head-wise budgets over a scorer: a layer's budget is shared among its KV heads by one
-    top-k over all heads' scores, with a floor per head.
+    """Head-wise budgets (AdaKV) over a scorer: one top-k over a layer's KV heads, a floor per head.
+
+    A layer's budget is shared among its KV heads by one top-k over all heads' scores.
 
     Where the ``scorer`` (H2O, TOVA, Knorm, KeyDiff, SnapKV, any policy that declares
     :meth:`~kvpolicy.EvictionPolicy.ranking`) would keep ``b`` tokens in every one of a layer's

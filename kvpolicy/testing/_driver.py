@@ -144,7 +144,7 @@ def check_keep(policy: EvictionPolicy, view: CacheView, keep: Any) -> np.ndarray
     k = arr.shape[-1]
     if k > n or (k == n and not (arr < 0).any()):
         raise ContractViolation(f"{policy!r} asked to evict but kept {k} of {n} tokens (return None to keep all)")
-    if k and (arr.min() < -1 or arr.max() >= n):
+    if k and (arr.min() < (-1 if policy.ragged_heads else 0) or arr.max() >= n):  # holes: head-wise budgets only
         raise ContractViolation(f"{policy!r} returned slots outside [0, {n}): {_fmt(arr)}")
     later, earlier = arr[..., 1:], arr[..., :-1]
     if k > 1 and np.any((later < 0) & (earlier >= 0)):
