@@ -24,3 +24,20 @@ def layer0_inputs(model: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
     finally:
         h.remove()
     return captured["hidden"], captured["pos"]
+
+
+def layer0_logits_and_keys(model: Any, tokens: torch.Tensor) -> tuple[Any, Any]:
+    """Layer 0's pre-softmax logits ``[steps, heads, steps]`` and RoPE'd keys ``[steps, kv_heads,
+    head_dim]`` (float64 NumPy) in a full forward of ``tokens`` (layer 0 sees only token
+    embeddings, so they are reproducible); a Llama-family model."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    attn = model.model.layers[0].self_attn
+    hidden, (cos, sin) = layer0_inputs(model, tokens)
+    b, s, _ = hidden.shape
+    d = attn.head_dim
+    q = attn.q_proj(hidden).view(b, s, -1, d).transpose(1, 2)
+    k = attn.k_proj(hidden).view(b, s, -1, d).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    logits = torch.einsum("bhqd,bhkd->bqhk", q, k) * attn.scaling
+    return logits[0].detach().double().numpy(), k[0].transpose(0, 1).detach().double().numpy()

@@ -116,19 +116,9 @@ from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
 
 
 def _layer0(model, tokens):
-    """Layer 0's pre-softmax logits ``[steps, heads, steps]`` and RoPE'd keys in a full forward."""
-    from layer0 import layer0_inputs
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from layer0 import layer0_logits_and_keys
 
-    attn = model.model.layers[0].self_attn
-    hidden, (cos, sin) = layer0_inputs(model, tokens)
-    b, s, _ = hidden.shape
-    d = attn.head_dim
-    q = attn.q_proj(hidden).view(b, s, -1, d).transpose(1, 2)
-    k = attn.k_proj(hidden).view(b, s, -1, d).transpose(1, 2)
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    logits = torch.einsum("bhqd,bhkd->bqhk", q, k) * attn.scaling
-    return logits[0].detach().double().numpy(), k[0].transpose(0, 1).detach().double().numpy()
+    return layer0_logits_and_keys(model, tokens)
 
 
 @pytest.mark.parametrize(
