@@ -81,6 +81,7 @@ def test_kept_bytes_are_the_budget_and_storage_the_widest_head(policy) -> None:
     assert layer.length == widest and widest <= policy.head_capacity(heads) - 1
     assert max(policy.capacity, widest + 1) <= layer.slots <= policy.head_capacity(heads)
     assert layer.nbytes >= layer.kv_bytes
+    assert layer.mean_length == b  # what eval's realised budgets count (length: the widest head's)
 
 
 def test_attention_never_reads_a_hole() -> None:
