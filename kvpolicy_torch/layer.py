@@ -257,17 +257,6 @@ class LayerCache:
         return held_tokens(pos) / (pos.shape[0] * pos.shape[1])
 
     @property
-    def mean_length(self) -> float:
-        """Kept tokens per KV head on average over the heads and rows: :attr:`length`, except
-        under head-wise budgets (``policy.ragged_heads``), where ``length`` is the widest head's
-        count of slots and the heads hold fewer on average (one host read)."""
-        if not self._ragged or self._k is None:
-            return float(self.length)
-        self._host()
-        pos = self._working()[2]
-        return held_tokens(pos) / (pos.shape[0] * pos.shape[1])
-
-    @property
     def lengths(self) -> list[int]:
         """Kept tokens per head, per row."""
         self._host()

@@ -36,8 +36,11 @@ SCORERS = st.one_of(
 def test_torch_keeps_what_the_reference_keeps(scorer, alpha, heads, steps, data) -> None:
     prompt = data.draw(st.integers(0, steps - 1))
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
-    logits = rng.integers(-2, 3, size=(steps, heads, steps)).astype(np.float64)  # ties
-    keys = rng.integers(-2, 3, size=(steps, heads, 4)).astype(np.float64)
+    # continuous logits: two heads' softmax rows round differently in NumPy and torch, so a tie
+    # across heads (equal in exact arithmetic) may go either way; the kit (tests/test_adakv.py)
+    # holds exact ties with bit-equal scores on both sides
+    logits = rng.normal(size=(steps, heads, steps))
+    keys = rng.integers(-2, 3, size=(steps, heads, 4)).astype(np.float64)  # (keys: computed alike, ties kept)
     policy = AdaKV(scorer, alpha)
     want = kvpolicy_numpy.replay(policy, logits, prompt, keys=keys)
     got = kvpolicy_torch.replay(policy, logits, prompt, keys=keys)
