@@ -24,7 +24,8 @@ Four properties, each run on many drawn examples (see :mod:`kvpolicy.testing.pro
     :class:`kvpolicy_torch.LayerCache` in lockstep with bit-equal scores: the kept positions
     agree on every step of every example (when torch is installed); each row of a batch equals
     that row run alone; every ``select`` result is ``[batch, heads, k]`` integer slots, strictly
-    ascending, in range, evicting at least one token; *whether* to evict, *how many* to keep
+    ascending, in range, evicting at least one token (a head-wise policy, ``ragged_heads``, may
+    start a row with holes, ``-1``; its caches are compared without holes common to every head); *whether* to evict, *how many* to keep
     and the state update do not depend on the score values (the policy is probed with other
     scores); capacity and invariants as above.
 ``stateful``
