@@ -275,3 +275,24 @@ def test_the_kit_refuses_holes_after_tokens() -> None:
 
     with pytest.raises(PolicyError, match="outside"):
         replay(LeadingHoles(2, 1), np.zeros((6, 2, 6)), prompt_len=5)
+
+
+def test_wrapped_in_a_composition_or_a_pyramid() -> None:
+    """AdaKV as a composition's decode policy (SnapKV after the prompt) or as PyramidKV's base:
+    the wrapper says its heads are ragged, the reference runs it, each layer keeps its budget."""
+    from kvpolicy import PyramidKV, compose
+
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(30, 3, 30))
+    p = compose(prefill=SnapKV(size=12, window=4), decode=AdaKV(H2O(heavy=5, recent=6), 0.2))
+    assert p.ragged_heads
+    trace = replay(p, logits, prompt_len=20)
+    assert all(int((k >= 0).sum()) == 3 * 11 for k in trace.kept[20:])
+    # SnapKV keeping fewer than AdaKV's share after the prompt: AdaKV waits until the heads fill up
+    small = compose(prefill=SnapKV(size=8, window=4), decode=AdaKV(H2O(heavy=5, recent=6), 0.2))
+    trace = replay(small, logits, prompt_len=20)
+    assert [int((k >= 0).sum()) for k in trace.kept[19:25]] == [24, 27, 30, 33, 33, 33]
+    pyramid = PyramidKV("adakv_h2o", size=12)
+    assert pyramid.ragged_heads and pyramid.for_layer(0, 4).ragged_heads
+    trace = replay(pyramid, logits, prompt_len=20)
+    assert int((trace.kept[-1] >= 0).sum()) == 3 * pyramid.mean.share

@@ -205,7 +205,11 @@ class AdaKV(EvictionPolicy):
         return {"seen": 0, "kept": 0}
 
     def mean_tokens(self, view: CacheView) -> int:
-        """Tokens the layer holds per head on average (host integers only)."""
+        """Tokens the layer holds per head on average (host integers only): ``n_cached`` until
+        AdaKV first evicts (only it makes heads differ; another policy, e.g. a composition's
+        prefill, may have evicted before), then what it kept plus the tokens seen since."""
+        if view.state["kept"] == 0:
+            return view.n_cached
         return view.state["kept"] + view.n_seen - view.state["seen"]
 
     def select(self, view: CacheView) -> Array | None:

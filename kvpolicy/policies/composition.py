@@ -91,6 +91,10 @@ class Composed(EvictionPolicy):
         return self.prefill.prompt_rows
 
     @property  # type: ignore[override]
+    def ragged_heads(self) -> bool:
+        return self.prefill.ragged_heads or self.decode.ragged_heads
+
+    @property  # type: ignore[override]
     def uses_scores(self) -> bool:
         return self.prefill.uses_scores or self.decode.uses_scores
 

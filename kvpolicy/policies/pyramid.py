@@ -121,6 +121,10 @@ class PyramidKV(EvictionPolicy):
         return self.mean.prompt_rows
 
     @property  # type: ignore[override]
+    def ragged_heads(self) -> bool:
+        return self.mean.ragged_heads
+
+    @property  # type: ignore[override]
     def uses_scores(self) -> bool:
         return self.mean.uses_scores
 
