@@ -34,7 +34,7 @@ from .policies import (
     threshold_ratio,
 )
 from .params import REQUIRED, Param, declared_params
-from .policy import KEY_STATISTICS, CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling, Ranking
+from .policy import KEY_STATISTICS, CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling, Ranking, WrappingPolicy
 from .registry import (
     ENTRY_POINT_GROUP,
     Preset,
@@ -88,4 +88,5 @@ __all__ = [
     "register_policy",
     "simulate_sizes",
     "threshold_ratio",
+    "WrappingPolicy",
 ]

@@ -39,6 +39,7 @@ __all__ = [
     "Ranking",
     "ScoreStatistic",
     "Selection",
+    "WrappingPolicy",
 ]
 
 Array = Any  # a NumPy ndarray or a torch.Tensor; anything array-api-compat understands
@@ -532,7 +533,7 @@ class EvictionPolicy(ABC):
 
         Example:
             >>> from kvpolicy import BUZZ, H2O
-            >>> H2O(heavy=2, recent=2).ranks_tokens, BUZZ(sink=1, window=4, stride=2).ranks_tokens
+            >>> H2O(heavy=2, recent=2).ranks_tokens, BUZZ(sink=1, window=4, stride=3).ranks_tokens
             (True, False)
         """
         cls = type(self)
@@ -687,3 +688,52 @@ class EvictionPolicy(ABC):
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, tuple(sorted(self.params().items())), self.selection))
+
+
+class WrappingPolicy(EvictionPolicy):
+    """A policy built around another (:attr:`wrapped`) whose scores the backends keep as that
+    one's: its score statistic, history, key window, prompt rows, positions mode, ragged heads
+    and capacity are the wrapped policy's (one place, for :class:`~kvpolicy.Composed`'s decode
+    policy, :class:`~kvpolicy.PyramidKV`'s mean layer and :class:`~kvpolicy.AdaKV`'s scorer). A
+    subclass sets :attr:`wrapped` in its constructor and overrides what differs.
+
+    Example:
+        >>> from kvpolicy import AdaKV, KeyDiff
+        >>> p = AdaKV(KeyDiff(size=8, recent=2))
+        >>> isinstance(p, WrappingPolicy), p.score_statistic, p.key_recent, p.capacity
+        (True, 'key_diff', 2, 9)
+    """
+
+    wrapped: EvictionPolicy
+
+    @property  # type: ignore[override]
+    def score_statistic(self) -> ScoreStatistic:
+        return self.wrapped.score_statistic
+
+    @property  # type: ignore[override]
+    def score_history(self) -> int | None:
+        return self.wrapped.score_history
+
+    @property  # type: ignore[override]
+    def key_recent(self) -> int:
+        return self.wrapped.key_recent
+
+    @property
+    def prompt_rows(self) -> int | None:
+        return self.wrapped.prompt_rows
+
+    @property  # type: ignore[override]
+    def ragged_heads(self) -> bool:
+        return self.wrapped.ragged_heads
+
+    @property  # type: ignore[override]
+    def uses_scores(self) -> bool:
+        return self.wrapped.uses_scores
+
+    @property  # type: ignore[override]
+    def default_positions(self) -> str:
+        return self.wrapped.default_positions
+
+    @property
+    def capacity(self) -> int | None:
+        return self.wrapped.capacity

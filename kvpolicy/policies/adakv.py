@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from .._validation import check_float
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Ranking, ScoreStatistic, SizeRule
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Ranking, SizeRule, WrappingPolicy
 from ..registry import get_policy, register_policy
 
 __all__ = ["AdaKV", "headwise_keep"]
@@ -47,12 +47,12 @@ def headwise_keep(view: CacheView, ranking: Ranking, budget: int, floor: int) ->
     Example (head 0 attends sharply, head 1 broadly: head 1 keeps more):
         >>> import numpy as np
         >>> from kvpolicy import CacheView, Ranking
-        >>> s = np.array([[[0.9, 0.0, 0.1, 0.0], [0.3, 0.2, 0.3, 0.2]]])
+        >>> s = np.array([[[0.9, 0.0, 0.1, 0.0], [0.3, 0.2, 0.25, 0.15]]])
         >>> view = CacheView(np.broadcast_to(np.arange(4), (1, 2, 4)), s, 4)
         >>> ranking = Ranking(np.zeros((1, 2, 4), dtype=bool), (s, view.positions))
         >>> headwise_keep(view, ranking, budget=4, floor=1).tolist()
-        [[[-1, -1, -1, 0], [0, 1, 2, 3]]]
-        >>> headwise_keep(view, ranking, budget=4, floor=2).tolist()
+        [[[-1, -1, 0], [0, 1, 2]]]
+        >>> headwise_keep(view, ranking, budget=4, floor=2).tolist()  # floors of 2: 2 tokens each
         [[[0, 2], [0, 2]]]
     """
     xp = view.xp
@@ -73,7 +73,7 @@ def headwise_keep(view: CacheView, ranking: Ranking, budget: int, floor: int) ->
 
 
 @register_policy
-class AdaKV(EvictionPolicy):
+class AdaKV(WrappingPolicy):
     """Head-wise budgets (AdaKV) over a scorer: one top-k over a layer's KV heads, a floor per head.
 
     A layer's budget is shared among its KV heads by one top-k over all heads' scores.
@@ -115,7 +115,6 @@ class AdaKV(EvictionPolicy):
     """
 
     name = "adakv"
-    ragged_heads = True
 
     def __init__(self, scorer: EvictionPolicy, alpha_safeguard: float = 0.2) -> None:
         if not isinstance(scorer, EvictionPolicy):
@@ -135,33 +134,12 @@ class AdaKV(EvictionPolicy):
             )
         self.alpha_safeguard = check_float("alpha_safeguard", alpha_safeguard, low=0.0, high=1.0)
         super().__init__(selection="per_head")
-        self.scorer = scorer
+        self.scorer = self.wrapped = scorer
         self.log_n = scorer.log_n
 
     # ---------------------------------------------------------------- what backends read
-    @property  # type: ignore[override]
-    def score_statistic(self) -> ScoreStatistic:
-        return self.scorer.score_statistic
-
-    @property  # type: ignore[override]
-    def score_history(self) -> int | None:
-        return self.scorer.score_history
-
-    @property  # type: ignore[override]
-    def key_recent(self) -> int:
-        return self.scorer.key_recent
-
-    @property
-    def prompt_rows(self) -> int | None:
-        return self.scorer.prompt_rows
-
-    @property  # type: ignore[override]
-    def uses_scores(self) -> bool:
-        return self.scorer.uses_scores
-
-    @property  # type: ignore[override]
-    def default_positions(self) -> str:
-        return self.scorer.default_positions
+    # (the scorer's: WrappingPolicy; its capacity is per head on average here)
+    ragged_heads = True  # (a class attribute over WrappingPolicy's property: AdaKV makes heads differ)
 
     @property
     def capacity(self) -> int | None:
