@@ -32,12 +32,13 @@ import torch
 
 from kvpolicy.driver import kept_slots
 from kvpolicy.policy import KEY_STATISTICS, DecodeEviction, EvictionPolicy
-from kvpolicy.statistics import key_scores, low_attention, shift_history
+from kvpolicy.statistics import Rotary, cache_scores, low_attention, shift_history
 
 from .attention import decode_attention, grouped_decode
 from .checks import check_append, check_capacity, check_query
 from .group import LayerGroup, mark_holes
 from .ops import first_argmin
+from .queries import RunningMoments
 from .static import DecodeState, StepOptions
 
 __all__ = ["LayerCache", "LayerSnapshot", "PrefixShift"]
@@ -235,6 +236,8 @@ class LayerCache:
         # `_device_newer` says the device holds steps the host lists have not seen yet
         self._decode: DecodeState | None = None
         self._device_newer = False
+        #: Expected Attention: the running moments of the queries seen (:meth:`observe_queries`)
+        self.running_queries = RunningMoments(self.policy.sink) if self.policy.score_statistic == "expected_attention" else None  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ copies (pickle, deepcopy, torch.save)
     def __getstate__(self) -> dict[str, Any]:
@@ -1008,10 +1011,10 @@ class LayerCache:
         inside ``torch.compile``."""
         if self._device_newer:
             if self.rule is not None:
-                if self.policy.score_statistic in KEY_STATISTICS:  # scores from the keys held (Knorm, KeyDiff)
-                    k, _, pos, scores = self._device_storage()
+                if self.policy.score_statistic in KEY_STATISTICS:  # scores from the cache (Knorm, KeyDiff, Expected Attention)
+                    k, v, pos, scores = self._device_storage()
                     seen = self._decode.seen.view(-1, 1, 1)  # type: ignore[union-attr]
-                    scores.copy_(key_scores(self.policy.score_statistic, k, pos, seen, self.policy.key_recent))
+                    scores.copy_(self._cache_scores(k, v, pos, seen))
                 self._decode.evict(self._device_storage(), self.rule, self.policy.selection == "shared", self.reduce_scores)  # type: ignore[union-attr]
                 return []
             if torch.compiler.is_compiling():
@@ -1136,14 +1139,58 @@ class LayerCache:
         self._decode.load(self._seen, self._count, self.columns)
 
     def _score_keys(self) -> None:
-        """A statistic from keys (Knorm, KeyDiff): every held token's score, recomputed from the
-        keys held (:func:`kvpolicy.statistics.key_scores`) before the policy decides; holes and
-        pads ``+inf``."""
-        k, _, pos, scores, _ = self._working()
+        """A statistic from the cache (Knorm, KeyDiff, Expected Attention): every held token's
+        score, recomputed from the keys (and values, and the queries' moments) held
+        (:func:`kvpolicy.statistics.cache_scores`) before the policy decides; holes and pads ``+inf``."""
+        k, v, pos, scores, _ = self._working()
         seen: Any = self._seen[0]
         if any(s != seen for s in self._seen):
             seen = torch.tensor(self._seen, device=pos.device).view(-1, 1, 1)
-        scores.copy_(key_scores(self.policy.score_statistic, k, pos, seen, self.policy.key_recent))
+        scores.copy_(self._cache_scores(k, v, pos, seen))
+
+    def _cache_scores(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, seen: Any) -> torch.Tensor:
+        running = self.running_queries
+        if running is None:
+            return cache_scores(self.policy, k, v, pos, seen)
+        if running.moments is None:
+            raise RuntimeError(
+                f"{self.policy!r} scores from the queries' moments, and no query was observed: call observe_queries() "
+                f"with each step's queries before evict() (the transformers cache does)"
+            )
+        return cache_scores(self.policy, k, v, pos, seen, running.moments, running.rotary)
+
+    def observe_queries(self, queries: torch.Tensor, positions: torch.Tensor | None = None, rotary: Rotary | None = None) -> None:
+        """Expected Attention: add the step's queries ``[batch, q_heads, q, head_dim]``, before
+        RoPE, to the running moments the scores come from (:mod:`kvpolicy_torch.queries`); a no-op
+        for any other policy. ``positions`` ``[batch, q]``: theirs (default
+        :meth:`query_positions`, ``-1`` at pads); ``rotary``: the RoPE they were rotated back from,
+        whose rotations the scores average over the next positions (``None``: none). Call it
+        after :meth:`append` and before :meth:`evict`.
+
+        Example:
+            >>> from kvpolicy import ExpectedAttention
+            >>> layer = LayerCache(ExpectedAttention(size=2, sink=0))
+            >>> for t in range(4):
+            ...     K, V = layer.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
+            ...     layer.observe_queries(torch.randn(1, 2, 1, 4))
+            ...     rounds = layer.evict()
+            >>> layer.length, layer.running_queries.moments.count.tolist()
+            (2, [4.0])
+        """
+        if self.running_queries is None:
+            return
+        if positions is None:
+            positions = self.query_positions(queries.shape[2])
+        self.running_queries.observe(queries, positions, int(self._k.shape[1]), rotary)  # type: ignore[union-attr]
+
+    def query_positions(self, q: int) -> torch.Tensor:
+        """Int64 ``[batch, q]``: the original positions of the ``q`` tokens the last :meth:`append`
+        added (``-1`` at pads); on the device for a static-shaped decode step (no host read)."""
+        if self._device_newer:
+            return self._decode.seen.view(-1, 1) - 1  # type: ignore[union-attr]
+        if q == 1 and self._chunk is None:
+            return torch.tensor([s - 1 for s in self._seen], device=self._k.device).view(-1, 1)  # type: ignore[union-attr]
+        return self._returned(2)[:, 0, -q:]
 
     def _declines(self) -> bool:
         """A decode step at which the policy's size rule keeps every row's tokens: the policy
@@ -1590,6 +1637,8 @@ class LayerCache:
             self._fifo = [self._fifo[i] for i in idx]
             self._free = [list(self._free[i]) for i in idx]
         self._set_storage(*(t.index_select(0, index.to(t.device)) for t in self._tensors()))
+        if self.running_queries is not None:
+            self.running_queries.select(index)
         self._tail_clean = False
         if self.static_shapes:
             k = self._k
