@@ -348,6 +348,8 @@ def expected_attention(
     xp = array_namespace(keys)
     k = xp.astype(keys, xp.float64)
     d = int(k.shape[-1])
+    if k.shape[-2] == 0:  # nothing cached
+        return xp.zeros(positions.shape, dtype=xp.float64, device=device(positions))
     kept = positions >= 0
     candidate = kept & (positions >= sink)
     if rotary is not None:
