@@ -288,3 +288,45 @@ def test_evicting_cache_needs_the_model() -> None:
     model = tiny_llama(num_layers=1)
     with pytest.raises(ValueError, match="query statistics need the model itself"):
         EvictingCache(ExpectedAttention(8), model.config)
+
+
+# ============================================================================ the docs' worked example
+def test_docs_worked_example() -> None:
+    """Every cell of docs/policies.md's Expected Attention table, recomputed: the statistics from
+    the queries shown, the logits from the statistics shown (kvpress's formula), the softmax, the
+    scores, and the evictions from the reference replay."""
+    from worked_examples import DOC, floats, ints, setup, table
+
+    text = DOC.read_text(encoding="utf-8")
+    ns = setup(text, "expected-attention-setup")
+    policy, keys, values, queries, logits = ns["policy"], ns["keys"], ns["values"], ns["queries"], ns["logits"]
+    assert policy == ExpectedAttention(size=3, sink=1) and keys.shape == values.shape == queries.shape == (7, 1, 2)
+    inputs = {"keys": keys, "values": values, "queries": queries}
+    trace = kvpolicy_numpy.replay(policy, logits, **inputs)
+    lit = oracle(policy, keys, values, queries[:, :, None], 0)
+    rows = table(text, "expected-attention-decode")
+    assert [int(r[0]) for r in rows] == [t for t, _, _ in trace.evictions]
+    for step, before, mean, cov, z, p, norms, scores, evicted, after in rows:
+        t = int(step)
+        cache = trace.kept[t - 1][0].tolist() + [t]
+        assert ints(before) == cache, f"step {t}: cache before"
+        seen = queries[1 : t + 1, 0]
+        mu, centred = seen.mean(axis=0), seen - seen.mean(axis=0)
+        sigma = centred.T @ centred / len(seen)
+        np.testing.assert_allclose(floats(mean), mu, atol=5e-4, err_msg=f"step {t}: mean")
+        np.testing.assert_allclose(floats(cov), sigma.ravel(), atol=5e-4, err_msg=f"step {t}: covariance")
+        k = keys[cache[1:], 0]
+        want_z = k @ mu / math.sqrt(2) + np.einsum("nd,de,ne->n", k, sigma, k) / 4
+        np.testing.assert_allclose(floats(z), want_z, atol=5e-4, err_msg=f"step {t}: logits")
+        want_p = np.exp(want_z - want_z.max()) / np.exp(want_z - want_z.max()).sum()
+        np.testing.assert_allclose(floats(p), want_p, atol=5e-4, err_msg=f"step {t}: expected attention")
+        np.testing.assert_allclose(floats(norms), np.linalg.norm(values[cache[1:], 0], axis=-1), atol=5e-4)
+        got = expected_attention(keys[cache, 0][None, None], values[cache, 0][None, None], np.asarray(cache)[None, None], t + 1,
+                                 query_moments(queries[: t + 1, 0][None, None, None], (np.arange(t + 1) >= 1)[None]),
+                                 sink=1, future=policy.future)[0, 0]
+        np.testing.assert_allclose(floats(scores), got[1:], atol=5e-4, err_msg=f"step {t}: scores")
+        assert ints(after) == trace.kept[t][0].tolist() == lit[t][0], f"step {t}: kept"
+        assert ints(evicted) == sorted(set(cache) - set(ints(after))), f"step {t}: evicted"
+    prefill = kvpolicy_numpy.replay(policy, logits, prompt_len=4, **inputs)
+    assert "cache holds `" + " ".join(map(str, prefill.kept[3][0].tolist())) + "`" in text.split("### Expected Attention")[1]
+    assert queries[:4, 0].mean(axis=0).tolist() == [2.25, 1.75]  # the mean the text says the sink's query would give
