@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 import kvpolicy_numpy
 from kvpolicy import ExpectedAttention, make_policy
 from kvpolicy.statistics import QueryMoments, Rotary, average_rotation, expected_attention, query_moments
+from oracle import keep_highest_oracle
 from strategies import expected_attention_policies, logits_arrays, prompt_lengths
 
 torch = pytest.importorskip("torch")
@@ -80,35 +81,12 @@ def kvpress_scores(policy, keys, values, queries, held: list[int], t: int, inv_f
 
 
 def oracle(policy, keys, values, queries, prompt_len: int, inv_freq=None) -> list[list[list[int]] | None]:
-    """Kept positions per step and head: append, then while more than ``size`` are held drop the
-    lowest kvpress score outside the newest ``recent`` (the earliest of a tie), all surplus at
-    once from one set of scores; ``selection="shared"`` sums the scores over heads."""
+    """Kept positions per step and head (:func:`oracle.keep_highest_oracle`) with kvpress's scores."""
     steps, heads, _ = keys.shape
-    kept: list[list[list[int]] | None] = [None] * steps
-    cached: list[list[int]] = [[] for _ in range(heads)]
-
-    def evict(t: int) -> None:
-        n = len(cached[0])
-        if n <= policy.size:
-            return
-        scores = [kvpress_scores(policy, keys[:, h], values[:, h], queries[:, h], cached[h], t, inv_freq) for h in range(heads)]
-        if policy.selection == "shared":
-            summed = [sum(s[i] for s in scores) for i in range(n)]
-            scores = [summed] * heads
-        for h in range(heads):
-            drop = sorted(range(n - policy.recent), key=lambda i: (scores[h][i], i))[: n - policy.size]
-            cached[h] = [p for i, p in enumerate(cached[h]) if i not in drop]
-
-    if prompt_len:
-        cached = [list(range(prompt_len)) for _ in range(heads)]
-        evict(prompt_len - 1)
-        kept[prompt_len - 1] = [list(c) for c in cached]
-    for t in range(prompt_len, steps):
-        for c in cached:
-            c.append(t)
-        evict(t)
-        kept[t] = [list(c) for c in cached]
-    return kept
+    return keep_highest_oracle(
+        policy, steps, heads, prompt_len,
+        lambda h, held, t: kvpress_scores(policy, keys[:, h], values[:, h], queries[:, h], held, t, inv_freq),
+    )
 
 
 @st.composite
@@ -224,16 +202,12 @@ from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
 def _layer0(model, tokens):
     """Layer 0 in a full forward: pre-softmax logits ``[steps, heads, steps]``, RoPE'd keys
     ``[steps, kv_heads, d]``, values, and the queries before RoPE ``[steps, kv_heads, group, d]``."""
-    from layer0 import layer0_inputs
+    from layer0 import layer0_states
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+    q, k, v, (cos, sin) = layer0_states(model, tokens)
     attn = model.model.layers[0].self_attn
-    hidden, (cos, sin) = layer0_inputs(model, tokens)
-    b, s, _ = hidden.shape
-    d = attn.head_dim
-    q = attn.q_proj(hidden).view(b, s, -1, d).transpose(1, 2)
-    k = attn.k_proj(hidden).view(b, s, -1, d).transpose(1, 2)
-    v = attn.v_proj(hidden).view(b, s, -1, d).transpose(1, 2)
+    s, d = q.shape[2], q.shape[3]
     q_rope, k_rope = apply_rotary_pos_emb(q, k, cos, sin)
     kv = k.shape[1]
     group = q.shape[1] // kv
@@ -251,17 +225,11 @@ def _layer0(model, tokens):
      ExpectedAttention(11, sink=0, epsilon=0.01, covariance=False)],
     ids=repr,
 )
-def test_evicting_cache_keeps_what_the_reference_keeps_on_layer0(policy, monkeypatch) -> None:
+def test_evicting_cache_keeps_what_the_reference_keeps_on_layer0(policy, no_score_capture) -> None:
     """Differential: layer 0 of an evicting greedy generation (prefill of 30, 20 decode steps;
     GQA, 2 query heads per KV head) keeps, after the prompt and at the end, what
     kvpolicy_numpy.replay keeps from layer 0's keys, values and queries before RoPE with the
     model's RoPE; the attention captures nothing (received_attention is never called)."""
-    import kvpolicy_integrations.hf as hf
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("Expected Attention must not capture attention")
-
-    monkeypatch.setattr(hf, "received_attention", refuse)
     model = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=8, vocab=96, seed=3).double()
     ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(5))
     prefill = EvictingCache(policy, model)
