@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvpolicy_numpy
-from kvpolicy import ExpectedAttention, make_policy
+from kvpolicy import ExpectedAttention, compose, make_policy
 from kvpolicy.statistics import QueryMoments, Rotary, average_rotation, expected_attention, query_moments
 from oracle import keep_highest_oracle
 from strategies import expected_attention_policies, logits_arrays, prompt_lengths
@@ -178,6 +178,8 @@ def test_refusals() -> None:
         kvpolicy_numpy.replay(p, z, keys=np.ones((6, 1, 2)), values=np.ones((6, 1, 2)), queries=np.ones((6, 1, 3)))
     with pytest.raises(ValueError, match="sink must be >= 0 and <= 3, got 4"):
         ExpectedAttention(4, recent=1, sink=4)
+    with pytest.raises(ValueError, match="Expected Attention cannot be composed"):
+        compose(prefill=ExpectedAttention(8), decode=ExpectedAttention(6))
     layer = kvpolicy_torch.LayerCache(ExpectedAttention(2, sink=0))
     for _ in range(3):
         layer.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
