@@ -1179,6 +1179,8 @@ class LayerCache:
         """
         if self.running_queries is None:
             return
+        if self._k is None:
+            raise ValueError("observe_queries() follows append(): nothing was appended to this LayerCache yet")
         if positions is None:
             positions = self.query_positions(queries.shape[2])
         self.running_queries.observe(queries, positions, int(self._k.shape[1]), rotary)  # type: ignore[union-attr]
