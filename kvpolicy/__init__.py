@@ -16,6 +16,7 @@ from .budget import PolicyPlan, make_policy, plan_capacity, plan_policy, realise
 from .policies import (
     BUZZ,
     Composed,
+    ExpectedAttention,
     H2O,
     FullCache,
     KeyDiff,
@@ -52,6 +53,7 @@ __all__ = [
     "DecodeEviction",
     "DeferredScoresView",
     "ENTRY_POINT_GROUP",
+    "ExpectedAttention",
     "KEY_STATISTICS",
     "EvictionPolicy",
     "FullCache",
