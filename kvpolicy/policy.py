@@ -414,6 +414,20 @@ class EvictionPolicy(ABC):
         """
         return self.uses_scores and self.score_statistic not in KEY_STATISTICS
 
+    @property
+    def observes_queries(self) -> bool:
+        """Whether the policy's scores come from the queries a layer has seen as well as from its
+        cache (Expected Attention's moments of the queries): a backend hands it every query
+        (``LayerCache.observe_queries``), so a cache built from recorded keys and scores alone
+        cannot serve it.
+
+        Example:
+            >>> from kvpolicy import ExpectedAttention, Knorm
+            >>> ExpectedAttention(size=8).observes_queries, Knorm(size=8).observes_queries
+            (True, False)
+        """
+        return self.uses_scores and self.score_statistic == "expected_attention"
+
     #: For a key statistic (:data:`KEY_STATISTICS`): the newest tokens that are no candidates of
     #: the statistic (KeyDiff's anchor is the mean over the candidates' keys only). ``0``: all.
     key_recent: int = 0

@@ -172,7 +172,7 @@ class LayerCache:
         self._decode: DecodeState | None = None
         self._device_newer = False
         #: Expected Attention: the running moments of the queries seen (:meth:`observe_queries`)
-        self.running_queries = RunningMoments(self.policy.sink) if self.policy.score_statistic == "expected_attention" else None  # type: ignore[attr-defined]
+        self.running_queries = RunningMoments(self.policy.sink) if self.policy.observes_queries else None  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ copies (pickle, deepcopy, torch.save)
     def __getstate__(self) -> dict[str, Any]:

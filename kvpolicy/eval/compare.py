@@ -321,6 +321,10 @@ class Engine:
         """A fresh cache for ``policy`` in the state its own prefill would have left it in."""
         from ..hf import EvictingCache
 
+        if policy.observes_queries:
+            raise ValueError(f"{policy!r} scores from the queries it sees, which a recorded prefill does not hold: "
+                             "prefill its own cache (prefill_chunked)")
+
         cache = EvictingCache(policy, self.model)
         for layer, src in zip(cache.layers, rec.layers):
             k, v, s = src.store.keys, src.store.values, src.store.scores
@@ -440,7 +444,8 @@ def evaluate(
         for batch in batches:
             s = batch[0]
             built = plans[(s.prefill_length, s.prefill_length + s.decode_steps)]
-            shared = {_prefill_key(p, s.prefill_length) for (p, _), c in zip(built, configs) if not c.chunk}
+            shared = {_prefill_key(p, s.prefill_length) for (p, _), c in zip(built, configs)
+                      if not (c.chunk or p.observes_queries)}
             units += len(shared) + len(configs)
         total += units
         prepared.append((task, samples, configs, batches, plans, time.perf_counter() - t0))
@@ -463,7 +468,10 @@ def evaluate(
                 ids = torch.tensor([s.input_ids for s in batch], dtype=torch.long, device=engine.device)
                 by_prefill: dict[Any, list[int]] = defaultdict(list)
                 for i, (p, _) in enumerate(built):
-                    key = ("chunk", i) if configs[i].chunk else _prefill_key(p, s0.prefill_length)
+                    # a policy scored from the queries it sees prefills its own cache: a recording of
+                    # keys and scores holds no queries
+                    own = configs[i].chunk or p.observes_queries
+                    key = ("chunk", i) if own else _prefill_key(p, s0.prefill_length)
                     by_prefill[key].append(i)
                 for pkey, idxs in by_prefill.items():
                     rec = first_logits = None
@@ -486,7 +494,8 @@ def evaluate(
                             out, cache = done[same], None
                         else:
                             if rec is None:
-                                cache, first_logits = engine.prefill_chunked(ids, s0.prefill_length, policy, configs[i].chunk)
+                                cache, first_logits = engine.prefill_chunked(ids, s0.prefill_length, policy,
+                                                                             configs[i].chunk or s0.prefill_length)
                             else:
                                 cache = engine.fork(rec, policy)
                             asked: tuple[list[float], list[int]] = ([], [])
