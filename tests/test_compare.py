@@ -302,3 +302,13 @@ def test_real_model_handful_of_samples(tmp_path):
     needle_full = next(c for c in res["tasks"]["needle"]["cells"] if c["policy"] == "full")
     assert needle_full["metrics"]["recall"] >= 0.5  # SmolLM2 finds the needle with the full cache
     assert (out / "report.md").is_file() and (out / "summ_budget.png").is_file()
+
+
+def test_each_paper_table_belongs_to_one_task() -> None:
+    """A task that derives from another (stream from ppl, tw from summ) does not inherit its
+    paper table: the report's paper section shows each of the paper's tables once."""
+    from kvpolicy.eval.tasks import task_registry
+
+    tables = [cls.paper_table for cls in task_registry().values() if cls.paper_table]
+    assert len(tables) == 3 and len({id(t) for t in tables}) == len(tables)
+    assert sorted(t["rank"] for t in tables) == [0, 1, 2]

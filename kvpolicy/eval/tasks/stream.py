@@ -54,6 +54,7 @@ class StreamTask(PerplexityTask):
             "(default both), BUZZ also at --tw-ratios (2.5); 16 documents (embedded: Wikipedia articles; --data-dir: "
             "wikitext-2). The default run carries a short version (4 documents, 128 tokens, size 50)")
     Options = StreamOptions
+    paper_table = None  # the paper's perplexity table is ppl's (fixed sizes after a long prefill)
 
     @classmethod
     def add_arguments(cls, group: Any) -> None:
