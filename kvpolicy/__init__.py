@@ -17,6 +17,8 @@ parameters; docs/policies.md gives their exact semantics):
 * ``full`` (:class:`FullCache`): keep every token;
 * ``knorm`` (:class:`Knorm`) and ``keydiff`` (:class:`KeyDiff`): score the cached keys (lowest L2
   norm; most different from the others), no attention scores needed;
+* ``expected_attention`` (:class:`ExpectedAttention`): the attention future queries are expected
+  to pay each key (from a running estimate of the queries), times its value's norm;
 * ``snapkv`` (:class:`SnapKV`): a prefill policy, the prompt's tokens the observation window
   attends to most;
 * ``compose`` (:class:`Composed`, :func:`compose`): a prefill policy, then a decode policy, and the
@@ -36,6 +38,7 @@ from .budget import PolicyPlan, make_policy, plan_capacity, plan_policy, realise
 from .policies import (
     BUZZ,
     Composed,
+    ExpectedAttention,
     H2O,
     FullCache,
     KeyDiff,
@@ -72,6 +75,7 @@ __all__ = [
     "DecodeEviction",
     "DeferredScoresView",
     "ENTRY_POINT_GROUP",
+    "ExpectedAttention",
     "KEY_STATISTICS",
     "EvictionPolicy",
     "FullCache",

@@ -33,11 +33,13 @@ Array = Any  # a NumPy ndarray or a torch.Tensor; anything array-api-compat unde
 Selection = Literal["per_head", "shared"]
 #: How a token's score is computed (:attr:`EvictionPolicy.score_statistic`): from the attention it
 #: received (``"accumulate"``, ``"latest"``, ``"low_history"``) or from the cached keys
-#: (``"key_norm"``, ``"key_diff"``, see :data:`KEY_STATISTICS`).
-ScoreStatistic = Literal["accumulate", "latest", "low_history", "key_norm", "key_diff"]
-#: The score statistics that backends compute from the cached keys (:mod:`kvpolicy.statistics`),
-#: not from attention: a policy with one needs no score capture inside attention.
-KEY_STATISTICS: tuple[str, ...] = ("key_norm", "key_diff")
+#: (``"key_norm"``, ``"key_diff"``, ``"expected_attention"``, see :data:`KEY_STATISTICS`).
+ScoreStatistic = Literal["accumulate", "latest", "low_history", "key_norm", "key_diff", "expected_attention"]
+#: The score statistics that backends compute from the cache (:func:`kvpolicy.statistics.cache_scores`),
+#: not from attention: a policy with one needs no score capture inside attention. ``"key_norm"``
+#: and ``"key_diff"`` read the cached keys only; ``"expected_attention"`` also the cached values
+#: and the moments of the queries the layer has seen (:class:`kvpolicy.statistics.QueryMoments`).
+KEY_STATISTICS: tuple[str, ...] = ("key_norm", "key_diff", "expected_attention")
 
 
 def array_namespace(x: Array) -> Any:
@@ -370,8 +372,9 @@ class EvictionPolicy(ABC):
     #: (or prompt chunk's, see :attr:`prompt_rows`). Either way summed over the query heads of a
     #: KV head. Every backend applies it (the NumPy reference, the conformance kit,
     #: ``kvpolicy_torch.LayerCache.accumulate``). ``"key_norm"`` (Knorm) and ``"key_diff"``
-    #: (KeyDiff) come from the cached keys instead, recomputed by the backend before every
-    #: eviction decision (:func:`kvpolicy.statistics.key_scores`); received attention is ignored.
+    #: (KeyDiff) come from the cached keys instead, ``"expected_attention"`` from the cached keys
+    #: and values and the queries' moments, recomputed by the backend before every eviction
+    #: decision (:func:`kvpolicy.statistics.cache_scores`); received attention is ignored.
     score_statistic: ClassVar[ScoreStatistic] = "accumulate"
     #: For ``score_statistic = "low_history"`` (Scissorhands): the queries a token's record of
     #: low-attention events covers (:mod:`kvpolicy.statistics`); ``None`` otherwise.

@@ -18,7 +18,7 @@ import torch
 from kvpolicy._validation import check_int
 from kvpolicy.policy import EvictionPolicy
 
-__all__ = ["available_bytes", "check_append", "check_capacity", "check_kv", "check_memory", "check_query"]
+__all__ = ["available_bytes", "check_append", "check_capacity", "check_kv", "check_like", "check_memory", "check_query"]
 
 
 def check_capacity(policy: EvictionPolicy) -> int | None:
@@ -177,3 +177,30 @@ def check_query(query: Any, keys: torch.Tensor | None) -> None:
         )
     if query.shape[3] != d:
         raise ValueError(f"query head size ({query.shape[3]}) differs from the keys' ({d}): queries and keys must share head_dim")
+
+
+def check_like(storage: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Keys and values appended after the first must match the storage's batch, KV heads, head
+    sizes, dtypes and device (``storage``: a :class:`~kvpolicy_torch.storage.Storage`); else
+    ``ValueError`` saying what changed.
+
+    Example:
+        >>> from kvpolicy_torch.storage import Storage
+        >>> s = Storage.allocate(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), 3, torch.float32)
+        >>> check_like(s, torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 4))
+        Traceback (most recent call last):
+        ...
+        ValueError: batch and kv_heads changed from (1, 2) to (1, 3)
+    """
+    k, v = storage.keys, storage.values
+    if (keys.shape[0], keys.shape[1]) != (k.shape[0], k.shape[1]):
+        raise ValueError(f"batch and kv_heads changed from {tuple(k.shape[:2])} to {tuple(keys.shape[:2])}")
+    if keys.shape[3] != k.shape[3] or values.shape[3] != v.shape[3]:
+        raise ValueError(
+            f"head_dim changed from {k.shape[3]}/{v.shape[3]} (keys/values) to {keys.shape[3]}/{values.shape[3]}"
+        )
+    if keys.dtype != k.dtype or values.dtype != v.dtype:
+        raise ValueError(f"keys/values dtype changed from {k.dtype}/{v.dtype} to {keys.dtype}/{values.dtype}")
+    if keys.device != k.device:
+        raise ValueError(f"keys moved from {k.device} to {keys.device}")
+

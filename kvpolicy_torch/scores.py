@@ -1,13 +1,54 @@
-"""Attention probabilities each cached token receives, per KV head (GQA aware)."""
+"""Attention probabilities each cached token receives, per KV head (GQA aware), and what they do
+to the tokens' scores (:func:`fold_received`)."""
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
-__all__ = ["DEFAULT_WORKSPACE_BYTES", "group_query_heads", "prefill_block_rows", "received_attention"]
+from kvpolicy.policy import KEY_STATISTICS
+from kvpolicy.statistics import shift_history
+
+__all__ = ["DEFAULT_WORKSPACE_BYTES", "fold_received", "group_query_heads", "prefill_block_rows", "received_attention"]
+
+
+def fold_received(
+    scores: torch.Tensor,
+    positions: torch.Tensor | None,
+    received: torch.Tensor,
+    statistic: str,
+    *,
+    history: int | None = None,
+    rows: Any = 1,
+) -> None:
+    """Fold what the slots just received ``[batch, kv_heads, n]`` into their ``scores`` in place,
+    by the policy's :attr:`~kvpolicy.EvictionPolicy.score_statistic`: ``"accumulate"`` adds it
+    (H2O, BUZZ); ``"latest"`` replaces the scores (TOVA); ``"low_history"`` (Scissorhands) takes it
+    as the step's record of low-attention events (:func:`kvpolicy.statistics.history_record`) and
+    shifts it into each token's record over ``rows`` queries (an int, or a per-row tensor
+    ``[batch, 1, 1]``) of ``history``. A NaN counts as ``-inf``: that token is evicted first, never
+    kept by a NaN. Holes (``positions`` ``-1``; ``positions`` is needed by the last two rules
+    only) keep ``+inf``. A statistic from keys (:data:`kvpolicy.KEY_STATISTICS`) ignores it. One
+    rule for the eager and the static (compiled) step alike.
+
+    Example:
+        >>> scores = torch.tensor([[[1.0, math.inf]]])
+        >>> fold_received(scores, torch.tensor([[[0, -1]]]), torch.tensor([[[float("nan"), 0.5]]]), "latest")
+        >>> scores.tolist()
+        [[[-inf, inf]]]
+    """
+    if statistic in KEY_STATISTICS:
+        return  # scores come from the keys (the layer computes them before it evicts)
+    received = torch.nan_to_num(received.to(scores.dtype), nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+    if statistic == "accumulate":
+        scores += received
+        return
+    assert positions is not None  # (documented: "latest" and "low_history" need them)
+    new = received if statistic == "latest" else shift_history(scores, received, rows, history)  # type: ignore[arg-type]
+    scores.copy_(torch.where(positions >= 0, new, math.inf))
 
 
 def group_query_heads(query: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -36,9 +36,11 @@ import math
 import torch
 
 from kvpolicy.policy import DecodeEviction
-from kvpolicy.statistics import low_attention, shift_history
+from kvpolicy.statistics import low_attention
 
 from .attention import rope_rotate
+from .scores import fold_received
+from .storage import Storage
 
 __all__ = ["DecodeState", "StepOptions"]
 
@@ -117,14 +119,14 @@ class DecodeState:
         return flat[:b], flat[b : 2 * b], flat[-2] + flat[0], bool(flat[-1])
 
     # ------------------------------------------------------------------ update
-    def append(self, storage: tuple[torch.Tensor, ...], keys: torch.Tensor, values: torch.Tensor,
+    def append(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor,
                may_overflow: bool = True) -> None:
         """Write one token per row ``[batch, kv_heads, 1, head_dim]`` at each row's free slot:
         key, value, position ``seen``; score 0 (a first statistic for every rule).
         ``may_overflow=False``: the layer knows no row can run out of slots (a one-token eviction
         frees one at every step from ``limit + 1`` tokens on, and the storage holds more), so the
         check is left out of the step."""
-        k, v, pos, scores = storage[:4]
+        k, v, pos, scores = storage.keys, storage.values, storage.positions, storage.scores
         slots = k.shape[2]
         if may_overflow:
             self.overflow |= (self.free >= slots).any()
@@ -140,7 +142,7 @@ class DecodeState:
     # ------------------------------------------------------------------ attend
     def attend(
         self,
-        storage: tuple[torch.Tensor, ...],
+        storage: Storage,
         query: torch.Tensor,
         scaling: float,
         options: StepOptions,
@@ -149,7 +151,7 @@ class DecodeState:
         masked: ``(out [batch, 1, q_heads, head_dim], received [batch, kv_heads, slots])``,
         ``received`` the probabilities summed over each KV head's query heads (float32, float64
         for float64 keys)."""
-        k, v, pos = storage[:3]
+        k, v, pos = storage.keys, storage.values, storage.positions
         b, hq, _, d = query.shape
         h, n = k.shape[1], k.shape[2]
         r = hq // h
@@ -181,30 +183,22 @@ class DecodeState:
 
     # ------------------------------------------------------------------ accumulate
     @staticmethod
-    def accumulate(storage: tuple[torch.Tensor, ...], received: torch.Tensor, statistic: str, group: int,
+    def accumulate(storage: Storage, received: torch.Tensor, statistic: str, group: int,
                    history: int | None) -> None:
-        """Fold one query's ``received`` into the scores (NaN counts as ``-inf``); holes keep ``+inf``.
-        The same rules as :meth:`LayerCache.accumulate` (``"accumulate"``, ``"latest"``,
-        ``"low_history"``), on every slot."""
-        pos, scores = storage[2], storage[3]
-        kept = pos >= 0
-        received = torch.nan_to_num(received.to(scores.dtype), nan=-math.inf, posinf=math.inf, neginf=-math.inf)
-        if statistic == "latest":
-            new = received
-        elif statistic == "low_history":  # the one query's record, shifted in (as the eager layout)
-            assert history is not None
-            new = shift_history(scores, low_attention(received, group, kept=kept).to(torch.float64), 1, history)
-        else:
-            new = scores + received
-        scores.copy_(torch.where(kept, new, math.inf))
+        """Fold one query's ``received`` into the scores (:func:`~kvpolicy_torch.scores.fold_received`,
+        the eager layer's rule), a ``"low_history"`` query's as its record of low attention."""
+        pos = storage.positions
+        if statistic == "low_history":
+            received = low_attention(received, group, kept=pos >= 0).to(torch.float64)
+        fold_received(storage.scores, pos, received, statistic, history=history)
 
     # ------------------------------------------------------------------ evict
-    def evict(self, storage: tuple[torch.Tensor, ...], rule: DecodeEviction, shared: bool,
+    def evict(self, storage: Storage, rule: DecodeEviction, shared: bool,
               reduce_scores=None) -> None:  # type: ignore[no-untyped-def]
         """The one-token eviction as a masked write: in each row holding ``limit + 1`` tokens the
         victim (per head, or one for all heads when ``shared``) becomes a hole and the next token
         is written to its slot; other rows are left as they are."""
-        pos, scores = storage[2], storage[3]
+        pos, scores = storage.positions, storage.scores
         if rule.victim == "oldest":
             candidate = pos >= rule.sink  # holes (-1) are never candidates
             victim = torch.where(candidate, pos, _FAR).argmin(dim=-1)  # [b, h]: the oldest after the sinks

@@ -24,3 +24,16 @@ def layer0_inputs(model: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
     finally:
         h.remove()
     return captured["hidden"], captured["pos"]
+
+
+def layer0_states(model: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """Layer 0's queries, keys and values ``[batch, heads, steps, head_dim]`` before RoPE (each
+    projection's own heads) and the ``(cos, sin)`` it rotates them with, in a full forward."""
+    attn = model.model.layers[0].self_attn
+    hidden, pos = layer0_inputs(model, tokens)
+    b, s, _ = hidden.shape
+
+    def heads(projection: Any) -> torch.Tensor:
+        return projection(hidden).view(b, s, -1, attn.head_dim).transpose(1, 2)
+
+    return heads(attn.q_proj), heads(attn.k_proj), heads(attn.v_proj), pos

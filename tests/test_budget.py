@@ -27,7 +27,7 @@ from kvpolicy import (
     threshold_ratio,
 )
 from kvpolicy.policies import small_stride
-from kvpolicy.testing import example_keys
+from kvpolicy.testing import example_inputs
 from kvpolicy_numpy import replay
 from strategies import any_policy
 
@@ -91,7 +91,7 @@ def test_simulate_sizes_equals_replay_sizes(policy, steps, data) -> None:
     """Sizes depend on counts only: the planner's simulation is the replay's, on any scores."""
     prompt_len = data.draw(st.integers(0, steps))
     logits = np.random.default_rng(steps).normal(size=(steps, 1, steps))
-    trace = replay(policy, logits, prompt_len, keys=example_keys(policy, logits))  # keys: Knorm, KeyDiff
+    trace = replay(policy, logits, prompt_len, **example_inputs(policy, logits))  # keys (values, queries): Knorm, KeyDiff, Expected Attention
     assert simulate_sizes(policy, steps, prompt_len).tolist() == trace.sizes.tolist()
 
 

@@ -20,11 +20,11 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import kvpolicy_numpy
-from kvpolicy import BUZZ, H2O, TOVA, EvictionPolicy, FullCache, KeyDiff, Knorm, LocalWindow, PolicyError, Scissorhands, SnapKV, StreamingLLM, get_policy
+from kvpolicy import BUZZ, H2O, TOVA, EvictionPolicy, ExpectedAttention, FullCache, KeyDiff, Knorm, LocalWindow, PolicyError, Scissorhands, SnapKV, StreamingLLM, get_policy
 from kvpolicy._validation import check_int
 from kvpolicy.testing import (
     ContractViolation,
-    example_keys,
+    example_inputs,
     benchmark_policy,
     check_policy,
     check_replay,
@@ -51,11 +51,11 @@ FIXED = settings(max_examples=30, derandomize=True, database=None, deadline=None
 
 
 # ============================================================================ built-ins pass
-BUILTINS = [BUZZ, H2O, StreamingLLM, LocalWindow, FullCache, get_policy("buzz_logn"), TOVA, SnapKV, Scissorhands, Knorm, KeyDiff]
+BUILTINS = [BUZZ, H2O, StreamingLLM, LocalWindow, FullCache, get_policy("buzz_logn"), TOVA, SnapKV, Scissorhands, Knorm, KeyDiff, ExpectedAttention]
 
 
 @pytest.mark.parametrize(
-    "factory", BUILTINS, ids=["buzz", "h2o", "streaming_llm", "local", "full", "buzz_logn", "tova", "snapkv", "scissorhands", "knorm", "keydiff"]
+    "factory", BUILTINS, ids=["buzz", "h2o", "streaming_llm", "local", "full", "buzz_logn", "tova", "snapkv", "scissorhands", "knorm", "keydiff", "expected_attention"]
 )
 def test_builtin_policy_keeps_the_contract(kvpolicy_contract, factory) -> None:
     """Each built-in, each property of the contract (the fixture parametrizes over them), with
@@ -73,7 +73,7 @@ def test_the_lockstep_driver_is_the_reference_replay() -> None:
     @given(replay_cases())
     def check(case) -> None:
         policy, logits, prompt_len = case
-        ref = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=example_keys(policy, logits))
+        ref = kvpolicy_numpy.replay(policy, logits, prompt_len, **example_inputs(policy, logits))
         mine = run_replay(policy, logits[None], prompt_len, torch=False)
         for t, (a, b) in enumerate(zip(ref.kept, mine)):
             assert (a is None) == (b is None), t

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
 
-from kvpolicy import BUZZ, H2O, TOVA, FullCache, KeyDiff, Knorm, LocalWindow, Scissorhands, SnapKV, StreamingLLM, compose  # noqa: E402
+from kvpolicy import BUZZ, H2O, TOVA, ExpectedAttention, FullCache, KeyDiff, Knorm, LocalWindow, Scissorhands, SnapKV, StreamingLLM, compose  # noqa: E402
 from kvpolicy.models import tiny_llama  # noqa: E402
 from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
 from kvpolicy_torch import LayerCache  # noqa: E402
@@ -37,6 +37,8 @@ POLICIES = [
     Knorm(12),  # scores from keys: no score capture
     KeyDiff(11, recent=2),
     KeyDiff(12, selection="shared"),
+    ExpectedAttention(12, sink=2, future=32),  # scores from keys, values and the queries' running moments
+    ExpectedAttention(11, recent=2, selection="shared"),
 ]
 LENGTHS = (9, 14, 20, 27)  # four prompts, all different
 

@@ -45,6 +45,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvpolicy._validation import check_bool
 from kvpolicy.policy import EvictionPolicy
+from kvpolicy.statistics import Rotary
 from kvpolicy_torch import LayerCache, LayerGroup, PrefixShift, received_attention, rope_matrix, rope_rotate
 from kvpolicy_torch.static import StepOptions
 
@@ -514,6 +515,8 @@ class EvictingLayer(DynamicLayer):
         self.pending = False
         store = self.store
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if store.running_queries is not None:  # Expected Attention: the queries' running moments, before evict()
+            self.observe_queries(query, kwargs.get("position_ids"))
         if store.on_device:  # a static-shaped decode step: one graph (kvpolicy_torch.static)
             if dropout or not _fusable(kwargs):
                 raise ValueError(f"kvpolicy's decode attention takes no dropout, softcap or position bias; got {sorted(kwargs)}")
@@ -559,6 +562,24 @@ class EvictingLayer(DynamicLayer):
             )
         self.finish_received(received)
         return out, None
+
+    def observe_queries(self, query: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
+        """Expected Attention: hand the store this step's queries ``[batch, q_heads, q, head_dim]``
+        rotated back to before RoPE (:meth:`LayerCache.observe_queries`). Each query is rotated
+        by minus the position the model rotated it by (``position_ids`` when the attention is
+        given them, else its position in the store), angles only (a scaled RoPE's magnitude factor
+        stays, as it does in the cached keys); pads are not counted. The layer's RoPE layout goes
+        with them, for the scores' rotation averaged over the next positions (none in a NoPE layer)."""
+        store = self.store
+        positions = store.query_positions(query.shape[2])  # [batch, q], -1 at pads
+        rotated = positions if position_ids is None else position_ids.to(positions.device)
+        pre_rope = self._rotate(query, -rotated.expand(query.shape[0], -1)[:, None, :])
+        rotary = None
+        if self.rope is not None:
+            rotary = Rotary(self.rope.inv_freq, self.rope.style, self.rope.rotary_dim)
+        elif self.inv_freq is not None:
+            rotary = Rotary(self.inv_freq, "half", None)
+        store.observe_queries(pre_rope, positions, rotary)
 
     @property
     def step_options(self) -> StepOptions:
@@ -744,11 +765,13 @@ class EvictingCache(Cache):
         if positions not in ("original", "cache"):
             raise ValueError(f"positions must be 'original' or 'cache', got {positions!r}")
         ropes: list[RopeLayout | None] = [None] * len(caps.layers)
-        if positions == "cache":
+        if positions == "cache" or policy.score_statistic == "expected_attention":
+            # (Expected Attention rotates each query back to before RoPE and averages RoPE over the next positions)
             if not isinstance(model, torch.nn.Module):
                 raise ValueError(
-                    "positions='cache' (pos-shift) needs the model itself, not only its config: its RoPE layout is "
-                    "measured with one forward; positions='original' works with a config"
+                    f"positions='cache' (pos-shift) and {type(policy).__name__}'s query statistics need the model itself, not "
+                    f"only its config: its RoPE layout is measured with one forward"
+                    + ("; positions='original' works with a config" if positions == "cache" else "")
                 )
             ropes = rope_layouts(model)
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):

@@ -3,6 +3,7 @@
 from ..registry import mark_builtin_policies, register_policy
 from .buzz import BUZZ, estimate_threshold, fixed_point_middle, small_stride, threshold_ratio
 from .composition import Composed, compose
+from .expected_attention import ExpectedAttention
 from .full import FullCache
 from .h2o import H2O
 from .keydiff import KeyDiff
@@ -20,6 +21,7 @@ mark_builtin_policies()  # register_policy refuses to replace these (or take the
 __all__ = [
     "BUZZ",
     "Composed",
+    "ExpectedAttention",
     "FullCache",
     "H2O",
     "KeyDiff",

@@ -53,7 +53,7 @@ from kvpolicy.driver import PolicyError
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
 
 from . import _format
-from ._driver import ContractViolation, NumpyCache, example_keys, run_replay, sequence_rows
+from ._driver import ContractViolation, NumpyCache, example_inputs, run_replay, sequence_rows
 from ._util import torch_available
 from .invariants import Invariant, policy_invariants, run_invariants
 from .strategies import TIE_KINDS, LogitsSpec, gqa_shapes, logits_specs, padded_batches, policies, prompt_lengths
@@ -99,10 +99,11 @@ def _check_positions(policy: EvictionPolicy, kept: np.ndarray, t: int, where: st
 
 
 def _keys_arg(policy: EvictionPolicy, expr: str, logits: str) -> str:
-    """The ``keys=`` argument of a printed replay: the kit's keys for a policy scoring keys."""
+    """The ``keys=`` (and for Expected Attention ``values=``, ``queries=``) arguments of a printed
+    replay: the kit's inputs for a policy scoring keys (:func:`example_inputs`)."""
     if policy.score_statistic not in KEY_STATISTICS:
         return ""
-    return f", keys=kvpolicy.testing.example_keys({expr}, {logits})"
+    return f", **kvpolicy.testing.example_inputs({expr}, {logits})"
 
 
 def check_replay(
@@ -122,9 +123,9 @@ def check_replay(
     logits = np.asarray(logits, dtype=np.float64)
     steps = logits.shape[0]
     invs = policy_invariants(policy, invariants)
-    keys = example_keys(policy, logits)  # a policy scoring keys gets the kit's keys of this example
+    inputs = example_inputs(policy, logits)  # a policy scoring keys gets the kit's keys of this example
     try:
-        trace = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=keys)
+        trace = kvpolicy_numpy.replay(policy, logits, prompt_len, **inputs)
     except RuntimeError as e:  # the reference backend's own checks
         raise ContractViolation(f"kvpolicy_numpy.replay refused {policy!r}: {e}") from None
     cap = policy.capacity
@@ -150,7 +151,7 @@ def check_replay(
         except AssertionError as e:
             raise ContractViolation(f"invariant broken: {e}") from None
         previous = kept
-    again = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=keys)
+    again = kvpolicy_numpy.replay(policy, logits, prompt_len, **inputs)
     for t in range(steps):
         a, b = trace.kept[t], again.kept[t]
         if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
@@ -240,7 +241,7 @@ def check_full_cache(policy: EvictionPolicy, logits: np.ndarray, prompt_len: int
     if cap is None:
         return
     steps = logits.shape[0]
-    trace = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=example_keys(policy, logits))
+    trace = kvpolicy_numpy.replay(policy, logits, prompt_len, **example_inputs(policy, logits))
     full = kvpolicy_numpy.replay(FullCache(), logits, prompt_len)
     early = [(t, before, after) for t, before, after in trace.evictions if t < cap - 1]
     if early:

@@ -1,0 +1,166 @@
+"""The slots of one layer: keys, values and, per slot, its position, score and attention bias.
+
+Every row (batch entry) and KV head has the same number of slots. A slot holds a kept token or is
+a *hole*: position ``-1``, score ``+inf`` (never a victim), bias ``-inf`` (never attended). Keys and
+values of a hole are zeros, never garbage: attention reads them with weight 0, and ``0 * NaN``
+would poison the row. Shapes:
+
+* ``keys`` ``[batch, kv_heads, slots, head_dim]``, ``values`` ``[batch, kv_heads, slots, v_dim]``;
+* ``positions`` ``[batch, kv_heads, slots]`` int64: the token's original position (``-1``: hole);
+* ``scores`` ``[batch, kv_heads, slots]``: float32 (float64 for float64 keys and for statistics
+  that must stay exact);
+* ``bias`` ``[batch, kv_heads, slots]``: additive attention bias, ``0`` kept, ``-inf`` hole.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["HOLE", "Storage", "grown_slots"]
+
+_MIN_GROWTH = 16  # slots an unbounded store grows by at least
+_MAX_GROWTH = 4096  # and at most (bounded chunks: a long run never doubles its allocation at once)
+
+
+def grown_slots(slots: int, need: int = 0) -> int:
+    """Slots of an unbounded store (the full cache) that has ``slots`` and must hold ``need``:
+    one chunk of 1/16 more, between 16 and 4,096 slots (amortised copies of 16 slots a token;
+    a 1,000-token prompt plus a few decoded tokens allocates 1,063 slots, positions, scores and
+    bias included under 1.1x a tight cache for a 64-dimensional head).
+
+    Example:
+        >>> grown_slots(1000), grown_slots(1000, need=2000), grown_slots(100_000)
+        (1063, 2000, 104096)
+    """
+    return max(need, slots + min(_MAX_GROWTH, max(_MIN_GROWTH, math.ceil(slots / 16))))
+
+
+#: What a hole holds in the bookkeeping tensors (positions, scores, bias).
+HOLE = (-1, math.inf, -math.inf)
+
+
+@dataclass
+class Storage:
+    """Keys, values, positions, scores and bias of one layer (shapes in the module docstring).
+
+    A storage of whole (contiguous) tensors also holds their grouped 3-D views (:meth:`grouped`),
+    made once; they are derived, never pickled (a copy rebuilds them as views of its own tensors).
+
+    Example:
+        >>> s = Storage.allocate(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), slots=3, score_dtype=torch.float32)
+        >>> s.slots, s.positions[0, 0].tolist(), s.bias[0, 0].tolist()
+        (3, [-1, -1, -1], [-inf, -inf, -inf])
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    scores: torch.Tensor
+    bias: torch.Tensor
+    _grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        b, h, slots, _ = self.keys.shape
+        whole = self.keys.is_contiguous() and self.values.is_contiguous() and self.bias.is_contiguous()
+        self._grouped = (
+            (self.keys.view(b * h, slots, -1), self.values.view(b * h, slots, -1), self.bias.view(b * h, 1, slots))
+            if whole else None
+        )
+
+    def grouped(self, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views ``keys [batch * kv_heads, hi, head_dim]``, ``values [batch * kv_heads, hi, v_dim]``
+        and ``bias [batch * kv_heads, 1, hi]`` of slots ``[0, hi)``: what a decode step attends with
+        (:func:`~kvpolicy_torch.grouped_decode`)."""
+        if self._grouped is None:
+            raise ValueError("grouped() needs a storage of whole tensors, not a view of some slots")
+        k3, v3, bias3 = self._grouped
+        return k3.narrow(1, 0, hi), v3.narrow(1, 0, hi), bias3.narrow(2, 0, hi)
+
+    @classmethod
+    def allocate(
+        cls,
+        like_k: torch.Tensor,
+        like_v: torch.Tensor,
+        slots: int,
+        score_dtype: torch.dtype,
+        bookkeeping: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> "Storage":
+        """``slots`` holes per row and head, shaped like ``like_k``/``like_v`` in every other
+        dimension; ``bookkeeping``: positions, scores and bias kept elsewhere (already holes)."""
+        b, h, _, d = like_k.shape
+        dev = like_k.device
+        keys = torch.zeros(b, h, slots, d, dtype=like_k.dtype, device=dev)
+        values = torch.zeros(b, h, slots, like_v.shape[-1], dtype=like_v.dtype, device=dev)
+        if bookkeeping is None:
+            bookkeeping = (
+                torch.full((b, h, slots), -1, dtype=torch.int64, device=dev),
+                torch.full((b, h, slots), math.inf, dtype=score_dtype, device=dev),
+                torch.full((b, h, slots), -math.inf, dtype=score_dtype, device=dev),
+            )
+        return cls(keys, values, *bookkeeping)
+
+    # ------------------------------------------------------------------ copies
+    def __getstate__(self) -> dict[str, Any]:
+        return {"keys": self.keys, "values": self.values, "positions": self.positions, "scores": self.scores,
+                "bias": self.bias}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def slots(self) -> int:
+        """Slots per row and head."""
+        return int(self.keys.shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the five tensors."""
+        return sum(t.numel() * t.element_size() for t in self)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        """The five tensors, keys first: for work that treats them alike (copies, compaction)."""
+        return iter((self.keys, self.values, self.positions, self.scores, self.bias))
+
+    def bookkeeping(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(positions, scores, bias)``: the per-slot tensors a hole is marked in."""
+        return self.positions, self.scores, self.bias
+
+    # ------------------------------------------------------------------ views and copies
+    def narrow(self, lo: int, hi: int) -> "Storage":
+        """Views of slots ``[lo, hi)``."""
+        return Storage(*(t[:, :, lo:hi] for t in self))
+
+    def index_select(self, rows: torch.Tensor) -> "Storage":
+        """Copies of the rows ``rows`` (repeats allowed)."""
+        return Storage(*(t.index_select(0, rows.to(t.device)) for t in self))
+
+    def copy_prefix(self, source: "Storage", n: int) -> None:
+        """Slots ``[0, n)`` from ``source`` (growth, or the transient set put back)."""
+        for mine, theirs in zip(self, source):
+            mine[:, :, :n] = theirs[:, :, :n]
+
+    def write(self, lo: int, tokens: "Storage") -> None:
+        """``tokens`` (keys, values, positions, scores and bias of ``q`` slots) into ``[lo, lo + q)``."""
+        hi = lo + tokens.slots
+        for mine, new in zip(self, tokens):
+            mine[:, :, lo:hi] = new
+
+    def concat(self, tokens: "Storage", n: int) -> "Storage":
+        """A new storage: slots ``[0, n)`` of this one, then ``tokens`` (a prompt that overflows)."""
+        return Storage(*(torch.cat([mine[:, :, :n], new], dim=2) for mine, new in zip(self, tokens)))
+
+    def clear_from(self, lo: int, hi: int | None = None, rows: torch.Tensor | None = None) -> None:
+        """Slots ``[lo, hi)`` (to the end when ``hi`` is None) become holes, in ``rows`` only when given."""
+        for t, fill in zip(self.bookkeeping(), HOLE):
+            if rows is None:
+                t[:, :, lo:hi] = fill
+            else:
+                part = t.index_select(0, rows)
+                part[:, :, lo:hi] = fill
+                t.index_copy_(0, rows, part)
