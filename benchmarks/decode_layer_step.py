@@ -6,7 +6,7 @@ over ``--layers`` layers sharing one cache's ``ShiftMatrices`` and ``LayerGroup`
 heads, 9 query heads, head_dim 64) with ``--keys`` cached keys; against a plain cache (``torch.cat``
 of the new key and value, then SDPA). Microseconds per layer and step, one thread; no model, so
 the caches stay warm (in a model each figure is about twice as large). Run it at two commits to
-compare them (docs/performance.md, section 0.2).
+compare them (docs/performance.md, section 2).
 
     .venv/bin/python benchmarks/decode_layer_step.py --keys 128 --steps 300
 """

@@ -310,3 +310,22 @@ def test_no_policy_is_special_cased_by_name_in_the_planner_and_eval() -> None:
     for rel in files:
         text = (root / rel).read_text()
         assert not re.search(r"""(==|!=|\bin)\s*[\(\[]?["']full["']|["']full["']\s*(==|!=|in\b)""", text), rel
+
+
+def test_no_task_is_named_in_the_compare_engine_or_the_report() -> None:
+    """What is particular to a task (its commands, captions, verdicts, plots, paper table) comes
+    from its ``Task`` hooks: ``compare.py`` and ``report.py`` hold no string equal to a registered
+    task's name, so adding a task is one file."""
+    import ast
+
+    from kvpolicy.eval.tasks import task_registry
+
+    names = set(task_registry())
+    assert {"ppl", "tw", "stream", "summ", "needle", "ruler", "qa", "kv", "passkey"} <= names
+    root = Path(__file__).resolve().parents[1] / "kvpolicy"
+    for rel in ("eval/compare.py", "eval/report.py"):
+        tree = ast.parse((root / rel).read_text())
+        named = sorted({(node.lineno, node.value) for node in ast.walk(tree)
+                        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                        and node.value.strip().lower() in names})
+        assert not named, f"{rel} names tasks (line, name): {named}"

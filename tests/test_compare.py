@@ -321,3 +321,13 @@ def test_policy_scored_from_queries_prefills_its_own_cache(model, tmp_path):
     engine.fork(rec, Knorm(size=8))  # scores from keys alone: a fork serves it
     with pytest.raises(ValueError, match="queries it sees"):
         engine.fork(rec, ExpectedAttention(size=8, sink=1))
+
+
+def test_each_paper_table_belongs_to_one_task() -> None:
+    """A task that derives from another (stream from ppl, tw from summ) does not inherit its
+    paper table: the report's paper section shows each of the paper's tables once."""
+    from kvpolicy.eval.tasks import task_registry
+
+    tables = [cls.paper_table for cls in task_registry().values() if cls.paper_table]
+    assert len(tables) == 3 and len({id(t) for t in tables}) == len(tables)
+    assert sorted(t["rank"] for t in tables) == [0, 1, 2]
