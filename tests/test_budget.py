@@ -261,7 +261,7 @@ def test_plan_capacity_errors() -> None:
 # ------------------------------------------------------- policies own their size rules (issue 12)
 def test_the_planner_uses_a_third_party_size_rule_and_it_must_agree() -> None:
     """A policy outside the package declares its size rule; simulate_sizes calls it (not the
-    replay), and a subclass that redefines select does not inherit it."""
+    replay), and a subclass that redefines select goes without it when it says so."""
     from kvpolicy import EvictionPolicy, LocalWindow
     from kvpolicy.budget import _replay_sizes
 
@@ -293,6 +293,8 @@ def test_the_planner_uses_a_third_party_size_rule_and_it_must_agree() -> None:
     assert calls, "the declared rule was not used"
 
     class Odd(LocalWindow):
+        decode_eviction = size_rule = None  # its own select: no inherited rule
+
         def select(self, view):
             n = view.n_cached
             return None if n <= self.window else view.keep(view.arange(0, n, 2))

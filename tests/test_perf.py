@@ -36,6 +36,8 @@ def test_size_rule_equals_replaying_the_policy(policy, context, data) -> None:
 
 def test_subclasses_are_replayed_not_simulated() -> None:
     class EveryOther(StreamingLLM):  # a subclass may change select: the size rule must not apply
+        decode_eviction = size_rule = None  # its own select: no inherited rule
+
         def select(self, view):
             n = view.n_cached
             if n <= self.sink + self.window:
