@@ -588,10 +588,11 @@ def test_steady_state_of_the_builtin_benchmark_policies() -> None:
     for name in ("buzz", "h2o", "streaming_llm", "local"):
         policy = policy_at_size(name, 256)
         mine = steady_state(policy, 256)
-        assert mine.size == policy.capacity == 256, name
+        assert mine.size == policy.capacity <= 256, name
         if name == "buzz":  # one eviction thins the middle; the next comes once it refills
-            assert mine.after < 256 and mine.period == 256 - mine.after
-        else:  # one token per step
+            assert mine.after < mine.size and mine.period == mine.size - mine.after
+        else:  # one token per step, at exactly the size
+            assert mine.size == 256, name
             assert (mine.after, mine.period, mine.seen_after) == (255, 1, mine.seen_before), name
 
 
