@@ -1,6 +1,6 @@
-"""The rule H2O, TOVA, StreamingLLM, the local window, Knorm and KeyDiff share: keep at most
-``limit`` tokens; while the cache holds more, the lowest-ranked token goes (the lowest score
-outside a recent window, or the oldest position after the sinks). Each of them states its rule
+"""The rule H2O, TOVA, StreamingLLM, the local window, Knorm, KeyDiff and Expected Attention
+share: keep at most ``limit`` tokens; while the cache holds more, the lowest-ranked token goes
+(the lowest score outside a recent window, or the oldest position after the sinks). Each of them states its rule
 once (:attr:`KeepAtMost.rule`) and declares only its parameters and where its scores come from.
 """
 
@@ -76,7 +76,7 @@ class KeepHighest(KeepAtMost):
     outside the newest ``recent`` (ties: the earliest position; a NaN score counts as ``-inf``).
     One token per decode step (the declared :class:`~kvpolicy.DecodeEviction`); after a prompt
     longer than ``size``, the ``size`` highest scores in one decision. Not registered: the
-    policies built on it (TOVA, Knorm, KeyDiff) say what a score is.
+    policies built on it (TOVA, Knorm, KeyDiff, Expected Attention) say what a score is.
 
     Example:
         >>> from kvpolicy import Knorm
