@@ -27,7 +27,7 @@ from typing import Any, Callable, ClassVar, Literal
 from ._validation import check_choice, check_float, check_int
 from .params import Param, declared_params, make_init
 
-__all__ = ["KEY_STATISTICS", "CacheView", "DecodeEviction", "DeferredScoresView", "EvictionPolicy", "LogNScaling", "ScoreStatistic", "Selection"]
+__all__ = ["KEY_STATISTICS", "CacheView", "DecodeEviction", "DeferredScoresView", "EvictionPolicy", "LogNScaling", "ScoreStatistic", "Selection", "check_inherited_rules", "keep_at_most"]
 
 Array = Any  # a NumPy ndarray or a torch.Tensor; anything array-api-compat understands
 Selection = Literal["per_head", "shared"]
@@ -339,6 +339,57 @@ def keep_at_most(limit: int) -> SizeRule:
     return lambda n, state: limit if n > limit else n
 
 
+#: The rules a policy declares beside :meth:`EvictionPolicy.select`, which describe what it keeps.
+DECLARED_RULES = ("decode_eviction", "size_rule")
+
+
+def check_inherited_rules(cls: type) -> None:
+    """Refuse a policy class that redefines ``select`` (or ``evict``) while it inherits a
+    :attr:`~EvictionPolicy.decode_eviction` or :meth:`~EvictionPolicy.size_rule` without saying so.
+
+    Those rules describe the parent's ``select``: kept silently, backends would apply the parent's
+    eviction instead of the new ``select`` (and the planner its sizes); dropped silently, the
+    subclass would lose its O(1) decode eviction and exact planning without a word. So the class
+    says which: its own rule, the parent's (``decode_eviction = H2O.decode_eviction``), or none
+    (``decode_eviction = None``, ``size_rule = None``: backends call ``select`` at every step and
+    the planner replays it, which is exact for any policy, only slower). A ``TypeError`` at class
+    creation otherwise. :class:`EvictionPolicy` runs it on every subclass.
+
+    Example:
+        >>> from kvpolicy import H2O
+        >>> class Mine(H2O):
+        ...     def select(self, view):
+        ...         return super().select(view)
+        Traceback (most recent call last):
+        ...
+        TypeError: Mine redefines select, so the decode_eviction and size_rule it inherits from H2O may no longer describe what it keeps: declare its own, keep H2O's (decode_eviction = H2O.decode_eviction) or go without (decode_eviction = None, size_rule = None: backends then call select at every step and the planner replays it)
+        >>> class Mine(H2O):
+        ...     decode_eviction = size_rule = None
+        ...     def select(self, view):
+        ...         return super().select(view)
+        >>> Mine(2, 2).decode_eviction, Mine(2, 2).size_rule(), H2O(2, 2).decode_eviction.limit
+        (None, None, 4)
+    """
+    redefined = [m for m in ("select", "evict") if m in cls.__dict__]
+    if not redefined:
+        return
+    missing = []
+    for attr in DECLARED_RULES:
+        if attr in cls.__dict__:
+            continue
+        inherited = getattr(cls, attr)  # the property or method object, from the nearest base
+        if inherited is not None and inherited is not EvictionPolicy.__dict__[attr]:
+            missing.append(attr)
+    if missing:
+        owner = cls.__mro__[1].__name__
+        raise TypeError(
+            f"{cls.__name__} redefines {' and '.join(redefined)}, so the {' and '.join(missing)} it inherits from {owner} "
+            f"may no longer describe what it keeps: declare its own, keep {owner}'s ({missing[0]} = {owner}.{missing[0]}) "
+            f"or go without ({', '.join(f'{a} = None' for a in missing)}: backends then call select at every step and "
+            "the planner replays it)"
+        )
+
+
 class EvictionPolicy(ABC):
     """Base class of every KV-cache eviction policy.
 
@@ -392,13 +443,9 @@ class EvictionPolicy(ABC):
         cls.parameters = declared_params(cls)
         if cls.parameters and "__init__" not in cls.__dict__:
             cls.__init__ = make_init(cls, cls.parameters)  # type: ignore[method-assign]
-        # A subclass that redefines select() but not decode_eviction must not inherit its parent's
-        # rule: backends would apply the parent's eviction instead of the new select().
-        if "select" in cls.__dict__ and "decode_eviction" not in cls.__dict__:
-            cls.decode_eviction = property(lambda self: None, doc=EvictionPolicy.decode_eviction.__doc__)  # type: ignore[assignment]
-        # Likewise its size rule: the parent's arithmetic describes the parent's select().
-        if ("select" in cls.__dict__ or "evict" in cls.__dict__) and "size_rule" not in cls.__dict__:
+        if cls.__dict__.get("size_rule", EvictionPolicy.size_rule) is None:  # `size_rule = None`: none, explicitly
             cls.size_rule = EvictionPolicy.size_rule  # type: ignore[method-assign]
+        check_inherited_rules(cls)
 
     @property
     def captures_attention(self) -> bool:
@@ -443,7 +490,10 @@ class EvictionPolicy(ABC):
     def decode_eviction(self) -> DecodeEviction | None:
         """The policy's one-token decode eviction, if it has one (see :class:`DecodeEviction`):
         backends may then apply it in O(1) instead of calling :meth:`select`. ``None``
-        (default): backends always call :meth:`select`."""
+        (default): backends always call :meth:`select`. Every built-in that evicts one token a
+        decode step declares one (:class:`~kvpolicy.policies.lowest.KeepAtMost` derives it from
+        the policy's rule); a subclass that redefines ``select`` says whether it keeps its
+        parent's (:func:`check_inherited_rules`)."""
         return None
 
     #: ``False`` for a policy that never evicts (the full cache): the planners give it budget 1
@@ -458,9 +508,9 @@ class EvictionPolicy(ABC):
         skips asking :meth:`evict` at a decode step where the rule keeps every token (a policy
         without a :class:`DecodeEviction`, such as BUZZ, is asked at every step otherwise); ``None``
         (default) means the planner replays, which is exact for any policy, only slower. A policy whose sizes
-        depend on more than the count and its state leaves it ``None``; a subclass that redefines
-        ``select`` or ``evict`` does not inherit its parent's rule. Tests hold each rule to the
-        replay.
+        depend on more than the count and its state leaves it ``None`` (or writes ``size_rule =
+        None``); a subclass that redefines ``select`` or ``evict`` says whether it keeps its
+        parent's rule (:func:`check_inherited_rules`). Tests hold each rule to the replay.
 
         Example:
             >>> from kvpolicy import StreamingLLM

@@ -24,6 +24,8 @@ class Impostor(H2O):
 
     name = "impostor"
 
+    decode_eviction = size_rule = None  # its own select: no inherited rule
+
     def select(self, view):
         return super().select(view)
 

@@ -46,6 +46,8 @@ def test_layer_cache_refuses_duplicate_slots() -> None:
 class DuplicatingH2O(H2O):
     """H2O whose every eviction keeps its first kept slot twice."""
 
+    decode_eviction = size_rule = None  # its own select: no inherited rule
+
     def select(self, view):
         keep = super().select(view)
         if keep is None:
@@ -122,6 +124,8 @@ class OddCapacity(StreamingLLM):
     @property
     def capacity(self):  # type: ignore[override]
         return self.bad
+
+    decode_eviction = size_rule = None  # its own select: no inherited rule
 
     def select(self, view):
         return super().select(view)

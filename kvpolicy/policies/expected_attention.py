@@ -48,7 +48,9 @@ class ExpectedAttention(KeepHighest):
 
     name = "expected_attention"
     score_statistic = "expected_attention"
-    recent = Param(int, 0, minimum=0, maximum=lambda p: p.size - 1, doc="most recent tokens always kept (0: none)")
+    # size and recent are KeepHighest's, and so is the rule (the lowest score outside the recent
+    # window goes). The sinks are the statistic's: they score +inf, so the rule never picks them
+    # (a DecodeEviction protects sinks only with victim="oldest").
     sink = Param(int, 4, minimum=0, maximum=lambda p: p.size - p.recent,
                  doc="first tokens always kept, their queries out of the statistics (kvpress's n_sink)")
     future = Param(int, 512, minimum=1, doc="next positions whose RoPE rotations are averaged (n_future_positions)")
