@@ -30,12 +30,13 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from kvpolicy._validation import check_bool
 from kvpolicy.driver import kept_slots
 from kvpolicy.policy import KEY_STATISTICS, DecodeEviction, EvictionPolicy
 from kvpolicy.statistics import key_scores, low_attention, shift_history
 
 from .attention import decode_attention, grouped_decode
-from .checks import check_append, check_capacity, check_query
+from .checks import check_append, check_capacity, check_query, check_received
 from .group import LayerGroup, mark_holes
 from .ops import first_argmin
 from .static import DecodeState, StepOptions
@@ -170,7 +171,7 @@ class LayerCache:
         check_capacity(policy)
         self.policy = policy
         self.reduce_scores = reduce_scores
-        self.static_shapes = bool(static_shapes)
+        self.static_shapes = check_bool("static_shapes", static_shapes)
         self.reserve = reserve
         rule = policy.decode_eviction
         if rule is not None and not isinstance(rule, DecodeEviction):
@@ -850,10 +851,7 @@ class LayerCache:
         computes the scores from the keys held."""
         self._require()
         scores = self._returned(3)
-        if received.shape != scores.shape:
-            raise ValueError(f"received must have shape {tuple(scores.shape)}, got {tuple(received.shape)}")
-        if received.is_complex():
-            raise ValueError("received must be real, got a complex tensor")
+        check_received(received, scores.shape)
         self._add(scores, received)
 
     def accumulate_query(self, received: torch.Tensor, group: int) -> None:
