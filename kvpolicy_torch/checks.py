@@ -20,7 +20,7 @@ from kvpolicy.policy import EvictionPolicy
 
 __all__ = [
     "available_bytes", "check_append", "check_capacity", "check_kv", "check_memory", "check_query",
-    "check_received",
+    "check_batch_index", "check_received",
 ]
 
 
@@ -203,3 +203,27 @@ def check_received(received: Any, shape: Any) -> None:
         raise ValueError(f"received must have shape {tuple(shape)}, got {tuple(received.shape)}")
     if received.is_complex():
         raise ValueError("received must be real, got a complex tensor")
+
+
+def check_batch_index(index: Any, batch: int) -> None:
+    """What :meth:`~kvpolicy_torch.LayerCache.select_batch` is given: a 1-D integer tensor of row
+    indices in ``[0, batch)`` (beam search's reorder); else ``TypeError``/``ValueError``, before
+    the layer changes. The range is read on the CPU only (on an accelerator it would cost a
+    host-device sync; index_select checks it there).
+
+    Example:
+        >>> check_batch_index(torch.tensor([0, 2]), 2)
+        Traceback (most recent call last):
+        ...
+        ValueError: index holds row 2, outside the 2 rows held ([0, 2)): select_batch keeps or repeats rows the layer holds
+    """
+    if not isinstance(index, torch.Tensor) or index.ndim != 1 or index.is_floating_point() or index.is_complex():
+        raise TypeError(f"index must be a 1-D integer tensor of rows, got {index!r:.80}")
+    if index.device.type == "cpu" and index.numel():
+        low, high = int(index.min()), int(index.max())
+        if low < 0 or high >= batch:
+            bad = low if low < 0 else high
+            raise ValueError(
+                f"index holds row {bad}, outside the {batch} rows held ([0, {batch})): select_batch keeps or repeats "
+                "rows the layer holds"
+            )

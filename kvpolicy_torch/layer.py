@@ -36,7 +36,7 @@ from kvpolicy.policy import KEY_STATISTICS, DecodeEviction, EvictionPolicy
 from kvpolicy.statistics import key_scores, low_attention, shift_history
 
 from .attention import decode_attention, grouped_decode
-from .checks import check_append, check_capacity, check_query, check_received
+from .checks import check_append, check_batch_index, check_capacity, check_query, check_received
 from .group import LayerGroup, mark_holes
 from .ops import first_argmin
 from .static import DecodeState, StepOptions
@@ -1563,6 +1563,7 @@ class LayerCache:
         """Keep (or repeat) batch rows by ``index``, e.g. for beam search."""
         if self._k is None:
             return
+        check_batch_index(index, self.batch)
         if self._extra is not None:
             raise RuntimeError("select_batch() between append() and evict()")
         self._require()

@@ -108,6 +108,17 @@ def test_accumulate_of_something_that_is_not_a_tensor() -> None:
         layer.accumulate([[[0.1, 0.2, 0.3]] * 2])
 
 
+@pytest.mark.parametrize("index", [[3], [-1], [0, 1]])
+def test_select_batch_of_rows_it_does_not_hold_leaves_the_layer_as_it_was(index) -> None:
+    layer = LayerCache(H2O(heavy=2, recent=2))
+    drive(layer, 6)
+    before = layer.positions.clone()
+    with pytest.raises(ValueError, match=r"index holds row -?\d+, outside the 1 rows held"):
+        layer.select_batch(torch.tensor(index))
+    assert torch.equal(layer.positions, before)
+    drive(layer, 3)  # still usable
+
+
 @pytest.mark.parametrize("flag", ["no", 1, None])
 def test_static_shapes_must_be_a_bool(flag) -> None:
     with pytest.raises(ValueError, match="static_shapes must be True or False"):

@@ -57,7 +57,7 @@ from . import _format
 from ._driver import ContractViolation, NumpyCache, example_keys, run_replay, sequence_rows
 from ._util import torch_available
 from .invariants import Invariant, policy_invariants, run_invariants
-from .strategies import TIE_KINDS, LogitsSpec, gqa_shapes, logits_specs, padded_batches, policies, prompt_lengths
+from .strategies import TIE_KINDS, LogitsSpec, gqa_shapes, last_refusal, logits_specs, padded_batches, policies, prompt_lengths
 
 __all__ = [
     "PROPERTIES",
@@ -382,10 +382,12 @@ def _run(fn: Callable[..., None], label: str, prop: str, settings: Settings) -> 
     try:
         _prop_settings(settings, f"{label}:{prop}")(given(data=st.data())(fn))()
     except Unsatisfiable:
+        refusal = last_refusal()
         raise ValueError(
             f"check_policy({label}): no example for the {prop!r} check could be drawn: the policy's constructor "
-            "refused (ValueError) every parameter set drawn from params=, so nothing was checked. Draw parameters "
-            "the constructor accepts (e.g. st.integers(1, 8) for a size)"
+            "refused (ValueError) every parameter set drawn from params=, so nothing was checked"
+            + (f" (the last: {refusal})" if refusal else "")
+            + ". Draw parameters the constructor accepts (e.g. st.integers(1, 8) for a size)"
         ) from None
 
 
