@@ -40,7 +40,7 @@ def test_use_cache_false_is_refused(model):
 def test_a_new_prompt_without_reset_is_refused_and_reset_serves_it(model):
     """A forward whose 2-D mask does not cover what the cache has seen plus its new tokens is a new
     sequence: refused, naming reset(). (generate() drops an all-ones mask; a left-padded batch keeps
-    it. Without any mask a new prompt cannot be told from a continuation: see docs/design.md.)"""
+    it. See test_a_new_prompt_through_generate_without_reset_is_refused for a forward without a mask.)"""
     ids = _ids(model)
     mask = torch.ones_like(ids)
     cache = EvictingCache(H2O(8, 8), model)
