@@ -210,3 +210,31 @@ def test_two_threads_on_one_model_are_refused_not_mixed(model):
         handle.remove()
     assert torch.equal(result["out"], expected)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_cache_serves_the_model_it_was_built_for(model):
+    """A cache holds one model's keys and values: a forward of another model (even of the same
+    shape) is refused naming both, and a string is not a model."""
+    other = tiny_llama(seed=6, num_layers=4)
+    for cache in (EvictingCache(H2O(8, 8), other), EvictingCache(H2O(8, 8), tiny_llama(seed=5))):
+        with pytest.raises(ValueError, match=r"built for another model \((LlamaForCausalLM|gone), \d layers\)"), torch.no_grad():
+            model(_ids(model), **cache_kwargs(model, cache))
+    fresh = tiny_llama(seed=7)  # a model no cache was built for: no hooks, refused at the first update
+    with pytest.raises(RuntimeError, match=r"layer 0: a forward that did not go through the hooks of the model .* built for"):
+        with torch.no_grad():
+            fresh(_ids(fresh), **cache_kwargs(fresh, EvictingCache(H2O(8, 8), model)))
+    with pytest.raises(TypeError, match="model must be a transformers model \\(or its config\\), got str"):
+        EvictingCache(H2O(8, 8), "llama")
+    cache = EvictingCache(H2O(8, 8), model)
+    with torch.no_grad():  # its base model is the same model
+        model.model(input_ids=_ids(model), **cache_kwargs(model, cache))
+
+
+def test_a_deep_copy_of_a_model_serves_its_own_caches(model):
+    """copy.deepcopy(model) copies the attention-scope hooks with it: the copy is hooked once and
+    serves its own caches exactly as the original (what a thread of its own needs)."""
+    ids = _ids(model)
+    expected = greedy_decode(model, ids, EvictingCache(H2O(8, 8), model), 6)
+    twin = copy.deepcopy(model)
+    assert torch.equal(greedy_decode(twin, ids, EvictingCache(H2O(8, 8), twin), 6), expected)
+    assert twin.config._attn_implementation == model.config._attn_implementation == "sdpa"

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -223,10 +223,12 @@ class _Scope:
         q = (ids if ids is not None else embeds).shape[1]
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         mask = mask if isinstance(mask, torch.Tensor) else None
+        compiling = torch.compiler.is_compiling()
+        if not compiling:  # (a weak reference is not traced: the eager prompt forward checks it)
+            cache.check_model(module)
         positions = kwargs.get("position_ids")
         cache.check_forward(mask, q, kwargs.get("use_cache"), positions if isinstance(positions, torch.Tensor) else None)
         cache.note_padding(mask, q)
-        compiling = torch.compiler.is_compiling()
         if not compiling:
             cache.enter()  # (last: the post-hook leaves what this hook entered)
         config = module.config
@@ -243,6 +245,9 @@ class _Scope:
 
 
 _SCOPED: "weakref.WeakKeyDictionary[torch.nn.Module, _Scope]" = weakref.WeakKeyDictionary()
+#: the attribute of a scoped model holding its scope, so that a deep copy of the model (which
+#: copies its hooks, bound to a copy of the scope) is known as scoped and not hooked twice
+SCOPE_ATTRIBUTE = "kvpolicy_attention_scope"
 #: attention modules (those with a ``layer_idx``) -> their model's scope, for models whose
 #: attention does not pass its kwargs to ``cache.update`` (see ``_scoped_attention``)
 _ATTENTION_SCOPE: "weakref.WeakKeyDictionary[torch.nn.Module, _Scope]" = weakref.WeakKeyDictionary()
@@ -272,18 +277,21 @@ def scope_attention(model: torch.nn.Module) -> None:
     register_attention()
     if model in _SCOPED:
         return
-    saved = model.config._attn_implementation
-    # transformers' own checks, which it runs for an SDPA-named implementation: can this class run it?
-    _set_implementation(model, ATTENTION_NAME)
-    _set_implementation(model, saved)
-    scope = _Scope()
-    modules = [model]
-    base = getattr(model, "base_model", model)
-    if isinstance(base, torch.nn.Module) and base is not model:
-        modules.append(base)
-    for module in modules:
-        module.register_forward_pre_hook(scope.before, with_kwargs=True)
-        module.register_forward_hook(scope.after, with_kwargs=True, always_call=True)
+    scope = getattr(model, SCOPE_ATTRIBUTE, None)
+    if not isinstance(scope, _Scope):  # (a deep copy of a scoped model carries its hooks and their scope)
+        saved = model.config._attn_implementation
+        # transformers' own checks, which it runs for an SDPA-named implementation: can this class run it?
+        _set_implementation(model, ATTENTION_NAME)
+        _set_implementation(model, saved)
+        scope = _Scope()
+        modules = [model]
+        base = getattr(model, "base_model", model)
+        if isinstance(base, torch.nn.Module) and base is not model:
+            modules.append(base)
+        for module in modules:
+            module.register_forward_pre_hook(scope.before, with_kwargs=True)
+            module.register_forward_hook(scope.after, with_kwargs=True, always_call=True)
+        setattr(model, SCOPE_ATTRIBUTE, scope)
     _SCOPED[model] = scope
     for sub in model.modules():
         if isinstance(getattr(sub, "layer_idx", None), int):
@@ -781,6 +789,8 @@ class EvictingCache(Cache):
     ) -> None:
         if not isinstance(policy, EvictionPolicy):
             raise ValueError(f"policy must be an EvictionPolicy, got {policy!r}")
+        if not isinstance(model, (torch.nn.Module, PretrainedConfig)):
+            raise TypeError(f"model must be a transformers model (or its config), got {type(model).__name__} {model!r:.80}")
         caps = detect(model)
         positions = positions or policy.default_positions
         if positions not in ("original", "cache"):
@@ -807,6 +817,9 @@ class EvictingCache(Cache):
                 )
         if isinstance(model, torch.nn.Module):
             scope_attention(model)
+        #: the model this cache serves (a weak reference; ``None`` when built from a config, or in a
+        #: copy: pickle and deepcopy drop it, so a restored cache serves a model of the same shape)
+        self.built_for: weakref.ref[torch.nn.Module] | None = weakref.ref(model) if isinstance(model, torch.nn.Module) else None
         self.policy = policy
         self.positions_mode = positions
         self.capabilities: ModelCapabilities = caps
@@ -839,6 +852,22 @@ class EvictingCache(Cache):
         (see :attr:`needs_settle`; :func:`decode_steps` and :func:`generate` call it). Eager code
         needs no call: each step evicts itself. Returns each layer's rounds."""
         return [layer.store.settle() for layer in self.layers]
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Refuse a forward of ``model`` (a model or its base model, whose hooks call this) when it
+        is not the model this cache was built for (its keys, values and layers are that model's):
+        ``ValueError`` naming both."""
+        if self.built_for is None:
+            return  # built from a config, or a copy
+        mine = self.built_for()  # (None: that model is gone, so this one is another)
+        if model is not mine and getattr(mine, "base_model", None) is not model \
+                and getattr(model, "base_model", None) is not mine:
+            raise ValueError(
+                f"this EvictingCache was built for another model ({type(mine).__name__ if mine is not None else 'gone'}, "
+                f"{len(self.layers)} layers) than "
+                f"the one running this forward ({type(model).__name__}): a cache holds one model's keys and values; "
+                "make one per model (EvictingCache(policy, model))"
+            )
 
     def check_forward(self, attention_mask: torch.Tensor | None, q_length: int, use_cache: Any,
                       position_ids: torch.Tensor | None = None) -> None:
@@ -956,6 +985,7 @@ class EvictingCache(Cache):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["_busy"]  # a lock: a copy gets its own
+        state["built_for"] = None  # a weak reference (pickle cannot hold one)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -967,6 +997,14 @@ class EvictingCache(Cache):
         """transformers' entry point: layer ``layer_idx`` appends (see :meth:`EvictingLayer.update`)."""
         if not 0 <= layer_idx < len(self.layers):
             raise ValueError(f"layer_idx {layer_idx} is out of range: this EvictingCache was built for {len(self.layers)} layers")
+        if not torch.compiler.is_compiling() and self.built_for is not None and not self._busy.locked():
+            mine = self.built_for()
+            raise RuntimeError(
+                f"layer {layer_idx}: a forward that did not go through the hooks of the model this EvictingCache was "
+                f"built for ({type(mine).__name__ if mine is not None else 'a model that is gone'}) updates it: a cache "
+                "serves the model it was built for (make one per model: EvictingCache(policy, model)), given as "
+                "cache= or past_key_values= (a cache passed positionally is not seen by the hooks)"
+            )
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def note_padding(self, attention_mask: torch.Tensor | None, q_length: int) -> None:
