@@ -122,7 +122,7 @@ def test_trace_logits_of_the_wrong_shape(capsys, tmp_path) -> None:
     path = tmp_path / "four.npy"
     np.save(path, np.zeros((5, 2, 3, 4)))
     err = refused(capsys, "trace", "h2o", "--logits", str(path), "--out", str(tmp_path / "t.png"))
-    assert "four.npy" in err and "logits must be [steps, heads, steps]" in err and "(5, 2, 3, 4)" in err
+    assert "four.npy" in err and "logits must have shape [steps, heads, steps]" in err and "got (5, 2, 3, 4)" in err
 
 
 def test_a_folder_where_a_data_file_belongs(tmp_path) -> None:
