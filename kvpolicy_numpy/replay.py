@@ -124,7 +124,7 @@ def validate_values(values: object, steps: int, heads: int) -> np.ndarray:
 
 def validate_keys(keys: object, steps: int, heads: int, policy: EvictionPolicy) -> np.ndarray | None:
     """``keys`` as a float64 ``[steps, heads, head_dim]`` array (``None`` stays ``None``), or
-    ``ValueError`` (shape, complex; ``None`` for a policy whose scores come from keys).
+    ``ValueError`` (shape, complex; ``None``, NaN or infinite for a policy whose scores come from keys).
 
     Example:
         >>> from kvpolicy import Knorm
@@ -145,6 +145,14 @@ def validate_keys(keys: object, steps: int, heads: int, policy: EvictionPolicy) 
         raise ValueError(
             f"keys must have shape [steps, heads, head_dim] = [{steps}, {heads}, head_dim >= 1], got {tuple(keys.shape)}"
         )
+    if policy.score_statistic in KEY_STATISTICS:  # (else ignored) scores from NaN keys would decide silently
+        bad = ~np.isfinite(keys)
+        if bad.any():
+            t, h, d = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"keys must be finite for {policy!r}, whose scores come from the keys: keys[{t}, {h}, {d}] is "
+                f"{keys[t, h, d]} (step {t}, head {h})"
+            )
     return keys
 
 

@@ -27,12 +27,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from kvpolicy._validation import check_bool
 from kvpolicy.driver import kept_slots
 from kvpolicy.policy import KEY_STATISTICS, DecodeEviction, EvictionPolicy
 from kvpolicy.statistics import Rotary, cache_scores, low_attention
 
 from .attention import decode_attention, grouped_decode
-from .checks import check_append, check_capacity, check_like, check_query
+from .checks import check_append, check_batch_index, check_capacity, check_like, check_query, check_received
 from .compaction import keep_slots, slot_order, sort_by_position, unwrap_ring
 from .group import LayerGroup
 from .posshift import KeyShift, PrefixShift, SinkShift, slot_shifts
@@ -119,7 +120,7 @@ class LayerCache:
         check_capacity(policy)
         self.policy = policy
         self.reduce_scores = reduce_scores
-        self.static_shapes = bool(static_shapes)
+        self.static_shapes = check_bool("static_shapes", static_shapes)
         self.reserve = reserve
         rule = policy.decode_eviction
         if rule is not None and not isinstance(rule, DecodeEviction):
@@ -671,10 +672,7 @@ class LayerCache:
         computes the scores from the keys held."""
         self._require()
         scores = self._returned_scores()
-        if received.shape != scores.shape:
-            raise ValueError(f"received must have shape {tuple(scores.shape)}, got {tuple(received.shape)}")
-        if received.is_complex():
-            raise ValueError("received must be real, got a complex tensor")
+        check_received(received, scores.shape)
         self._add(scores, received)
 
     def accumulate_query(self, received: torch.Tensor, group: int) -> None:
@@ -1121,6 +1119,7 @@ class LayerCache:
         """Keep (or repeat) batch rows by ``index``, e.g. for beam search."""
         if self._store is None:
             return
+        check_batch_index(index, self.batch)
         if self._extra is not None:
             raise RuntimeError("select_batch() between append() and evict()")
         store = self._require()

@@ -44,11 +44,12 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 from hypothesis import HealthCheck, given
+from hypothesis.errors import Unsatisfiable
 from hypothesis.database import ExampleDatabase
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
-from kvpolicy._validation import check_bool
+from kvpolicy._validation import check_bool, check_int
 from kvpolicy.driver import PolicyError
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
 
@@ -56,7 +57,7 @@ from . import _format
 from ._driver import ContractViolation, NumpyCache, example_inputs, run_replay, sequence_rows
 from ._util import torch_available
 from .invariants import Invariant, policy_invariants, run_invariants
-from .strategies import TIE_KINDS, LogitsSpec, gqa_shapes, logits_specs, padded_batches, policies, prompt_lengths
+from .strategies import TIE_KINDS, LogitsSpec, gqa_shapes, last_refusal, logits_specs, padded_batches, policies, prompt_lengths
 
 __all__ = [
     "PROPERTIES",
@@ -379,7 +380,16 @@ def _run(fn: Callable[..., None], label: str, prop: str, settings: Settings) -> 
     """Run one property: ``fn(data)`` under ``@given(data=st.data())``, with its own database key."""
     fn.__name__ = f"check_policy_{prop}"
     fn.__qualname__ = f"check_policy[{label}].{prop}"
-    _prop_settings(settings, f"{label}:{prop}")(given(data=st.data())(fn))()
+    try:
+        _prop_settings(settings, f"{label}:{prop}")(given(data=st.data())(fn))()
+    except Unsatisfiable:
+        refusal = last_refusal()
+        raise ValueError(
+            f"check_policy({label}): no example for the {prop!r} check could be drawn: the policy's constructor "
+            "refused (ValueError) every parameter set drawn from params=, so nothing was checked"
+            + (f" (the last: {refusal})" if refusal else "")
+            + ". Draw parameters the constructor accepts (e.g. st.integers(1, 8) for a size)"
+        ) from None
 
 
 def check_policy(
@@ -438,6 +448,16 @@ def check_policy(
     if unknown:
         raise ValueError(f"unknown checks {unknown}; choose from {', '.join(PROPERTIES)}")
     torch = check_bool("torch", torch, allow_none=True)
+    for name, value, least in (("max_steps", max_steps, 1), ("max_heads", max_heads, 1), ("max_batch", max_batch, 1),
+                               ("max_group", max_group, 1), ("max_prompt", max_prompt, 0), ("long_steps", long_steps, 1),
+                               ("stateful_steps", stateful_steps, 1)):
+        check_int(name, value, minimum=least)
+    given_invariants = [] if invariants is None else [invariants] if callable(invariants) else list(invariants)
+    for inv in given_invariants:
+        if not callable(inv):
+            raise TypeError(
+                f"invariants must be callables invariant(policy, kept, t) (see kvpolicy.testing.invariants), got {inv!r}"
+            )
     use_torch = torch_available() if torch is None else torch
     if use_torch and not torch_available():
         raise ImportError("check_policy(torch=True) needs torch installed")

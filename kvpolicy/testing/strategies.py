@@ -65,6 +65,7 @@ __all__ = [
     "full_policies",
     "gqa_shapes",
     "h2o_policies",
+    "last_refusal",
     "local_policies",
     "logits_arrays",
     "make_logits",
@@ -361,12 +362,29 @@ def params_strategy(factory: Any, **overrides: st.SearchStrategy | Any) -> st.Se
     return st.fixed_dictionaries(fields)
 
 
+_REFUSALS: list[str] = []  # the newest constructor refusal (see last_refusal)
+
+
+def last_refusal() -> str | None:
+    """The newest refusal of a policy constructor while drawing instances (``"H2O(heavy=-3,
+    recent=2): heavy must be ..."``), or ``None``: what :func:`kvpolicy.testing.check_policy`
+    quotes when every drawn parameter set was refused.
+
+    Example:
+        >>> isinstance(last_refusal(), (str, type(None)))
+        True
+    """
+    return _REFUSALS[-1] if _REFUSALS else None
+
+
 @st.composite
 def _instances(draw: st.DrawFn, factory: Callable[..., Any], params: st.SearchStrategy[dict[str, Any]]) -> EvictionPolicy:
     kwargs = draw(params)
     try:
         policy = factory(**kwargs)
-    except ValueError:  # an invalid combination (the constructor said so): draw another
+    except ValueError as exc:  # an invalid combination (the constructor said so): draw another
+        name = getattr(factory, "__name__", repr(factory))
+        _REFUSALS[:] = [f"{name}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}): {exc}"]
         reject()
     if not isinstance(policy, EvictionPolicy):
         raise TypeError(f"{factory!r}(**{kwargs!r}) returned {policy!r}, not an EvictionPolicy")

@@ -21,7 +21,7 @@ from ..._validation import check_bool
 
 __all__ = [
     "TextDoc", "SummaryExample", "Passage", "QAExample", "RetrievalExample", "shared_data_dir", "shared_file",
-    "require_file", "decode_utf8", "read_jsonl_lines", "read_jsonl", "record_errors", "select_rows",
+    "require_file", "decode_utf8", "read_jsonl_lines", "read_jsonl", "read_records", "record_errors", "select_rows",
     "install_hint", "PACKAGE_VERSIONS", "package_path",
 ]
 
@@ -132,6 +132,8 @@ def shared_file(name: str) -> Path | None:
 def require_file(path: str | os.PathLike[str], what: str) -> Path:
     """``path`` as a :class:`~pathlib.Path`, or ``FileNotFoundError`` naming ``what`` it should hold."""
     p = Path(path)
+    if p.is_dir():
+        raise IsADirectoryError(f"{what}: {p} is a folder, not a file: pass the file itself")
     if not p.is_file():
         raise FileNotFoundError(f"{what}: file not found: {p}")
     return p
@@ -225,6 +227,19 @@ def record_errors(path: str | os.PathLike[str], line: int) -> Iterator[None]:
         raise ValueError(f"{path}:{line}: the record has no {e.args[0]!r} key") from None
     except (TypeError, IndexError, AttributeError) as e:
         raise ValueError(f"{path}:{line}: the record does not have the expected structure ({e})") from None
+    except ValueError as e:  # e.g. a pair of three values ("too many values to unpack")
+        if str(e).startswith(f"{path}:"):
+            raise
+        raise ValueError(f"{path}:{line}: the record does not have the expected structure ({e})") from None
+
+
+def read_records(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """Every ``(line, record)`` of the jsonl file ``path`` (:func:`read_jsonl_lines`); ``ValueError``
+    naming the file when it holds none (empty or blank), instead of a run over no examples."""
+    rows = list(read_jsonl_lines(path))
+    if not rows:
+        raise ValueError(f"{path}: no records (the file is empty or blank): expected one JSON object per line")
+    return rows
 
 
 def select_rows(n: int, limit: int | None, seed: int | None) -> list[int]:

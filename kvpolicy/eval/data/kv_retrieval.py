@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from .common import RetrievalExample, read_jsonl_lines, record_errors, require_file, select_rows, shared_file
+from .common import RetrievalExample, read_records, record_errors, require_file, select_rows, shared_file
 
 __all__ = ["KV_INSTRUCTION", "format_kv_records", "load_kv_retrieval", "format_kv_prompt"]
 
@@ -51,7 +51,7 @@ def load_kv_retrieval(
                 "from https://github.com/nelson-liu/lost-in-the-middle (kv_retrieval_data/)"
             )
         p = found
-    rows = list(read_jsonl_lines(p))
+    rows = read_records(p)
     out: list[RetrievalExample] = []
     for i in select_rows(len(rows), limit, seed):
         line, r = rows[i]

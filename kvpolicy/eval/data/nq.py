@@ -18,7 +18,7 @@ from .common import (
     Passage,
     QAExample,
     TextDoc,
-    read_jsonl_lines,
+    read_records,
     record_errors,
     require_file,
     select_rows,
@@ -210,7 +210,7 @@ def load_nq_multidoc(
     positions = tuple(int(g) for g in gold_positions)
     for g in positions:
         if not 0 <= g < n_docs:
-            raise ValueError(f"gold position {g} outside [0, {n_docs})")
+            raise ValueError(f"gold_positions: gold position {g} is outside [0, n_docs={n_docs}): each must be a document index")
     if path is not None:
         p = require_file(path, "NQ-open oracle jsonl")
     else:
@@ -221,7 +221,7 @@ def load_nq_multidoc(
                 "https://github.com/nelson-liu/lost-in-the-middle (qa_data/nq-open-oracle.jsonl.gz)"
             )
         p = found
-    rows = list(read_jsonl_lines(p))
+    rows = read_records(p)
     pool = _distractor_pool(distractor_pool, distractor_max_words) if n_docs > 1 else None
     out: list[QAExample] = []
     for i in select_rows(len(rows), limit, seed):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .common import SummaryExample, read_jsonl_lines, require_file, select_rows, shared_file
+from .common import SummaryExample, read_records, require_file, select_rows, shared_file
 
 __all__ = ["XSUM_PROMPT", "load_xsum", "format_summary_prompt"]
 
@@ -33,7 +33,7 @@ def load_xsum(
         p = shared_file("xsum_0shot.jsonl")
     out: list[SummaryExample] = []
     if p is not None:
-        rows = list(read_jsonl_lines(p))
+        rows = read_records(p)
         for i in select_rows(len(rows), limit, seed):
             line, r = rows[i]
             if "article" not in r or "summary_gt" not in r:
