@@ -1,11 +1,12 @@
 """The fixed per-layer cost of a decode step: ``EvictingLayer.update`` plus kvpolicy's attention
 function for H2O, StreamingLLM (pos-shift, sinks rotated in the storage), the local window, and
-Knorm and KeyDiff (scores recomputed from the held keys at every step that evicts),
+Knorm and KeyDiff (scores recomputed from the held keys at every step that evicts), and Expected
+Attention (the query's running moments updated, every held token's score recomputed),
 over ``--layers`` layers sharing one cache's ``ShiftMatrices`` and ``LayerGroup``, on SmolLM2-135M's shapes (3 KV
 heads, 9 query heads, head_dim 64) with ``--keys`` cached keys; against a plain cache (``torch.cat``
 of the new key and value, then SDPA). Microseconds per layer and step, one thread; no model, so
 the caches stay warm (in a model each figure is about twice as large). Run it at two commits to
-compare them (docs/performance.md, section 0.2).
+compare them (docs/performance.md, section 2).
 
     .venv/bin/python benchmarks/decode_layer_step.py --keys 128 --steps 300
 """
@@ -18,7 +19,7 @@ import time
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvpolicy import H2O, KeyDiff, Knorm, LocalWindow, StreamingLLM
+from kvpolicy import H2O, ExpectedAttention, KeyDiff, Knorm, LocalWindow, StreamingLLM
 from kvpolicy_integrations.hf import EvictingLayer, ShiftMatrices
 from kvpolicy_torch import LayerGroup
 
@@ -43,6 +44,7 @@ def _policy_step(policy, keys: int, layers: int, steps: int) -> float:
         layer.lazy_initialization(k, k)
         layer.store.append(k, k)
         layer.store.accumulate(torch.rand(1, 3, keys, generator=g))
+        layer.store.observe_queries(torch.randn(1, 9, keys, 64, generator=g))  # (Expected Attention's prompt queries)
         layer.store.evict()
     q, nk = torch.randn(1, 9, 1, 64, generator=g), torch.randn(1, 3, 1, 64, generator=g)
     start = time.perf_counter()
@@ -82,6 +84,7 @@ def main() -> None:
         "local window": lambda: _policy_step(LocalWindow(window=n), n, args.layers, args.steps),
         "Knorm": lambda: _policy_step(Knorm(size=n), n, args.layers, args.steps),
         "KeyDiff": lambda: _policy_step(KeyDiff(size=n), n, args.layers, args.steps),
+        "Expected Attention": lambda: _policy_step(ExpectedAttention(size=n), n, args.layers, args.steps),
     }
     for label, run in cases.items():
         print(f"{label:20s} {min(run() for _ in range(args.repeats)):6.1f} us per layer and step")

@@ -1,4 +1,4 @@
-"""Micro-benchmarks behind the before/after tables of docs/performance.md (section 4).
+"""Micro-benchmarks behind the before/after figures of docs/performance-history.md ("The first measurements").
 
 Each prints a Markdown-ish table; variants run interleaved round by round in one process, and the
 fastest / median of the rounds is reported (on a shared machine noise only adds time)::

@@ -11,7 +11,7 @@ Per prompt length, one process, interleaved repeats (the median is reported):
 
 The model has SmolLM2-135M's attention and MLP shapes (9 query / 3 KV heads of 64, hidden 576,
 intermediate 1536) with ``--layers`` layers (default 2: every layer costs the same, so the ratio
-does not depend on it) and random weights. The ratios are what docs/performance.md quotes.
+does not depend on it) and random weights. The ratios are what docs/performance-history.md quotes ("Prefill with and without score capture").
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Decode speed of H2O (25% budget) on the embedded SmolLM2-135M against the limit, for several
 floors of LayerCache's spare slots (``LayerCache.min_slack``), all candidates interleaved token by
-token in one run. What chose the floor of 64 (docs/performance.md, section 0.2).
+token in one run. What chose the floor of 64 (docs/performance-history.md, "Decode against the
+limit, sitting by sitting").
 
     .venv/bin/python benchmarks/slack_sweep.py --context 512 --floors 0,32,64 --steps 150
 """

@@ -4,7 +4,7 @@
 Allocated bytes, RSS and per-token time are sampled along the way; the last decile after the
 warm-up is compared with the first. Quick mode (CI) streams 1,200 tokens. The run's table is
 printed in the session summary (and written to ``$KVPOLICY_BENCH_JSON``); the full run's numbers
-are in docs/performance.md ("Endurance"). Full run::
+are in docs/performance.md (section 6, "Endurance"). Full run::
 
     KVPOLICY_BENCH_THREADS=1 .venv/bin/python -m pytest benchmarks/test_endurance.py -q -p no:cacheprovider -s
 """

@@ -1,8 +1,30 @@
 """kvpolicy: KV-cache eviction policies for LLM inference.
 
-The backend-agnostic core: :class:`EvictionPolicy`, the built-in policies (BUZZ, H2O,
-StreamingLLM, local window, full cache), the registry and budgets. Imports neither torch nor
-transformers; backends live in ``kvpolicy_numpy`` (exact reference) and ``kvpolicy_torch``.
+The backend-agnostic core: :class:`EvictionPolicy`, the built-in policies, the registry and
+budgets. Imports neither torch nor transformers; backends live in ``kvpolicy_numpy`` (exact
+reference) and ``kvpolicy_torch``.
+
+The built-in policies, by their registry names (``kvpolicy policies`` lists them with their
+parameters; docs/policies.md gives their exact semantics):
+
+* ``buzz`` (:class:`BUZZ`), and ``buzz_logn``, BUZZ with log n attention scaling: sinks, a
+  beehive-sampled middle of segmented heavy hitters, a sliding window;
+* ``h2o`` (:class:`H2O`): heavy hitters plus a recent window;
+* ``tova`` (:class:`TOVA`): at capacity, drop the token the current query attends to least;
+* ``scissorhands`` (:class:`Scissorhands`): drop the tokens most often unimportant lately;
+* ``streaming_llm`` (:class:`StreamingLLM`): attention sinks plus the last ``window`` positions;
+* ``local`` (:class:`LocalWindow`): the last ``window`` positions;
+* ``full`` (:class:`FullCache`): keep every token;
+* ``knorm`` (:class:`Knorm`) and ``keydiff`` (:class:`KeyDiff`): score the cached keys (lowest L2
+  norm; most different from the others), no attention scores needed;
+* ``expected_attention`` (:class:`ExpectedAttention`): the attention future queries are expected
+  to pay each key (from a running estimate of the queries), times its value's norm;
+* ``snapkv`` (:class:`SnapKV`): a prefill policy, the prompt's tokens the observation window
+  attends to most;
+* ``compose`` (:class:`Composed`, :func:`compose`): a prefill policy, then a decode policy, and the
+  presets ``snapkv_h2o``, ``snapkv_tova``, ``snapkv_buzz``;
+* ``pyramid`` (:class:`PyramidKV`): per-layer budgets over any base policy, and the presets
+  ``pyramid_h2o`` (over H2O) and ``pyramidkv`` (PyramidKV's own: over SnapKV).
 
 Example:
     >>> import kvpolicy
@@ -17,6 +39,7 @@ from .policies import (
     AdaKV,
     BUZZ,
     Composed,
+    ExpectedAttention,
     H2O,
     FullCache,
     KeyDiff,
@@ -54,6 +77,7 @@ __all__ = [
     "DecodeEviction",
     "DeferredScoresView",
     "ENTRY_POINT_GROUP",
+    "ExpectedAttention",
     "KEY_STATISTICS",
     "EvictionPolicy",
     "FullCache",

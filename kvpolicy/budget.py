@@ -21,7 +21,7 @@ from .driver import evict_until_done
 from .policy import EvictionPolicy
 from .registry import Preset, get_policy
 
-__all__ = ["PolicyPlan", "make_policy", "plan_policy", "plan_capacity", "simulate_sizes", "realised_budget"]
+__all__ = ["PolicyPlan", "fit_capacity", "make_policy", "plan_policy", "plan_capacity", "simulate_sizes", "realised_budget"]
 
 
 def simulate_sizes(policy: EvictionPolicy, context_length: int, prompt_length: int = 0) -> np.ndarray:
@@ -294,12 +294,30 @@ def plan_capacity(
     capacity = check_int("capacity", capacity, minimum=1)
     context_length = check_int("context_length", context_length, minimum=1)
     prompt_length = check_int("prompt_length", prompt_length, minimum=0, maximum=context_length - 1)
-    entry = get_policy(name) if isinstance(name, str) else name
-    overrides = _ratio_overrides(entry, threshold_ratio, overrides)
+    entry = _entry(name)
+    policy = fit_capacity(entry, capacity, **_ratio_overrides(entry, threshold_ratio, overrides))
+    full_avg = float(np.mean(np.arange(prompt_length + 1, context_length + 1)))
+    sizes = simulate_sizes(policy, context_length, prompt_length)
+    avg = float(np.mean(sizes))
+    return PolicyPlan(policy, capacity / full_avg, avg / full_avg, context_length, prompt_length, avg, full_avg,
+                      threshold_ratio, capacity)
+
+
+def fit_capacity(name: str | type[EvictionPolicy] | Preset, capacity: int, **overrides: Any) -> EvictionPolicy:
+    """The largest policy of a kind whose :attr:`~kvpolicy.EvictionPolicy.capacity` is at most
+    ``capacity``: ``from_size(size, **overrides)`` of the largest such ``size`` (a registry name,
+    a policy class or a preset; any policy with a size knob, none named). What
+    :func:`plan_capacity` plans and the eviction benchmarks measure (:mod:`kvpolicy.perf.eviction`).
+
+    Example:
+        >>> fit_capacity("h2o", 65), fit_capacity("streaming_llm", 50).capacity
+        (H2O(heavy=32, recent=32), 50)
+    """
+    capacity = check_int("capacity", capacity, minimum=1)
+    entry = _entry(name)
     cls = entry.cls if isinstance(entry, Preset) else entry
     if not cls.evicts:
         raise ValueError(f"the {cls.name!r} policy has no capacity limit (it keeps every token): plan it without one")
-    full_avg = float(np.mean(np.arange(prompt_length + 1, context_length + 1)))
 
     def cap(size: int) -> float:
         c = entry.from_size(size, **dict(overrides)).capacity
@@ -320,11 +338,7 @@ def plan_capacity(
             lo = mid
         else:
             hi = mid
-    policy = entry.from_size(lo, **dict(overrides))
-    sizes = simulate_sizes(policy, context_length, prompt_length)
-    avg = float(np.mean(sizes))
-    return PolicyPlan(policy, capacity / full_avg, avg / full_avg, context_length, prompt_length, avg, full_avg,
-                      threshold_ratio, capacity)
+    return entry.from_size(lo, **dict(overrides))
 
 
 def _entry(name: object) -> type[EvictionPolicy] | Preset:

@@ -326,8 +326,14 @@ def _cmd_trace(args: argparse.Namespace) -> int:
             logits = np.load(args.logits)
         except (OSError, ValueError) as e:
             raise CLIError(f"cannot read logits from {str(args.logits)!r}: {e}") from None
+        loaded = tuple(np.shape(logits))
         if logits.ndim == 2:
             logits = logits[:, None, :]
+        if logits.ndim != 3 or logits.shape[0] != logits.shape[2] or logits.shape[0] == 0:
+            raise CLIError(
+                f"{str(args.logits)!r}: logits must have shape [steps, heads, steps] (or [steps, steps]) with steps >= 1, "
+                f"got {loaded}"
+            )
     else:
         if args.steps < 1:
             raise CLIError(f"steps must be >= 1, got {args.steps}")

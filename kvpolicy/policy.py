@@ -40,17 +40,21 @@ __all__ = [
     "ScoreStatistic",
     "Selection",
     "WrappingPolicy",
+    "check_inherited_rules",
+    "keep_at_most",
 ]
 
 Array = Any  # a NumPy ndarray or a torch.Tensor; anything array-api-compat understands
 Selection = Literal["per_head", "shared"]
 #: How a token's score is computed (:attr:`EvictionPolicy.score_statistic`): from the attention it
 #: received (``"accumulate"``, ``"latest"``, ``"low_history"``) or from the cached keys
-#: (``"key_norm"``, ``"key_diff"``, see :data:`KEY_STATISTICS`).
-ScoreStatistic = Literal["accumulate", "latest", "low_history", "key_norm", "key_diff"]
-#: The score statistics that backends compute from the cached keys (:mod:`kvpolicy.statistics`),
-#: not from attention: a policy with one needs no score capture inside attention.
-KEY_STATISTICS: tuple[str, ...] = ("key_norm", "key_diff")
+#: (``"key_norm"``, ``"key_diff"``, ``"expected_attention"``, see :data:`KEY_STATISTICS`).
+ScoreStatistic = Literal["accumulate", "latest", "low_history", "key_norm", "key_diff", "expected_attention"]
+#: The score statistics that backends compute from the cache (:func:`kvpolicy.statistics.cache_scores`),
+#: not from attention: a policy with one needs no score capture inside attention. ``"key_norm"``
+#: and ``"key_diff"`` read the cached keys only; ``"expected_attention"`` also the cached values
+#: and the moments of the queries the layer has seen (:class:`kvpolicy.statistics.QueryMoments`).
+KEY_STATISTICS: tuple[str, ...] = ("key_norm", "key_diff", "expected_attention")
 
 
 def array_namespace(x: Array) -> Any:
@@ -406,6 +410,57 @@ def keep_at_most(limit: int) -> SizeRule:
     return lambda n, state: limit if n > limit else n
 
 
+#: The rules a policy declares beside :meth:`EvictionPolicy.select`, which describe what it keeps.
+DECLARED_RULES = ("decode_eviction", "size_rule")
+
+
+def check_inherited_rules(cls: type) -> None:
+    """Refuse a policy class that redefines ``select`` (or ``evict``) while it inherits a
+    :attr:`~EvictionPolicy.decode_eviction` or :meth:`~EvictionPolicy.size_rule` without saying so.
+
+    Those rules describe the parent's ``select``: kept silently, backends would apply the parent's
+    eviction instead of the new ``select`` (and the planner its sizes); dropped silently, the
+    subclass would lose its O(1) decode eviction and exact planning without a word. So the class
+    says which: its own rule, the parent's (``decode_eviction = H2O.decode_eviction``), or none
+    (``decode_eviction = None``, ``size_rule = None``: backends call ``select`` at every step and
+    the planner replays it, which is exact for any policy, only slower). A ``TypeError`` at class
+    creation otherwise. :class:`EvictionPolicy` runs it on every subclass.
+
+    Example:
+        >>> from kvpolicy import H2O
+        >>> class Mine(H2O):
+        ...     def select(self, view):
+        ...         return super().select(view)
+        Traceback (most recent call last):
+        ...
+        TypeError: Mine redefines select, so the decode_eviction and size_rule it inherits from H2O may no longer describe what it keeps: declare its own, keep H2O's (decode_eviction = H2O.decode_eviction) or go without (decode_eviction = None, size_rule = None: backends then call select at every step and the planner replays it)
+        >>> class Mine(H2O):
+        ...     decode_eviction = size_rule = None
+        ...     def select(self, view):
+        ...         return super().select(view)
+        >>> Mine(2, 2).decode_eviction, Mine(2, 2).size_rule(), H2O(2, 2).decode_eviction.limit
+        (None, None, 4)
+    """
+    redefined = [m for m in ("select", "evict") if m in cls.__dict__]
+    if not redefined:
+        return
+    missing = []
+    for attr in DECLARED_RULES:
+        if attr in cls.__dict__:
+            continue
+        inherited = getattr(cls, attr)  # the property or method object, from the nearest base
+        if inherited is not None and inherited is not EvictionPolicy.__dict__[attr]:
+            missing.append(attr)
+    if missing:
+        owner = cls.__mro__[1].__name__
+        raise TypeError(
+            f"{cls.__name__} redefines {' and '.join(redefined)}, so the {' and '.join(missing)} it inherits from {owner} "
+            f"may no longer describe what it keeps: declare its own, keep {owner}'s ({missing[0]} = {owner}.{missing[0]}) "
+            f"or go without ({', '.join(f'{a} = None' for a in missing)}: backends then call select at every step and "
+            "the planner replays it)"
+        )
+
+
 class EvictionPolicy(ABC):
     """Base class of every KV-cache eviction policy.
 
@@ -439,8 +494,9 @@ class EvictionPolicy(ABC):
     #: (or prompt chunk's, see :attr:`prompt_rows`). Either way summed over the query heads of a
     #: KV head. Every backend applies it (the NumPy reference, the conformance kit,
     #: ``kvpolicy_torch.LayerCache.accumulate``). ``"key_norm"`` (Knorm) and ``"key_diff"``
-    #: (KeyDiff) come from the cached keys instead, recomputed by the backend before every
-    #: eviction decision (:func:`kvpolicy.statistics.key_scores`); received attention is ignored.
+    #: (KeyDiff) come from the cached keys instead, ``"expected_attention"`` from the cached keys
+    #: and values and the queries' moments, recomputed by the backend before every eviction
+    #: decision (:func:`kvpolicy.statistics.cache_scores`); received attention is ignored.
     score_statistic: ClassVar[ScoreStatistic] = "accumulate"
     #: For ``score_statistic = "low_history"`` (Scissorhands): the queries a token's record of
     #: low-attention events covers (:mod:`kvpolicy.statistics`); ``None`` otherwise.
@@ -458,13 +514,9 @@ class EvictionPolicy(ABC):
         cls.parameters = declared_params(cls)
         if cls.parameters and "__init__" not in cls.__dict__:
             cls.__init__ = make_init(cls, cls.parameters)  # type: ignore[method-assign]
-        # A subclass that redefines select() but not decode_eviction must not inherit its parent's
-        # rule: backends would apply the parent's eviction instead of the new select().
-        if "select" in cls.__dict__ and "decode_eviction" not in cls.__dict__:
-            cls.decode_eviction = property(lambda self: None, doc=EvictionPolicy.decode_eviction.__doc__)  # type: ignore[assignment]
-        # Likewise its size rule: the parent's arithmetic describes the parent's select().
-        if ("select" in cls.__dict__ or "evict" in cls.__dict__) and "size_rule" not in cls.__dict__:
+        if cls.__dict__.get("size_rule", EvictionPolicy.size_rule) is None:  # `size_rule = None`: none, explicitly
             cls.size_rule = EvictionPolicy.size_rule  # type: ignore[method-assign]
+        check_inherited_rules(cls)
         # And its ranking (head-wise budgets): the parent's order describes the parent's select().
         if "select" in cls.__dict__ and not {"ranking", "head_budget"} & set(cls.__dict__):
             cls.ranking = EvictionPolicy.ranking  # type: ignore[method-assign]
@@ -484,6 +536,27 @@ class EvictionPolicy(ABC):
         """
         return self.uses_scores and self.score_statistic not in KEY_STATISTICS
 
+    @property
+    def observes_queries(self) -> bool:
+        """Whether the policy's scores come from the queries a layer has seen as well as from its
+        cache (Expected Attention's moments of the queries): a backend hands it every query
+        (``LayerCache.observe_queries``), so a cache built from recorded keys and scores alone
+        cannot serve it.
+
+        Example:
+            >>> from kvpolicy import ExpectedAttention, Knorm
+            >>> ExpectedAttention(size=8).observes_queries, Knorm(size=8).observes_queries
+            (True, False)
+        """
+        return self.uses_scores and self.score_statistic == "expected_attention"
+
+    @property
+    def statistic_policy(self) -> "EvictionPolicy":
+        """The policy whose parameters configure the score statistic the backends compute (e.g.
+        Expected Attention's ``sink`` and ``future``): itself, or the policy a
+        :class:`WrappingPolicy` wraps (an :class:`~kvpolicy.AdaKV` scorer)."""
+        return self
+
     #: For a key statistic (:data:`KEY_STATISTICS`): the newest tokens that are no candidates of
     #: the statistic (KeyDiff's anchor is the mean over the candidates' keys only). ``0``: all.
     key_recent: int = 0
@@ -499,7 +572,10 @@ class EvictionPolicy(ABC):
     def decode_eviction(self) -> DecodeEviction | None:
         """The policy's one-token decode eviction, if it has one (see :class:`DecodeEviction`):
         backends may then apply it in O(1) instead of calling :meth:`select`. ``None``
-        (default): backends always call :meth:`select`."""
+        (default): backends always call :meth:`select`. Every built-in that evicts one token a
+        decode step declares one (:class:`~kvpolicy.policies.lowest.KeepAtMost` derives it from
+        the policy's rule); a subclass that redefines ``select`` says whether it keeps its
+        parent's (:func:`check_inherited_rules`)."""
         return None
 
     # ----------------------------------------------------------------- ranking (head-wise budgets)
@@ -556,9 +632,9 @@ class EvictionPolicy(ABC):
         skips asking :meth:`evict` at a decode step where the rule keeps every token (a policy
         without a :class:`DecodeEviction`, such as BUZZ, is asked at every step otherwise); ``None``
         (default) means the planner replays, which is exact for any policy, only slower. A policy whose sizes
-        depend on more than the count and its state leaves it ``None``; a subclass that redefines
-        ``select`` or ``evict`` does not inherit its parent's rule. Tests hold each rule to the
-        replay.
+        depend on more than the count and its state leaves it ``None`` (or writes ``size_rule =
+        None``); a subclass that redefines ``select`` or ``evict`` says whether it keeps its
+        parent's rule (:func:`check_inherited_rules`). Tests hold each rule to the replay.
 
         Example:
             >>> from kvpolicy import StreamingLLM
@@ -709,6 +785,10 @@ class WrappingPolicy(EvictionPolicy):
     @property  # type: ignore[override]
     def score_statistic(self) -> ScoreStatistic:
         return self.wrapped.score_statistic
+
+    @property
+    def statistic_policy(self) -> EvictionPolicy:
+        return self.wrapped.statistic_policy
 
     @property  # type: ignore[override]
     def score_history(self) -> int | None:

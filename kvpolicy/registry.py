@@ -149,8 +149,8 @@ def register_policy(
     from ._validation import check_bool
 
     replace = bool(check_bool("replace", replace))
-    if name is not None and not isinstance(name, str):
-        raise ValueError(f"name must be a string, got {name!r}")
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise ValueError(f"name must be a non-empty string (or None for the class's own name), got {name!r}")
 
     def decorate(c: P) -> P:
         from .policy import EvictionPolicy

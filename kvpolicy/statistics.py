@@ -42,13 +42,21 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from array_api_compat import device
 
 from .policy import Array, array_namespace
 
-__all__ = ["COSINE_GRID", "KEY_EPS", "LOW_MARGIN", "MAX_HISTORY", "history_counts", "history_record", "key_scores", "low_attention", "shift_history"]
+if TYPE_CHECKING:
+    from .policy import EvictionPolicy
+
+__all__ = [
+    "COSINE_GRID", "KEY_EPS", "LOW_MARGIN", "MAX_HISTORY", "SCORE_BITS", "QueryMoments", "Rotary", "average_rotation",
+    "cache_scores", "expected_attention", "history_counts", "history_record", "key_scores", "low_attention",
+    "query_moments", "shift_history",
+]
 
 #: KeyDiff's cosines are rounded to multiples of this (``2 ** -30``, far below the float32 precision
 #: of a model's keys): cosines equal up to float rounding, which any two candidates have when there
@@ -163,3 +171,242 @@ def key_scores(statistic: str, keys: Array, positions: Array, n_seen: Any, recen
     else:
         raise ValueError(f"statistic must be one of key_norm, key_diff, got {statistic!r}")
     return xp.where(kept, score, xp.full_like(score, xp.inf))
+
+
+# ============================================================================ Expected Attention
+#: Expected Attention's scores are rounded to this many significant bits (far below float64's 52,
+#: above float32's 24): scores equal up to float rounding, which keys equal or symmetric under the
+#: query statistics have, are then exactly equal on every backend whatever order each sums in, and
+#: the tie goes to the earliest position (as KeyDiff's :data:`COSINE_GRID`).
+SCORE_BITS = 30
+
+
+class Rotary(NamedTuple):
+    """RoPE as a model rotates its queries and keys: what Expected Attention averages over the
+    next positions (:func:`average_rotation`).
+
+    Attributes:
+        inv_freq: ``[rotary_dim / 2]`` rotary frequencies (a NumPy array or a tensor; a scaled
+            variant's, e.g. llama3 or YaRN, as the model holds them).
+        style: ``"half"`` (Llama's ``rotate_half``: pairs ``(i, i + rotary_dim / 2)``) or
+            ``"interleaved"`` (pairs ``(2i, 2i + 1)``).
+        rotary_dim: the leading dimensions rotated (``None``: ``2 * len(inv_freq)``); the rest
+            pass through.
+    """
+
+    inv_freq: Array
+    style: str = "half"
+    rotary_dim: int | None = None
+
+
+class QueryMoments(NamedTuple):
+    """Sums over the queries a layer has seen, per row and query head: what Expected Attention's
+    mean and covariance come from (:func:`query_moments`; backends add a step's sums to the
+    running ones).
+
+    Attributes:
+        count: ``[batch]`` float64: queries summed (the same for every head of a row).
+        total: ``[batch, kv_heads, group, d]`` float64: their sum (``group`` query heads per KV head).
+        outer: ``[batch, kv_heads, group, d, d]`` float64: the sum of their outer products ``q q^T``.
+    """
+
+    count: Array
+    total: Array
+    outer: Array
+
+
+def query_moments(queries: Array, weight: Array) -> QueryMoments:
+    """The :class:`QueryMoments` of ``queries`` ``[batch, kv_heads, group, q, d]`` (any real
+    dtype; summed in float64), each counted with ``weight`` ``[batch, q]`` (1: counted, 0: not,
+    e.g. a pad or a sink's query).
+
+    Example:
+        >>> import numpy as np
+        >>> q = np.array([[[[[1.0, 0.0], [3.0, 2.0], [9.0, 9.0]]]]])  # [1, 1, 1, 3, 2]
+        >>> m = query_moments(q, np.array([[1.0, 1.0, 0.0]]))
+        >>> m.count.tolist(), m.total.tolist(), m.outer.tolist()
+        ([2.0], [[[[4.0, 2.0]]]], [[[[[10.0, 6.0], [6.0, 4.0]]]]])
+    """
+    xp = array_namespace(queries)
+    q = xp.astype(queries, xp.float64)
+    w = xp.astype(weight, xp.float64)
+    weighted = q * w[:, None, None, :, None]
+    total = xp.sum(weighted, axis=-2)
+    outer = xp.matmul(xp.matrix_transpose(weighted), q)
+    return QueryMoments(xp.sum(w, axis=-1), total, outer)
+
+
+def average_rotation(rotary: Rotary, start: Any, future: int) -> tuple[Array, Array]:
+    """The average of RoPE's rotations by positions ``start, ..., start + future - 1``, as
+    ``(cos, sin)`` float64 ``[..., rotary_dim / 2]``: for each frequency pair the mean of the
+    rotations' cosines and sines (an average of rotations is ``[[cos, -sin], [sin, cos]]`` with
+    these means). ``start``: an int, or an integer array (one per row, e.g. ``[batch, 1, 1]``);
+    angles are computed as transformers computes them (``float32(position) * inv_freq``).
+
+    Example:
+        >>> import numpy as np
+        >>> c, s = average_rotation(Rotary(np.array([np.pi / 2])), 0, 4)  # 0, 90, 180, 270 degrees
+        >>> [round(float(c[0]), 6), round(float(s[0]), 6)]
+        [-0.0, -0.0]
+        >>> c, s = average_rotation(Rotary(np.array([0.0])), 7, 3)
+        >>> c.tolist(), s.tolist()
+        ([1.0], [0.0])
+    """
+    xp = array_namespace(rotary.inv_freq)
+    dev = device(rotary.inv_freq)
+    freq = xp.astype(xp.asarray(rotary.inv_freq), xp.float32)
+    offsets = xp.arange(future, dtype=xp.int64, device=dev)
+    if isinstance(start, int):
+        positions = offsets + start
+    else:
+        positions = xp.astype(xp.asarray(start), xp.int64)[..., None] + offsets
+    angles = xp.astype(xp.astype(positions, xp.float32)[..., None] * freq, xp.float64)  # [..., future, d/2]
+    return xp.mean(xp.cos(angles), axis=-2), xp.mean(xp.sin(angles), axis=-2)
+
+
+def rotate_pairs(x: Array, cos: Array, sin: Array, style: str = "half", rotary_dim: int | None = None) -> Array:
+    """``x`` ``[..., d]`` times the matrix ``[[cos, -sin], [sin, cos]]`` of each frequency pair
+    (``cos``, ``sin`` ``[..., rotary_dim / 2]``, broadcast against ``x``); the dimensions from
+    ``rotary_dim`` on pass through. RoPE's pairing (see :class:`Rotary`).
+
+    Example:
+        >>> import numpy as np
+        >>> rotate_pairs(np.array([1.0, 0.0, 5.0]), np.array([0.0]), np.array([1.0]), rotary_dim=2).tolist()
+        [0.0, 1.0, 5.0]
+    """
+    xp = array_namespace(x)
+    dim = 2 * int(cos.shape[-1]) if rotary_dim is None else rotary_dim
+    if style == "half":
+        half = dim // 2
+        a, b = x[..., :half], x[..., half:dim]
+        return xp.concat([a * cos - b * sin, b * cos + a * sin, x[..., dim:]], axis=-1)
+    if style != "interleaved":
+        raise ValueError(f"style must be 'half' or 'interleaved', got {style!r}")
+    a, b = x[..., 0:dim:2], x[..., 1:dim:2]
+    ya, yb = a * cos - b * sin, b * cos + a * sin
+    pairs = xp.stack([ya, yb], axis=-1)
+    pairs = xp.reshape(pairs, (*pairs.shape[:-2], dim))
+    return xp.concat([pairs, x[..., dim:]], axis=-1)
+
+
+def _round_bits(x: Array, bits: int) -> Array:
+    """Positive ``x`` rounded to ``bits`` significant bits; zero and below unchanged."""
+    xp = array_namespace(x)
+    positive = x > 0
+    safe = xp.where(positive, x, xp.ones_like(x))
+    step = 2.0 ** (xp.floor(xp.log2(safe)) - bits)
+    return xp.where(positive, xp.round(safe / step) * step, x)
+
+
+def expected_attention(
+    keys: Array,
+    values: Array,
+    positions: Array,
+    n_seen: Any,
+    moments: QueryMoments,
+    *,
+    sink: int,
+    future: int,
+    epsilon: float = 0.0,
+    rotary: Rotary | None = None,
+    covariance: bool = True,
+    value_norm: bool = True,
+) -> Array:
+    """Float64 ``[batch, kv_heads, n]``: Expected Attention's score of each cached token
+    (Devoto et al., 2025), the attention future queries are expected to pay it, times its value norm.
+
+    For each query head ``j`` of a KV head (``group`` of them) the future queries are modelled as
+    Gaussian: mean ``mu_j = total / count`` and covariance ``S_j = outer / count - mu_j mu_j^T``
+    (biased) of the queries summed in ``moments`` (before RoPE), rotated by ``R``, the average of
+    RoPE's rotations by the next ``future`` positions ``n_seen .. n_seen + future - 1``
+    (:func:`average_rotation`; the identity when ``rotary`` is ``None``). A key ``k`` (as cached:
+    after RoPE) then gets the logit ``z_j = <R mu_j, k> / sqrt(d) + k^T R S_j R^T k / (2 d)``, the
+    log of ``E[exp(<q, k> / sqrt(d))]`` for a Gaussian ``q`` (without the second term when not
+    ``covariance``). Its probability ``p_j`` is the softmax of ``z_j`` over the candidates (cached
+    tokens at positions ``>= sink``); the score is ``(mean_j p_j + epsilon) * ||v||``
+    (``mean_j p_j`` when not ``value_norm``), rounded to :data:`SCORE_BITS` significant bits.
+    Sinks (positions ``< sink``), holes and pads (position ``-1``) score ``+inf``. With no query
+    counted yet the mean and covariance are 0 (every candidate equally likely).
+
+    Args:
+        keys: ``[batch, kv_heads, n, d]`` cached keys; values: ``[batch, kv_heads, n, dv]``.
+        positions: ``[batch, kv_heads, n]`` their original positions, ``-1`` at a hole or pad.
+        n_seen: tokens seen: an int, or an array broadcastable to ``positions[..., :1]`` (per row).
+        moments: the queries' sums (:class:`QueryMoments`).
+        sink, future, epsilon, covariance, value_norm: the policy's (:class:`~kvpolicy.ExpectedAttention`).
+        rotary: the model's RoPE (:class:`Rotary`), ``None`` for none.
+
+    Example:
+        >>> import numpy as np
+        >>> keys = np.array([[[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]]])   # [1, 1, 3, 2]
+        >>> queries = np.array([[[[[2.0, 0.0], [2.0, 0.0]]]]])         # two queries, both (2, 0)
+        >>> m = query_moments(queries, np.ones((1, 2)))
+        >>> s = expected_attention(keys, keys, np.arange(3)[None, None], 3, m, sink=1, future=1)
+        >>> [round(float(x), 4) for x in s[0, 0]]  # token 0 a sink; logits 0 and sqrt 2; times |v|
+        [inf, 0.1956, 1.1376]
+    """
+    xp = array_namespace(keys)
+    k = xp.astype(keys, xp.float64)
+    d = int(k.shape[-1])
+    if k.shape[-2] == 0:  # nothing cached
+        return xp.zeros(positions.shape, dtype=xp.float64, device=device(positions))
+    kept = positions >= 0
+    candidate = kept & (positions >= sink)
+    if rotary is not None:
+        start = n_seen if isinstance(n_seen, int) else xp.reshape(xp.asarray(n_seen), (-1,))[:, None, None]
+        cos, sin = average_rotation(rotary, start, future)  # [d/2], or [batch, 1, 1, d/2] per row
+        # <R mu, k> = <mu, R^T k>: rotate the keys by R's transpose (the same pairs, -sin)
+        k = rotate_pairs(k, xp.astype(cos, xp.float64), -xp.astype(sin, xp.float64), rotary.style, rotary.rotary_dim)
+    count = xp.clip(xp.astype(moments.count, xp.float64), min=1.0)[:, None, None, None]  # [batch, 1, 1, 1]
+    mean = moments.total / count  # [batch, kv_heads, group, d]
+    k5 = k[:, :, None, :, :]  # [batch, kv_heads, 1, n, d]
+    z = xp.matmul(k5, mean[..., None])[..., 0] / math.sqrt(d)  # [batch, kv_heads, group, n]
+    if covariance:
+        cov = moments.outer / count[..., None] - mean[..., :, None] * mean[..., None, :]
+        z = z + xp.sum(xp.matmul(k5, cov) * k5, axis=-1) / (2 * d)
+    mask = candidate[:, :, None, :]
+    z = xp.where(mask, z, xp.full_like(z, -xp.inf))
+    top = xp.max(z, axis=-1, keepdims=True)
+    top = xp.where(xp.isfinite(top), top, xp.zeros_like(top))
+    e = xp.where(mask, xp.exp(z - top), xp.zeros_like(z))
+    norm = xp.sum(e, axis=-1, keepdims=True)
+    probs = xp.mean(e / xp.where(norm > 0, norm, xp.ones_like(norm)), axis=-2)  # [batch, kv_heads, n]
+    if value_norm:
+        v = xp.astype(values, xp.float64)
+        probs = (probs + epsilon) * xp.sqrt(xp.sum(v * v, axis=-1))
+    score = _round_bits(probs, SCORE_BITS)
+    return xp.where(candidate, score, xp.full_like(score, xp.inf))
+
+
+def cache_scores(
+    policy: "EvictionPolicy",
+    keys: Array,
+    values: Array | None,
+    positions: Array,
+    n_seen: Any,
+    moments: QueryMoments | None = None,
+    rotary: Rotary | None = None,
+) -> Array:
+    """The scores of a policy whose statistic is computed from the cache
+    (:data:`kvpolicy.KEY_STATISTICS`): what every backend calls before an eviction decision.
+    ``"key_norm"`` and ``"key_diff"``: :func:`key_scores` (``values``, ``moments`` and
+    ``rotary`` unused); ``"expected_attention"``: :func:`expected_attention` with the policy's
+    ``sink``, ``future``, ``epsilon``, ``covariance`` and ``value_norm``, which needs ``values``
+    and the queries' ``moments``.
+
+    Example:
+        >>> import numpy as np
+        >>> from kvpolicy import Knorm
+        >>> cache_scores(Knorm(size=1), np.array([[[[3.0, 4.0]]]]), None, np.zeros((1, 1, 1), dtype=int), 1).tolist()
+        [[[-5.0]]]
+    """
+    statistic = policy.score_statistic
+    if statistic != "expected_attention":
+        return key_scores(statistic, keys, positions, n_seen, policy.key_recent)
+    if values is None or moments is None:
+        raise ValueError(f"{policy!r} scores from keys, values and the queries' moments: values and moments are required")
+    p: Any = policy.statistic_policy  # (a wrapper's, e.g. AdaKV's scorer)
+    return expected_attention(
+        keys, values, positions, n_seen, moments, sink=p.sink, future=p.future, epsilon=p.epsilon, rotary=rotary,
+        covariance=p.covariance, value_norm=p.value_norm,
+    )

@@ -12,9 +12,9 @@ import numpy as np
 from kvpolicy._validation import check_eviction_policy, check_int
 from kvpolicy.driver import evict_until_done, log_n_scales, nonfinite_rows, softmax, warn_nonfinite
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
-from kvpolicy.statistics import history_record, key_scores, low_attention, shift_history
+from kvpolicy.statistics import Rotary, cache_scores, history_record, low_attention, query_moments, shift_history
 
-__all__ = ["Trace", "replay", "softmax", "validate_keys", "validate_logits", "validate_values"]
+__all__ = ["Trace", "replay", "softmax", "validate_keys", "validate_logits", "validate_queries", "validate_values"]
 
 
 @dataclass
@@ -127,7 +127,7 @@ def validate_values(values: object, steps: int, heads: int) -> np.ndarray:
 
 def validate_keys(keys: object, steps: int, heads: int, policy: EvictionPolicy) -> np.ndarray | None:
     """``keys`` as a float64 ``[steps, heads, head_dim]`` array (``None`` stays ``None``), or
-    ``ValueError`` (shape, complex; ``None`` for a policy whose scores come from keys).
+    ``ValueError`` (shape, complex; ``None``, NaN or infinite for a policy whose scores come from keys).
 
     Example:
         >>> from kvpolicy import Knorm
@@ -148,7 +148,43 @@ def validate_keys(keys: object, steps: int, heads: int, policy: EvictionPolicy) 
         raise ValueError(
             f"keys must have shape [steps, heads, head_dim] = [{steps}, {heads}, head_dim >= 1], got {tuple(keys.shape)}"
         )
+    if policy.score_statistic in KEY_STATISTICS:  # (else ignored) scores from NaN keys would decide silently
+        bad = ~np.isfinite(keys)
+        if bad.any():
+            t, h, d = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"keys must be finite for {policy!r}, whose scores come from the keys: keys[{t}, {h}, {d}] is "
+                f"{keys[t, h, d]} (step {t}, head {h})"
+            )
     return keys
+
+
+def validate_queries(queries: object, steps: int, heads: int, head_dim: int, policy: EvictionPolicy) -> np.ndarray | None:
+    """``queries`` as a float64 ``[steps, heads, group, head_dim]`` array (``[steps, heads,
+    head_dim]`` is one query head per head: ``group = 1``), ``None`` for a policy that reads no
+    queries, or ``ValueError`` (shape, complex; ``None`` for Expected Attention).
+
+    Example:
+        >>> from kvpolicy import ExpectedAttention
+        >>> validate_queries(np.zeros((4, 2, 3)), 4, 2, 3, ExpectedAttention(size=2, sink=0)).shape
+        (4, 2, 1, 3)
+    """
+    if policy.score_statistic != "expected_attention":
+        return None
+    if queries is None:
+        raise ValueError(
+            f"queries are required for {policy!r}: its scores come from the moments of the queries seen; "
+            "pass queries=[steps, heads, head_dim] (before RoPE) and values=[steps, heads, d]"
+        )
+    queries = _real_array("queries", queries)
+    if queries.ndim == 3:
+        queries = queries[:, :, None, :]
+    if queries.ndim != 4 or queries.shape[:2] != (steps, heads) or queries.shape[2] == 0 or queries.shape[3] != head_dim:
+        raise ValueError(
+            f"queries must have shape [steps, heads, head_dim] or [steps, heads, group, head_dim] = "
+            f"[{steps}, {heads}, (group >= 1,) {head_dim}] (head_dim as the keys'), got {tuple(queries.shape)}"
+        )
+    return queries
 
 
 def replay(
@@ -157,6 +193,8 @@ def replay(
     prompt_len: int = 0,
     values: np.ndarray | None = None,
     keys: np.ndarray | None = None,
+    queries: np.ndarray | None = None,
+    rope: Rotary | None = None,
 ) -> Trace:
     """Replay ``policy`` on pre-softmax attention logits of one sequence.
 
@@ -169,7 +207,14 @@ def replay(
             row, scores summed over the rows), then one token per step.
         values: optional ``[steps, heads, d]`` value vectors, to compute attention outputs.
         keys: ``[steps, heads, head_dim]`` key vectors, required by a policy whose scores come from
-            the cached keys (:data:`kvpolicy.KEY_STATISTICS`: Knorm, KeyDiff); ignored otherwise.
+            the cached keys (:data:`kvpolicy.KEY_STATISTICS`: Knorm, KeyDiff, Expected Attention);
+            ignored otherwise. As the cache holds them: after RoPE in a model.
+        queries: ``[steps, heads, head_dim]`` (or ``[steps, heads, group, head_dim]``: ``group``
+            query heads per head, GQA) the query of each step, before RoPE; required by Expected
+            Attention (with ``values``), ignored otherwise. Only its statistics read them: the
+            attention itself comes from ``logits``.
+        rope: the RoPE whose rotations Expected Attention averages over the next positions
+            (:class:`kvpolicy.statistics.Rotary`, NumPy ``inv_freq``); ``None``: no rotation.
 
     Per step ``t``: key ``t`` is appended; query ``t`` attends with a softmax over the kept keys
     (logits times the policy's log-n scale, if any, with ``n`` the number of kept keys; prompt row
@@ -181,7 +226,8 @@ def replay(
     evicts, repeatedly until it returns ``None``. For a key statistic the scores are instead
     recomputed from the kept tokens' keys right before each eviction
     (:func:`kvpolicy.statistics.key_scores`, with ``n_seen = t + 1`` and the policy's
-    ``key_recent``).
+    ``key_recent``; Expected Attention: :func:`kvpolicy.statistics.expected_attention` with the
+    moments of the queries of steps ``sink .. t``, every one seen, kept or not, summed afresh).
 
     Example:
         >>> import numpy as np
@@ -197,7 +243,12 @@ def replay(
     if values is not None:
         values = validate_values(values, steps, heads)
     keys = validate_keys(keys, steps, heads, policy)
+    if keys is not None:
+        queries = validate_queries(queries, steps, heads, keys.shape[2], policy)
+    if queries is not None and values is None:
+        raise ValueError(f"values are required for {policy!r}: its scores multiply by the value norm; pass values=[steps, heads, d]")
     from_keys = policy.score_statistic in KEY_STATISTICS
+    sink = getattr(policy.statistic_policy, "sink", 0) if policy.observes_queries else 0  # (Expected Attention's, or its wrapper's scorer's)
 
     state = policy.init_state()
     positions = np.zeros((1, heads, 0), dtype=np.int64)
@@ -212,7 +263,12 @@ def replay(
         nonlocal positions, scores
         if from_keys:  # the scores of the kept tokens, from their keys [heads, n, d]
             cached = keys[positions[0], np.arange(heads)[:, None]]  # type: ignore[index]
-            scores = key_scores(policy.score_statistic, cached[None], positions, t + 1, policy.key_recent)
+            held = moments = None
+            if queries is not None:  # Expected Attention: the kept values, the moments of queries sink..t
+                held = values[positions[0], np.arange(heads)[:, None]][None]  # type: ignore[index]
+                counted = (np.arange(t + 1) >= sink).astype(np.float64)[None]
+                moments = query_moments(queries[: t + 1].transpose(1, 2, 0, 3)[None], counted)
+            scores = cache_scores(policy, cached[None], held, positions, t + 1, moments, rope)
         positions, scores, rounds = evict_until_done(policy, positions, scores, t + 1, state, phase)
         evictions.extend((t, before, after) for before, after in rounds)
 

@@ -18,7 +18,10 @@ import torch
 from kvpolicy._validation import check_int
 from kvpolicy.policy import EvictionPolicy
 
-__all__ = ["available_bytes", "check_append", "check_capacity", "check_kv", "check_like", "check_memory", "check_query"]
+__all__ = [
+    "available_bytes", "check_append", "check_batch_index", "check_capacity", "check_kv", "check_like", "check_memory",
+    "check_query", "check_received",
+]
 
 
 def check_capacity(policy: EvictionPolicy) -> int | None:
@@ -147,7 +150,7 @@ def check_append(layer: Any, keys: Any, values: Any) -> None:
 def check_query(query: Any, keys: torch.Tensor | None) -> None:
     """A decode query for :meth:`~kvpolicy_torch.LayerCache.attend` over a layer whose storage is
     shaped like ``keys`` ``[batch, kv_heads, slots, head_dim]`` (``None``: nothing appended yet, so
-    there is nothing to compare): a tensor ``[batch, q_heads, 1, head_dim]``, same batch and
+    there is nothing to compare): a tensor ``[batch, q_heads, 1, head_dim]``, same batch, dtype and
     head size, ``q_heads`` a multiple of ``kv_heads`` (GQA); else ``ValueError`` saying what differs.
 
     Example:
@@ -159,7 +162,8 @@ def check_query(query: Any, keys: torch.Tensor | None) -> None:
     shape = getattr(query, "shape", None)
     if keys is not None and shape is not None and len(shape) == 4:  # the common case first: one tuple test
         b, h, _, d = keys.shape
-        if shape[0] == b and shape[2] == 1 and shape[3] == d and shape[1] % h == 0 and isinstance(query, torch.Tensor):
+        if (shape[0] == b and shape[2] == 1 and shape[3] == d and shape[1] % h == 0 and isinstance(query, torch.Tensor)
+                and query.dtype == keys.dtype):
             return
     if not isinstance(query, torch.Tensor):
         raise TypeError(f"query must be a torch.Tensor [batch, q_heads, 1, head_dim], got {type(query).__name__}")
@@ -177,6 +181,52 @@ def check_query(query: Any, keys: torch.Tensor | None) -> None:
         )
     if query.shape[3] != d:
         raise ValueError(f"query head size ({query.shape[3]}) differs from the keys' ({d}): queries and keys must share head_dim")
+    if query.dtype != keys.dtype:
+        raise ValueError(
+            f"query dtype {query.dtype} differs from the cache's keys' ({keys.dtype}): cast the query (query.to({keys.dtype}))"
+        )
+
+
+def check_received(received: Any, shape: Any) -> None:
+    """What :meth:`~kvpolicy_torch.LayerCache.accumulate` is given: a real tensor of ``shape``
+    (``[batch, kv_heads, n]``, the slots the last append returned); else ``TypeError``/``ValueError``.
+
+    Example:
+        >>> check_received([[0.5]], (1, 1, 1))
+        Traceback (most recent call last):
+        ...
+        TypeError: received must be a torch.Tensor [batch, kv_heads, n], got list
+    """
+    if not isinstance(received, torch.Tensor):
+        raise TypeError(f"received must be a torch.Tensor [batch, kv_heads, n], got {type(received).__name__}")
+    if received.shape != shape:
+        raise ValueError(f"received must have shape {tuple(shape)}, got {tuple(received.shape)}")
+    if received.is_complex():
+        raise ValueError("received must be real, got a complex tensor")
+
+
+def check_batch_index(index: Any, batch: int) -> None:
+    """What :meth:`~kvpolicy_torch.LayerCache.select_batch` is given: a 1-D integer tensor of row
+    indices in ``[0, batch)`` (beam search's reorder); else ``TypeError``/``ValueError``, before
+    the layer changes. The range is read on the CPU only (on an accelerator it would cost a
+    host-device sync; index_select checks it there).
+
+    Example:
+        >>> check_batch_index(torch.tensor([0, 2]), 2)
+        Traceback (most recent call last):
+        ...
+        ValueError: index holds row 2, outside the 2 rows held ([0, 2)): select_batch keeps or repeats rows the layer holds
+    """
+    if not isinstance(index, torch.Tensor) or index.ndim != 1 or index.is_floating_point() or index.is_complex():
+        raise TypeError(f"index must be a 1-D integer tensor of rows, got {index!r:.80}")
+    if index.device.type == "cpu" and index.numel():
+        low, high = int(index.min()), int(index.max())
+        if low < 0 or high >= batch:
+            bad = low if low < 0 else high
+            raise ValueError(
+                f"index holds row {bad}, outside the {batch} rows held ([0, {batch})): select_batch keeps or repeats "
+                "rows the layer holds"
+            )
 
 
 def check_like(storage: Any, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -27,16 +27,18 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from kvpolicy._validation import check_bool
 from kvpolicy.driver import kept_slots
 from kvpolicy.policy import KEY_STATISTICS, DecodeEviction, EvictionPolicy
-from kvpolicy.statistics import key_scores, low_attention
+from kvpolicy.statistics import Rotary, cache_scores, low_attention
 
 from .attention import decode_attention, grouped_decode
-from .checks import check_append, check_capacity, check_like, check_query
+from .checks import check_append, check_batch_index, check_capacity, check_like, check_query, check_received
 from .compaction import keep_slots, slot_order, sort_by_position, unwrap_ring
 from .group import LayerGroup
 from .headwise import held_tokens, mark_dropped
 from .posshift import KeyShift, PrefixShift, SinkShift, slot_shifts
+from .queries import RunningMoments
 from .rows import LayerSnapshot, Rows
 from .scores import fold_received
 from .static import DecodeState, StepOptions
@@ -119,7 +121,7 @@ class LayerCache:
         check_capacity(policy)
         self.policy = policy
         self.reduce_scores = reduce_scores
-        self.static_shapes = bool(static_shapes)
+        self.static_shapes = check_bool("static_shapes", static_shapes)
         self.reserve = reserve
         rule = policy.decode_eviction
         if rule is not None and not isinstance(rule, DecodeEviction):
@@ -175,6 +177,8 @@ class LayerCache:
         # `_device_newer` says the device holds steps the host rows have not seen yet
         self._decode: DecodeState | None = None
         self._device_newer = False
+        #: Expected Attention: the running moments of the queries seen (:meth:`observe_queries`)
+        self.running_queries = RunningMoments(self.policy.statistic_policy.sink) if self.policy.observes_queries else None  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ copies (pickle, deepcopy, torch.save)
     def __getstate__(self) -> dict[str, Any]:
@@ -701,10 +705,7 @@ class LayerCache:
         computes the scores from the keys held."""
         self._require()
         scores = self._returned_scores()
-        if received.shape != scores.shape:
-            raise ValueError(f"received must have shape {tuple(scores.shape)}, got {tuple(received.shape)}")
-        if received.is_complex():
-            raise ValueError("received must be real, got a complex tensor")
+        check_received(received, scores.shape)
         self._add(scores, received)
 
     def accumulate_query(self, received: torch.Tensor, group: int) -> None:
@@ -839,9 +840,8 @@ class LayerCache:
         if self._device_newer and self._decode is not None and self._store is not None:
             if self.rule is not None:
                 store, policy = self._store, self.policy
-                if policy.score_statistic in KEY_STATISTICS:  # scores from the keys held (Knorm, KeyDiff)
-                    store.scores.copy_(key_scores(policy.score_statistic, store.keys, store.positions,
-                                                  self._decode.seen.view(-1, 1, 1), policy.key_recent))
+                if policy.score_statistic in KEY_STATISTICS:  # scores from the cache (Knorm, KeyDiff, Expected Attention)
+                    store.scores.copy_(self._cache_scores(store, self._decode.seen.view(-1, 1, 1)))
                 self._decode.evict(store, self.rule, policy.selection == "shared", self.reduce_scores)
                 return []
             if torch.compiler.is_compiling():
@@ -959,15 +959,60 @@ class LayerCache:
         self._decode.load(self._rows.seen, self._rows.count, self._rows.columns)
 
     def _score_keys(self) -> None:
-        """A statistic from keys (Knorm, KeyDiff): every held token's score, recomputed from the
-        keys held (:func:`kvpolicy.statistics.key_scores`) before the policy decides; holes and
-        pads ``+inf``."""
+        """A statistic from the cache (Knorm, KeyDiff, Expected Attention): every held token's
+        score, recomputed from the keys (and values, and the queries' moments) held
+        (:func:`kvpolicy.statistics.cache_scores`) before the policy decides; holes and pads ``+inf``."""
         working, seen_rows = self._working(), self._rows.seen
         seen: Any = seen_rows[0]
         if any(s != seen for s in seen_rows):
             seen = torch.tensor(seen_rows, device=working.positions.device).view(-1, 1, 1)
-        working.scores.copy_(key_scores(self.policy.score_statistic, working.keys, working.positions, seen,
-                                        self.policy.key_recent))
+        working.scores.copy_(self._cache_scores(working, seen))
+
+    def _cache_scores(self, slots: Storage, seen: Any) -> torch.Tensor:
+        running = self.running_queries
+        if running is None:
+            return cache_scores(self.policy, slots.keys, slots.values, slots.positions, seen)
+        if running.moments is None:
+            raise RuntimeError(
+                f"{self.policy!r} scores from the queries' moments, and no query was observed: call observe_queries() "
+                f"with each step's queries before evict() (the transformers cache does)"
+            )
+        return cache_scores(self.policy, slots.keys, slots.values, slots.positions, seen, running.moments, running.rotary)
+
+    def observe_queries(self, queries: torch.Tensor, positions: torch.Tensor | None = None, rotary: Rotary | None = None) -> None:
+        """Expected Attention: add the step's queries ``[batch, q_heads, q, head_dim]``, before
+        RoPE, to the running moments the scores come from (:mod:`kvpolicy_torch.queries`); a no-op
+        for any other policy. ``positions`` ``[batch, q]``: theirs (default
+        :meth:`query_positions`, ``-1`` at pads); ``rotary``: the RoPE they were rotated back from,
+        whose rotations the scores average over the next positions (``None``: none). Call it
+        after :meth:`append` and before :meth:`evict`.
+
+        Example:
+            >>> from kvpolicy import ExpectedAttention
+            >>> layer = LayerCache(ExpectedAttention(size=2, sink=0))
+            >>> for t in range(4):
+            ...     K, V = layer.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
+            ...     layer.observe_queries(torch.randn(1, 2, 1, 4))
+            ...     rounds = layer.evict()
+            >>> layer.length, layer.running_queries.moments.count.tolist()
+            (2, [4.0])
+        """
+        if self.running_queries is None:
+            return
+        if self._store is None:
+            raise ValueError("observe_queries() follows append(): nothing was appended to this LayerCache yet")
+        if positions is None:
+            positions = self.query_positions(queries.shape[2])
+        self.running_queries.observe(queries, positions, int(self._store.keys.shape[1]), rotary)
+
+    def query_positions(self, q: int) -> torch.Tensor:
+        """Int64 ``[batch, q]``: the original positions of the ``q`` tokens the last :meth:`append`
+        added (``-1`` at pads); on the device for a static-shaped decode step (no host read)."""
+        if self._device_newer and self._decode is not None:
+            return self._decode.seen.view(-1, 1) - 1
+        if q == 1 and self._chunk is None:
+            return torch.tensor([s - 1 for s in self._rows.seen], device=self._held().keys.device).view(-1, 1)
+        return self._returned_positions()[:, 0, -q:]
 
     def _declines(self) -> bool:
         """A decode step at which the policy's size rule keeps every row's tokens: the policy
@@ -1127,6 +1172,7 @@ class LayerCache:
         """Keep (or repeat) batch rows by ``index``, e.g. for beam search."""
         if self._store is None:
             return
+        check_batch_index(index, self.batch)
         if self._extra is not None:
             raise RuntimeError("select_batch() between append() and evict()")
         store = self._require()
@@ -1138,6 +1184,8 @@ class LayerCache:
         # rows alike: no need to read the index
         self._rows = self._rows.take(None if self._rows.alike() else index.tolist(), n)
         self._store = store.index_select(index)
+        if self.running_queries is not None:
+            self.running_queries.select(index)
         self._tail_clean = False
         if self.static_shapes:
             self._decode = DecodeState(n, self._store.keys.shape[1], self._store.keys.device)

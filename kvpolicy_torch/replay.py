@@ -8,8 +8,8 @@ import torch
 from kvpolicy._validation import check_eviction_policy, check_int
 from kvpolicy.policy import EvictionPolicy
 from kvpolicy.driver import nonfinite_rows, warn_nonfinite
-from kvpolicy.statistics import history_record, low_attention
-from kvpolicy_numpy.replay import Trace, validate_keys, validate_logits, validate_values
+from kvpolicy.statistics import Rotary, history_record, low_attention
+from kvpolicy_numpy.replay import Trace, validate_keys, validate_logits, validate_queries, validate_values
 
 from .layer import LayerCache
 
@@ -37,6 +37,8 @@ def replay(
     prompt_len: int = 0,
     values: np.ndarray | torch.Tensor | None = None,
     keys: np.ndarray | torch.Tensor | None = None,
+    queries: np.ndarray | torch.Tensor | None = None,
+    rope: Rotary | None = None,
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float64,
@@ -68,6 +70,18 @@ def replay(
     # a policy whose scores come from keys computes them from these (LayerCache holds them)
     keys_t = torch.zeros(steps, heads, 1, dtype=dtype, device=device) if keys_np is None else torch.as_tensor(keys_np, dtype=dtype, device=device)
 
+    queries_np = None if keys_np is None else validate_queries(None if queries is None else _host(queries), steps, heads, keys_np.shape[2], policy)
+    if queries_np is not None and values is None:
+        raise ValueError(f"values are required for {policy!r}: its scores multiply by the value norm; pass values=[steps, heads, d]")
+    # Expected Attention: the layer's running moments of the queries [steps, heads, group, d]
+    queries_t = None if queries_np is None else torch.as_tensor(queries_np, dtype=dtype, device=device)
+    rotary = None if rope is None else Rotary(torch.as_tensor(np.asarray(rope.inv_freq), device=device), rope.style, rope.rotary_dim)
+
+    def observe(a: int, b: int) -> None:  # the queries of steps a..b-1, as [1, q_heads, q, d]
+        if queries_t is not None:
+            q = queries_t[a:b].permute(1, 2, 0, 3)
+            layer.observe_queries(q.reshape(1, q.shape[0] * q.shape[1], b - a, q.shape[3]), rotary=rotary)
+
     layer = LayerCache(policy)
     kept: list[np.ndarray | None] = [None] * steps
     sizes: list[int] = []
@@ -94,6 +108,7 @@ def replay(
         else:
             layer.accumulate(probs[max(0, p - (policy.prompt_rows or p)) :].sum(dim=0)[None])  # the last prompt_rows rows
         outputs[:p] = torch.einsum("qhk,khd->qhd", probs, values_t[:p])
+        observe(0, p)
         step_evict(p - 1)
         kept[p - 1] = layer.positions[0].cpu().numpy().copy()
 
@@ -111,6 +126,7 @@ def replay(
         else:
             layer.accumulate(probs[None])
         outputs[t] = torch.einsum("hk,hkd->hd", probs, v_all[0])
+        observe(t, t + 1)
         step_evict(t)
         kept[t] = layer.positions[0].cpu().numpy().copy()
 

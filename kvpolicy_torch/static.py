@@ -42,7 +42,7 @@ from .attention import rope_rotate
 from .scores import fold_received
 from .storage import Storage
 
-__all__ = ["DecodeState", "StepOptions"]
+__all__ = ["DecodeState", "StepOptions", "device_flag"]
 
 #: Larger than any position: where(mask, positions, _FAR).argmin() is "the smallest position where mask".
 _FAR = torch.iinfo(torch.int64).max
@@ -220,3 +220,19 @@ class DecodeState:
         scores.scatter_(2, at, torch.where(over[..., None], math.inf, scores.gather(2, at)))
         self.count -= over[:, 0].to(torch.int64)
         self.free.copy_(torch.where(over, victim, self.free))
+
+
+def device_flag(device: torch.device) -> torch.Tensor:
+    """A ``[]`` bool tensor on ``device``, ``False``, for a compiled step to raise in place
+    (``flag.logical_or_(...)``) and the host to read when it reads anyway: allocated once at a
+    fixed address, as :class:`DecodeState`'s tensors (CUDA graphs replay on the same memory).
+
+    Example:
+        >>> flag = device_flag(torch.device("cpu"))
+        >>> bool(flag.logical_or_(torch.tensor(True)))
+        True
+    """
+    flag = torch.zeros((), dtype=torch.bool, device=device)
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(flag)
+    return flag

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 # --------------------------------------------------------------------------- hypothesis profiles
 # The kit's profiles (kvpolicy/testing/profiles.py); KVPOLICY_HYPOTHESIS_PROFILE selects one of:
 #   dev       fast local runs, ~30 examples per property (the default)
@@ -27,3 +29,15 @@ def pytest_configure(config) -> None:
     # then (test_contract.py checks that the installed metadata declares it).
     if not config.pluginmanager.has_plugin("kvpolicy") and not config.pluginmanager.has_plugin("kvpolicy.testing.plugin"):
         config.pluginmanager.import_plugin("kvpolicy.testing.plugin")
+
+
+@pytest.fixture
+def no_score_capture(monkeypatch):
+    """The transformers cache must not capture attention (a policy scoring from the cache: Knorm,
+    KeyDiff, Expected Attention): ``received_attention`` raises if it is called."""
+    import kvpolicy_integrations.hf as hf
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a policy scoring from the cache must not capture attention")
+
+    monkeypatch.setattr(hf, "received_attention", refuse)

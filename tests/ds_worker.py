@@ -46,6 +46,7 @@ def cases(prompt_length: int, new_tokens: int) -> dict[str, object]:
         "pyramid30": make_policy("pyramid_h2o", 0.3, **run),  # per-layer budgets (PyramidKV schedule)
         "knorm30": make_policy("knorm", 0.3, **run),  # scores from keys: no capture, each rank its heads
         "keydiff30": make_policy("keydiff", 0.3, **run),
+        "ea30": make_policy("expected_attention", 0.3, **run),  # + each rank's own query heads' moments
     }
 
 

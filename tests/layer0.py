@@ -26,18 +26,26 @@ def layer0_inputs(model: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
     return captured["hidden"], captured["pos"]
 
 
+def layer0_states(model: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """Layer 0's queries, keys and values ``[batch, heads, steps, head_dim]`` before RoPE (each
+    projection's own heads) and the ``(cos, sin)`` it rotates them with, in a full forward."""
+    attn = model.model.layers[0].self_attn
+    hidden, pos = layer0_inputs(model, tokens)
+    b, s, _ = hidden.shape
+
+    def heads(projection: Any) -> torch.Tensor:
+        return projection(hidden).view(b, s, -1, attn.head_dim).transpose(1, 2)
+
+    return heads(attn.q_proj), heads(attn.k_proj), heads(attn.v_proj), pos
+
+
 def layer0_logits_and_keys(model: Any, tokens: torch.Tensor) -> tuple[Any, Any]:
     """Layer 0's pre-softmax logits ``[steps, heads, steps]`` and RoPE'd keys ``[steps, kv_heads,
     head_dim]`` (float64 NumPy) in a full forward of ``tokens`` (layer 0 sees only token
     embeddings, so they are reproducible); a Llama-family model."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    attn = model.model.layers[0].self_attn
-    hidden, (cos, sin) = layer0_inputs(model, tokens)
-    b, s, _ = hidden.shape
-    d = attn.head_dim
-    q = attn.q_proj(hidden).view(b, s, -1, d).transpose(1, 2)
-    k = attn.k_proj(hidden).view(b, s, -1, d).transpose(1, 2)
+    q, k, _, (cos, sin) = layer0_states(model, tokens)
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    logits = torch.einsum("bhqd,bhkd->bqhk", q, k) * attn.scaling
+    logits = torch.einsum("bhqd,bhkd->bqhk", q, k) * model.model.layers[0].self_attn.scaling
     return logits[0].detach().double().numpy(), k[0].transpose(0, 1).detach().double().numpy()

@@ -78,6 +78,8 @@ class WritesScores(H2O):
         super().__init__(heavy=heavy, recent=recent)
         self.torch_only = torch_only
 
+    decode_eviction = size_rule = None  # its own select: no inherited rule
+
     def select(self, view: CacheView) -> Any:
         if not self.torch_only or "torch" in view.xp.__name__:
             view.scores[...] = view.scores * 2
@@ -88,6 +90,8 @@ class WritesPositions(H2O):
     """H2O that writes ``view.positions`` back onto itself (a write that changes nothing)."""
 
     name = "writes_positions_test"
+
+    decode_eviction = size_rule = None  # its own select: no inherited rule
 
     def select(self, view: CacheView) -> Any:
         view.positions[..., :1] = view.positions[..., :1]

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["OracleResult", "oracle", "oracle_params"]
+__all__ = ["OracleResult", "keep_highest_oracle", "oracle", "oracle_params"]
 
 
 # --------------------------------------------------------------------------- arithmetic shared
@@ -414,3 +414,36 @@ def oracle(
         evict_until_stable(t)
         result.kept[t] = [list(c_) for c_ in caches]
     return result
+
+
+def keep_highest_oracle(policy: Any, steps: int, heads: int, prompt_len: int, head_scores: Any) -> list[list[list[int]] | None]:
+    """Kept positions per step and head of a policy that keeps the ``size`` highest scores
+    computed from the cache (Knorm, KeyDiff, Expected Attention): append, then while more than
+    ``size`` are held drop the lowest score outside the newest ``recent`` (the earliest of a tie),
+    all surplus at once from one set of scores; ``selection="shared"`` sums the scores over heads.
+    ``head_scores(h, held, t)``: head ``h``'s scores of its ``held`` positions after token ``t``."""
+    kept: list[list[list[int]] | None] = [None] * steps
+    cached: list[list[int]] = [[] for _ in range(heads)]
+
+    def evict(t: int) -> None:
+        n = len(cached[0])
+        if n <= policy.size:
+            return
+        scores = [head_scores(h, cached[h], t) for h in range(heads)]
+        if policy.selection == "shared":
+            summed = [sum(s[i] for s in scores) for i in range(n)]
+            scores = [summed] * heads
+        for h in range(heads):
+            drop = sorted(range(n - policy.recent), key=lambda i: (scores[h][i], i))[: n - policy.size]
+            cached[h] = [p for i, p in enumerate(cached[h]) if i not in drop]
+
+    if prompt_len:
+        cached = [list(range(prompt_len)) for _ in range(heads)]
+        evict(prompt_len - 1)
+        kept[prompt_len - 1] = [list(c) for c in cached]
+    for t in range(prompt_len, steps):
+        for c in cached:
+            c.append(t)
+        evict(t)
+        kept[t] = [list(c) for c in cached]
+    return kept

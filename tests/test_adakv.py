@@ -192,6 +192,8 @@ def test_bad_input_names_the_parameter(args, match) -> None:
 
 def test_a_subclass_that_redefines_select_is_no_scorer() -> None:
     class Mine(H2O):
+        decode_eviction = size_rule = None  # (a redefined select says which rules it keeps)
+
         def select(self, view):
             return super().select(view)
 
@@ -250,6 +252,7 @@ def test_the_kit_refuses_holes_after_tokens() -> None:
     class TrailingHoles(H2O):
         name = "trailing_holes_demo"
         ragged_heads = True  # holes are allowed, in front only
+        decode_eviction = size_rule = None
 
         def select(self, view):
             keep = super().select(view)
@@ -266,6 +269,7 @@ def test_the_kit_refuses_holes_after_tokens() -> None:
         replay(TrailingHoles(2, 1), np.zeros((6, 2, 6)), prompt_len=5)
 
     class LeadingHoles(H2O):  # not head-wise: no hole at all
+        decode_eviction = size_rule = None
         def select(self, view):
             keep = super().select(view)
             if keep is not None:

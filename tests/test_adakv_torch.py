@@ -196,3 +196,22 @@ def test_real_model_keeps_the_budget_and_alpha_one_is_the_scorer() -> None:
     assert torch.equal(same, alone)
     for a, b_ in zip(same_stores, alone_stores):
         assert torch.equal(a.positions, b_.positions)
+
+
+def test_over_expected_attention() -> None:
+    """AdaKV over Expected Attention (its statistic's parameters read through the wrapper): torch
+    keeps what the reference keeps, and alpha_safeguard=1 is Expected Attention per head."""
+    from kvpolicy import ExpectedAttention
+    from kvpolicy.testing import example_inputs
+
+    logits = np.random.default_rng(0).normal(size=(30, 3, 30))
+    ea = ExpectedAttention(8, sink=2, future=16)
+    for alpha in (0.2, 1.0):
+        policy = AdaKV(ea, alpha)
+        inputs = example_inputs(policy, logits)
+        want = kvpolicy_numpy.replay(policy, logits, 12, **inputs)
+        got = kvpolicy_torch.replay(policy, logits, 12, **inputs)
+        assert all(np.array_equal(a, b) for a, b in zip(want.kept[11:], got.kept[11:]))
+        assert all(int((k >= 0).sum()) == 3 * 8 for k in want.kept[11:])
+    alone = kvpolicy_numpy.replay(ea, logits, 12, **example_inputs(ea, logits))
+    assert all(np.array_equal(a, b) for a, b in zip(want.kept[11:], alone.kept[11:]))

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvpolicy import (
     BUZZ,
     H2O,
+    EvictionPolicy,
     FullCache,
     LocalWindow,
     PolicyPlan,
@@ -27,7 +28,7 @@ from kvpolicy import (
     threshold_ratio,
 )
 from kvpolicy.policies import small_stride
-from kvpolicy.testing import example_keys
+from kvpolicy.testing import example_inputs
 from kvpolicy_numpy import replay
 from strategies import any_policy
 
@@ -91,7 +92,7 @@ def test_simulate_sizes_equals_replay_sizes(policy, steps, data) -> None:
     """Sizes depend on counts only: the planner's simulation is the replay's, on any scores."""
     prompt_len = data.draw(st.integers(0, steps))
     logits = np.random.default_rng(steps).normal(size=(steps, 1, steps))
-    trace = replay(policy, logits, prompt_len, keys=example_keys(policy, logits))  # keys: Knorm, KeyDiff
+    trace = replay(policy, logits, prompt_len, **example_inputs(policy, logits))  # keys (values, queries): Knorm, KeyDiff, Expected Attention
     assert simulate_sizes(policy, steps, prompt_len).tolist() == trace.sizes.tolist()
 
 
@@ -261,7 +262,7 @@ def test_plan_capacity_errors() -> None:
 # ------------------------------------------------------- policies own their size rules (issue 12)
 def test_the_planner_uses_a_third_party_size_rule_and_it_must_agree() -> None:
     """A policy outside the package declares its size rule; simulate_sizes calls it (not the
-    replay), and a subclass that redefines select does not inherit it."""
+    replay), and a subclass that redefines select goes without it when it says so."""
     from kvpolicy import EvictionPolicy, LocalWindow
     from kvpolicy.budget import _replay_sizes
 
@@ -293,6 +294,8 @@ def test_the_planner_uses_a_third_party_size_rule_and_it_must_agree() -> None:
     assert calls, "the declared rule was not used"
 
     class Odd(LocalWindow):
+        decode_eviction = size_rule = None  # its own select: no inherited rule
+
         def select(self, view):
             n = view.n_cached
             return None if n <= self.window else view.keep(view.arange(0, n, 2))
@@ -301,12 +304,89 @@ def test_the_planner_uses_a_third_party_size_rule_and_it_must_agree() -> None:
     assert simulate_sizes(Odd(window=4), 30).tolist() == _replay_sizes(Odd(window=4), 30).tolist()
 
 
-def test_no_policy_is_special_cased_by_name_in_the_planner_and_eval() -> None:
-    """What keeps every token is a class flag (evicts = False), not the name 'full'."""
+def test_every_builtin_one_token_policy_declares_its_size_rule() -> None:
+    """A built-in that evicts one token a decode step (it declares a DecodeEviction) declares its
+    size rule too, so the planner never replays it, and the rule gives the replay's sizes. The
+    one exception is a composition: its prompt is the prefill policy's, which a rule of counts
+    cannot tell from a decode step (it is replayed, exactly)."""
+    from kvpolicy import Composed, available_policies
+    from kvpolicy.budget import _replay_sizes
+    from kvpolicy.registry import Preset
+
+    one_token = []
+    for name, entry in available_policies().items():
+        cls = entry.cls if isinstance(entry, Preset) else entry
+        if not cls.__module__.startswith("kvpolicy.policies") or not cls.evicts:
+            continue
+        needs = {"compose": {"decode": "h2o"}, "pyramid": {"base": "h2o"}}.get(name, {})  # planned from another's name
+        policy = entry.from_size(max(entry.min_size, 24), **needs)
+        if policy.decode_eviction is None or isinstance(policy, Composed):
+            continue
+        one_token.append(name)
+        assert policy.size_rule() is not None, name
+        assert simulate_sizes(policy, 120, 40).tolist() == _replay_sizes(policy, 120, 40).tolist(), name
+    assert {"h2o", "tova", "streaming_llm", "local", "knorm", "keydiff", "pyramid_h2o"} <= set(one_token)
+
+
+def test_no_policy_is_special_cased_by_name_in_the_planner_eval_and_perf() -> None:
+    """What keeps every token is a class flag (evicts = False), not the name 'full'; the planner,
+    the command, compare and the benchmarks (kvpolicy/perf) build every policy through the
+    registry and its from_size, never on a test of its name."""
     import re
 
+    from kvpolicy import available_policies
+    from kvpolicy.registry import Preset
+
+    def switch(names: list[str]) -> re.Pattern[str]:
+        alt = "|".join(re.escape(n) for n in names)
+        return re.compile(rf"""(==|!=|\bin)\s*[\(\[\{{]?["']({alt})["']|["']({alt})["']\s*(==|!=|in\b)""")
+
+    builtin = sorted(n for n, e in available_policies().items() if (e.cls if isinstance(e, Preset) else e).__module__.startswith("kvpolicy.policies"))
+    assert {"full", "h2o", "buzz", "streaming_llm", "local", "tova"} <= set(builtin)
     root = Path(__file__).resolve().parents[1] / "kvpolicy"
-    files = ["budget.py", "eval/compare.py", "cli.py"] + [str(p.relative_to(root)) for p in sorted((root / "eval" / "tasks").glob("*.py"))]
-    for rel in files:
-        text = (root / rel).read_text()
-        assert not re.search(r"""(==|!=|\bin)\s*[\(\[]?["']full["']|["']full["']\s*(==|!=|in\b)""", text), rel
+    any_name = ["budget.py", "eval/compare.py", "cli.py"] + [str(p.relative_to(root)) for p in sorted((root / "perf").glob("*.py"))]
+    tasks = [str(p.relative_to(root)) for p in sorted((root / "eval" / "tasks").glob("*.py"))]
+    for rel, pattern in [(rel, switch(builtin)) for rel in any_name] + [(rel, switch(["full"])) for rel in tasks]:
+        hits = [line.strip() for line in (root / rel).read_text().splitlines() if pattern.search(line)]
+        assert not hits, (rel, hits)
+
+
+def test_no_task_is_named_in_the_compare_engine_or_the_report() -> None:
+    """What is particular to a task (its commands, captions, verdicts, plots, paper table) comes
+    from its ``Task`` hooks: ``compare.py`` and ``report.py`` hold no string equal to a registered
+    task's name, so adding a task is one file."""
+    import ast
+
+    from kvpolicy.eval.tasks import task_registry
+
+    names = set(task_registry())
+    assert {"ppl", "tw", "stream", "summ", "needle", "ruler", "qa", "kv", "passkey"} <= names
+    root = Path(__file__).resolve().parents[1] / "kvpolicy"
+    for rel in ("eval/compare.py", "eval/report.py"):
+        tree = ast.parse((root / rel).read_text())
+        named = sorted({(node.lineno, node.value) for node in ast.walk(tree)
+                        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                        and node.value.strip().lower() in names})
+        assert not named, f"{rel} names tasks (line, name): {named}"
+
+
+
+def test_every_builtin_builds_from_a_size_through_the_registry() -> None:
+    """Each built-in that evicts is built from a size by its registry entry alone (from_size, no
+    switch on its name), at its smallest size and above, and fits a capacity the same way."""
+    from kvpolicy import available_policies
+    from kvpolicy.budget import fit_capacity
+    from kvpolicy.registry import Preset
+
+    for name, entry in available_policies().items():
+        cls = entry.cls if isinstance(entry, Preset) else entry
+        if not cls.__module__.startswith("kvpolicy.policies") or not cls.evicts:
+            continue
+        if cls.from_size.__func__ is EvictionPolicy.from_size.__func__:  # no size knob: none today
+            pytest.fail(f"{name} has no from_size")
+        needs = {"compose": {"decode": "h2o"}, "pyramid": {"base": "h2o"}}.get(name, {})  # a class planned from another's name
+        for size in (entry.min_size, entry.min_size + 1, 64, 300):
+            policy = entry.from_size(size, **needs)
+            assert isinstance(policy, cls) and policy == entry.from_size(size, **needs), (name, size)
+        if policy.capacity is not None:
+            assert fit_capacity(entry, policy.capacity, **needs).capacity == policy.capacity, name

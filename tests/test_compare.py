@@ -302,3 +302,32 @@ def test_real_model_handful_of_samples(tmp_path):
     needle_full = next(c for c in res["tasks"]["needle"]["cells"] if c["policy"] == "full")
     assert needle_full["metrics"]["recall"] >= 0.5  # SmolLM2 finds the needle with the full cache
     assert (out / "report.md").is_file() and (out / "summ_budget.png").is_file()
+
+
+def test_policy_scored_from_queries_prefills_its_own_cache(model, tmp_path):
+    """Expected Attention's scores need the prompt's queries, which a recorded prefill (keys and
+    scores) does not hold: compare prefills its own cache instead of forking one, and fork()
+    refuses it by name (it crashed deep in the layer before)."""
+    from kvpolicy import ExpectedAttention, Knorm
+
+    args = _args(tmp_path, "--tasks", "kv", "--policies", "full,expected_attention,knorm", "--budgets", "0.5")
+    assert compare.run(args, model=model, tokenizer=CharTokenizer(), sources=_sources()) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    rows = {c["policy"] for c in res["tasks"]["kv"]["cells"]}
+    assert {"expected_attention", "knorm"} <= rows
+    engine = Engine(model, TokenizerAdapter(CharTokenizer()))
+    ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    rec, _ = engine.prefill(ids, 20, None)
+    engine.fork(rec, Knorm(size=8))  # scores from keys alone: a fork serves it
+    with pytest.raises(ValueError, match="queries it sees"):
+        engine.fork(rec, ExpectedAttention(size=8, sink=1))
+
+
+def test_each_paper_table_belongs_to_one_task() -> None:
+    """A task that derives from another (stream from ppl, tw from summ) does not inherit its
+    paper table: the report's paper section shows each of the paper's tables once."""
+    from kvpolicy.eval.tasks import task_registry
+
+    tables = [cls.paper_table for cls in task_registry().values() if cls.paper_table]
+    assert len(tables) == 3 and len({id(t) for t in tables}) == len(tables)
+    assert sorted(t["rank"] for t in tables) == [0, 1, 2]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from kvpolicy import BUZZ, H2O, TOVA, FullCache, KeyDiff, LocalWindow, StreamingLLM, make_policy
+from kvpolicy import BUZZ, H2O, TOVA, ExpectedAttention, FullCache, KeyDiff, LocalWindow, StreamingLLM, make_policy
 from kvpolicy.hf import EvictingCache, cache_kwargs, compile_decode_step, greedy_decode
 from kvpolicy.models import tiny_llama
 
@@ -45,6 +45,7 @@ POLICIES = {
     "pyramid_h2o": lambda: make_policy("pyramid_h2o", 0.1, context_length=PROMPT + STEPS),
     "buzz": lambda: BUZZ(sink=2, window=12, stride=3),
     "keydiff": lambda: KeyDiff(size=24),
+    "expected_attention": lambda: ExpectedAttention(size=24, future=64),  # running query moments on the device
 }
 
 

@@ -19,12 +19,13 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
+import kvpolicy.policies
 import kvpolicy_numpy
-from kvpolicy import BUZZ, H2O, TOVA, EvictionPolicy, FullCache, KeyDiff, Knorm, LocalWindow, PolicyError, Scissorhands, SnapKV, StreamingLLM, get_policy
+from kvpolicy import BUZZ, H2O, TOVA, EvictionPolicy, ExpectedAttention, FullCache, KeyDiff, Knorm, LocalWindow, PolicyError, Scissorhands, SnapKV, StreamingLLM, get_policy
 from kvpolicy._validation import check_int
 from kvpolicy.testing import (
     ContractViolation,
-    example_keys,
+    example_inputs,
     benchmark_policy,
     check_policy,
     check_replay,
@@ -51,11 +52,11 @@ FIXED = settings(max_examples=30, derandomize=True, database=None, deadline=None
 
 
 # ============================================================================ built-ins pass
-BUILTINS = [BUZZ, H2O, StreamingLLM, LocalWindow, FullCache, get_policy("buzz_logn"), TOVA, SnapKV, Scissorhands, Knorm, KeyDiff]
+BUILTINS = [BUZZ, H2O, StreamingLLM, LocalWindow, FullCache, get_policy("buzz_logn"), TOVA, SnapKV, Scissorhands, Knorm, KeyDiff, ExpectedAttention]
 
 
 @pytest.mark.parametrize(
-    "factory", BUILTINS, ids=["buzz", "h2o", "streaming_llm", "local", "full", "buzz_logn", "tova", "snapkv", "scissorhands", "knorm", "keydiff"]
+    "factory", BUILTINS, ids=["buzz", "h2o", "streaming_llm", "local", "full", "buzz_logn", "tova", "snapkv", "scissorhands", "knorm", "keydiff", "expected_attention"]
 )
 def test_builtin_policy_keeps_the_contract(kvpolicy_contract, factory) -> None:
     """Each built-in, each property of the contract (the fixture parametrizes over them), with
@@ -73,7 +74,7 @@ def test_the_lockstep_driver_is_the_reference_replay() -> None:
     @given(replay_cases())
     def check(case) -> None:
         policy, logits, prompt_len = case
-        ref = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=example_keys(policy, logits))
+        ref = kvpolicy_numpy.replay(policy, logits, prompt_len, **example_inputs(policy, logits))
         mine = run_replay(policy, logits[None], prompt_len, torch=False)
         for t, (a, b) in enumerate(zip(ref.kept, mine)):
             assert (a is None) == (b is None), t
@@ -203,6 +204,8 @@ def test_torch_numpy_tie_disagreement_is_caught_and_replayable() -> None:
 class ScoreGated(LocalWindow):
     """Decides *whether* from the score values (a device sync on CUDA)."""
 
+    decode_eviction = size_rule = None  # its own select: no inherited rule
+
     def select(self, view):
         if float(view.xp.max(view.scores)) > 0.5:
             return super().select(view)
@@ -216,6 +219,8 @@ class Forgetful(LocalWindow):
         super().__init__(window)
         self.calls = 0
 
+    decode_eviction = size_rule = None  # its own select: no inherited rule
+
     def select(self, view):
         self.calls += 1
         keep = super().select(view)
@@ -227,6 +232,8 @@ class Forgetful(LocalWindow):
 class Eager(StreamingLLM):
     """Evicts one token before its declared capacity is reached."""
 
+    decode_eviction = size_rule = None  # its own select: no inherited rule
+
     def select(self, view):
         n = view.n_cached
         if n < self.sink + self.window:
@@ -237,6 +244,8 @@ class Eager(StreamingLLM):
 class Descending(LocalWindow):
     """Returns its slots in descending order."""
 
+    decode_eviction = size_rule = None  # its own select: no inherited rule
+
     def select(self, view):
         keep = super().select(view)
         return None if keep is None else view.xp.flip(keep, axis=-1)
@@ -244,6 +253,8 @@ class Descending(LocalWindow):
 
 class SinkLoser(StreamingLLM):
     """Drops the first sink token on odd steps: breaks its own (declared) invariant."""
+
+    decode_eviction = size_rule = None  # its own select: no inherited rule
 
     def select(self, view):
         n = view.n_cached
@@ -379,6 +390,8 @@ def test_compare_backends_batch_rows_are_independent() -> None:
 
     class RowLeak(H2O):
         """Decides on scores summed over the batch: rows leak into each other."""
+
+        decode_eviction = size_rule = None  # its own select: no inherited rule
 
         def select(self, view):
             n = view.n_cached
@@ -575,10 +588,11 @@ def test_steady_state_of_the_builtin_benchmark_policies() -> None:
     for name in ("buzz", "h2o", "streaming_llm", "local"):
         policy = policy_at_size(name, 256)
         mine = steady_state(policy, 256)
-        assert mine.size == policy.capacity == 256, name
+        assert mine.size == policy.capacity <= 256, name
         if name == "buzz":  # one eviction thins the middle; the next comes once it refills
-            assert mine.after < 256 and mine.period == 256 - mine.after
-        else:  # one token per step
+            assert mine.after < mine.size and mine.period == mine.size - mine.after
+        else:  # one token per step, at exactly the size
+            assert mine.size == 256, name
             assert (mine.after, mine.period, mine.seen_after) == (255, 1, mine.seen_before), name
 
 
@@ -637,9 +651,41 @@ def test_a_wrong_decode_eviction_is_caught() -> None:
         compare_backends(WrongRule(heavy=2, recent=2), logits, 0, group=1, torch=False)
 
 
-def test_redefining_select_drops_the_inherited_decode_eviction() -> None:
+#: Every policy class kvpolicy ships (the registered ones and the bases they share).
+BUILTIN_CLASSES = [c for c in vars(kvpolicy.policies).values() if isinstance(c, type) and issubclass(c, EvictionPolicy)]
+
+
+@pytest.mark.parametrize("parent", BUILTIN_CLASSES, ids=lambda c: c.__name__)
+def test_redefining_select_never_loses_an_inherited_rule_silently(parent) -> None:
+    """A subclass that redefines select (or evict) of a built-in with a declared rule says what
+    becomes of it: none (``= None``), the parent's, or its own; saying nothing is a TypeError at
+    class creation naming what it would lose and the three ways out."""
+    declared = [a for a in ("decode_eviction", "size_rule") if getattr(parent, a) is not getattr(EvictionPolicy, a)]
+    for method in ("select", "evict"):
+        body = {method: lambda self, *args: None}
+        if declared:
+            with pytest.raises(TypeError, match=f"redefines {method}, so the {' and '.join(declared)} it inherits from {parent.__name__}"):
+                type("Silent", (parent,), dict(body))
+        else:  # nothing to lose
+            type("Silent", (parent,), dict(body))
+        none = type("WithoutRules", (parent,), {**body, **{a: None for a in declared}})
+        assert none.decode_eviction is None if "decode_eviction" in declared else True
+        assert none.size_rule(object.__new__(none)) is None  # `size_rule = None` reads as the base's (none)
+        kept = type("KeepsRules", (parent,), {**body, **{a: getattr(parent, a) for a in declared}})
+        assert all(getattr(kept, a) is getattr(parent, a) for a in declared)
+    # a subclass that keeps select keeps the rules without a word
+    assert all(getattr(type("Quiet", (parent,), {}), a) is getattr(parent, a) for a in declared)
+
+
+def test_a_subclass_going_without_rules_runs_its_select() -> None:
     class Mine(H2O):
+        decode_eviction = size_rule = None  # its own select: no inherited rule
+
         def select(self, view):
             return super().select(view)
 
-    assert H2O(2, 2).decode_eviction is not None and Mine(2, 2).decode_eviction is None
+    from kvpolicy.testing import compare_backends
+
+    assert H2O(2, 2).decode_eviction is not None and Mine(2, 2).decode_eviction is None and Mine(2, 2).size_rule() is None
+    logits = make_logits(16, 2, kind="onehot", seed=3, batch=1)
+    compare_backends(Mine(heavy=2, recent=2), logits, 0, group=1)

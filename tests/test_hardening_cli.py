@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("matplotlib")
@@ -115,6 +116,39 @@ def test_a_qa_record_of_the_wrong_structure_names_file_and_line(tmp_path) -> Non
     p.write_text(lines({"question": "q", "answers": "Paris", "ctxs": [{"text": "t", "isgold": True}]}))
     with pytest.raises(ValueError, match=rf"^{p}:1: the record does not have the expected structure"):
         D.load_nq_multidoc(p, n_docs=1, gold_positions=(0,))
+
+
+def test_trace_logits_of_the_wrong_shape(capsys, tmp_path) -> None:
+    path = tmp_path / "four.npy"
+    np.save(path, np.zeros((5, 2, 3, 4)))
+    err = refused(capsys, "trace", "h2o", "--logits", str(path), "--out", str(tmp_path / "t.png"))
+    assert "four.npy" in err and "logits must have shape [steps, heads, steps]" in err and "got (5, 2, 3, 4)" in err
+
+
+def test_a_folder_where_a_data_file_belongs(tmp_path) -> None:
+    with pytest.raises(IsADirectoryError, match=rf"XSum jsonl: {tmp_path} is a folder, not a file"):
+        D.load_xsum(tmp_path)
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n"], ids=["empty", "blank"])
+def test_a_data_file_without_records(tmp_path, text: str) -> None:
+    p = tmp_path / "xsum_0shot.jsonl"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=rf"^{p}: no records"):
+        D.load_xsum(p)
+
+
+def test_a_kv_pair_of_three_values_names_file_and_line(tmp_path) -> None:
+    p = tmp_path / "kv.jsonl"
+    p.write_text(lines({"ordered_kv_records": [["k", "v"]], "key": "k", "value": "v"},
+                       {"ordered_kv_records": [["k", "v", "w"]], "key": "k", "value": "v"}))
+    with pytest.raises(ValueError, match=rf"^{p}:2: the record does not have the expected structure"):
+        D.load_kv_retrieval(p)
+
+
+def test_a_gold_position_outside_the_documents_names_gold_positions(tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"gold_positions: gold position 12 is outside \[0, n_docs=10\)"):
+        D.load_nq_multidoc(tmp_path / "unused.jsonl", gold_positions=(12,))
 
 
 def test_a_json_array_where_an_object_belongs(tmp_path) -> None:

@@ -52,3 +52,21 @@ def test_check_policy_fails_a_torch_only_score_writer() -> None:
 def test_the_kit_message_for_a_bad_keep_names_the_policy_and_slot() -> None:
     with pytest.raises(ContractViolation, match=r"Corrupting\(how='negative'"):
         check_replay(Corrupting("negative"), logits(), prompt_len=0)
+
+
+def test_params_the_constructor_always_refuses_are_named_not_unsatisfiable() -> None:
+    """Every drawn parameter set refused by the constructor: a ValueError saying nothing was checked
+    and what to draw, not hypothesis' Unsatisfiable."""
+    with pytest.raises(ValueError, match=r"no example for the 'replay' check.*constructor refused.*the last: H2O\(.*heavy=-3\): heavy must be"):
+        check_policy(H2O, {"heavy": st.just(-3), "recent": st.just(2)}, torch=False, settings=FIXED)
+
+
+def test_an_invariant_that_is_not_callable() -> None:
+    with pytest.raises(TypeError, match="invariants must be callables invariant\\(policy, kept, t\\).*got 42"):
+        check_policy(H2O, {"heavy": st.just(2), "recent": st.just(2)}, invariants=[42], torch=False, settings=FIXED)
+
+
+@pytest.mark.parametrize("bound", ["max_steps", "max_heads", "stateful_steps"])
+def test_a_bound_below_one(bound: str) -> None:
+    with pytest.raises(ValueError, match=rf"{bound} must be >= 1, got 0"):
+        check_policy(H2O, {"heavy": st.just(2), "recent": st.just(2)}, torch=False, settings=FIXED, **{bound: 0})

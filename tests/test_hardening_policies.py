@@ -24,6 +24,8 @@ class Impostor(H2O):
 
     name = "impostor"
 
+    decode_eviction = size_rule = None  # its own select: no inherited rule
+
     def select(self, view):
         return super().select(view)
 
@@ -96,3 +98,15 @@ def test_a_fixed_size_that_misses_the_budget_is_named(context: int, fraction: fl
     budget = 0.2
     with pytest.raises(ValueError, match=rf"^window={window} keeps local"):
         plan_policy("local", budget, context_length=context, window=window)
+
+
+@pytest.mark.parametrize("name", ["", "   "])
+def test_register_policy_with_an_empty_name_says_so(name: str) -> None:
+    """An empty name is refused as such (it used to fall back to the class's name and blame the
+    built-in ``h2o``)."""
+
+    class Mine(H2O):
+        pass
+
+    with pytest.raises(ValueError, match="name must be a non-empty string"):
+        register_policy(Mine, name=name)

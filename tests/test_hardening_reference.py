@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvpolicy_numpy
-from kvpolicy import BUZZ, H2O, PolicyError, StreamingLLM
+from kvpolicy import BUZZ, H2O, KeyDiff, Knorm, PolicyError, StreamingLLM
 from kvpolicy import simulate_sizes
 from kvpolicy.driver import NonFiniteWarning, check_keep, evict_until_done
 from misbehaving import CORRUPTIONS, Corrupting, WritesPositions, WritesScores
@@ -120,3 +120,20 @@ def test_ordinary_input_reports_nothing() -> None:
         warnings.simplefilter("error", NonFiniteWarning)
         trace = kvpolicy_numpy.replay(LOGN, np.random.default_rng(1).normal(size=(14, 2, 14)), prompt_len=4)
     assert trace.nonfinite == []
+
+
+@pytest.mark.parametrize("policy", [Knorm(size=4), KeyDiff(size=4)], ids=repr)
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_keys_of_a_key_scored_policy_are_refused(policy, bad) -> None:
+    """Knorm and KeyDiff score tokens from their keys: a NaN or infinite key would decide by the NaN
+    rule without a word, so both replays refuse it naming the step and head (other policies ignore
+    keys)."""
+    import kvpolicy_torch
+
+    keys = np.random.default_rng(0).normal(size=(12, 2, 4))
+    keys[7, 1, 2] = bad
+    logits = np.zeros((12, 2, 12))
+    for replay in (kvpolicy_numpy.replay, kvpolicy_torch.replay):
+        with pytest.raises(ValueError, match=r"keys must be finite for .*keys\[7, 1, 2\] is .* \(step 7, head 1\)"):
+            replay(policy, logits, keys=keys)
+    kvpolicy_numpy.replay(H2O(2, 2), logits, keys=keys)  # ignored by a policy that does not read them

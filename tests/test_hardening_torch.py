@@ -46,6 +46,8 @@ def test_layer_cache_refuses_duplicate_slots() -> None:
 class DuplicatingH2O(H2O):
     """H2O whose every eviction keeps its first kept slot twice."""
 
+    decode_eviction = size_rule = None  # its own select: no inherited rule
+
     def select(self, view):
         keep = super().select(view)
         if keep is None:
@@ -94,6 +96,37 @@ def test_query_heads_not_a_multiple_of_kv_heads() -> None:
         layer.attend(torch.zeros(1, 3, 1, 4), 0.5)
 
 
+def test_query_dtype_differs_from_the_keys() -> None:
+    layer = LayerCache(H2O(heavy=2, recent=2))
+    layer.append(kv(), kv())
+    with pytest.raises(ValueError, match=r"query dtype torch.float64 differs from the cache's keys' \(torch.float32\)"):
+        layer.attend(torch.zeros(1, 2, 1, 4, dtype=torch.float64), 0.5)
+
+
+def test_accumulate_of_something_that_is_not_a_tensor() -> None:
+    layer = LayerCache(H2O(heavy=2, recent=2))
+    layer.append(kv(q=3), kv(q=3))
+    with pytest.raises(TypeError, match="received must be a torch.Tensor.*got list"):
+        layer.accumulate([[[0.1, 0.2, 0.3]] * 2])
+
+
+@pytest.mark.parametrize("index", [[3], [-1], [0, 1]])
+def test_select_batch_of_rows_it_does_not_hold_leaves_the_layer_as_it_was(index) -> None:
+    layer = LayerCache(H2O(heavy=2, recent=2))
+    drive(layer, 6)
+    before = layer.positions.clone()
+    with pytest.raises(ValueError, match=r"index holds row -?\d+, outside the 1 rows held"):
+        layer.select_batch(torch.tensor(index))
+    assert torch.equal(layer.positions, before)
+    drive(layer, 3)  # still usable
+
+
+@pytest.mark.parametrize("flag", ["no", 1, None])
+def test_static_shapes_must_be_a_bool(flag) -> None:
+    with pytest.raises(ValueError, match="static_shapes must be True or False"):
+        LayerCache(H2O(heavy=2, recent=2), static_shapes=flag)
+
+
 def test_query_head_size_differs_from_the_keys() -> None:
     layer = LayerCache(H2O(heavy=2, recent=2))
     layer.append(kv(d=4), kv(d=4))
@@ -122,6 +155,8 @@ class OddCapacity(StreamingLLM):
     @property
     def capacity(self):  # type: ignore[override]
         return self.bad
+
+    decode_eviction = size_rule = None  # its own select: no inherited rule
 
     def select(self, view):
         return super().select(view)

@@ -15,13 +15,13 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
 import kvpolicy_numpy  # noqa: E402
-from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, Scissorhands, SnapKV, StreamingLLM, compose, make_policy  # noqa: E402
+from kvpolicy import BUZZ, H2O, TOVA, ExpectedAttention, FullCache, LocalWindow, Scissorhands, SnapKV, StreamingLLM, compose, make_policy  # noqa: E402
 from kvpolicy.models import tiny_llama  # noqa: E402
 from kvpolicy_integrations.hf import EvictingCache, cache_kwargs, generate, greedy_decode  # noqa: E402
 
 COVERING = [FullCache(), BUZZ(4, 64, 5, 300), H2O(100, 100), StreamingLLM(4, 100), LocalWindow(100)]
 EVICTING = [BUZZ(2, 6, 3, 10), BUZZ(2, 6, 4, 12, log_n=True, log_base=8.0), H2O(8, 8), StreamingLLM(2, 10), LocalWindow(12), TOVA(12),
-            Scissorhands(14, history=6, drop=0.25, recent=3)]
+            Scissorhands(14, history=6, drop=0.25, recent=3), ExpectedAttention(12, sink=2, future=32)]
 
 
 @pytest.fixture(scope="module")

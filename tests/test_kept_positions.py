@@ -69,7 +69,7 @@ def test_both_sides_keep_the_same_positions_on_a_tiny_model(kept, tmp_path):
     model.save_pretrained(tmp_path / "model")
     ids = torch.randint(3, 96, (1, 80), generator=torch.Generator().manual_seed(0))
     (tmp_path / "ids.json").write_text(json.dumps(ids[0].tolist()))
-    names = ["streaming_llm", "knorm", "keydiff", "tova"]
+    names = ["streaming_llm", "knorm", "keydiff", "tova", "expected_attention"]
     subprocess.run([str(python), str(DRIVER.with_name("kvpress_kept.py")), "--model-dir", str(tmp_path / "model"),
                     "--ids", str(tmp_path / "ids.json"), "--ratios", "0.5", "--presses", ",".join(names),
                     "--out", str(tmp_path / "kept.json")], check=True, timeout=600)

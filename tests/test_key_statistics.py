@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import kvpolicy_numpy
 from kvpolicy import KeyDiff, Knorm, compose, SnapKV, make_policy
 from kvpolicy.statistics import COSINE_GRID, key_scores
+from oracle import keep_highest_oracle
 from strategies import key_policies, logits_arrays, prompt_lengths
 
 torch = pytest.importorskip("torch")
@@ -43,36 +44,9 @@ def _oracle_scores(policy, keys: np.ndarray, cached: list[int], t: int) -> list[
 
 
 def oracle(policy, keys: np.ndarray, prompt_len: int) -> list[list[list[int]] | None]:
-    """Kept positions per step and head: append, then while more than ``size`` are held, drop the
-    lowest score outside the newest ``recent`` (the earliest of a tie), all surplus at once from
-    one set of scores; ``selection="shared"`` sums the scores over heads."""
+    """Kept positions per step and head (:func:`oracle.keep_highest_oracle`) with the literal scores."""
     steps, heads, _ = keys.shape
-    kept: list[list[list[int]] | None] = [None] * steps
-    cached = [[] for _ in range(heads)]
-
-    def evict(t: int) -> None:
-        n = len(cached[0])
-        if n <= policy.size:
-            return
-        scores = [_oracle_scores(policy, keys[:, h], cached[h], t) for h in range(heads)]
-        if policy.selection == "shared":
-            summed = [sum(s[i] for s in scores) for i in range(n)]
-            scores = [summed] * heads
-        for h in range(heads):
-            eligible = list(range(n - policy.recent))
-            drop = sorted(eligible, key=lambda i: (scores[h][i], i))[: n - policy.size]
-            cached[h] = [p for i, p in enumerate(cached[h]) if i not in drop]
-
-    if prompt_len:
-        cached = [list(range(prompt_len)) for _ in range(heads)]
-        evict(prompt_len - 1)
-        kept[prompt_len - 1] = [list(c) for c in cached]
-    for t in range(prompt_len, steps):
-        for c in cached:
-            c.append(t)
-        evict(t)
-        kept[t] = [list(c) for c in cached]
-    return kept
+    return keep_highest_oracle(policy, steps, heads, prompt_len, lambda h, held, t: _oracle_scores(policy, keys[:, h], held, t))
 
 
 @st.composite
@@ -185,9 +159,15 @@ from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
 
 
 def _layer0(model, tokens):
-    from layer0 import layer0_logits_and_keys
+    """Layer 0's pre-softmax logits ``[steps, heads, steps]`` and RoPE'd keys ``[steps, kv_heads,
+    head_dim]`` in a full forward (layer 0 sees only token embeddings, so they are reproducible)."""
+    from layer0 import layer0_states
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    return layer0_logits_and_keys(model, tokens)
+    q, k, _, (cos, sin) = layer0_states(model, tokens)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    logits = torch.einsum("bhqd,bhkd->bqhk", q, k) * model.model.layers[0].self_attn.scaling
+    return logits[0].detach().double().numpy(), k[0].transpose(0, 1).detach().double().numpy()
 
 
 def _greedy(model, ids, cache, n):
@@ -206,16 +186,10 @@ def _greedy(model, ids, cache, n):
     "policy", [Knorm(12), Knorm(9, recent=2, selection="shared"), KeyDiff(12), KeyDiff(10, recent=3), KeyDiff(11, selection="shared")],
     ids=repr,
 )
-def test_evicting_cache_keeps_what_the_reference_keeps_on_layer0_keys(policy, monkeypatch) -> None:
+def test_evicting_cache_keeps_what_the_reference_keeps_on_layer0_keys(policy, no_score_capture) -> None:
     """Differential: layer 0 of an evicting greedy generation (prefill of 30, 20 decode steps)
     keeps what kvpolicy_numpy.replay keeps on layer 0's keys; and the attention captures nothing
     (received_attention is never called: prefill and decode take plain attention)."""
-    import kvpolicy_integrations.hf as hf
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a policy scoring keys must not capture attention")
-
-    monkeypatch.setattr(hf, "received_attention", refuse)
     model = tiny_llama(num_layers=2, heads=4, kv_heads=4, head_dim=8, vocab=96, seed=3).double()
     ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(5))
     cache = EvictingCache(policy, model)

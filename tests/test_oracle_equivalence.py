@@ -99,12 +99,16 @@ def test_buzz_matches_oracle_long_runs(case) -> None:
 class _Argmin(BUZZ):
     """BUZZ keeping each segment's *lowest* score (a plausible sign bug)."""
 
+    size_rule = None  # its own select: no inherited rule
+
     def select(self, view):
         return super().select(type(view)(view.positions, -view.scores, view.n_seen, view.state, view.phase))
 
 
 class _LastOfTies(BUZZ):
     """BUZZ breaking argmax ties toward the latest position of a segment."""
+
+    size_rule = None  # its own select: no inherited rule
 
     def select(self, view):
         eps = 1e-9 * view.arange(view.n_cached)  # later slots win ties, no other ordering changes

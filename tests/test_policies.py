@@ -22,7 +22,7 @@ from kvpolicy import (
     simulate_sizes,
     threshold_ratio,
 )
-from kvpolicy.testing import example_keys
+from kvpolicy.testing import example_inputs
 from kvpolicy_numpy import replay, softmax
 from strategies import (
     LOGIT_LEVELS,
@@ -83,7 +83,7 @@ def reconstruct_scores(trace, logits: np.ndarray, policy, t: int) -> list[dict[i
 def test_invariants_every_policy(case) -> None:
     policy, logits, prompt_len = case
     steps, heads, _ = logits.shape
-    trace = replay(policy, logits, prompt_len, keys=example_keys(policy, logits))  # keys: Knorm, KeyDiff
+    trace = replay(policy, logits, prompt_len, **example_inputs(policy, logits))  # keys (values, queries): Knorm, KeyDiff, Expected Attention
     cap = policy.capacity
     sink, window = protected(policy)
 
@@ -137,7 +137,7 @@ def test_policy_whose_capacity_covers_the_sequence_equals_full_cache(policy, dat
     heads = logits.shape[1]
     prompt_len = data.draw(st.integers(0, steps))
     values = np.random.default_rng(0).normal(size=(steps, heads, 4))
-    trace = replay(policy, logits, prompt_len, values=values, keys=example_keys(policy, logits))
+    trace = replay(policy, logits, prompt_len, **{**example_inputs(policy, logits), "values": values})
     full = replay(FullCache(), logits, prompt_len, values=values)
     assert trace.sizes.tolist() == full.sizes.tolist()
     if policy.log_n is None:

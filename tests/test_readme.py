@@ -24,6 +24,16 @@ def test_readme_has_two_fresh_machine_commands():
     assert "make test" in ci and "scripts/setup.sh" in ci
 
 
+def test_readme_first_screen_and_no_timestamps():
+    """The first screen says what it is, the two commands, the short example and where the
+    supported models are; a README quotes no dated measurements (those live in docs/)."""
+    text = README.read_text()
+    first_screen = text.split("## ")[0]
+    assert "```python" in first_screen and "(#supported-models)" in first_screen
+    assert "## Supported models" in text
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b|\bUTC\b", text), "the README quotes a timestamp"
+
+
 @pytest.mark.slow
 def test_readme_usage_example_runs(capsys):
     pytest.importorskip("transformers")

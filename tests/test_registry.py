@@ -261,3 +261,16 @@ def test_policy_without_from_size_has_no_budget(clean_registry) -> None:
     assert replay(create_policy("no_budget"), np.zeros((4, 1, 4))).kept[3].tolist() == [[0, 1, 2, 3]]
     with pytest.raises(ValueError, match="policy 'no_budget' has no size knob"):
         make_policy("no_budget", 0.5, context_length=100)
+
+
+def test_package_docstring_names_every_builtin_policy() -> None:
+    """``kvpolicy``'s module docstring is where a reader meets the policies: it names every
+    built-in registry name (a new policy that is not named there fails here)."""
+    import kvpolicy
+    from kvpolicy.registry import Preset, available_policies
+
+    own = [name for name, entry in available_policies().items()
+           if (entry.cls if isinstance(entry, Preset) else entry).__module__.startswith("kvpolicy.policies.")]
+    assert "h2o" in own and "pyramid_h2o" in own
+    missing = [name for name in own if f"``{name}``" not in (kvpolicy.__doc__ or "")]
+    assert not missing, f"kvpolicy/__init__.py's docstring does not name {missing}"

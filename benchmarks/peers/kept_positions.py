@@ -14,8 +14,9 @@ sized as kvpress sizes a press (``n_kept = max(1, int(n * (1 - ratio)))``, ``com
   ``SnapKVPress(window_size=64, kernel_size=5)``;
 * ``knorm``: ``Knorm(size=n_kept)`` vs ``KnormPress``; ``keydiff``: ``KeyDiff(size=n_kept)`` vs
   ``KeyDiffPress``;
-* ``expected_attention``: ``ExpectedAttentionPress`` is recorded when a policy named
-  ``expected_attention`` is registered on our side, else listed as not compared.
+* ``expected_attention``: ``ExpectedAttention(size=n_kept)`` (``sink=4``, ``future=512``,
+  covariance and value norm: the press's defaults) vs ``ExpectedAttentionPress``; after a prefill
+  both estimate the queries from the prompt's (from position 4 on).
 
 For every (policy, ratio) it reports how many of the ``layers x kv_heads`` kept sets are equal and
 the mean Jaccard similarity (|ours ∩ theirs| / |ours ∪ theirs|), also for our earlier defaults
@@ -58,7 +59,7 @@ def n_kept(n: int, ratio: float) -> int:
 def our_policy(name: str, kept: int, **variant: Any) -> Any:
     """The kvpolicy policy that matches kvpress's press ``name`` keeping ``kept`` tokens (with the
     ``variant``'s parameters), or ``None``."""
-    from kvpolicy import KeyDiff, Knorm, SnapKV, StreamingLLM, TOVA, available_policies, create_policy
+    from kvpolicy import ExpectedAttention, KeyDiff, Knorm, SnapKV, StreamingLLM, TOVA, available_policies, create_policy
 
     if name == "streaming_llm":
         return StreamingLLM(sink=4, window=kept - 4)
@@ -70,6 +71,8 @@ def our_policy(name: str, kept: int, **variant: Any) -> Any:
         return Knorm(size=kept)
     if name == "keydiff":
         return KeyDiff(size=kept)
+    if name == "expected_attention":
+        return ExpectedAttention(size=kept)
     if name in available_policies():
         return create_policy(name, size=kept)
     return None

@@ -38,15 +38,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvpolicy._validation import check_bool
 from kvpolicy.policy import EvictionPolicy
+from kvpolicy.statistics import Rotary
 from kvpolicy_torch import LayerCache, LayerGroup, PrefixShift, received_attention, rope_matrix, rope_rotate
-from kvpolicy_torch.static import StepOptions
+from kvpolicy_torch.static import StepOptions, device_flag
 
 from .capabilities import LayerAttention, ModelCapabilities, RopeLayout, cache_kwargs, detect, rope_layouts
 
@@ -115,6 +116,8 @@ def _scoped_attention(
         # others): the layer of the same index in the cache of the forward in flight
         scope = _ATTENTION_SCOPE.get(module)
         index = getattr(module, "layer_idx", None)
+        if scope is not None:
+            scope.check_thread()  # (another thread's forward without our cache, under our switch)
         if scope is not None and scope.cache is not None and isinstance(index, int) and index < len(scope.cache.layers):
             layer = scope.cache.layers[index]
     if layer is None:
@@ -186,38 +189,66 @@ def _set_implementation(model: torch.nn.Module, name: str) -> None:
 
 
 class _Scope:
-    """The forward hooks of one model (see :func:`scope_attention`)."""
+    """The forward hooks of one model (see :func:`scope_attention`).
+
+    The switch is the model config's attention implementation, which every thread running the
+    model reads: while one thread's forward holds it, a forward of the same model in another
+    thread (with any cache) is refused with a clear error, never served by the wrong attention or
+    the wrong cache."""
 
     def __init__(self) -> None:
         self.owner: torch.nn.Module | None = None  # the module whose forward switched the model
         self.saved: Any = None  # the implementation to put back
         self.cache: EvictingCache | None = None  # the cache of the forward in flight
+        self.thread: int | None = None  # the thread of that forward (None inside torch.compile)
+
+    def check_thread(self) -> None:
+        """``RuntimeError`` when another thread's forward has switched the model."""
+        if self.owner is not None and self.thread is not None and self.thread != threading.get_ident():
+            raise RuntimeError(
+                "this model is running a forward with an EvictingCache in another thread, which switched the "
+                "model's attention implementation (a setting of the model's config, shared by every thread) for that "
+                "forward: one model serves one forward with an EvictingCache at a time. Give each thread its own "
+                "model (e.g. copy.deepcopy(model)) and cache, or run the forwards one after another (a lock)"
+            )
 
     def before(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.owner is not None:  # (a nested forward of the same model, or another thread's)
+            self.check_thread()
+            return
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if not isinstance(cache, EvictingCache) or self.owner is not None:
+        if not isinstance(cache, EvictingCache):
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         q = (ids if ids is not None else embeds).shape[1]
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-        cache.check_forward(mask if isinstance(mask, torch.Tensor) else None, q, kwargs.get("use_cache"))
-        cache.note_padding(mask if isinstance(mask, torch.Tensor) else None, q)
-        if not torch.compiler.is_compiling():
+        mask = mask if isinstance(mask, torch.Tensor) else None
+        compiling = torch.compiler.is_compiling()
+        if not compiling:  # (a weak reference is not traced: the eager prompt forward checks it)
+            cache.check_model(module)
+        positions = kwargs.get("position_ids")
+        cache.check_forward(mask, q, kwargs.get("use_cache"), positions if isinstance(positions, torch.Tensor) else None)
+        cache.note_padding(mask, q)
+        if not compiling:
             cache.enter()  # (last: the post-hook leaves what this hook entered)
         config = module.config
         self.owner, self.saved, self.cache = module, config._attn_implementation, cache
+        self.thread = None if compiling else threading.get_ident()
         config._attn_implementation = SCOPED_ATTENTION_NAME
 
     def after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        if self.owner is module:
+        if self.owner is module and (self.thread is None or self.thread == threading.get_ident()):
             module.config._attn_implementation = self.saved
             if self.cache is not None and not torch.compiler.is_compiling():
                 self.cache.leave()
-            self.owner, self.saved, self.cache = None, None, None
+            self.owner, self.saved, self.cache, self.thread = None, None, None, None
 
 
 _SCOPED: "weakref.WeakKeyDictionary[torch.nn.Module, _Scope]" = weakref.WeakKeyDictionary()
+#: the attribute of a scoped model holding its scope, so that a deep copy of the model (which
+#: copies its hooks, bound to a copy of the scope) is known as scoped and not hooked twice
+SCOPE_ATTRIBUTE = "kvpolicy_attention_scope"
 #: attention modules (those with a ``layer_idx``) -> their model's scope, for models whose
 #: attention does not pass its kwargs to ``cache.update`` (see ``_scoped_attention``)
 _ATTENTION_SCOPE: "weakref.WeakKeyDictionary[torch.nn.Module, _Scope]" = weakref.WeakKeyDictionary()
@@ -247,18 +278,21 @@ def scope_attention(model: torch.nn.Module) -> None:
     register_attention()
     if model in _SCOPED:
         return
-    saved = model.config._attn_implementation
-    # transformers' own checks, which it runs for an SDPA-named implementation: can this class run it?
-    _set_implementation(model, ATTENTION_NAME)
-    _set_implementation(model, saved)
-    scope = _Scope()
-    modules = [model]
-    base = getattr(model, "base_model", model)
-    if isinstance(base, torch.nn.Module) and base is not model:
-        modules.append(base)
-    for module in modules:
-        module.register_forward_pre_hook(scope.before, with_kwargs=True)
-        module.register_forward_hook(scope.after, with_kwargs=True, always_call=True)
+    scope = getattr(model, SCOPE_ATTRIBUTE, None)
+    if not isinstance(scope, _Scope):  # (a deep copy of a scoped model carries its hooks and their scope)
+        saved = model.config._attn_implementation
+        # transformers' own checks, which it runs for an SDPA-named implementation: can this class run it?
+        _set_implementation(model, ATTENTION_NAME)
+        _set_implementation(model, saved)
+        scope = _Scope()
+        modules = [model]
+        base = getattr(model, "base_model", model)
+        if isinstance(base, torch.nn.Module) and base is not model:
+            modules.append(base)
+        for module in modules:
+            module.register_forward_pre_hook(scope.before, with_kwargs=True)
+            module.register_forward_hook(scope.after, with_kwargs=True, always_call=True)
+        setattr(model, SCOPE_ATTRIBUTE, scope)
     _SCOPED[model] = scope
     for sub in model.modules():
         if isinstance(getattr(sub, "layer_idx", None), int):
@@ -408,6 +442,9 @@ class EvictingLayer(DynamicLayer):
         self._seen_serial = -1
         self._prefix: PrefixShift | None = None
         self._step_options = self._make_step_options()
+        #: a ``[]`` bool device flag: some attention output of a log-n policy was not finite since
+        #: the last reset (see :meth:`EvictingCache.report_nonfinite`); ``None`` before the first
+        self.nonfinite: torch.Tensor | None = None
 
     # transformers' base classes assign self.keys / self.values; they live in the store here.
     @property  # type: ignore[override]
@@ -506,6 +543,19 @@ class EvictingLayer(DynamicLayer):
         Returns:
             ``(output [batch, q, q_heads, head_dim], None)``: no attention weights.
         """
+        out = self._attention(module, query, key, value, dropout=dropout, scaling=scaling, **kwargs)
+        if self.policy.log_n is not None:
+            # the logits times the log-n scale may overflow (paper, section 3.5), which makes the
+            # probabilities NaN (their scores then rank lowest, the NaN rule): flagged on the device
+            # (no host read in the decode path), reported by EvictingCache.report_nonfinite
+            if self.nonfinite is None:
+                self.nonfinite = device_flag(out.device)
+            self.nonfinite.logical_or_(~torch.isfinite(out).all())
+        return out, None
+
+    def _attention(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                   dropout: float, scaling: float | None, **kwargs: Any) -> torch.Tensor:
+        """The body of :meth:`attention`: its output."""
         if not self.pending:
             raise ValueError(
                 f"layer {self.layer_idx}: the model's attention ran more than once for one cache update (e.g. DiffLlama's "
@@ -514,12 +564,14 @@ class EvictingLayer(DynamicLayer):
         self.pending = False
         store = self.store
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if store.running_queries is not None:  # Expected Attention: the queries' running moments, before evict()
+            self.observe_queries(query, kwargs.get("position_ids"))
         if store.on_device:  # a static-shaped decode step: one graph (kvpolicy_torch.static)
             if dropout or not _fusable(kwargs):
                 raise ValueError(f"kvpolicy's decode attention takes no dropout, softcap or position bias; got {sorted(kwargs)}")
             out = store.attend(query, scale, options=self.step_options)
             store.evict()
-            return out, None
+            return out
         q_len = query.shape[2]
         log_n = self.policy.log_n
         uses_scores = self.policy.captures_attention  # (scores from keys: no capture, the store computes them)
@@ -537,13 +589,13 @@ class EvictingLayer(DynamicLayer):
                 if uses_scores:
                     store.accumulate_query(received_attention(query, key, sdpa_scale), query.shape[1] // key.shape[1])
                 self.finish_received(None)
-                return out, None
+                return out
             if dropout or not _fusable(kwargs):
                 raise ValueError(f"kvpolicy's decode attention takes no dropout, softcap or position bias; got {sorted(kwargs)}")
             row_scale = torch.tensor(scales, device=query.device) if scales is not None else None
             out = store.attend(query, scale, extra_bias=window, row_scale=row_scale, prefix=prefix)
             self.finish_received(None)
-            return out, None
+            return out
         mask = self.window_chunk_mask(store.chunk_mask())
         query_scale = None
         sdpa_query = query
@@ -558,7 +610,25 @@ class EvictingLayer(DynamicLayer):
                 rows=self.policy.prompt_rows, history=self.history,
             )
         self.finish_received(received)
-        return out, None
+        return out
+
+    def observe_queries(self, query: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
+        """Expected Attention: hand the store this step's queries ``[batch, q_heads, q, head_dim]``
+        rotated back to before RoPE (:meth:`LayerCache.observe_queries`). Each query is rotated
+        by minus the position the model rotated it by (``position_ids`` when the attention is
+        given them, else its position in the store), angles only (a scaled RoPE's magnitude factor
+        stays, as it does in the cached keys); pads are not counted. The layer's RoPE layout goes
+        with them, for the scores' rotation averaged over the next positions (none in a NoPE layer)."""
+        store = self.store
+        positions = store.query_positions(query.shape[2])  # [batch, q], -1 at pads
+        rotated = positions if position_ids is None else position_ids.to(positions.device)
+        pre_rope = self._rotate(query, -rotated.expand(query.shape[0], -1)[:, None, :])
+        rotary = None
+        if self.rope is not None:
+            rotary = Rotary(self.rope.inv_freq, self.rope.style, self.rope.rotary_dim)
+        elif self.inv_freq is not None:
+            rotary = Rotary(self.inv_freq, "half", None)
+        store.observe_queries(pre_rope, positions, rotary)
 
     @property
     def step_options(self) -> StepOptions:
@@ -678,6 +748,7 @@ class EvictingLayer(DynamicLayer):
         self.store.reset()
         self.pending = False
         self.is_initialized = False
+        self.nonfinite = None
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove:
@@ -739,16 +810,20 @@ class EvictingCache(Cache):
     ) -> None:
         if not isinstance(policy, EvictionPolicy):
             raise ValueError(f"policy must be an EvictionPolicy, got {policy!r}")
+        if not isinstance(model, (torch.nn.Module, PretrainedConfig)):
+            raise TypeError(f"model must be a transformers model (or its config), got {type(model).__name__} {model!r:.80}")
         caps = detect(model)
         positions = positions or policy.default_positions
         if positions not in ("original", "cache"):
             raise ValueError(f"positions must be 'original' or 'cache', got {positions!r}")
         ropes: list[RopeLayout | None] = [None] * len(caps.layers)
-        if positions == "cache":
+        if positions == "cache" or policy.score_statistic == "expected_attention":
+            # (Expected Attention rotates each query back to before RoPE and averages RoPE over the next positions)
             if not isinstance(model, torch.nn.Module):
                 raise ValueError(
-                    "positions='cache' (pos-shift) needs the model itself, not only its config: its RoPE layout is "
-                    "measured with one forward; positions='original' works with a config"
+                    f"positions='cache' (pos-shift) and {type(policy).__name__}'s query statistics need the model itself, not "
+                    f"only its config: its RoPE layout is measured with one forward"
+                    + ("; positions='original' works with a config" if positions == "cache" else "")
                 )
             ropes = rope_layouts(model)
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
@@ -765,11 +840,15 @@ class EvictingCache(Cache):
                 )
         if isinstance(model, torch.nn.Module):
             scope_attention(model)
+        #: the model this cache serves (a weak reference; ``None`` when built from a config, or in a
+        #: copy: pickle and deepcopy drop it, so a restored cache serves a model of the same shape)
+        self.built_for: weakref.ref[torch.nn.Module] | None = weakref.ref(model) if isinstance(model, torch.nn.Module) else None
         self.policy = policy
         self.positions_mode = positions
         self.capabilities: ModelCapabilities = caps
         self.padding = Padding()  # shared by the layers: the padding of the forward in flight
         self._busy = threading.Lock()  # one forward at a time (enter / leave)
+        self._reported: set[int] = set()  # layers report_nonfinite has warned about since the last reset
         shift_matrices = ShiftMatrices()  # shared by the layers: pos-shift rotations, built once a step
         n_layers = len(caps.layers)
         # shared by the layers: one victim search a decode step for all (static shapes search on the
@@ -797,16 +876,46 @@ class EvictingCache(Cache):
         needs no call: each step evicts itself. Returns each layer's rounds."""
         return [layer.store.settle() for layer in self.layers]
 
-    def check_forward(self, attention_mask: torch.Tensor | None, q_length: int, use_cache: Any) -> None:
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Refuse a forward of ``model`` (a model or its base model, whose hooks call this) when it
+        is not the model this cache was built for (its keys, values and layers are that model's):
+        ``ValueError`` naming both."""
+        if self.built_for is None:
+            return  # built from a config, or a copy
+        mine = self.built_for()  # (None: that model is gone, so this one is another)
+        if model is not mine and getattr(mine, "base_model", None) is not model \
+                and getattr(model, "base_model", None) is not mine:
+            raise ValueError(
+                f"this EvictingCache was built for another model ({type(mine).__name__ if mine is not None else 'gone'}, "
+                f"{len(self.layers)} layers) than "
+                f"the one running this forward ({type(model).__name__}): a cache holds one model's keys and values; "
+                "make one per model (EvictingCache(policy, model))"
+            )
+
+    def check_forward(self, attention_mask: torch.Tensor | None, q_length: int, use_cache: Any,
+                      position_ids: torch.Tensor | None = None) -> None:
         """Refuse a forward this cache cannot serve exactly (its hooks call this first): a 4-D mask,
-        ``use_cache=False`` (transformers then feeds the whole sequence at every step), or a 2-D
-        mask that does not cover the columns this cache has seen plus the new ones (a new prompt
-        without :meth:`reset`)."""
+        ``use_cache=False`` (transformers then feeds the whole sequence at every step), or a new
+        prompt without :meth:`reset`: a 2-D mask that does not cover the columns this cache has
+        seen plus the new ones, or a prompt chunk (``q_length > 1``) without pads whose first
+        position lies before a row's tokens seen (``generate()`` passes positions and drops an
+        all-ones mask). A one-token decode step reads nothing here (no host sync); a chunk
+        without positions or mask whose tokens follow what the cache has seen is a continuation
+        for the cache as for the model (transformers' caches cannot tell either)."""
         if use_cache is False:
             raise ValueError(
                 "use_cache=False with an EvictingCache: transformers would feed the whole sequence to the cache at every "
                 "step (a fine-tuned checkpoint's generation config may say use_cache=False): pass use_cache=True"
             )
+        if q_length < 1:
+            seen = self.layers[0].store.seen if self.layers[0].store.is_initialized else [0]
+            raise ValueError(
+                f"this forward brings no new tokens, and this EvictingCache has seen {max(seen)}: generate() given a used "
+                "cache feeds the model only the prompt's tokens beyond what the cache has seen, none here. A cache "
+                "serves one sequence from its first token: for a new prompt call cache.reset() (or make a new cache)"
+            )
+        if q_length > 1 and position_ids is not None and self.layers[0].store.is_initialized:
+            self._check_positions(attention_mask, q_length, position_ids)
         if attention_mask is None:
             return
         if attention_mask.ndim != 2:
@@ -823,6 +932,23 @@ class EvictingCache(Cache):
                 f"token; for a new prompt call cache.reset() (or make a new cache)"
             )
 
+    def _check_positions(self, attention_mask: torch.Tensor | None, q_length: int, position_ids: torch.Tensor) -> None:
+        """A prompt chunk's first positions against each row's tokens seen (one host read a chunk)."""
+        if attention_mask is not None and attention_mask.ndim == 2 and not bool(attention_mask[:, -q_length:].all()):
+            return  # pads in the chunk: the mask check below speaks for it
+        seen = self.layers[0].store.seen
+        first = position_ids.reshape(-1, position_ids.shape[-1])[:, 0].tolist()
+        if len(first) == 1:
+            first = first * len(seen)
+        for row, (p, s) in enumerate(zip(first, seen)):
+            if p < s:
+                raise ValueError(
+                    f"this EvictingCache has seen {s} tokens in row {row}, but the forward's {q_length}-token chunk starts at "
+                    f"position {p}: that is a new prompt, not a continuation (a cache serves one sequence from its first "
+                    f"token; generate() given a used cache would feed it only the prompt's tail): call cache.reset() "
+                    f"(or make a new cache) for a new prompt"
+                )
+
     def enter(self) -> None:
         """A forward starts using this cache (its hooks call this): one at a time."""
         if not self._busy.acquire(blocking=False):
@@ -836,9 +962,53 @@ class EvictingCache(Cache):
         if self._busy.locked():
             self._busy.release()
 
+    def report_nonfinite(self) -> list[int]:
+        """The layers whose attention output was not finite (NaN or infinite) since the last
+        :meth:`reset`, for a policy with log n (BUZZ, paper section 3.5): the logits times the
+        log-n scale overflowed the model's dtype. Such a step's probabilities are NaN, so its
+        scores follow the NaN rule (they rank lowest: :attr:`kvpolicy.CacheView.ranking_scores`),
+        and the model's output from there on means little. A layer flags it on the device (no
+        host read in the decode path); this reads the flags (one host read) and warns
+        :class:`kvpolicy.driver.NonFiniteWarning` once per layer. :func:`generate`,
+        :func:`greedy_decode`, :meth:`lengths`, :meth:`row_lengths` and :meth:`reset` call it.
+
+        Example:
+            >>> from kvpolicy import BUZZ
+            >>> from kvpolicy.models import tiny_llama
+            >>> model = tiny_llama()
+            >>> cache = EvictingCache(BUZZ(sink=2, window=8, stride=3, log_n=True), model)
+            >>> _ = greedy_decode(model, torch.arange(1, 17)[None], cache, 4)
+            >>> cache.report_nonfinite()
+            []
+        """
+        flags = [layer.nonfinite for layer in self.layers]
+        present = [i for i, f in enumerate(flags) if f is not None and f.device.type != "meta"]  # (meta: no values)
+        if not present:
+            return []
+        values = torch.stack([flags[i].to("cpu", non_blocking=False) for i in present]).tolist()
+        bad = [i for i, v in zip(present, values) if v]
+        new = [i for i in bad if i not in self._reported]
+        if new:
+            import warnings
+
+            from kvpolicy.driver import NonFiniteWarning
+
+            self._reported.update(new)
+            warnings.warn(
+                f"{self.policy!r}: the attention output of layer(s) {new} of this EvictingCache was not finite: the "
+                f"logits times the log-n scale overflowed {self.layers[new[0]].store.keys.dtype}. Those steps' "
+                "probabilities are NaN; their scores rank lowest (kvpolicy.CacheView.ranking_scores), so such tokens go "
+                "first, and the model's outputs from there on are not meaningful: use a larger log_base or "
+                "log_floor=0, or run the model in float32",
+                NonFiniteWarning,
+                stacklevel=2,
+            )
+        return bad
+
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["_busy"]  # a lock: a copy gets its own
+        state["built_for"] = None  # a weak reference (pickle cannot hold one)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -850,6 +1020,14 @@ class EvictingCache(Cache):
         """transformers' entry point: layer ``layer_idx`` appends (see :meth:`EvictingLayer.update`)."""
         if not 0 <= layer_idx < len(self.layers):
             raise ValueError(f"layer_idx {layer_idx} is out of range: this EvictingCache was built for {len(self.layers)} layers")
+        if not torch.compiler.is_compiling() and self.built_for is not None and not self._busy.locked():
+            mine = self.built_for()
+            raise RuntimeError(
+                f"layer {layer_idx}: a forward that did not go through the hooks of the model this EvictingCache was "
+                f"built for ({type(mine).__name__ if mine is not None else 'a model that is gone'}) updates it: a cache "
+                "serves the model it was built for (make one per model: EvictingCache(policy, model)), given as "
+                "cache= or past_key_values= (a cache passed positionally is not seen by the hooks)"
+            )
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def note_padding(self, attention_mask: torch.Tensor | None, q_length: int) -> None:
@@ -868,12 +1046,21 @@ class EvictingCache(Cache):
         if any(r != q_length for r in real):
             pad.valid, pad.real = valid, real
 
+    def reset(self) -> None:
+        """Forget the sequence (every layer), so that the cache serves a new prompt; a non-finite
+        attention not yet reported is reported first (:meth:`report_nonfinite`)."""
+        self.report_nonfinite()
+        self._reported = set()
+        super().reset()
+
     def lengths(self) -> list[int]:
         """Kept tokens per layer (the most any row keeps; see :meth:`row_lengths`)."""
+        self.report_nonfinite()
         return [max(layer.store.lengths, default=0) for layer in self.layers]
 
     def row_lengths(self) -> list[list[int]]:
         """Kept tokens per layer and row (rows of a left-padded batch differ)."""
+        self.report_nonfinite()
         return [layer.store.lengths for layer in self.layers]
 
     @property
@@ -974,6 +1161,8 @@ def greedy_decode(
             if settle:
                 cache.settle()
             pos = pos + 1
+    if ours:
+        cache.report_nonfinite()
     return torch.cat(out, dim=1)
 
 

@@ -321,6 +321,10 @@ class Engine:
         """A fresh cache for ``policy`` in the state its own prefill would have left it in."""
         from ..hf import EvictingCache
 
+        if policy.observes_queries:
+            raise ValueError(f"{policy!r} scores from the queries it sees, which a recorded prefill does not hold: "
+                             "prefill its own cache (prefill_chunked)")
+
         cache = EvictingCache(policy, self.model)
         for layer, src in zip(cache.layers, rec.layers):
             k, v, s = src.store.keys, src.store.values, src.store.scores
@@ -440,7 +444,8 @@ def evaluate(
         for batch in batches:
             s = batch[0]
             built = plans[(s.prefill_length, s.prefill_length + s.decode_steps)]
-            shared = {_prefill_key(p, s.prefill_length) for (p, _), c in zip(built, configs) if not c.chunk}
+            shared = {_prefill_key(p, s.prefill_length) for (p, _), c in zip(built, configs)
+                      if not (c.chunk or p.observes_queries)}
             units += len(shared) + len(configs)
         total += units
         prepared.append((task, samples, configs, batches, plans, time.perf_counter() - t0))
@@ -463,7 +468,10 @@ def evaluate(
                 ids = torch.tensor([s.input_ids for s in batch], dtype=torch.long, device=engine.device)
                 by_prefill: dict[Any, list[int]] = defaultdict(list)
                 for i, (p, _) in enumerate(built):
-                    key = ("chunk", i) if configs[i].chunk else _prefill_key(p, s0.prefill_length)
+                    # a policy scored from the queries it sees prefills its own cache: a recording of
+                    # keys and scores holds no queries
+                    own = configs[i].chunk or p.observes_queries
+                    key = ("chunk", i) if own else _prefill_key(p, s0.prefill_length)
                     by_prefill[key].append(i)
                 for pkey, idxs in by_prefill.items():
                     rec = first_logits = None
@@ -486,13 +494,14 @@ def evaluate(
                             out, cache = done[same], None
                         else:
                             if rec is None:
-                                cache, first_logits = engine.prefill_chunked(ids, s0.prefill_length, policy, configs[i].chunk)
+                                cache, first_logits = engine.prefill_chunked(ids, s0.prefill_length, policy,
+                                                                             configs[i].chunk or s0.prefill_length)
                             else:
                                 cache = engine.fork(rec, policy)
                             asked: tuple[list[float], list[int]] = ([], [])
                             if s0.question_length:  # the question comes after the prefill's eviction
                                 first_logits, *asked = engine.feed(ids, s0.prefill_length, s0.prompt_length, cache)
-                            if s0.kind == "ppl":
+                            if s0.is_perplexity:
                                 steps = s0.n_score
                                 out = engine.run_ppl(ids, s0.prompt_length, steps, cache, on_step=lambda k, w=what, n=steps: (
                                     bar.set_postfix_str(f"{w} step {k}/{n}")))
@@ -573,7 +582,10 @@ def _task_result(task: Task, samples: Sequence[Sample], configs: Sequence[CacheC
 
 # =========================================================================== commands
 def _command(args: argparse.Namespace, task: Task, policies: Sequence[str], budgets: Sequence[float] | None,
-             *, cache_sizes: Sequence[int] | None = None, ratios: Sequence[float] | None = None) -> str:
+             *, cache_sizes: Sequence[int] | None = None, flags: Sequence[str] | None = None) -> str:
+    """The ``kvpolicy compare`` command line that reruns ``task`` with these policies, budgets
+    (``None``: no ``--budgets``) and cache sizes; ``flags``: the task's own flags (default: its
+    :meth:`~kvpolicy.eval.tasks.Task.cli_flags`)."""
     parts = ["kvpolicy", "compare"]
     if args.model != "smollm2-135m":
         parts += ["--model", args.model]
@@ -583,19 +595,8 @@ def _command(args: argparse.Namespace, task: Task, policies: Sequence[str], budg
     if cache_sizes:
         parts += ["--cache-sizes", ",".join(str(s) for s in cache_sizes)]
     parts += ["--samples", str(task.n_samples)]
-    if task.kind == "stream" and not cache_sizes:
-        sizes = task.sizes if cache_sizes is None else ()  # type: ignore[attr-defined]
-        parts += ["--cache-sizes", ",".join(str(z) for z in sizes) or "none"]
-    if task.kind == "ppl":
-        parts += ["--context", str(task.opt.context or getattr(task, "default_context", 0))]
-    elif task.opt.context:
-        parts += ["--context", str(task.opt.context)]
-    if task.kind == "gen":
-        parts += ["--max-new-tokens", str(task.max_new_tokens)]
-    flags = task.cli_flags()
-    if ratios is not None:
-        flags = [f for f in flags if not f.startswith("--tw-ratios")] + ["--tw-ratios " + (",".join(f"{r:g}" for r in ratios) or "none")]
-    for f in flags:
+    parts += task.run_flags(cache_sizes)
+    for f in task.cli_flags() if flags is None else flags:
         parts += shlex.split(f)
     if args.data_dir:
         parts += ["--data-dir", str(args.data_dir)]
@@ -612,36 +613,17 @@ def _command(args: argparse.Namespace, task: Task, policies: Sequence[str], budg
 
 def _attach_commands(args: argparse.Namespace, tasks: Sequence[Task], results: dict[str, TaskResult],
                      policies: Sequence[str], budgets: Sequence[float]) -> None:
+    """The command behind each task and each cell (what they hold: the task's command hooks)."""
     for task in tasks:
         res = results[task.name]
-        sizes = list(task.options.cache_sizes) if task.name == "ppl" else None
-        task_budgets = budgets if task.name != "tw" else None
-        if task.name == "stream" and task.options.short:
-            task_budgets = []
-        res.command = _command(args, task, policies, task_budgets, cache_sizes=sizes)
+        res.command = _command(args, task, policies, task.command_budgets(budgets), cache_sizes=task.command_cache_sizes())
+
+        def command(policies: Sequence[str], budgets: Sequence[float] | None, *, cache_sizes: Sequence[int] | None = None,
+                    flags: Sequence[str] | None = None, task: Task = task) -> str:
+            return _command(args, task, policies, budgets, cache_sizes=cache_sizes, flags=flags)
+
         for cell in res.cells:
-            if task.name == "stream":
-                cell.command = _stream_cell_command(args, task, cell)
-                continue
-            if is_reference(cell.policy):
-                cmd = _command(args, task, [cell.policy], None if task.name == "tw" else [])
-            elif cell.kind == "budget":
-                cmd = _command(args, task, [cell.policy], [cell.requested_budget])  # type: ignore[list-item]
-            elif cell.kind == "size":
-                cmd = _command(args, task, [cell.policy], [], cache_sizes=[cell.size])  # type: ignore[list-item]
-            else:
-                cmd = _command(args, task, ["buzz"], None, ratios=[cell.ratio])  # type: ignore[list-item]
-            cell.command = cmd
-
-
-def _stream_cell_command(args: argparse.Namespace, task: Task, cell: CellResult) -> str:
-    """The command that runs one stream cell (a BUZZ T/w row also runs plain BUZZ)."""
-    ratios = [] if cell.variant_ratio is None else [cell.variant_ratio]
-    if is_reference(cell.policy):
-        return _command(args, task, [cell.policy], [], cache_sizes=[], ratios=[])
-    cmd = _command(args, task, [cell.policy], [cell.requested_budget] if cell.kind == "budget" else [],  # type: ignore[list-item]
-                   cache_sizes=[cell.size] if cell.kind == "size" else [], ratios=ratios)  # type: ignore[list-item]
-    return cmd.replace("--equalise both", f"--equalise {cell.equalise}")
+            cell.command = task.cell_command(cell, command)
 
 
 # =========================================================================== run
@@ -679,8 +661,9 @@ def run(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, s
     if args.batch_size < 1:
         raise ValueError("--batch-size must be >= 1")
     names = _task_names(args.tasks)
-    # the default run carries a short stream task; --tasks stream runs the full protocol
-    args.short_stream = args.tasks is None or "default" in [t.lower() for t in split_csv(args.tasks)]
+    # the default run (no --tasks, or 'default' among them): a task may run a short version of
+    # itself there (the stream does; --tasks stream runs the full protocol)
+    args.default_run = args.tasks is None or "default" in [t.lower() for t in split_csv(args.tasks)]
     if sources is None:
         if args.data_dir and args.data_dir.lower() != "hub":
             if not Path(args.data_dir).is_dir():

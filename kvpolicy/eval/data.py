@@ -190,9 +190,20 @@ def _shared_file(name: str) -> Path | None:
 
 def _require_file(path: str | os.PathLike[str], what: str) -> Path:
     p = Path(path)
+    if p.is_dir():
+        raise IsADirectoryError(f"{what}: {p} is a folder, not a file: pass the file itself")
     if not p.is_file():
         raise FileNotFoundError(f"{what}: file not found: {p}")
     return p
+
+
+def _records(p: Path) -> list[tuple[int, dict[str, Any]]]:
+    """Every record of the jsonl file ``p`` (:func:`read_jsonl_lines`); ``ValueError`` naming the
+    file when it holds none (empty or blank), instead of a run over no examples."""
+    rows = list(read_jsonl_lines(p))
+    if not rows:
+        raise ValueError(f"{p}: no records (the file is empty or blank): expected one JSON object per line")
+    return rows
 
 
 def _open_text(path: Path) -> Any:
@@ -291,6 +302,10 @@ def record_errors(path: str | os.PathLike[str], line: int) -> Iterator[None]:
     except KeyError as e:
         raise ValueError(f"{path}:{line}: the record has no {e.args[0]!r} key") from None
     except (TypeError, IndexError, AttributeError) as e:
+        raise ValueError(f"{path}:{line}: the record does not have the expected structure ({e})") from None
+    except ValueError as e:  # e.g. a pair of three values ("too many values to unpack")
+        if str(e).startswith(f"{path}:"):
+            raise
         raise ValueError(f"{path}:{line}: the record does not have the expected structure ({e})") from None
 
 
@@ -446,7 +461,7 @@ def load_xsum(
         p = _shared_file("xsum_0shot.jsonl")
     out: list[SummaryExample] = []
     if p is not None:
-        rows = list(read_jsonl_lines(p))
+        rows = _records(p)
         for i in _select(len(rows), limit, seed):
             line, r = rows[i]
             if "article" not in r or "summary_gt" not in r:
@@ -682,7 +697,7 @@ def load_nq_multidoc(
     positions = tuple(int(g) for g in gold_positions)
     for g in positions:
         if not 0 <= g < n_docs:
-            raise ValueError(f"gold position {g} outside [0, {n_docs})")
+            raise ValueError(f"gold_positions: gold position {g} is outside [0, n_docs={n_docs}): each must be a document index")
     if path is not None:
         p = _require_file(path, "NQ-open oracle jsonl")
     else:
@@ -693,7 +708,7 @@ def load_nq_multidoc(
                 "https://github.com/nelson-liu/lost-in-the-middle (qa_data/nq-open-oracle.jsonl.gz)"
             )
         p = found
-    rows = list(read_jsonl_lines(p))
+    rows = _records(p)
     pool = _distractor_pool(distractor_pool, distractor_max_words) if n_docs > 1 else None
     out: list[QAExample] = []
     for i in _select(len(rows), limit, seed):
@@ -794,7 +809,7 @@ def load_kv_retrieval(
                 "from https://github.com/nelson-liu/lost-in-the-middle (kv_retrieval_data/)"
             )
         p = found
-    rows = list(read_jsonl_lines(p))
+    rows = _records(p)
     out: list[RetrievalExample] = []
     for i in _select(len(rows), limit, seed):
         line, r = rows[i]

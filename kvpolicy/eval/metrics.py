@@ -20,6 +20,7 @@ import math
 import re
 import string
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
@@ -31,6 +32,9 @@ __all__ = [
     "exact_match",
     "exact_match_strict",
     "perplexity_from_nll",
+    "METRICS",
+    "MetricInfo",
+    "metric_info",
 ]
 
 ROUGE_KEYS: tuple[str, str, str] = ("rouge1", "rouge2", "rougeL")
@@ -174,3 +178,42 @@ def perplexity_from_nll(total_nll: float, n_tokens: int) -> float:
     if not math.isfinite(total_nll):
         raise ValueError(f"total_nll must be finite, got {total_nll}")
     return math.exp(total_nll / n_tokens)
+
+
+# =========================================================================== how a metric is shown
+@dataclass(frozen=True)
+class MetricInfo:
+    """How the report shows a metric: its name, whether its values are shares in ``[0, 1]`` shown
+    in percent (ROUGE, exact match, recall) or values shown as they are (perplexity: two decimals,
+    log-scaled plots), and which way is better.
+
+    Example:
+        >>> metric_info("ppl").title, metric_info("ppl").percent, metric_info("em").percent
+        ('perplexity', False, True)
+    """
+
+    title: str
+    #: a share in [0, 1], shown in percent (tables and plots); otherwise a value shown as it is (2
+    #: decimals, log-scaled plot axes, a ratio to the full cache instead of a difference in points)
+    percent: bool = True
+    #: lower is better (perplexity): a policy keeps "99% of the full cache's" value at full / value >= 0.99
+    lower_is_better: bool = False
+
+
+#: The metrics of the built-in tasks, by the key their ``score`` returns. A plug-in task's metric
+#: not listed here is named by its key and shown with 4 significant digits.
+METRICS: dict[str, MetricInfo] = {
+    "ppl": MetricInfo("perplexity", percent=False, lower_is_better=True),
+    "rouge1": MetricInfo("ROUGE-1"),
+    "rouge2": MetricInfo("ROUGE-2"),
+    "rougeL": MetricInfo("ROUGE-L"),
+    "mean": MetricInfo("mean ROUGE (geometric)"),
+    "em": MetricInfo("exact match"),
+    "recall": MetricInfo("needle-word recall"),
+    "string_match": MetricInfo("string match"),
+}
+
+
+def metric_info(key: str) -> MetricInfo | None:
+    """The :class:`MetricInfo` of a built-in metric key (``None`` for a plug-in task's own)."""
+    return METRICS.get(key)

@@ -2,7 +2,12 @@
 
 Everything here is computed from the results of the run that writes the report; the only numbers
 not measured in the run are the BUZZ paper's own (Llama-2-7B), which appear in a separate,
-labelled section (:data:`PAPER_TABLES`) and are never mixed into our tables or plots.
+labelled section (each task's :attr:`~kvpolicy.eval.tasks.Task.paper_table`) and are never mixed
+into our tables or plots.
+
+What is particular to a task (its captions, verdicts, budget-plot panels, extra tables and plots,
+paper table) comes from its :class:`~kvpolicy.eval.tasks.Task` hooks, so no task is named here;
+the shared formatting is :mod:`kvpolicy.eval.display`.
 """
 
 from __future__ import annotations
@@ -13,133 +18,28 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .display import BUZZES, COLORS, STYLES, Panel, fmt, full_cell, lower_is_better, metric_name, paired_se
+from .display import better as _better
+from .display import cells as _cells
+from .display import order as _order
+from .display import pct as _pct
+from .display import plot_scale as _scale
+from .display import policy_name as _name
+from .display import pyplot as _plt
+from .display import row as _row
+from .display import md_table as _md_table
+from .display import shared_legend, shown_in_percent
+from .display import value as _value
 from .results import TaskResult
+from .tasks import Task, task_registry
 
-__all__ = ["document", "write_report", "console_summary", "verdicts", "PAPER_TABLES"]
-
-BUZZES = ("buzz", "buzz_logn")
-NAMES = {
-    "full": "Full cache",
-    "local": "Local window",
-    "streaming_llm": "StreamingLLM",
-    "h2o": "H2O",
-    "buzz": "BUZZ",
-    "buzz_logn": "BUZZ (log n)",
-    "tova": "TOVA",
-    "snapkv": "SnapKV",
-    "snapkv_buzz": "SnapKV + BUZZ",
-    "snapkv_h2o": "SnapKV + H2O",
-    "snapkv_tova": "SnapKV + TOVA",
-    "pyramidkv": "PyramidKV",
-    "pyramid_h2o": "H2O, PyramidKV budgets",
-    "knorm": "Knorm",
-    "keydiff": "KeyDiff",
-}
-COLORS = {
-    "local": "#7f7f7f",
-    "streaming_llm": "#1f77b4",
-    "h2o": "#2ca02c",
-    "buzz": "#d62728",
-    "buzz_logn": "#ff7f0e",
-    "tova": "#9467bd",
-    "snapkv": "#8c564b",
-}
-STYLES = {  # BUZZ (log n) dashed on top of a thicker BUZZ line, so both show when they coincide
-    "local": {"marker": "v", "linewidth": 1.4},
-    "streaming_llm": {"marker": "s", "linewidth": 1.4},
-    "h2o": {"marker": "^", "linewidth": 1.4},
-    "buzz": {"marker": "o", "linewidth": 3.2},
-    "buzz_logn": {"marker": "D", "linewidth": 1.6, "linestyle": "--", "markersize": 4.5},
-    "tova": {"marker": "P", "linewidth": 1.4},
-    "snapkv": {"marker": "X", "linewidth": 1.4},
-}
-METRIC_NAMES = {
-    "ppl": "perplexity",
-    "rouge1": "ROUGE-1",
-    "rouge2": "ROUGE-2",
-    "rougeL": "ROUGE-L",
-    "mean": "mean ROUGE (geometric)",
-    "em": "exact match",
-    "recall": "needle-word recall",
-    "string_match": "string match",
-}
-
-STREAM_CAPTION = {
-    "size": "Each cell: perplexity (measured average cache, capacity). Columns: fixed cache size, and how it is "
-            "equalised: equal mean (the average cache over the scored steps is the size), equal capacity (the peak is "
-            "the size).",
-    "budget": "Each cell: perplexity (measured average cache, capacity). Columns: requested budget (target = budget x "
-              "the full cache's average), and how it is equalised (equal mean, equal capacity).",
-}
-
-#: The BUZZ paper's own numbers (Llama-2-7B unless said otherwise), for the separate table only.
-PAPER_TABLES: dict[str, dict[str, Any]] = {
-    "summ": {
-        "caption": "Paper, Table 2 (Llama-2-7B, XSum): mean ROUGE (geometric mean of R-1/2/L), %",
-        "decimals": 1,
-        "columns": ["60%", "50%", "40%", "30%", "20%", "10%"],
-        "rows": {
-            "BUZZ": [11.9, 12.1, 12.3, 11.9, 11.3, 10.9],
-            "BUZZ (log n)": [12.3, 12.0, 12.0, 11.6, 11.6, 10.4],
-            "H2O": [11.5, 11.4, 11.6, 11.4, 11.8, 10.2],
-            "StreamingLLM": [11.9, 11.1, 11.2, 10.8, 10.0, 3.8],
-            "Local": [7.6, 4.4, 2.9, 1.8, 1.4, 0.1],
-        },
-    },
-    "ppl": {
-        "caption": "Paper, perplexity table (Llama-2-7B, wikitext) at fixed cache sizes",
-        "decimals": 3,
-        "columns": ["BUZZ", "BUZZ (log n)", "H2O", "StreamingLLM", "Local", "Full"],
-        "rows": {
-            "cache 50": [9.394, 12.322, 9.987, 11.722, 194.803, 7.382],
-            "cache 100": [8.037, 10.318, 8.881, 9.330, 35.979, 7.382],
-        },
-    },
-    "tw": {
-        "caption": "Paper, Table A (Llama-2-7B, CNN/DailyMail, stride 5, cache size 200): ROUGE (%) against T/w",
-        "decimals": 4,
-        "columns": ["1.5", "2.5", "3.5", "4.5", "5.5", "6.5"],
-        "rows": {
-            "ROUGE-1": [25.3847, 25.8219, 26.8306, 26.9212, 26.0562, 25.6403],
-            "ROUGE-2": [6.9315, 7.8697, 7.7600, 7.9514, 7.4780, 7.3231],
-            "ROUGE-L": [23.0359, 23.6857, 24.3394, 24.5161, 23.8286, 23.4886],
-        },
-    },
-}
+__all__ = ["document", "write_report", "console_summary", "verdicts", "fmt", "metric_name", "paired_se"]
 
 
-# =========================================================================== formatting
-def fmt(metric: str, value: float | None) -> str:
-    """A metric's value as the tables show it: perplexity with 2 decimals, the built-in shares
-    (ROUGE, exact match, recall) in percent, any other metric (a plug-in task's) as it is."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    if metric == "ppl":
-        return f"{value:.2f}"
-    return f"{100 * value:.1f}" if metric in METRIC_NAMES else f"{value:.4g}"
-
-
-def metric_name(metric: str) -> str:
-    """The name a table or plot gives ``metric`` (a plug-in task's metric is named by its key)."""
-    return METRIC_NAMES.get(metric, metric)
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def _name(p: str) -> str:
-    if p in NAMES:
-        return NAMES[p]
-    base, sep, ratio = p.rpartition("_tw")
-    if sep and base in NAMES:
-        return f"{NAMES[base]} (T/w {ratio})"
-    return p
-
-
-def _row(cell: dict[str, Any]) -> str:
-    """A cell's table row: its policy, or ``buzz_tw<r>`` for BUZZ at another T/w (stream)."""
-    return cell.get("row") or cell["policy"]
+def _task_class(name: str) -> type[Task]:
+    """The registered task class behind a results.json task (the base :class:`Task`, whose hooks
+    are the defaults, when it is not registered here)."""
+    return task_registry().get(name, Task)
 
 
 def _buzz_rows(task: dict[str, Any]) -> list[str]:
@@ -147,57 +47,15 @@ def _buzz_rows(task: dict[str, Any]) -> list[str]:
     return [r for r in _order(list(rows)) if r in BUZZES or r.startswith("buzz_tw")]
 
 
-def _order(policies: Sequence[str]) -> list[str]:
-    known = [p for p in NAMES if p in policies]
-    return known + [p for p in policies if p not in NAMES]
-
-
-def _cells(task: dict[str, Any], kind: str | None = None) -> list[dict[str, Any]]:
-    return [c for c in task["cells"] if kind is None or c["kind"] == kind]
-
-
-def _value(cell: dict[str, Any], metric: str) -> float | None:
-    return cell["metrics"].get(metric)
-
-
-def _better(task: dict[str, Any], a: float, b: float) -> bool:
-    return a > b if task["higher_is_better"] else a < b
-
-
 # =========================================================================== verdicts
 def verdicts(task: dict[str, Any]) -> list[str]:
     """Plain-language BUZZ-vs-baselines statements (a baseline: every other policy of the cell), computed
     from the cells (never hardcoded)."""
+    own = _task_class(task["name"]).report_verdicts(task)
+    if own is not None:
+        return own
     metric = task["metric"]
     lines: list[str] = []
-    if task["name"] == "tw":
-        cells = sorted((c for c in _cells(task, "ratio") if _value(c, metric) is not None), key=lambda c: c["ratio"])
-        if cells:
-            ranked = sorted(cells, key=lambda c: -_value(c, metric))
-            best = ranked[0]
-            near = min(cells, key=lambda c: abs(c["ratio"] - 4.333))
-            other = ranked[1] if near is best and len(ranked) > 1 else near
-            se = paired_se(best, other, metric)
-            gap = _value(best, metric) - _value(other, metric)
-            gap_text = f"{fmt(metric, gap)} points" + (f", {gap / se:.1f} s.e." if se else "")
-            if near is best:
-                lines.append(
-                    f"Best T/w in this run: {best['ratio']:g}, the theorem's choice ({metric_name(metric)} "
-                    f"{fmt(metric, _value(best, metric))}); runner-up T/w = {other['ratio']:g} at "
-                    f"{fmt(metric, _value(other, metric))} ({gap_text} behind)."
-                )
-            else:
-                lines.append(
-                    f"Best T/w in this run: {best['ratio']:g} ({metric_name(metric)} {fmt(metric, _value(best, metric))}); "
-                    f"the theorem's {near['ratio']:g} scores {fmt(metric, _value(near, metric))} ({gap_text} below)."
-                )
-            sizes = [c["average_cache"] for c in cells]
-            lines.append(
-                f"Measured average cache over the decode steps: {min(sizes):.0f} to {max(sizes):.0f} tokens across the "
-                "ratios (the windows are chosen for one target size, but a short run's average depends on where it "
-                "stops in the eviction cycle), so the ratios are not compared at exactly equal cache."
-            )
-        return lines
     groups: dict[str, list[dict[str, Any]]] = {}
     for c in task["cells"]:
         if c["kind"] in ("budget", "size"):
@@ -282,7 +140,7 @@ def verdicts(task: dict[str, Any]) -> list[str]:
                 if c is None or _value(c, metric) is None or c["kind"] != "budget":
                     continue
                 v = _value(c, metric)
-                ratio = (fv / v) if metric == "ppl" else (v / fv if fv else float("nan"))
+                ratio = (fv / v) if lower_is_better(metric) else (v / fv if fv else float("nan"))
                 pts.append((c["realised_budget"], label, ratio >= 0.99))
             pts.sort()
             k = len(pts)
@@ -301,18 +159,6 @@ def verdicts(task: dict[str, Any]) -> list[str]:
             "gaps under about 2 s.e. are within noise."
         )
     return lines
-
-
-def paired_se(a: dict[str, Any], b: dict[str, Any], metric: str) -> float | None:
-    """Standard error of the mean per-sample difference between two cells (same samples)."""
-    va = {e["id"]: e["scores"].get(metric) for e in a.get("samples", [])}
-    vb = {e["id"]: e["scores"].get(metric) for e in b.get("samples", [])}
-    d = [va[k] - vb[k] for k in va if k in vb and va[k] is not None and vb[k] is not None]
-    if len(d) < 2:
-        return None
-    mean = sum(d) / len(d)
-    var = sum((x - mean) ** 2 for x in d) / (len(d) - 1)
-    return math.sqrt(var / len(d)) or None
 
 
 # =========================================================================== console
@@ -350,12 +196,6 @@ def _text_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line, sep, *body])
 
 
-def _md_table(header: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    out += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
-    return "\n".join(out)
-
-
 def console_summary(doc: dict[str, Any]) -> str:
     out = []
     meta = doc["meta"]
@@ -373,9 +213,7 @@ def console_summary(doc: dict[str, Any]) -> str:
                            ("size", "cell = value (measured average cache size); columns = fixed cache size"),
                            ("ratio", "cell = value (measured average cache size); columns = T/w")):
             if _cells(task, kind):
-                if task["name"] == "stream":
-                    what = STREAM_CAPTION[kind]
-                out.append(what)
+                out.append(_task_class(task["name"]).table_caption(kind) or what)
                 out.append(_text_table(*_pivot(task, kind)))
         for line in verdicts(task):
             out.append("* " + line)
@@ -383,21 +221,6 @@ def console_summary(doc: dict[str, Any]) -> str:
 
 
 # =========================================================================== plots
-def _plt() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _scale(metric: str, v: float | None) -> float | None:
-    if v is None:
-        return None
-    return v if metric == "ppl" else 100 * v
-
-
 def _budget_panel(ax: Any, task: dict[str, Any], metric: str, cells: list[dict[str, Any]], title: str) -> None:
     policies = _order(list(dict.fromkeys(_row(c) for c in cells if c["kind"] == "budget")))
     if len({c["label"] for c in cells if c["kind"] == "budget"}) == 1:  # one budget: bars, not lines
@@ -414,9 +237,9 @@ def _budget_panel(ax: Any, task: dict[str, Any], metric: str, cells: list[dict[s
         if full is not None and full["metrics"].get(metric) is not None:
             ax.axhline(_scale(metric, full["metrics"][metric]), color="black", linestyle="--", linewidth=1.2,
                        label="Full cache")
-        ax.set_ylabel(metric_name(metric) + ("" if metric == "ppl" else " (%)"))
+        ax.set_ylabel(metric_name(metric) + (" (%)" if shown_in_percent(metric) else ""))
         ax.set_title(f"{title}\n(requested budget {bud[0]['label']}; realised under each bar)", fontsize=9)
-        if metric != "ppl":
+        if shown_in_percent(metric):
             ax.set_ylim(0, max(5.0, ax.get_ylim()[1]))
         ax.grid(True, axis="y", alpha=0.3)
         return
@@ -430,36 +253,25 @@ def _budget_panel(ax: Any, task: dict[str, Any], metric: str, cells: list[dict[s
     if full is not None and full["metrics"].get(metric) is not None:
         ax.axhline(_scale(metric, full["metrics"][metric]), color="black", linestyle="--", linewidth=1.2, label="Full cache")
     ax.set_xlabel("realised KV cache budget (%)")
-    ax.set_ylabel(metric_name(metric) + ("" if metric == "ppl" else " (%)"))
-    if metric == "ppl":
+    ax.set_ylabel(metric_name(metric) + (" (%)" if shown_in_percent(metric) else ""))
+    if not shown_in_percent(metric):
         ax.set_yscale("log")
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
 
 
 def plot_budget(task: dict[str, Any], path: Path, model: str) -> Path | None:
-    if not _cells(task, "budget") or task["name"] == "stream":
+    """Quality against the realised budget, one panel per :meth:`Task.budget_panels`."""
+    panels: list[Panel] = _task_class(task["name"]).budget_panels(task) if _cells(task, "budget") else []
+    if not panels:
         return None
     plt = _plt()
-    metrics = list(task["metrics"]) if task["name"] in ("summ",) else [task["metric"]]
-    panels: list[tuple[str, list[dict[str, Any]], str]] = [(m, task["cells"], metric_name(m)) for m in metrics]
-    if task["metric"] == "ppl":
-        panels = [("ppl", task["cells"], "all policies (log scale)"),
-                  ("ppl_zoom", [c for c in task["cells"] if _row(c) != "local"], "zoom: local window left out")]
-    if task["name"] == "qa" and task["cells"] and task["cells"][0]["groups"]:
-        keys = list(task["cells"][0]["groups"])
-        panels = [(task["metric"], task["cells"], "average over gold positions")]
-        for k in keys:
-            sub = [{**c, "metrics": c["groups"].get(k, {})} for c in task["cells"]]
-            panels.append((task["metric"], sub, f"gold document at position {k}"))
     fig, axes = plt.subplots(1, len(panels), figsize=(max(7.5, 4.4 * len(panels)), 4.2), squeeze=False)
-    for ax, (m, cells, title) in zip(axes[0], panels):
-        if m == "ppl_zoom":
-            _budget_panel(ax, task, "ppl", cells, title)
+    for ax, panel in zip(axes[0], panels):
+        _budget_panel(ax, task, panel.metric, panel.cells, panel.title)
+        if panel.linear:
             ax.set_yscale("linear")
-        else:
-            _budget_panel(ax, task, m, cells, title)
-    _shared_legend(fig, axes[0], columns=6, fontsize=9)
+    shared_legend(fig, axes[0], columns=6, fontsize=9)
     fig.suptitle(f"{task['title']}\n{model}, n = {task['n_samples']}", fontsize=10)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
@@ -467,55 +279,11 @@ def plot_budget(task: dict[str, Any], path: Path, model: str) -> Path | None:
     return path
 
 
-def _shared_legend(fig: Any, axes: Any, *, columns: int, fontsize: int) -> None:
-    """One legend below the panels: every label once, in the order the panels first show it."""
-    handles: dict[str, Any] = {}
-    for ax in axes:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(lab, h)
-    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), columns),
-               frameon=False, fontsize=fontsize)
-
-
-def plot_stream(task: dict[str, Any], path: Path, model: str) -> Path | None:
-    """Stream task: perplexity against the measured average cache (equal-mean cells) and against
-    the capacity (equal-capacity cells), one line per row, the full cache as a reference line."""
-    cells = [c for c in task["cells"] if c.get("equalise") and c["metrics"].get(task["metric"]) is not None]
-    if task["name"] != "stream" or not cells:
-        return None
-    plt = _plt()
-    metric = task["metric"]
-    panels = [(eq, x) for eq, x in (("mean", "average_cache"), ("capacity", "capacity"))
-              if any(c["equalise"] == eq for c in cells)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels) + 1.0, 4.2), squeeze=False)
-    full = next((c for c in task["cells"] if _row(c) == "full"), None)
-    rows = _order(list(dict.fromkeys(_row(c) for c in cells)))
-    for ax, (eq, xkey) in zip(axes[0], panels):
-        for r in rows:
-            pts = sorted((c[xkey], c["metrics"][metric]) for c in cells
-                         if _row(c) == r and c["equalise"] == eq and c[xkey] is not None)
-            if pts:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], label=_name(r), color=COLORS.get(r),
-                        **STYLES.get(r, {"marker": "o", "linewidth": 1.4, "linestyle": ":"}))
-        if full is not None:
-            ax.axhline(full["metrics"][metric], color="black", linestyle="--", linewidth=1.2, label="Full cache")
-        ax.set_yscale("log")
-        ax.set_xlabel("measured average cache (tokens)" if eq == "mean" else "capacity: peak tokens per head and layer")
-        ax.set_ylabel(metric_name(metric))
-        ax.set_title(f"equal {eq}" + (" (the paper's definition)" if eq == "mean" else " (equal peak memory)"), fontsize=9)
-        ax.grid(True, alpha=0.3)
-    _shared_legend(fig, axes[0], columns=4, fontsize=8)
-    fig.suptitle(f"{task['title']}\n{model}, n = {task['n_samples']} documents x {task['decode_steps_per_sample']} tokens",
-                 fontsize=10)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def plot_sizes(task: dict[str, Any], path: Path, model: str) -> Path | None:
-    cells = _cells(task, "size")
-    if not cells or task["name"] == "stream":
+    """Quality at fixed average cache sizes, as bars (cells that say how they were equalised are
+    left to their task's own plots: bars cannot show two equalisations)."""
+    cells = [c for c in _cells(task, "size") if not c.get("equalise")]
+    if not cells:
         return None
     plt = _plt()
     metric = task["metric"]
@@ -533,42 +301,11 @@ def plot_sizes(task: dict[str, Any], path: Path, model: str) -> Path | None:
     ax.set_xticks(range(len(sizes)))
     ax.set_xticklabels([f"cache {s}" for s in sizes])
     ax.set_ylabel(metric_name(metric))
-    if metric == "ppl":
+    if not shown_in_percent(metric):
         ax.set_yscale("log")
     ax.set_title(f"{task['title']}\nat fixed average cache sizes: {model}, n = {task['n_samples']}", fontsize=10)
     ax.legend(fontsize=8, ncol=2)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plot_tw(task: dict[str, Any], path: Path, model: str) -> Path | None:
-    cells = sorted(_cells(task, "ratio"), key=lambda c: c["ratio"])
-    if not cells:
-        return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for m, style in (("rouge1", "o-"), ("rouge2", "s-"), ("rougeL", "^-"), ("mean", "D-")):
-        ax.plot([c["ratio"] for c in cells], [100 * c["metrics"][m] for c in cells], style, label=metric_name(m),
-                linewidth=2.2 if m == "mean" else 1.3)
-    full = next((c for c in task["cells"] if _row(c) == "full"), None)
-    if full is not None:
-        ax.axhline(100 * full["metrics"]["mean"], color="black", linestyle="--", linewidth=1, label="Full cache (mean)")
-    from ..policies.buzz import threshold_ratio
-
-    stride = (cells[0]["plans"][0]["params"].get("stride", 5) if cells[0]["plans"] else 5)
-    opt = threshold_ratio(stride)
-    ax.axvline(opt, color="purple", linestyle=":", label=f"theorem: T/w = {opt:.2f}")
-    lo, hi = min(c["average_cache"] for c in cells), max(c["average_cache"] for c in cells)
-    ax.set_xlabel("T / w")
-    ax.set_ylabel("ROUGE (%)")
-    ax.set_title(f"BUZZ, stride {stride}, cache size {cells[0]['size']} (measured average {lo:.0f}-{hi:.0f}): "
-                 f"{model}, n = {task['n_samples']}", fontsize=10)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    ax.grid(True, alpha=0.3)
-    fig.set_size_inches(8.6, 4.0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -631,13 +368,6 @@ def plot_heatmap(task: dict[str, Any], path: Path, model: str) -> Path | None:
 
 
 # =========================================================================== markdown
-def _task_class(name: str) -> Any:
-    """The registered task class behind a results.json task (``None``: not registered here)."""
-    from .tasks import task_registry
-
-    return task_registry().get(name)
-
-
 def _task_md(task: dict[str, Any], plots: list[Path], out_dir: Path) -> str:
     metric = task["metric"]
     lines = [f"## {task['title']} (`{task['name']}`)", ""]
@@ -648,12 +378,13 @@ def _task_md(task: dict[str, Any], plots: list[Path], out_dir: Path) -> str:
     for n in task["notes"]:
         lines.append(f"- {n}")
     lines.append(f"- Metric: {metric_name(metric)}, {'higher' if task['higher_is_better'] else 'lower'} is better"
-                 + ("" if metric == "ppl" else "; values in %"))
+                 + ("; values in %" if shown_in_percent(metric) else ""))
     lines.append(f"- Task time: {task['seconds']:.0f} s")
     lines.append("")
     lines.append(f"Reproduce this table: `{task['command']}`")
     lines.append("")
-    full = next((c for c in task["cells"] if _row(c) == "full"), None)
+    cls = _task_class(task["name"])
+    full = full_cell(task)
     if full is not None:
         lines.append(f"Full cache: **{fmt(metric, _value(full, metric))}**")
         lines.append("")
@@ -661,15 +392,11 @@ def _task_md(task: dict[str, Any], plots: list[Path], out_dir: Path) -> str:
                        ("size", "Each cell: value (measured average cache size in tokens). Columns: fixed average cache size (the same for every policy)."),
                        ("ratio", "Each cell: value (measured average cache size). Columns: T/w.")):
         if _cells(task, kind):
-            if task["name"] == "stream":
-                what = STREAM_CAPTION[kind]
-            lines.append(what)
+            lines.append(cls.table_caption(kind) or what)
             lines.append("")
             lines.append(_md_table(*_pivot(task, kind)))
             lines.append("")
-    cls = _task_class(task["name"])
-    if cls is not None:
-        lines += cls.report_markdown(task)
+    lines += cls.report_markdown(task)
     v = verdicts(task)
     if v:
         lines.append("**Verdict (computed from the cells above):**")
@@ -685,7 +412,7 @@ def _task_md(task: dict[str, Any], plots: list[Path], out_dir: Path) -> str:
     for c in task["cells"]:
         v = _value(c, metric)
         delta = "-" if fv is None or v is None or _row(c) == "full" else (
-            f"{v / fv:.2f}x" if metric == "ppl" else f"{100 * (v - fv):+.1f}")
+            f"{100 * (v - fv):+.1f}" if shown_in_percent(metric) else f"{v / fv:.2f}x")
         req = _pct(c["requested_budget"]) if c["kind"] in ("budget", "full") else (
             f"size {c['size']}" if c["kind"] == "size" else f"T/w {c['ratio']:g}")
         cap = c.get("capacity")
@@ -699,17 +426,7 @@ def _task_md(task: dict[str, Any], plots: list[Path], out_dir: Path) -> str:
     lines.append("")
     lines.append("</details>")
     lines.append("")
-    groups = [c for c in task["cells"] if c["groups"]]
-    if groups and task["name"] == "qa":
-        keys = list(groups[0]["groups"])
-        header = ["policy", "requested", "realised"] + [f"gold at {k}" for k in keys] + ["average"]
-        rows = [[_name(_row(c)), c["label"], _pct(c["realised_budget"])]
-                + [fmt(metric, c["groups"][k].get(metric)) for k in keys] + [fmt(metric, _value(c, metric))]
-                for c in groups]
-        lines.append("By position of the gold document:")
-        lines.append("")
-        lines.append(_md_table(header, rows))
-        lines.append("")
+    lines += cls.report_details(task)
     # resolved parameters
     lines.append("<details><summary>Resolved parameters of every policy (PolicyPlan.as_dict per prompt length)</summary>")
     lines.append("")
@@ -742,15 +459,15 @@ def _task_md(task: dict[str, Any], plots: list[Path], out_dir: Path) -> str:
 
 
 def _paper_md(names: Sequence[str]) -> str:
-    keys = [k for k in ("summ", "ppl", "tw") if k in names]
-    if not keys:
+    """The separate section of the paper's own numbers, for the tasks of this run that have them."""
+    tables = sorted((t for t in (_task_class(n).paper_table for n in names) if t), key=lambda t: t["rank"])
+    if not tables:
         return ""
     lines = ["## For reference only: the paper's Llama-2-7B numbers (not measured here)", "",
              "These are copied from the BUZZ paper (Llama-2-7B, its own data pipeline). They are not comparable "
              "cell by cell with the tables above (different model, sizes and prompts) and are shown only so the "
              "shapes can be compared.", ""]
-    for k in keys:
-        t = PAPER_TABLES[k]
+    for t in tables:
         lines.append(f"*{t['caption']}*")
         lines.append("")
         lines.append(_md_table([""] + t["columns"], [[r] + [f"{v:.{t['decimals']}f}" for v in vals] for r, vals in t["rows"].items()]))
@@ -774,14 +491,11 @@ def write_report(doc: dict[str, Any], out_dir: str | Path) -> dict[str, Any]:
     sections = []
     for name, task in doc["tasks"].items():
         plots = []
-        for fn, suffix in ((plot_budget, "budget"), (plot_sizes, "sizes"), (plot_stream, "stream"), (plot_tw, "tw"),
-                           (plot_heatmap, "heatmap")):
+        for fn, suffix in ((plot_budget, "budget"), (plot_sizes, "sizes"), (plot_heatmap, "heatmap")):
             p = fn(task, out / f"{name}_{suffix}.png", model)
             if p is not None:
                 plots.append(p)
-        cls = _task_class(name)
-        if cls is not None:
-            plots += cls.report_plots(task, out, model)
+        plots += _task_class(name).report_plots(task, out, model)
         task["plots"] = [p.name for p in plots]
         all_plots += plots
         sections.append(_task_md(task, plots, out))

@@ -13,9 +13,12 @@ Two measures, both at a cache of ``size`` tokens per head:
   ``O(size)`` per token with or without eviction (the decode benchmark measures them).
 
 ``policy_at_size(name, size)`` builds each policy so that its cache holds ``size`` tokens when
-it evicts (its ``capacity`` is ``size``): for BUZZ, sink 4, stride 5, the window from the
-parameter-estimation theorem, and the threshold that makes the capacity ``size`` (the middle size
-at eviction is about 0.81 ``size``).
+it evicts: the largest of its kind (``from_size``) whose ``capacity`` is at most ``size``, the
+policy :func:`kvpolicy.plan_capacity` plans. That is exactly ``size`` for the one-token policies
+and Scissorhands (at sizes that are multiples of 8); for BUZZ (sink 4, stride 5, the window and
+threshold from the parameter-estimation theorem, as ``from_size`` builds it) up to a few tokens
+less, since its capacity grows in steps of about ``1 + T / w`` tokens (the middle size at
+eviction is about 0.81 ``size``).
 
 The torch workload runs on :class:`kvpolicy_torch.LayerCache` (keys and values included); the
 NumPy workload applies the same decisions to NumPy positions and scores (the reference backend
@@ -50,29 +53,23 @@ EVERY_STEP_ROUND = 8
 
 
 def policy_at_size(name: str, size: int) -> Any:
-    """The policy ``name`` with ``capacity == size`` (see the module docstring)."""
-    from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, Scissorhands, StreamingLLM, threshold_ratio
+    """The policy ``name`` whose cache holds about ``size`` tokens when it evicts: the largest of
+    its kind whose ``capacity`` is at most ``size`` (:func:`kvpolicy.budget.fit_capacity`, from
+    the registry and ``from_size``, no policy named here); a policy that never evicts
+    (``evicts = False``) with its defaults. See the module docstring.
+
+    Example:
+        >>> policy_at_size("h2o", 64), policy_at_size("streaming_llm", 64).capacity
+        (H2O(heavy=31, recent=32), 64)
+    """
+    from kvpolicy.budget import fit_capacity
+    from kvpolicy.registry import Preset, get_policy
 
     if size < 16:
         raise ValueError(f"size must be >= 16, got {size}")
-    if name == "buzz":
-        sink, stride = 4, 5
-        window = max(1, round((size - sink) / (1 + threshold_ratio(stride))))
-        return BUZZ(sink=sink, window=window, stride=stride, threshold=size - sink - window)
-    if name == "h2o":
-        heavy = (size - 1) // 2
-        return H2O(heavy=heavy, recent=size - 1 - heavy)
-    if name == "streaming_llm":
-        return StreamingLLM(sink=4, window=size - 5)
-    if name == "local":
-        return LocalWindow(window=size - 1)
-    if name == "full":
-        return FullCache()
-    if name == "tova":
-        return TOVA(size=size - 1)
-    if name == "scissorhands":  # its defaults: history 16, drop a quarter at capacity, recent 8
-        return Scissorhands(size=size, history=16, drop=0.25, recent=8)
-    raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")
+    entry = get_policy(name)
+    cls = entry.cls if isinstance(entry, Preset) else entry
+    return fit_capacity(entry, size) if cls.evicts else entry()
 
 
 @dataclass(frozen=True)

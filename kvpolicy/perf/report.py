@@ -158,6 +158,8 @@ POLICY_COLORS = {
     "streaming_llm": "tab:green",
     "local": "tab:purple",
     "full": "tab:gray",
+    "tova": "tab:red",
+    "scissorhands": "tab:brown",
 }
 
 
@@ -178,7 +180,8 @@ def plot_complexity(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[s
     measures = (("one_eviction_s", "one eviction"), ("per_token_s", "amortised per decoded token"))
     for ax, (value, label) in zip(axes, measures):
         for backend, style in (("torch", "-o"), ("numpy", "--s")):
-            for policy, color in POLICY_COLORS.items():
+            for policy in dict.fromkeys(r["policy"] for r in rows):  # every measured policy, in measured order
+                color = POLICY_COLORS.get(policy)  # None: matplotlib's next colour
                 pts = sorted(
                     (r["size"], r[value])
                     for r in rows

@@ -4,6 +4,7 @@ from ..registry import mark_builtin_policies, register_policy
 from .adakv import AdaKV, headwise_keep
 from .buzz import BUZZ, estimate_threshold, fixed_point_middle, small_stride, threshold_ratio
 from .composition import Composed, compose
+from .expected_attention import ExpectedAttention
 from .full import FullCache
 from .h2o import H2O
 from .keydiff import KeyDiff
@@ -23,6 +24,7 @@ __all__ = [
     "headwise_keep",
     "BUZZ",
     "Composed",
+    "ExpectedAttention",
     "FullCache",
     "H2O",
     "KeyDiff",

@@ -104,7 +104,8 @@ class AdaKV(WrappingPolicy):
             kvpress's default 0.2).
 
     Registered presets (planned like any policy: ``make_policy("adakv_snapkv", 0.3, ...)``):
-    ``adakv_snapkv``, ``adakv_h2o``, ``adakv_keydiff``, ``adakv_tova``; ``adakv`` plans with
+    ``adakv_snapkv``, ``adakv_h2o``, ``adakv_keydiff``, ``adakv_tova``, ``adakv_expected_attention``
+    (kvpress's leaderboard leader); ``adakv`` plans with
     ``scorer="<registry name>"``.
 
     Example:
@@ -242,7 +243,7 @@ class AdaKV(WrappingPolicy):
         return cls(entry.from_size(max(size, entry.min_size), **overrides), alpha)
 
 
-for _scorer in ("snapkv", "h2o", "keydiff", "tova"):
+for _scorer in ("snapkv", "h2o", "keydiff", "tova", "expected_attention"):
     register_policy(
         AdaKV,
         name=f"adakv_{_scorer}",

@@ -69,6 +69,13 @@ class Composed(WrappingPolicy):
                 f"prefill and decode must keep the same kind of score: {prefill!r} and {decode!r} do not (scores "
                 "computed from the keys, Knorm's or KeyDiff's, cannot serve a policy that ranks attention)"
             )
+        if "expected_attention" in statistics:
+            # its scores are computed by the backend with its own parameters (sink, future, ...),
+            # which a composition would have to choose between
+            raise ValueError(
+                f"Expected Attention cannot be composed (its scores come from its own parameters and the queries' "
+                f"statistics); got prefill={prefill!r}, decode={decode!r}: use ExpectedAttention alone"
+            )
         super().__init__(selection=decode.selection)
         self.prefill, self.decode = prefill, decode
         self.wrapped = decode

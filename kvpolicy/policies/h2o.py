@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 from ..params import Param
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Ranking, SizeRule, keep_at_most
+from ..policy import DecodeEviction
 from ..registry import register_policy
+from .lowest import KeepAtMost
 
 
 @register_policy
-class H2O(EvictionPolicy):
+class H2O(KeepAtMost):
     """Heavy hitters plus a recent window.
 
     While the cache holds more than ``heavy + recent`` tokens, evict the token with the lowest
@@ -35,31 +37,10 @@ class H2O(EvictionPolicy):
     heavy = Param(int, minimum=1, doc="heavy-hitter tokens kept outside the recent window")
     recent = Param(int, minimum=1, doc="most recent tokens always kept")
 
-    @property
-    def capacity(self) -> int:
-        return self.heavy + self.recent + 1
-
-    def select(self, view: CacheView) -> Array | None:
-        n = view.n_cached
-        if n <= self.heavy + self.recent:
-            return None
-        # the lowest accumulated scores outside the recent window go, the earliest of a tie first
-        return view.drop_lowest(n - self.heavy - self.recent, self.recent)
-
-    def head_budget(self, n_cached: int, phase: str) -> int | None:
-        return self.heavy + self.recent if n_cached > self.heavy + self.recent else None
-
-    def ranking(self, view: CacheView) -> Ranking:
-        # select's order: the lowest score goes first, the earliest of a tie; the recent window stays
-        return view.lowest_first(self.recent)
-
-    @property
-    def decode_eviction(self) -> DecodeEviction:
-        # One over heavy + recent: the lowest score outside the recent window goes (select dropping one).
+    @cached_property
+    def rule(self) -> DecodeEviction:
+        # heavy + recent kept; the lowest accumulated score outside the recent window goes
         return DecodeEviction(limit=self.heavy + self.recent, victim="lowest", recent=self.recent)
-
-    def size_rule(self) -> SizeRule:
-        return keep_at_most(self.heavy + self.recent)
 
     min_size = 2
 

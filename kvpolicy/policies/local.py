@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 from ..params import Param
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, SizeRule, keep_at_most
+from ..policy import DecodeEviction
 from ..registry import register_policy
+from .lowest import KeepAtMost
 
 
 @register_policy
-class LocalWindow(EvictionPolicy):
+class LocalWindow(KeepAtMost):
     """Keep the last ``window`` positions after every step.
 
     Parameters:
@@ -29,22 +31,10 @@ class LocalWindow(EvictionPolicy):
 
     window = Param(int, minimum=1, doc="most recent positions kept")
 
-    @property
-    def capacity(self) -> int:
-        return self.window + 1
-
-    def select(self, view: CacheView) -> Array | None:
-        n = view.n_cached
-        if n <= self.window:
-            return None
-        return view.keep(view.arange(n - self.window, n))
-
-    @property
-    def decode_eviction(self) -> DecodeEviction:
+    @cached_property
+    def rule(self) -> DecodeEviction:
+        # window kept; the oldest token goes
         return DecodeEviction(limit=self.window, victim="oldest")
-
-    def size_rule(self) -> SizeRule:
-        return keep_at_most(self.window)
 
     @classmethod
     def from_size(cls, size: int, **overrides: Any) -> "LocalWindow":

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from .._validation import check_int
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, WrappingPolicy
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, SizeRule, WrappingPolicy
 from ..registry import get_policy, register_policy
 
 
@@ -111,6 +111,10 @@ class PyramidKV(WrappingPolicy):
     def decode_eviction(self) -> DecodeEviction | None:
         # a subclass check: the base's rule keeps what the base's select keeps
         return self.mean.decode_eviction
+
+    def size_rule(self) -> SizeRule | None:
+        # select is the base's at the mean size, so are its sizes (the planner plans the mean)
+        return self.mean.size_rule()
 
     def init_state(self) -> dict[str, int]:
         return self.mean.init_state()

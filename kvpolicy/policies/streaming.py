@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 from ..params import Param
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, SizeRule, keep_at_most
+from ..policy import DecodeEviction
 from ..registry import register_policy
+from .lowest import KeepAtMost
 
 
 @register_policy
-class StreamingLLM(EvictionPolicy):
+class StreamingLLM(KeepAtMost):
     """Keep the first ``sink`` positions (attention sinks) and the last ``window`` positions.
 
     Parameters:
@@ -35,23 +37,10 @@ class StreamingLLM(EvictionPolicy):
     sink = Param(int, 4, minimum=1, doc="first positions kept forever (attention sinks)")
     window = Param(int, 252, minimum=1, doc="most recent positions kept")
 
-    @property
-    def capacity(self) -> int:
-        return self.sink + self.window + 1
-
-    def select(self, view: CacheView) -> Array | None:
-        n = view.n_cached
-        if n <= self.sink + self.window:
-            return None
-        return view.keep(view.arange(self.sink), view.arange(n - self.window, n))
-
-    @property
-    def decode_eviction(self) -> DecodeEviction:
-        # One over sink + window: the oldest token after the sinks leaves the window.
+    @cached_property
+    def rule(self) -> DecodeEviction:
+        # sink + window kept; the oldest token after the sinks leaves the window
         return DecodeEviction(limit=self.sink + self.window, victim="oldest", sink=self.sink)
-
-    def size_rule(self) -> SizeRule:
-        return keep_at_most(self.sink + self.window)
 
     min_size = 2
 

@@ -18,9 +18,9 @@ import numpy as np
 
 from kvpolicy.driver import evict_until_done, log_n_scales, read_only, softmax  # the reference's own, so the same bits
 from kvpolicy.policy import KEY_STATISTICS, CacheView, EvictionPolicy
-from kvpolicy.statistics import history_record, key_scores, low_attention, shift_history
+from kvpolicy.statistics import cache_scores, history_record, low_attention, query_moments, shift_history
 
-__all__ = ["ContractViolation", "NumpyCache", "TorchCache", "Lockstep", "example_keys", "seeded_keys", "softmax"]
+__all__ = ["ContractViolation", "NumpyCache", "TorchCache", "Lockstep", "example_inputs", "example_keys", "seeded_keys", "softmax"]
 
 #: Width of the keys the kit draws for a policy whose scores come from keys.
 KEY_DIM = 3
@@ -56,6 +56,25 @@ def example_keys(policy: EvictionPolicy, logits: np.ndarray, kv_heads: int | Non
     steps, heads = logits.shape[:2]
     seed = zlib.crc32(np.ascontiguousarray(logits).tobytes())
     return seeded_keys(seed, (steps, heads if kv_heads is None else kv_heads))
+
+
+def example_inputs(policy: EvictionPolicy, logits: np.ndarray) -> dict[str, np.ndarray]:
+    """The keyword arguments of :func:`kvpolicy_numpy.replay` beyond ``logits`` that the kit
+    gives ``policy`` on an example: none for a policy scoring attention, ``keys``
+    (:func:`example_keys`) for one scoring keys, and for Expected Attention the same vectors as
+    ``values`` and ``queries`` too: in the kit each token has one vector, its key, value and query.
+
+    Example:
+        >>> from kvpolicy import ExpectedAttention, H2O
+        >>> sorted(example_inputs(ExpectedAttention(size=2, sink=0), np.zeros((5, 2, 5)))), example_inputs(H2O(1, 1), np.zeros((5, 2, 5)))
+        (['keys', 'queries', 'values'], {})
+    """
+    keys = example_keys(policy, logits)
+    if keys is None:
+        return {}
+    if policy.score_statistic == "expected_attention":
+        return {"keys": keys, "values": keys, "queries": keys}
+    return {"keys": keys}
 
 #: Eviction rounds after one append before a policy is declared to never stop.
 MAX_ROUNDS = 1000
@@ -244,7 +263,11 @@ class NumpyCache:
         self._evicting_rounds = 0
         if self.policy.score_statistic in KEY_STATISTICS:  # scores from the kept tokens' keys
             cached = np.take_along_axis(self.all_keys, self.positions[..., None], axis=2)
-            self.scores = key_scores(self.policy.score_statistic, cached, self.positions, self.n_seen, self.policy.key_recent)
+            moments = None
+            if self.policy.score_statistic == "expected_attention":  # each token's vector is its query too
+                counted = (np.arange(self.n_seen) >= self.policy.statistic_policy.sink).astype(np.float64)  # type: ignore[attr-defined]
+                moments = query_moments(self.all_keys[:, :, None], np.broadcast_to(counted, (self.batch, self.n_seen)))
+            self.scores = cache_scores(self.policy, cached, cached, self.positions, self.n_seen, moments)
         self.positions, self.scores, rounds = evict_until_done(
             self.policy, self.positions, self.scores, self.n_seen, self.state, self.phase, decide=self._decide
         )
@@ -281,7 +304,8 @@ class NumpyCache:
 
 
 class TorchCache:
-    """The same steps on :class:`kvpolicy_torch.LayerCache` (keys and values of width 1, float64)."""
+    """The same steps on :class:`kvpolicy_torch.LayerCache` (keys and values of width ``KEY_DIM``,
+    float64; for Expected Attention a token's key is its value and its query too)."""
 
     def __init__(self, policy: EvictionPolicy, batch: int, heads: int) -> None:
         import torch
@@ -304,7 +328,12 @@ class TorchCache:
 
     def append(self, q: int, keys: np.ndarray | None = None) -> None:
         kv = self.torch.zeros(self.batch, self.heads, q, KEY_DIM, dtype=self.torch.float64)
-        self.layer.append(kv if keys is None else self.torch.from_numpy(np.ascontiguousarray(keys, dtype=np.float64)), kv)
+        k = kv if keys is None else self.torch.from_numpy(np.ascontiguousarray(keys, dtype=np.float64))
+        if self.layer.policy.score_statistic == "expected_attention":  # one vector a token: key, value and query
+            self.layer.append(k, k)
+            self.layer.observe_queries(k)
+        else:
+            self.layer.append(k, kv)
 
     def accumulate(self, received: np.ndarray) -> None:
         # received is in position order (the NumPy side's layout); the layer's slots may have holes

@@ -45,19 +45,20 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 from hypothesis import HealthCheck, given
+from hypothesis.errors import Unsatisfiable
 from hypothesis.database import ExampleDatabase
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
-from kvpolicy._validation import check_bool
+from kvpolicy._validation import check_bool, check_int
 from kvpolicy.driver import PolicyError
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
 
 from . import _format
-from ._driver import ContractViolation, NumpyCache, check_positions, example_keys, held_per_head, run_replay, sequence_rows, trim_holes
+from ._driver import ContractViolation, NumpyCache, check_positions, example_inputs, held_per_head, run_replay, sequence_rows, trim_holes
 from ._util import torch_available
 from .invariants import Invariant, policy_invariants, run_invariants
-from .strategies import TIE_KINDS, LogitsSpec, gqa_shapes, logits_specs, padded_batches, policies, prompt_lengths
+from .strategies import TIE_KINDS, LogitsSpec, gqa_shapes, last_refusal, logits_specs, padded_batches, policies, prompt_lengths
 
 __all__ = [
     "PROPERTIES",
@@ -80,10 +81,11 @@ def _first(prompt_len: int) -> int:
 
 
 def _keys_arg(policy: EvictionPolicy, expr: str, logits: str) -> str:
-    """The ``keys=`` argument of a printed replay: the kit's keys for a policy scoring keys."""
+    """The ``keys=`` (and for Expected Attention ``values=``, ``queries=``) arguments of a printed
+    replay: the kit's inputs for a policy scoring keys (:func:`example_inputs`)."""
     if policy.score_statistic not in KEY_STATISTICS:
         return ""
-    return f", keys=kvpolicy.testing.example_keys({expr}, {logits})"
+    return f", **kvpolicy.testing.example_inputs({expr}, {logits})"
 
 
 def check_replay(
@@ -103,9 +105,9 @@ def check_replay(
     logits = np.asarray(logits, dtype=np.float64)
     steps = logits.shape[0]
     invs = policy_invariants(policy, invariants)
-    keys = example_keys(policy, logits)  # a policy scoring keys gets the kit's keys of this example
+    inputs = example_inputs(policy, logits)  # a policy scoring keys gets the kit's keys of this example
     try:
-        trace = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=keys)
+        trace = kvpolicy_numpy.replay(policy, logits, prompt_len, **inputs)
     except RuntimeError as e:  # the reference backend's own checks
         raise ContractViolation(f"kvpolicy_numpy.replay refused {policy!r}: {e}") from None
     cap = policy.capacity
@@ -131,7 +133,7 @@ def check_replay(
         except AssertionError as e:
             raise ContractViolation(f"invariant broken: {e}") from None
         previous = kept
-    again = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=keys)
+    again = kvpolicy_numpy.replay(policy, logits, prompt_len, **inputs)
     for t in range(steps):
         a, b = trace.kept[t], again.kept[t]
         if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
@@ -221,7 +223,7 @@ def check_full_cache(policy: EvictionPolicy, logits: np.ndarray, prompt_len: int
     if cap is None:
         return
     steps = logits.shape[0]
-    trace = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=example_keys(policy, logits))
+    trace = kvpolicy_numpy.replay(policy, logits, prompt_len, **example_inputs(policy, logits))
     full = kvpolicy_numpy.replay(FullCache(), logits, prompt_len)
     early = [(t, before, after) for t, before, after in trace.evictions if t < cap - 1]
     if early:
@@ -359,7 +361,16 @@ def _run(fn: Callable[..., None], label: str, prop: str, settings: Settings) -> 
     """Run one property: ``fn(data)`` under ``@given(data=st.data())``, with its own database key."""
     fn.__name__ = f"check_policy_{prop}"
     fn.__qualname__ = f"check_policy[{label}].{prop}"
-    _prop_settings(settings, f"{label}:{prop}")(given(data=st.data())(fn))()
+    try:
+        _prop_settings(settings, f"{label}:{prop}")(given(data=st.data())(fn))()
+    except Unsatisfiable:
+        refusal = last_refusal()
+        raise ValueError(
+            f"check_policy({label}): no example for the {prop!r} check could be drawn: the policy's constructor "
+            "refused (ValueError) every parameter set drawn from params=, so nothing was checked"
+            + (f" (the last: {refusal})" if refusal else "")
+            + ". Draw parameters the constructor accepts (e.g. st.integers(1, 8) for a size)"
+        ) from None
 
 
 def check_policy(
@@ -418,6 +429,16 @@ def check_policy(
     if unknown:
         raise ValueError(f"unknown checks {unknown}; choose from {', '.join(PROPERTIES)}")
     torch = check_bool("torch", torch, allow_none=True)
+    for name, value, least in (("max_steps", max_steps, 1), ("max_heads", max_heads, 1), ("max_batch", max_batch, 1),
+                               ("max_group", max_group, 1), ("max_prompt", max_prompt, 0), ("long_steps", long_steps, 1),
+                               ("stateful_steps", stateful_steps, 1)):
+        check_int(name, value, minimum=least)
+    given_invariants = [] if invariants is None else [invariants] if callable(invariants) else list(invariants)
+    for inv in given_invariants:
+        if not callable(inv):
+            raise TypeError(
+                f"invariants must be callables invariant(policy, kept, t) (see kvpolicy.testing.invariants), got {inv!r}"
+            )
     use_torch = torch_available() if torch is None else torch
     if use_torch and not torch_available():
         raise ImportError("check_policy(torch=True) needs torch installed")

@@ -49,7 +49,7 @@ import numpy as np
 from hypothesis import reject
 from hypothesis import strategies as st
 
-from kvpolicy import BUZZ, H2O, TOVA, AdaKV, EvictionPolicy, FullCache, KeyDiff, Knorm, LocalWindow, Preset, Scissorhands, SnapKV, StreamingLLM
+from kvpolicy import BUZZ, H2O, TOVA, AdaKV, EvictionPolicy, ExpectedAttention, FullCache, KeyDiff, Knorm, LocalWindow, Preset, Scissorhands, SnapKV, StreamingLLM
 
 __all__ = [
     "LOGIT_EXTREMES",
@@ -62,9 +62,11 @@ __all__ = [
     "any_policy",
     "builtin_strategy",
     "buzz_policies",
+    "expected_attention_policies",
     "full_policies",
     "gqa_shapes",
     "h2o_policies",
+    "last_refusal",
     "local_policies",
     "logits_arrays",
     "make_logits",
@@ -162,6 +164,26 @@ def key_policies(draw: st.DrawFn, kind: type = Knorm, **fixed: Any) -> EvictionP
 
 
 @st.composite
+def expected_attention_policies(draw: st.DrawFn, **fixed: Any) -> ExpectedAttention:
+    """:class:`~kvpolicy.ExpectedAttention` with size 1-12, recent 0 half the time (else 0 to
+    size - 1), sink 0 to what fits (0 or 1 half the time), future 1-16, epsilon 0 or 0.5,
+    covariance and value norm on or off, both selections."""
+    size = fixed.get("size", draw(st.integers(1, 12)))
+    recent = fixed.get("recent", draw(st.one_of(st.just(0), st.integers(0, size - 1))))
+    kw = {
+        "size": size,
+        "recent": recent,
+        "sink": draw(st.one_of(st.integers(0, min(1, size - recent)), st.integers(0, size - recent))),
+        "future": draw(st.integers(1, 16)),
+        "epsilon": draw(st.sampled_from([0.0, 0.5])),
+        "covariance": draw(st.booleans()),
+        "value_norm": draw(st.booleans()),
+        "selection": draw(selections),
+    }
+    return _build(ExpectedAttention, kw, fixed)  # type: ignore[return-value]
+
+
+@st.composite
 def snapkv_policies(draw: st.DrawFn, **fixed: Any) -> SnapKV:
     """:class:`~kvpolicy.SnapKV` with window 1-6, size window + 1 to window + 8, kernel 1-7 (odd),
     both poolings, both selections."""
@@ -218,6 +240,7 @@ def any_policy() -> st.SearchStrategy[EvictionPolicy]:
         tova_policies(),
         key_policies(Knorm),
         key_policies(KeyDiff),
+        expected_attention_policies(),
         scissorhands_policies(),
     )
 
@@ -231,6 +254,7 @@ _BUILTIN: dict[type, Callable[..., st.SearchStrategy]] = {
     TOVA: tova_policies,
     Knorm: lambda **fixed: key_policies(Knorm, **fixed),
     KeyDiff: lambda **fixed: key_policies(KeyDiff, **fixed),
+    ExpectedAttention: expected_attention_policies,
     SnapKV: snapkv_policies,
     Scissorhands: scissorhands_policies,
     AdaKV: adakv_policies,
@@ -355,12 +379,29 @@ def params_strategy(factory: Any, **overrides: st.SearchStrategy | Any) -> st.Se
     return st.fixed_dictionaries(fields)
 
 
+_REFUSALS: list[str] = []  # the newest constructor refusal (see last_refusal)
+
+
+def last_refusal() -> str | None:
+    """The newest refusal of a policy constructor while drawing instances (``"H2O(heavy=-3,
+    recent=2): heavy must be ..."``), or ``None``: what :func:`kvpolicy.testing.check_policy`
+    quotes when every drawn parameter set was refused.
+
+    Example:
+        >>> isinstance(last_refusal(), (str, type(None)))
+        True
+    """
+    return _REFUSALS[-1] if _REFUSALS else None
+
+
 @st.composite
 def _instances(draw: st.DrawFn, factory: Callable[..., Any], params: st.SearchStrategy[dict[str, Any]]) -> EvictionPolicy:
     kwargs = draw(params)
     try:
         policy = factory(**kwargs)
-    except ValueError:  # an invalid combination (the constructor said so): draw another
+    except ValueError as exc:  # an invalid combination (the constructor said so): draw another
+        name = getattr(factory, "__name__", repr(factory))
+        _REFUSALS[:] = [f"{name}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}): {exc}"]
         reject()
     if not isinstance(policy, EvictionPolicy):
         raise TypeError(f"{factory!r}(**{kwargs!r}) returned {policy!r}, not an EvictionPolicy")

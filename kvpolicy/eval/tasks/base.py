@@ -31,6 +31,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .. import data as D
+from ..display import Panel, fmt, metric_name
 
 __all__ = [
     "CacheConfig",
@@ -51,6 +52,7 @@ __all__ = [
     "parse_floats",
     "parse_ints",
     "register_task",
+    "replace_flag",
     "sample_order",
     "simulate_chunked_sizes",
     "split_csv",
@@ -149,6 +151,12 @@ class Sample:
     question_length: int = 0
 
     @property
+    def is_perplexity(self) -> bool:
+        """A perplexity sample (kind ``"ppl"``): its text is fed token by token after the prefill and
+        each next-token prediction scored; otherwise tokens are generated (kind ``"gen"``)."""
+        return self.kind == "ppl"
+
+    @property
     def prefill_length(self) -> int:
         """Prompt tokens prefilled before the policy's first eviction."""
         return self.prompt_length - self.question_length
@@ -157,7 +165,7 @@ class Sample:
     def decode_steps(self) -> int:
         """Decode steps (forwards of one token) this sample runs at most, a question fed after the
         prefill's eviction included."""
-        return self.n_score if self.kind == "ppl" else max(self.max_new_tokens - 1, 0) + self.question_length
+        return self.n_score if self.is_perplexity else max(self.max_new_tokens - 1, 0) + self.question_length
 
 
 @dataclass(frozen=True)
@@ -441,6 +449,8 @@ class Task:
     default_samples = 2
     default_max_new_tokens = 32
     needs_data_dir = False
+    #: The file of ``--data-dir`` a task that needs it reads (named when it is missing).
+    data_file = ""
     group_names: tuple[str, ...] = ()
     #: One line for ``kvpolicy compare --help``'s list of tasks.
     help = ""
@@ -497,7 +507,8 @@ class Task:
         return {k: float(np.mean([s[k] for s in scores])) for k in self.metrics}
 
     def format(self, key: str, value: float) -> str:
-        return f"{value:.2f}" if key == "ppl" else f"{100 * value:.1f}"
+        """``value`` of metric ``key`` as the report shows it (:func:`kvpolicy.eval.display.fmt`)."""
+        return fmt(key, value)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "title": self.title, "metric": self.metric, "metrics": list(self.metrics),
@@ -508,10 +519,76 @@ class Task:
         """Task-specific flags that reproduce this task's samples (for the printed commands)."""
         return []
 
+    # ----------------------------------------------------------------- rerun commands
+    # ``kvpolicy compare`` prints, for the task and for each of its cells, the command that reruns
+    # it; these hooks say what a task's commands hold beyond the shared flags.
+
+    def run_flags(self, cache_sizes: Sequence[int] | None) -> list[str]:
+        """The size flags of this task's commands, after ``--samples``: ``--context`` when it was
+        given, and ``--max-new-tokens`` for a generating task. ``cache_sizes``: the fixed sizes the
+        command states (``None``: none given, ``[]``: explicitly none)."""
+        out = ["--context", str(self.opt.context)] if self.opt.context else []
+        if self.kind == "gen":
+            out += ["--max-new-tokens", str(self.max_new_tokens)]
+        return out
+
+    def command_budgets(self, budgets: Sequence[float]) -> Sequence[float] | None:
+        """The budgets the task's whole-run command states (``None``: no ``--budgets`` flag)."""
+        return budgets
+
+    def command_cache_sizes(self) -> Sequence[int] | None:
+        """The fixed cache sizes the task's whole-run command states (``None``: none)."""
+        return None
+
+    def cell_command(self, cell: Any, command: Any) -> str:
+        """The command that reruns one cell (a :class:`~kvpolicy.eval.results.CellResult`):
+        ``command(policies, budgets, cache_sizes=None, flags=None)`` builds it (``flags``: this
+        task's own flags, default :meth:`cli_flags`)."""
+        if is_reference(cell.policy):
+            return command([cell.policy], [])
+        if cell.kind == "budget":
+            return command([cell.policy], [cell.requested_budget])
+        if cell.kind == "size":
+            return command([cell.policy], [], cache_sizes=[cell.size])
+        return command([cell.policy], None)
+
+    # ----------------------------------------------------------------- the report
+    # The report (``kvpolicy.eval.report``) is computed from ``results.json``; these classmethods
+    # take a task as ``results.json`` holds it (a dict: ``name``, ``metric``, ``cells``, ...).
+
+    #: The BUZZ paper's own numbers for this task (a dict: ``caption``, ``decimals``, ``columns``,
+    #: ``rows``, and ``rank``, its place in the report's separate paper section), or ``None``.
+    paper_table: dict[str, Any] | None = None
+
+    @classmethod
+    def table_caption(cls, kind: str) -> str | None:
+        """The caption of this task's table of ``kind`` cells (``budget``, ``size``, ``ratio``);
+        ``None``: the report's own."""
+        return None
+
+    @classmethod
+    def budget_panels(cls, task: dict[str, Any]) -> list[Any]:
+        """The panels of the task's budget plot (quality against the realised budget), each a
+        :class:`~kvpolicy.eval.display.Panel`; an empty list: no budget plot. Default: one panel,
+        the headline metric."""
+        return [Panel(task["metric"], task["cells"], metric_name(task["metric"]))]
+
+    @classmethod
+    def report_verdicts(cls, task: dict[str, Any]) -> list[str] | None:
+        """Plain-language statements computed from the cells (``None``: the report's BUZZ against
+        the baselines)."""
+        return None
+
     @classmethod
     def report_markdown(cls, task: dict[str, Any]) -> list[str]:
-        """Markdown lines this task adds to its section of ``report.md``, computed from ``task``
-        (the task as ``results.json`` holds it); none by default."""
+        """Markdown lines this task adds to its section of ``report.md``, after its tables,
+        computed from ``task`` (the task as ``results.json`` holds it); none by default."""
+        return []
+
+    @classmethod
+    def report_details(cls, task: dict[str, Any]) -> list[str]:
+        """Markdown lines this task adds after the table of every cell (e.g. a table by group);
+        none by default."""
         return []
 
     @classmethod
@@ -593,10 +670,7 @@ def make_tasks(names: Iterable[str], options: TaskOptions, sources: DataSources,
             raise ValueError(f"unknown task {n!r}; known tasks: {', '.join(registry)}")
         task = registry[key](options, sources, (task_options or {}).get(key))
         if task.needs_data_dir and not sources.paper and getattr(sources, key, None) is None:
-            raise ValueError(
-                f"task {key!r} needs the paper's data: pass --data-dir DIR (a folder with "
-                + ("nq-open-oracle.jsonl.gz" if key == "qa" else "kv-retrieval-75_keys.jsonl.gz") + ")"
-            )
+            raise ValueError(f"task {key!r} needs the paper's data: pass --data-dir DIR (a folder with {task.data_file})")
         out.append(task)
     return out
 
@@ -610,6 +684,17 @@ def parse_floats(text: str, flag: str) -> list[float]:
 def parse_ints(text: str, flag: str) -> list[int]:
     """Comma-separated integers of a flag (``"none"`` or empty: none), or ``ValueError`` naming it."""
     return _parse_list(text, flag, int, "integers")
+
+
+def replace_flag(flags: Sequence[str], name: str, value: str) -> list[str]:
+    """``flags`` (``"--flag value"`` strings, as :meth:`Task.cli_flags` returns them) with ``name``
+    set to ``value`` instead, moved last.
+
+    Example:
+        >>> replace_flag(["--tw-ratios 2.5", "--stream-tokens 128"], "--tw-ratios", "none")
+        ['--stream-tokens 128', '--tw-ratios none']
+    """
+    return [f for f in flags if not f.startswith(name)] + [f"{name} {value}"]
 
 
 def split_csv(text: str) -> list[str]:

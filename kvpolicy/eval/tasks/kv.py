@@ -29,6 +29,7 @@ class KVRetrievalTask(Task):
     default_samples = 2
     default_max_new_tokens = 40
     needs_data_dir = True
+    data_file = "kv-retrieval-75_keys.jsonl.gz"
     help = "key-value retrieval, exact match (needs --data-dir; --kv-pairs to shorten)"
     Options = KVOptions
 
@@ -46,8 +47,8 @@ class KVRetrievalTask(Task):
             self.data_note = f"{len(self.src.kv)} in-memory KV examples"
             return list(self.src.kv)
         if self.src.hub:
-            raise ValueError("the KV-retrieval task has no hub loader: pass --data-dir with kv-retrieval-75_keys.jsonl.gz")
-        p = self.src.file("kv-retrieval-75_keys.jsonl.gz")
+            raise ValueError("the KV-retrieval task has no hub loader: pass --data-dir with " + self.data_file)
+        p = self.src.file(self.data_file)
         self.data_note = f"lost-in-the-middle KV retrieval, {describe_file(p)}"
         return D.load_kv_retrieval(p)
 

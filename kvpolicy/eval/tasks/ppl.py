@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from .. import data as D
 from .. import metrics as M
+from ..display import Panel, row
 from .base import CacheConfig, Sample, Task, TokenizerAdapter, describe_file, hub_only, is_reference, parse_ints, register_task, sample_order
 
 
@@ -51,6 +52,34 @@ class PerplexityTask(Task):
     help = ("perplexity, token by token through the evicting cache (embedded: Wikipedia articles from gensim; "
             "--data-dir: wikitext-2 test); add fixed cache sizes with --cache-sizes (the paper's table: 50,100)")
     Options = PerplexityOptions
+
+    #: The BUZZ paper's own numbers (the report's separate section; never mixed into the tables).
+    paper_table = {
+        "rank": 1,
+    "caption": "Paper, perplexity table (Llama-2-7B, wikitext) at fixed cache sizes",
+    "decimals": 3,
+    "columns": ["BUZZ", "BUZZ (log n)", "H2O", "StreamingLLM", "Local", "Full"],
+    "rows": {
+        "cache 50": [9.394, 12.322, 9.987, 11.722, 194.803, 7.382],
+        "cache 100": [8.037, 10.318, 8.881, 9.330, 35.979, 7.382],
+    },
+    }
+
+    @classmethod
+    def budget_panels(cls, task: dict[str, Any]) -> list[Any]:
+        """Every policy on a log axis, and a linear zoom without the local window (whose
+        perplexity at small budgets dwarfs the others')."""
+        metric = task["metric"]
+        return [Panel(metric, task["cells"], "all policies (log scale)"),
+                Panel(metric, [c for c in task["cells"] if row(c) != "local"], "zoom: local window left out", linear=True)]
+
+    def run_flags(self, cache_sizes: Sequence[int] | None) -> list[str]:
+        """``--context`` always (the tokens prefilled before scoring), no ``--max-new-tokens``."""
+        return ["--context", str(self.opt.context or self.default_context)]
+
+    def command_cache_sizes(self) -> Sequence[int] | None:
+        """The run's ``--cache-sizes``."""
+        return list(self.options.cache_sizes)
 
     @classmethod
     def add_arguments(cls, group: Any) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from .. import data as D
 from .. import metrics as M
+from ..display import Panel, fmt, md_table, pct, policy_name, row, value
 from .base import Sample, Task, TokenizerAdapter, describe_file, parse_ints, register_task
 
 
@@ -39,9 +40,36 @@ class QATask(Task):
     default_samples = 4  # questions (each at every gold position)
     default_max_new_tokens = 32
     needs_data_dir = True
+    data_file = "nq-open-oracle.jsonl.gz"
     group_names = ("gold",)
     help = "10-document NQ QA with the gold passage at --gold-positions, exact match (needs --data-dir)"
     Options = QAOptions
+
+    @classmethod
+    def budget_panels(cls, task: dict[str, Any]) -> list[Any]:
+        """The average over gold positions, then one panel per gold position."""
+        metric = task["metric"]
+        if not (task["cells"] and task["cells"][0]["groups"]):
+            return super().budget_panels(task)
+        panels = [Panel(metric, task["cells"], "average over gold positions")]
+        for k in task["cells"][0]["groups"]:
+            sub = [{**c, "metrics": c["groups"].get(k, {})} for c in task["cells"]]
+            panels.append(Panel(metric, sub, f"gold document at position {k}"))
+        return panels
+
+    @classmethod
+    def report_details(cls, task: dict[str, Any]) -> list[str]:
+        """Each cell's exact match by position of the gold document."""
+        metric = task["metric"]
+        groups = [c for c in task["cells"] if c["groups"]]
+        if not groups:
+            return []
+        keys = list(groups[0]["groups"])
+        header = ["policy", "requested", "realised"] + [f"gold at {k}" for k in keys] + ["average"]
+        rows = [[policy_name(row(c)), c["label"], pct(c["realised_budget"])]
+                + [fmt(metric, c["groups"][k].get(metric)) for k in keys] + [fmt(metric, value(c, metric))]
+                for c in groups]
+        return ["By position of the gold document:", "", md_table(header, rows), ""]
 
     @classmethod
     def add_arguments(cls, group: Any) -> None:
@@ -65,8 +93,8 @@ class QATask(Task):
             self.data_note = f"{len(self.src.qa)} in-memory QA examples"
             return list(self.src.qa)
         if self.src.hub:
-            raise ValueError("the 10-document QA task has no hub loader: pass --data-dir with nq-open-oracle.jsonl.gz")
-        p = self.src.file("nq-open-oracle.jsonl.gz")
+            raise ValueError("the 10-document QA task has no hub loader: pass --data-dir with " + self.data_file)
+        p = self.src.file(self.data_file)
         n = self.n_samples
         margin = n + max(8, n // 5)  # ~2.4% of NQ-open questions have 1-2 character answers
         seed = None if self.opt.seed == 0 else self.opt.seed

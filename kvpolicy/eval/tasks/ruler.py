@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import data as D
 from .. import ruler_data as R
+from ..display import paired_se
 from .base import Sample, Task, TokenizerAdapter, describe_file, register_task, sample_order, split_csv
 
 #: The default length: prompt + RULER's tokens to generate, in tokens (see ``--ruler-length``).
@@ -189,8 +190,6 @@ class RulerTask(Task):
         """The subtask table: each cell's score per subtask and the mean, with kvpress's compression
         ratio (1 - requested budget) beside the realised budget, and the mean's gap to the full
         cache with its paired standard error."""
-        from ..report import paired_se
-
         cells = [c for c in task["cells"] if c["groups"]]
         if not cells:
             return []

@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
+from ..display import COLORS, STYLES, full_cell, metric_name, order, policy_name, pyplot, row, shared_legend
 from .ppl import PerplexityTask
-from .base import CacheConfig, Sample, TokenizerAdapter, is_reference, parse_floats, parse_ints, register_task
+from .base import CacheConfig, Sample, TokenizerAdapter, is_reference, parse_floats, parse_ints, register_task, replace_flag
 
 
 #: The short stream task of the default ``kvpolicy compare`` run (the full protocol is
 #: ``--tasks stream``): documents, scored tokens, fixed cache sizes; no budgets, no T/w variant.
 STREAM_SHORT = {"samples": 4, "tokens": 128, "sizes": (50,)}
+
+#: The captions of the stream's tables (each cell shows its measured average and capacity).
+STREAM_CAPTION = {
+    "size": "Each cell: perplexity (measured average cache, capacity). Columns: fixed cache size, and how it is "
+            "equalised: equal mean (the average cache over the scored steps is the size), equal capacity (the peak is "
+            "the size).",
+    "budget": "Each cell: perplexity (measured average cache, capacity). Columns: requested budget (target = budget x "
+              "the full cache's average), and how it is equalised (equal mean, equal capacity).",
+}
 
 
 @dataclass
@@ -43,6 +54,7 @@ class StreamTask(PerplexityTask):
             "(default both), BUZZ also at --tw-ratios (2.5); 16 documents (embedded: Wikipedia articles; --data-dir: "
             "wikitext-2). The default run carries a short version (4 documents, 128 tokens, size 50)")
     Options = StreamOptions
+    paper_table = None  # the paper's perplexity table is ppl's (fixed sizes after a long prefill)
 
     @classmethod
     def add_arguments(cls, group: Any) -> None:
@@ -58,7 +70,7 @@ class StreamTask(PerplexityTask):
     @classmethod
     def options_from_args(cls, args: Any) -> StreamOptions:
         # --cache-sizes (declared by ppl) and --tw-ratios (declared by tw) set the stream's too
-        short = bool(getattr(args, "short_stream", False))
+        short = bool(getattr(args, "default_run", False))
         sizes, ratios = getattr(args, "cache_sizes", None), getattr(args, "tw_ratios", None)
         return StreamOptions(
             stream_tokens=getattr(args, "stream_tokens", None),
@@ -150,3 +162,77 @@ class StreamTask(PerplexityTask):
         return [f"--stream-tokens {self.tokens}", f"--stream-prefill {self.options.stream_prefill}",
                 f"--equalise {self.options.equalise}",
                 "--tw-ratios " + (",".join(f"{r:g}" for r in self.ratios) or "none")]
+
+    # ----------------------------------------------------------------------- rerun commands
+    def run_flags(self, cache_sizes: Sequence[int] | None) -> list[str]:
+        """The stream's own sizes when the command states none, and ``--context`` when given."""
+        out = []
+        if not cache_sizes:
+            sizes = self.sizes if cache_sizes is None else ()
+            out += ["--cache-sizes", ",".join(str(z) for z in sizes) or "none"]
+        return out + (["--context", str(self.opt.context)] if self.opt.context else [])
+
+    def command_budgets(self, budgets: Sequence[float]) -> Sequence[float] | None:
+        """The default run's short stream runs no budgets."""
+        return [] if self.options.short else budgets
+
+    def command_cache_sizes(self) -> Sequence[int] | None:
+        """None stated: :meth:`run_flags` gives the stream's own."""
+        return None
+
+    def cell_command(self, cell: Any, command: Any) -> str:
+        """One cell at its own equalisation; a BUZZ T/w row also runs plain BUZZ."""
+        ratios = "none" if cell.variant_ratio is None else f"{cell.variant_ratio:g}"
+        if is_reference(cell.policy):
+            return command([cell.policy], [], cache_sizes=[], flags=replace_flag(self.cli_flags(), "--tw-ratios", "none"))
+        cmd = command([cell.policy], [cell.requested_budget] if cell.kind == "budget" else [],
+                      cache_sizes=[cell.size] if cell.kind == "size" else [],
+                      flags=replace_flag(self.cli_flags(), "--tw-ratios", ratios))
+        return cmd.replace("--equalise both", f"--equalise {cell.equalise}")
+
+    # ----------------------------------------------------------------------- report hooks
+    @classmethod
+    def table_caption(cls, kind: str) -> str | None:
+        return STREAM_CAPTION.get(kind)
+
+    @classmethod
+    def budget_panels(cls, task: dict[str, Any]) -> list[Any]:
+        """None: :meth:`report_plots` draws budgets and sizes with their equalisations."""
+        return []
+
+    @classmethod
+    def report_plots(cls, task: dict[str, Any], out_dir: Path, model: str) -> list[Path]:
+        """Perplexity against the measured average cache (equal-mean cells) and against the
+        capacity (equal-capacity cells), one line per row, the full cache as a reference line."""
+        cells = [c for c in task["cells"] if c.get("equalise") and c["metrics"].get(task["metric"]) is not None]
+        if not cells:
+            return []
+        path = out_dir / f"{task['name']}_stream.png"
+        plt = pyplot()
+        metric = task["metric"]
+        panels = [(eq, x) for eq, x in (("mean", "average_cache"), ("capacity", "capacity"))
+                  if any(c["equalise"] == eq for c in cells)]
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels) + 1.0, 4.2), squeeze=False)
+        full = full_cell(task)
+        rows = order(list(dict.fromkeys(row(c) for c in cells)))
+        for ax, (eq, xkey) in zip(axes[0], panels):
+            for r in rows:
+                pts = sorted((c[xkey], c["metrics"][metric]) for c in cells
+                             if row(c) == r and c["equalise"] == eq and c[xkey] is not None)
+                if pts:
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], label=policy_name(r), color=COLORS.get(r),
+                            **STYLES.get(r, {"marker": "o", "linewidth": 1.4, "linestyle": ":"}))
+            if full is not None:
+                ax.axhline(full["metrics"][metric], color="black", linestyle="--", linewidth=1.2, label="Full cache")
+            ax.set_yscale("log")
+            ax.set_xlabel("measured average cache (tokens)" if eq == "mean" else "capacity: peak tokens per head and layer")
+            ax.set_ylabel(metric_name(metric))
+            ax.set_title(f"equal {eq}" + (" (the paper's definition)" if eq == "mean" else " (equal peak memory)"), fontsize=9)
+            ax.grid(True, alpha=0.3)
+        shared_legend(fig, axes[0], columns=4, fontsize=8)
+        fig.suptitle(f"{task['title']}\n{model}, n = {task['n_samples']} documents x {task['decode_steps_per_sample']} tokens",
+                     fontsize=10)
+        fig.tight_layout(rect=(0, 0.12, 1, 1))
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return [path]

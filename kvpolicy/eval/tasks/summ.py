@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import data as D
 from .. import metrics as M
+from ..display import Panel, metric_name
 from .base import Sample, Task, TokenizerAdapter, describe_file, hub_only, register_task, sample_order
 
 
@@ -45,6 +46,26 @@ class SummarizationTask(Task):
     default_max_new_tokens = 32
     help = "summarisation, ROUGE-1/2/L + geometric mean (embedded: ACLSum papers; --data-dir: XSum 0-shot)"
     Options = SummarizationOptions
+
+    #: The BUZZ paper's own numbers (the report's separate section; never mixed into the tables).
+    paper_table = {
+        "rank": 0,
+    "caption": "Paper, Table 2 (Llama-2-7B, XSum): mean ROUGE (geometric mean of R-1/2/L), %",
+    "decimals": 1,
+    "columns": ["60%", "50%", "40%", "30%", "20%", "10%"],
+    "rows": {
+        "BUZZ": [11.9, 12.1, 12.3, 11.9, 11.3, 10.9],
+        "BUZZ (log n)": [12.3, 12.0, 12.0, 11.6, 11.6, 10.4],
+        "H2O": [11.5, 11.4, 11.6, 11.4, 11.8, 10.2],
+        "StreamingLLM": [11.9, 11.1, 11.2, 10.8, 10.0, 3.8],
+        "Local": [7.6, 4.4, 2.9, 1.8, 1.4, 0.1],
+    },
+    }
+
+    @classmethod
+    def budget_panels(cls, task: dict[str, Any]) -> list[Any]:
+        """One panel per ROUGE metric and their mean."""
+        return [Panel(m, task["cells"], metric_name(m)) for m in task["metrics"]]
 
     @classmethod
     def add_arguments(cls, group: Any) -> None:

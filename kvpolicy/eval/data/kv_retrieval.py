@@ -1,0 +1,85 @@
+"""Lost-in-the-middle key-value retrieval (75 keys): a JSON object, one key asked."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from .common import RetrievalExample, read_records, record_errors, require_file, select_rows, shared_file
+
+__all__ = ["KV_INSTRUCTION", "format_kv_records", "load_kv_retrieval", "format_kv_prompt"]
+
+
+KV_INSTRUCTION = "Extract the value corresponding to the specified key in the JSON object below."
+
+
+def format_kv_records(records: Sequence[Sequence[str]]) -> str:
+    """The JSON-object context of the key-value retrieval task, one ``"key": "value"`` pair a line.
+
+    Example:
+        >>> print(format_kv_records([("a", "1"), ("b", "2")]))
+        {"a": "1",
+         "b": "2"}
+    """
+    parts = []
+    for k, (key, value) in enumerate(records):
+        start = "{" if k == 0 else " "
+        end = ",\n" if k != len(records) - 1 else "}"
+        parts.append(f'{start}"{key}": "{value}"{end}')
+    return "".join(parts)
+
+
+def load_kv_retrieval(
+    path: str | os.PathLike[str] | None = None,
+    limit: int | None = None,
+    *,
+    seed: int | None = None,
+    gold_index: int | None = None,
+) -> list[RetrievalExample]:
+    """Lost-in-the-middle KV retrieval (``kv-retrieval-75_keys.jsonl.gz``).
+
+    ``context`` is the JSON-dict text of ``ordered_kv_records``; with ``gold_index`` the
+    queried pair is moved to that position first (as in the paper's position sweeps).
+    """
+    if path is not None:
+        p = require_file(path, "KV-retrieval jsonl")
+    else:
+        found = shared_file("kv-retrieval-75_keys.jsonl.gz")
+        if found is None:
+            raise FileNotFoundError(
+                "kv-retrieval-75_keys.jsonl.gz not found: pass path=... or set $KVPOLICY_DATA; get it "
+                "from https://github.com/nelson-liu/lost-in-the-middle (kv_retrieval_data/)"
+            )
+        p = found
+    rows = read_records(p)
+    out: list[RetrievalExample] = []
+    for i in select_rows(len(rows), limit, seed):
+        line, r = rows[i]
+        with record_errors(p, line):
+            records = [(str(k), str(v)) for k, v in r["ordered_kv_records"]]
+            r = {**r, "key": str(r["key"]), "value": str(r["value"])}
+        keys = [k for k, _ in records]
+        if r["key"] not in keys:
+            raise ValueError(f"{p}:{line}: key {r['key']!r} is not among the record's ordered_kv_records")
+        pos = keys.index(r["key"])
+        if gold_index is not None:
+            if not 0 <= gold_index < len(records):
+                raise ValueError(f"gold_index {gold_index} outside [0, {len(records)})")
+            records.insert(gold_index, records.pop(pos))
+            pos = gold_index
+        out.append(
+            RetrievalExample(
+                id=f"kv-{i}",
+                context=format_kv_records(records),
+                question=str(r["key"]),
+                answer=str(r["value"]),
+                kind="kv",
+                meta={"row": i, "gold_index": pos, "n_pairs": len(records)},
+            )
+        )
+    return out
+
+
+def format_kv_prompt(example: RetrievalExample) -> str:
+    """Lost-in-the-middle ``kv_retrieval.prompt`` text."""
+    return f'{KV_INSTRUCTION}\n\nJSON data:\n{example.context}\n\nKey: "{example.key}"\nCorresponding value:'

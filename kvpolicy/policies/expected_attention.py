@@ -1,0 +1,61 @@
+"""Expected Attention (Devoto et al., 2025, "Expected Attention: KV Cache Compression by Estimating
+Attention from Future Queries Distribution")."""
+
+from __future__ import annotations
+
+from ..params import Param
+from ..registry import register_policy
+from .lowest import KeepHighest
+
+
+@register_policy
+class ExpectedAttention(KeepHighest):
+    """Keep the ``size`` tokens that future queries are expected to attend to most, by value norm.
+
+    The future queries of each query head are modelled as Gaussian, with the mean and covariance
+    of the queries the layer has seen (before RoPE: every query at a position ``>= sink``, a
+    running estimate that each decode step's query updates), rotated by the average of RoPE's
+    rotations over the next ``future`` positions. A cached key's expected attention is the softmax,
+    over the non-sink cached tokens, of ``<R mu, k> / sqrt(d) + k^T R S R^T k / (2 d)`` (the log
+    of ``E[exp(<q, k> / sqrt(d))]``), averaged over the query heads of its KV head; the score is
+    that plus ``epsilon``, times the norm of the token's value (``score_statistic =
+    "expected_attention"``, :func:`kvpolicy.statistics.expected_attention`). Backends recompute
+    the scores before every eviction decision (the statistics move with every query), so
+    attention is never captured. The first ``sink`` tokens are always kept. While the cache holds
+    more than ``size`` tokens, the lowest score outside the newest ``recent`` goes (ties: the
+    earliest position): one token per decode step; after a prompt longer than ``size``, the
+    ``size`` highest scores in one decision: kvpress's ``ExpectedAttentionPress`` (whose defaults
+    these are) on the prompt's queries.
+
+    Parameters:
+        size: tokens kept between steps (>= 1).
+        recent: newest tokens never evicted (0 to ``size - sink``; default 0, as kvpress).
+        sink: first tokens always kept, whose queries are left out of the statistics (kvpress's
+            ``n_sink``; default 4, at most ``size - recent``).
+        future: the next positions whose RoPE rotations are averaged (``n_future_positions``, 512).
+        epsilon: added to the expected attention before the value norm multiplies it (0.0).
+        covariance: use the queries' covariance, not only their mean (True).
+        value_norm: multiply by the value's L2 norm (True).
+        selection: ``"per_head"`` (default): every KV head keeps its own tokens;
+            ``"shared"``: scores summed over the heads of the layer, the same tokens on every head.
+
+    Example:
+        >>> from kvpolicy import ExpectedAttention
+        >>> p = ExpectedAttention(size=64)
+        >>> p.capacity, p.sink, p.future, p.captures_attention
+        (65, 4, 512, False)
+    """
+
+    name = "expected_attention"
+    score_statistic = "expected_attention"
+    # size and recent are KeepHighest's, and so is the rule (the lowest score outside the recent
+    # window goes). The sinks are the statistic's: they score +inf, so the rule never picks them
+    # (a DecodeEviction protects sinks only with victim="oldest").
+    sink = Param(int, 4, minimum=0, maximum=lambda p: p.size - p.recent,
+                 doc="first tokens always kept, their queries out of the statistics (kvpress's n_sink)")
+    future = Param(int, 512, minimum=1, doc="next positions whose RoPE rotations are averaged (n_future_positions)")
+    epsilon = Param(float, 0.0, minimum=0.0, high_open=True, shown="non-default", doc="added to the expected attention before the value norm")
+    covariance = Param(bool, True, shown="non-default", doc="use the queries' covariance, not only their mean")
+    value_norm = Param(bool, True, shown="non-default", doc="multiply by the value's L2 norm")
+
+    min_size = 5  # the default sink (4) and one token to evict

@@ -1,0 +1,76 @@
+"""Expected Attention's running query statistics in one torch layer (decode-time).
+
+A layer whose policy scores with ``"expected_attention"`` keeps, per row and query head, the
+running sums of the queries it has seen (:class:`kvpolicy.statistics.QueryMoments`: their count,
+sum and sum of outer products, float64): each prompt chunk and each decode step adds its queries
+at positions ``>= sink`` (pads never), so at every eviction the mean and covariance are those of
+every query seen since the sinks, exactly as the NumPy reference computes them afresh. The sums
+are updated in place (no host read), so a static-shaped decode step stays one graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpolicy.statistics import QueryMoments, Rotary, query_moments
+
+__all__ = ["RunningMoments"]
+
+
+class RunningMoments:
+    """The running :class:`~kvpolicy.statistics.QueryMoments` of one layer's queries.
+
+    Args:
+        sink: queries at positions below this are not counted (the policy's ``sink``).
+
+    Attributes:
+        moments: the sums so far (``None`` before the first query).
+        rotary: the RoPE the queries were rotated back from (:class:`~kvpolicy.statistics.Rotary`,
+            ``None``: no rotation), as the last :meth:`observe` gave it.
+
+    Example:
+        >>> running = RunningMoments(sink=1)
+        >>> q = torch.tensor([[[[1.0, 0.0], [3.0, 2.0]]]])  # [batch 1, query heads 1, q 2, d 2]
+        >>> running.observe(q, torch.tensor([[0, 1]]), kv_heads=1)
+        >>> running.observe(torch.tensor([[[[1.0, 2.0]]]]), torch.tensor([[2]]), kv_heads=1)
+        >>> running.moments.count.tolist(), running.moments.total.tolist()
+        ([2.0], [[[[4.0, 4.0]]]])
+    """
+
+    def __init__(self, sink: int) -> None:
+        self.sink = sink
+        self.moments: QueryMoments | None = None
+        self.rotary: Rotary | None = None
+
+    def observe(self, queries: torch.Tensor, positions: torch.Tensor, kv_heads: int, rotary: Rotary | None = None) -> None:
+        """Add ``queries`` ``[batch, q_heads, q, head_dim]`` (before RoPE) at ``positions``
+        ``[batch, q]`` (``-1``: a pad, not counted); ``q_heads`` is a multiple of ``kv_heads``
+        (GQA: query head ``j`` belongs to KV head ``j // (q_heads / kv_heads)``)."""
+        if queries.ndim != 4:
+            raise ValueError(f"queries must be [batch, q_heads, q, head_dim], got shape {tuple(queries.shape)}")
+        b, hq, q, d = queries.shape
+        if hq % kv_heads:
+            raise ValueError(f"query heads ({hq}) must be a multiple of kv_heads ({kv_heads})")
+        if tuple(positions.shape) != (b, q):
+            raise ValueError(f"positions must have shape [batch, q] = [{b}, {q}], got {tuple(positions.shape)}")
+        step = query_moments(queries.reshape(b, kv_heads, hq // kv_heads, q, d), positions.to(queries.device) >= self.sink)
+        if self.moments is None:
+            self.moments = step
+        elif self.moments.total.shape != step.total.shape:
+            raise ValueError(
+                f"queries of shape {tuple(queries.shape)} do not match the earlier ones' statistics "
+                f"{tuple(self.moments.total.shape)} ([batch, kv_heads, group, head_dim]); reset() first"
+            )
+        else:  # in place: a compiled step mutates the sums it was given
+            for mine, new in zip(self.moments, step):
+                mine.add_(new)
+        self.rotary = rotary
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep (or repeat) rows by ``index`` (beam search)."""
+        if self.moments is not None:
+            self.moments = QueryMoments(*(t.index_select(0, index.to(t.device)) for t in self.moments))
+
+    def reset(self) -> None:
+        """Forget every query."""
+        self.moments = None
