@@ -24,7 +24,10 @@ parameters; docs/policies.md gives their exact semantics):
 * ``compose`` (:class:`Composed`, :func:`compose`): a prefill policy, then a decode policy, and the
   presets ``snapkv_h2o``, ``snapkv_tova``, ``snapkv_buzz``;
 * ``pyramid`` (:class:`PyramidKV`): per-layer budgets over any base policy, and the presets
-  ``pyramid_h2o`` (over H2O) and ``pyramidkv`` (PyramidKV's own: over SnapKV).
+  ``pyramid_h2o`` (over H2O) and ``pyramidkv`` (PyramidKV's own: over SnapKV);
+* ``adakv`` (:class:`AdaKV`): head-wise budgets, a layer's budget shared among its KV heads by one
+  top-k over a scorer's scores, and the presets ``adakv_snapkv``, ``adakv_h2o``, ``adakv_keydiff``,
+  ``adakv_tova``, ``adakv_expected_attention``.
 
 Example:
     >>> import kvpolicy
