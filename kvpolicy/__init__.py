@@ -24,7 +24,10 @@ parameters; docs/policies.md gives their exact semantics):
 * ``compose`` (:class:`Composed`, :func:`compose`): a prefill policy, then a decode policy, and the
   presets ``snapkv_h2o``, ``snapkv_tova``, ``snapkv_buzz``;
 * ``pyramid`` (:class:`PyramidKV`): per-layer budgets over any base policy, and the presets
-  ``pyramid_h2o`` (over H2O) and ``pyramidkv`` (PyramidKV's own: over SnapKV).
+  ``pyramid_h2o`` (over H2O) and ``pyramidkv`` (PyramidKV's own: over SnapKV);
+* ``adakv`` (:class:`AdaKV`): head-wise budgets, a layer's budget shared among its KV heads by one
+  top-k over a scorer's scores, and the presets ``adakv_snapkv``, ``adakv_h2o``, ``adakv_keydiff``,
+  ``adakv_tova``, ``adakv_expected_attention``.
 
 Example:
     >>> import kvpolicy
@@ -36,6 +39,7 @@ Example:
 from .driver import PolicyError
 from .budget import PolicyPlan, make_policy, plan_capacity, plan_policy, realised_budget, simulate_sizes
 from .policies import (
+    AdaKV,
     BUZZ,
     Composed,
     ExpectedAttention,
@@ -56,7 +60,7 @@ from .policies import (
     threshold_ratio,
 )
 from .params import REQUIRED, Param, declared_params
-from .policy import KEY_STATISTICS, CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling
+from .policy import KEY_STATISTICS, CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling, Ranking, WrappingPolicy
 from .registry import (
     ENTRY_POINT_GROUP,
     Preset,
@@ -69,6 +73,7 @@ from .registry import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaKV",
     "BUZZ",
     "Composed",
     "CacheView",
@@ -90,6 +95,7 @@ __all__ = [
     "PolicyPlan",
     "Preset",
     "PyramidKV",
+    "Ranking",
     "Scissorhands",
     "SnapKV",
     "StreamingLLM",
@@ -109,4 +115,5 @@ __all__ = [
     "register_policy",
     "simulate_sizes",
     "threshold_ratio",
+    "WrappingPolicy",
 ]

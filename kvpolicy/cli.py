@@ -209,7 +209,7 @@ def draw_trace(trace: Any, policy: Any, out: str | Path, *, title: str | None = 
             continue
         grid[:, : t + 1, t] = 1  # seen
         for h in range(heads):
-            grid[h, kept[h], t] = 2
+            grid[h, kept[h][kept[h] >= 0], t] = 2  # (-1: a hole, a head keeping fewer under head-wise budgets)
     cmap = ListedColormap(["#ffffff", "#dfe4ea", "#1f4e79"])
     rows = heads
     fig, axes = plt.subplots(rows, 1, figsize=(8.0, 1.2 + 3.6 * rows), squeeze=False, dpi=110)

@@ -35,6 +35,7 @@ __all__ = [
     "nonfinite_rows",
     "read_only",
     "softmax",
+    "take_slots",
     "warn_nonfinite",
 ]
 
@@ -118,13 +119,36 @@ def read_only(x: Any) -> Any:
     return x
 
 
-def _first_bad_row(keep: Any, n: int) -> str:
+def take_slots(x: Any, keep: Any, fill: Any) -> Any:
+    """``x`` ``[batch, heads, n]`` gathered at the slots ``keep`` ``[batch, heads, k]``, with
+    ``fill`` where ``keep`` is ``-1`` (a hole: a head keeping fewer tokens than the widest, under
+    head-wise budgets, see :func:`check_keep`).
+
+    Example:
+        >>> take_slots(np.array([[[10, 11, 12]]]), np.array([[[-1, 0, 2]]]), -1).tolist()
+        [[[-1, 10, 12]]]
+    """
+    xp = array_namespace(x)
+    keep = xp.broadcast_to(keep, (*x.shape[:-1], keep.shape[-1])) if keep.ndim == x.ndim else keep
+    taken = xp.take_along_axis(x, xp.clip(keep, min=0), axis=-1)
+    if isinstance(keep, np.ndarray) and keep.size and keep.min() >= 0:
+        return taken  # no holes (every policy but head-wise budgets): nothing to fill
+    return xp.where(keep >= 0, taken, xp.asarray(fill, dtype=x.dtype, device=device(x)))
+
+
+def _first_bad_row(policy: EvictionPolicy, keep: Any, n: int) -> str:
     """Where and how a keep array breaks the rules (the error path only: reads it on the host)."""
     rows = np.asarray(keep.tolist(), dtype=np.int64).reshape(-1, keep.shape[-1])
     heads = keep.shape[1]
     for i, row in enumerate(rows):
-        if row.size and (row.min() < 0 or row.max() >= n):
-            why = f"slot {int(row[(row < 0) | (row >= n)][0])} is outside [0, {n})"
+        held = row[np.argmax(row >= 0) if (row >= 0).any() else row.size :]  # after the leading holes
+        low = -1 if policy.ragged_heads else 0
+        if row.size and (row.min() < low or row.max() >= n):
+            why = f"slot {int(row[(row < low) | (row >= n)][0])} is outside [0, {n})"
+        elif (held < 0).any():
+            why = "a hole (-1) follows a slot (holes, head-wise budgets' only, lead a row)"
+        elif held.size == row.size == n and held.tolist() == list(range(n)):
+            why = f"it keeps all {n} slots while asking to evict"
         elif row.size > 1 and np.any(np.diff(row) == 0):
             why = f"slot {int(row[1:][np.diff(row) == 0][0])} appears twice"
         elif row.size > 1 and np.any(np.diff(row) < 0):
@@ -168,23 +192,34 @@ def check_keep(policy: EvictionPolicy, keep: Any, positions: Any, *, values: boo
         raise PolicyError(f"{policy!r}.select() returned slots of dtype {keep.dtype}; expected integers (int64)")
     keep = xp.astype(keep, xp.int64)
     k = keep.shape[-1]
-    if k >= n:
+    if k > n or (k == n and not values and not policy.ragged_heads):  # (a ragged keep may make holes only)
         raise PolicyError(f"{policy!r} asked to evict but kept {k} of {n} tokens (select() returns None to keep every token)")
     if k and values:
-        bad = xp.any(keep[..., 0] < 0) | xp.any(keep[..., -1] >= n)
+        # holes (-1) may lead a row of a head-wise policy (ragged_heads); what follows ascends
+        # strictly in [0, n)
+        bad = xp.any(keep < (-1 if policy.ragged_heads else 0)) | xp.any(keep[..., -1] >= n)
         if k > 1:
-            bad = bad | xp.any(keep[..., 1:] <= keep[..., :-1])
+            later, earlier = keep[..., 1:], keep[..., :-1]
+            bad = bad | xp.any(((later <= earlier) & (later >= 0)) | ((later < 0) & (earlier >= 0)))
+        if k == n:  # as many slots as the view: only a row that turns a token into a hole evicts
+            bad = bad | ~xp.any(keep < 0)
         if bool(bad):
+            if k == n and not bool(xp.any(keep < 0)):
+                raise PolicyError(
+                    f"{policy!r} asked to evict but kept {k} of {n} tokens (select() returns None to keep every token)"
+                )
             raise PolicyError(
                 f"{policy!r}.select() must return slots in ascending order, each once, in [0, {n}): "
-                + _first_bad_row(keep, n)
+                + _first_bad_row(policy, keep, n)
             )
     return keep
 
 
-def check_capacity_kept(policy: EvictionPolicy, n_cached: int) -> None:
+def check_capacity_kept(policy: EvictionPolicy, n_cached: int, positions: Any = None) -> None:
     """:class:`PolicyError` when ``policy`` stopped evicting (``select`` returned ``None``) with
-    more than its :attr:`~kvpolicy.EvictionPolicy.capacity` tokens cached.
+    more than its :attr:`~kvpolicy.EvictionPolicy.capacity` tokens cached: per head, or, when
+    ``positions`` ``[batch, heads, n]`` are given and hold holes (head-wise budgets, whose capacity
+    is per head on average), on average over a row's heads.
 
     Example:
         >>> from kvpolicy import StreamingLLM
@@ -195,6 +230,10 @@ def check_capacity_kept(policy: EvictionPolicy, n_cached: int) -> None:
         kvpolicy.driver.PolicyError: StreamingLLM(sink=1, window=2) stopped evicting with 5 tokens cached, more than its capacity 4: select() must keep evicting (it is asked again after every round) until at most capacity - 1 tokens remain
     """
     cap = policy.capacity
+    if cap is not None and n_cached > cap and positions is not None:
+        xp = array_namespace(positions)
+        held = xp.sum(xp.astype(positions >= 0, xp.int64), axis=(1, 2))  # [batch] (a host read: rare)
+        n_cached = -(-int(xp.max(held)) // int(positions.shape[1]))
     if cap is not None and n_cached > cap:
         raise PolicyError(
             f"{policy!r} stopped evicting with {n_cached} tokens cached, more than its capacity {cap}: select() must "
@@ -320,15 +359,15 @@ def _rounds(
                 "(copy them first, e.g. view.xp.asarray(view.scores, copy=True), or keep your own data in view.state)"
             ) from e
         if keep is None:
-            check_capacity_kept(policy, positions.shape[-1])
+            check_capacity_kept(policy, positions.shape[-1], positions)
             return positions, scores, total, rounds
         keep = check_keep(policy, keep, positions, values=values)
         before = positions.shape[-1]
-        positions = xp.take_along_axis(positions, keep, axis=-1)
+        positions = take_slots(positions, keep, -1)
         if scores is not None:
-            scores = xp.take_along_axis(scores, keep, axis=-1)
+            scores = take_slots(scores, keep, 0)
         if total is None:
             total = keep
         else:
-            total = xp.take_along_axis(xp.broadcast_to(total, (*keep.shape[:-1], total.shape[-1])), keep, axis=-1)
+            total = take_slots(xp.broadcast_to(total, (*keep.shape[:-1], total.shape[-1])), keep, -1)
         rounds.append((before, positions.shape[-1]))

@@ -7,7 +7,9 @@ policy returns with one gather. The decision is written once against the array n
 the view (``view.xp``, from ``array-api-compat``), so the same code runs on NumPy and Torch.
 
 Shapes follow the backends: ``[batch, kv_heads, n]`` for positions and scores, where ``n`` is
-the number of cached tokens of that layer (equal for every row and head).
+the number of cached tokens of that layer (equal for every row and head), except under head-wise
+budgets (:class:`~kvpolicy.AdaKV`), where heads hold different numbers of tokens: ``n`` is then the
+most any head holds, and a head holding fewer has *holes* in its first slots (position ``-1``).
 
 Two rules keep decisions cheap and free of host-device syncs on accelerators:
 
@@ -22,12 +24,25 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, Callable, ClassVar, Literal, NamedTuple
 
 from ._validation import check_choice, check_float, check_int
 from .params import Param, declared_params, make_init
 
-__all__ = ["KEY_STATISTICS", "CacheView", "DecodeEviction", "DeferredScoresView", "EvictionPolicy", "LogNScaling", "ScoreStatistic", "Selection", "check_inherited_rules", "keep_at_most"]
+__all__ = [
+    "KEY_STATISTICS",
+    "CacheView",
+    "DecodeEviction",
+    "DeferredScoresView",
+    "EvictionPolicy",
+    "LogNScaling",
+    "Ranking",
+    "ScoreStatistic",
+    "Selection",
+    "WrappingPolicy",
+    "check_inherited_rules",
+    "keep_at_most",
+]
 
 Array = Any  # a NumPy ndarray or a torch.Tensor; anything array-api-compat understands
 Selection = Literal["per_head", "shared"]
@@ -55,7 +70,10 @@ class CacheView:
 
     Attributes:
         positions: ``[batch, kv_heads, n]`` integer original positions of the cached tokens,
-            ascending along the last axis (slot order is position order).
+            ascending along the last axis (slot order is position order). Only under head-wise
+            budgets (:class:`~kvpolicy.AdaKV`) does a head hold fewer than ``n`` tokens: its first
+            slots are then holes, position ``-1`` (score 0 in the NumPy reference, ``+inf`` in
+            the torch backend: read :attr:`held`, never a hole's score).
         scores: ``[batch, kv_heads, n]`` accumulated attention each cached token has received
             (summed over the query heads of its KV head, over all queries so far; only the latest
             query's for a policy whose :attr:`EvictionPolicy.score_statistic` is ``"latest"``). Policies rank
@@ -96,8 +114,19 @@ class CacheView:
 
     @property
     def n_cached(self) -> int:
-        """Number of cached tokens (slots) per head."""
+        """Number of cached tokens (slots) per head (the most any head holds, see :attr:`positions`)."""
         return int(self.positions.shape[-1])
+
+    @property
+    def held(self) -> Array:
+        """``[batch, kv_heads, n]`` bool: which slots hold a token (not a hole, position ``-1``).
+
+        Example:
+            >>> import numpy as np
+            >>> CacheView(np.array([[[-1, 4, 7], [2, 4, 7]]]), np.zeros((1, 2, 3)), 8).held.tolist()
+            [[[False, True, True], [True, True, True]]]
+        """
+        return self.positions >= 0
 
     @property
     def batch(self) -> int:
@@ -148,6 +177,21 @@ class CacheView:
             order = xp.argsort(scores, axis=-1, stable=True)
             kept = xp.sort(order[..., count:], axis=-1)
         return self.keep(kept, self.arange(candidates, n))
+
+    def lowest_first(self, recent: int = 0) -> "Ranking":
+        """The :class:`Ranking` of :meth:`drop_lowest`: the lowest :attr:`ranking_scores` go
+        first, the earliest position of a tie first; the newest ``recent`` slots are protected.
+
+        Example:
+            >>> import numpy as np
+            >>> v = CacheView(np.arange(3)[None, None], np.array([[[2.0, np.nan, 1.0]]]), 3)
+            >>> r = v.lowest_first(recent=1)
+            >>> r.protected.tolist(), r.keys[0].tolist()
+            ([[[False, False, True]]], [[[2.0, -inf, 1.0]]])
+        """
+        xp = self.xp
+        protected = xp.broadcast_to(self.arange(self.n_cached) >= self.n_cached - recent, self.positions.shape)
+        return Ranking(protected, (self.ranking_scores, self.positions))
 
     def keep(self, *parts: Array) -> Array:
         """Concatenate slot indices into a ``[batch, heads, k]`` keep array.
@@ -282,6 +326,33 @@ class DecodeEviction:
         victim = xp.sum(xp.astype(view.positions < self.sink, xp.int64), axis=-1)  # [batch, heads]
         rest = view.arange(n - 1)
         return rest + xp.astype(rest >= victim[..., None], xp.int64)
+
+
+class Ranking(NamedTuple):
+    """The order in which a policy that ranks tokens by a score evicts one head's tokens
+    (:meth:`EvictionPolicy.ranking`), so head-wise budgets (:class:`~kvpolicy.AdaKV`) can merge the
+    heads of a layer into one order.
+
+    Attributes:
+        protected: ``[batch, kv_heads, n]`` bool, the tokens the policy always keeps (a recent
+            window, SnapKV's observation window): they are never evicted.
+        keys: ``[batch, kv_heads, n]`` arrays, compared in turn: among unprotected tokens the one
+            with the smallest first key is evicted first, a tie goes to the second key, and so on.
+            The last key breaks every tie within a head (e.g. the position); tokens of different
+            heads equal in every key go in head order (the lower head first). A NaN counts as
+            ``-inf`` (:attr:`CacheView.ranking_scores`).
+
+    Example:
+        >>> import numpy as np
+        >>> from kvpolicy import H2O
+        >>> view = CacheView(np.arange(4)[None, None], np.array([[[3.0, 1.0, 1.0, 2.0]]]), 4)
+        >>> r = H2O(heavy=2, recent=1).ranking(view)
+        >>> r.protected.tolist(), [k.tolist() for k in r.keys]
+        ([[[False, False, False, True]]], [[[[3.0, 1.0, 1.0, 2.0]]], [[[0, 1, 2, 3]]]])
+    """
+
+    protected: Array
+    keys: tuple[Array, ...]
 
 
 @dataclass(frozen=True)
@@ -446,6 +517,10 @@ class EvictionPolicy(ABC):
         if cls.__dict__.get("size_rule", EvictionPolicy.size_rule) is None:  # `size_rule = None`: none, explicitly
             cls.size_rule = EvictionPolicy.size_rule  # type: ignore[method-assign]
         check_inherited_rules(cls)
+        # And its ranking (head-wise budgets): the parent's order describes the parent's select().
+        if "select" in cls.__dict__ and not {"ranking", "head_budget"} & set(cls.__dict__):
+            cls.ranking = EvictionPolicy.ranking  # type: ignore[method-assign]
+            cls.head_budget = EvictionPolicy.head_budget  # type: ignore[method-assign]
 
     @property
     def captures_attention(self) -> bool:
@@ -475,6 +550,13 @@ class EvictionPolicy(ABC):
         """
         return self.uses_scores and self.score_statistic == "expected_attention"
 
+    @property
+    def statistic_policy(self) -> "EvictionPolicy":
+        """The policy whose parameters configure the score statistic the backends compute (e.g.
+        Expected Attention's ``sink`` and ``future``): itself, or the policy a
+        :class:`WrappingPolicy` wraps (an :class:`~kvpolicy.AdaKV` scorer)."""
+        return self
+
     #: For a key statistic (:data:`KEY_STATISTICS`): the newest tokens that are no candidates of
     #: the statistic (KeyDiff's anchor is the mean over the candidates' keys only). ``0``: all.
     key_recent: int = 0
@@ -495,6 +577,48 @@ class EvictionPolicy(ABC):
         the policy's rule); a subclass that redefines ``select`` says whether it keeps its
         parent's (:func:`check_inherited_rules`)."""
         return None
+
+    # ----------------------------------------------------------------- ranking (head-wise budgets)
+    def head_budget(self, n_cached: int, phase: Literal["prefill", "decode"]) -> int | None:
+        """For head-wise budgets (:class:`~kvpolicy.AdaKV`): the tokens each head keeps if the
+        policy evicts when every head holds ``n_cached`` tokens in ``phase``, or ``None`` when it
+        declines (host integers only). Declared with :meth:`ranking` by the policies that keep a
+        head's highest-ranked tokens (H2O, TOVA, Knorm, KeyDiff, SnapKV); ``select`` then keeps
+        the ``head_budget`` tokens of each head that :meth:`ranking` evicts last. Default: ``None``
+        (the policy is no scorer; AdaKV refuses it).
+
+        Example:
+            >>> from kvpolicy import H2O
+            >>> H2O(heavy=2, recent=2).head_budget(5, "decode"), H2O(heavy=2, recent=2).head_budget(4, "decode")
+            (4, None)
+        """
+        return None
+
+    def ranking(self, view: CacheView) -> Ranking:
+        """For head-wise budgets: the order in which this policy evicts each head's tokens
+        (:class:`Ranking`), on ``view`` (holes, position ``-1``, may lead a head: their keys are
+        ignored; a score-reading policy sees them with score 0). Declared with :meth:`head_budget`.
+
+        ``NotImplementedError`` for a policy that does not rank tokens by a score."""
+        raise NotImplementedError(f"{self!r} does not rank tokens by a score (it declares no ranking())")
+
+    @property
+    def ranks_tokens(self) -> bool:
+        """Whether the policy declares :meth:`ranking` and :meth:`head_budget` (it can be an
+        :class:`~kvpolicy.AdaKV` scorer).
+
+        Example:
+            >>> from kvpolicy import BUZZ, H2O
+            >>> H2O(heavy=2, recent=2).ranks_tokens, BUZZ(sink=1, window=4, stride=3).ranks_tokens
+            (True, False)
+        """
+        cls = type(self)
+        return cls.ranking is not EvictionPolicy.ranking and cls.head_budget is not EvictionPolicy.head_budget
+
+    #: ``True`` for head-wise budgets (:class:`~kvpolicy.AdaKV`): a layer's heads may hold different
+    #: numbers of tokens, so ``select`` may return rows that start with holes (``-1``) and views
+    #: may show them; backends then count a row's slots as its widest head's.
+    ragged_heads: ClassVar[bool] = False
 
     #: ``False`` for a policy that never evicts (the full cache): the planners give it budget 1
     #: and refuse a capacity, and eval runs it once, as the reference line, not per budget.
@@ -640,3 +764,56 @@ class EvictionPolicy(ABC):
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, tuple(sorted(self.params().items())), self.selection))
+
+
+class WrappingPolicy(EvictionPolicy):
+    """A policy built around another (:attr:`wrapped`) whose scores the backends keep as that
+    one's: its score statistic, history, key window, prompt rows, positions mode, ragged heads
+    and capacity are the wrapped policy's (one place, for :class:`~kvpolicy.Composed`'s decode
+    policy, :class:`~kvpolicy.PyramidKV`'s mean layer and :class:`~kvpolicy.AdaKV`'s scorer). A
+    subclass sets :attr:`wrapped` in its constructor and overrides what differs.
+
+    Example:
+        >>> from kvpolicy import AdaKV, KeyDiff
+        >>> p = AdaKV(KeyDiff(size=8, recent=2))
+        >>> isinstance(p, WrappingPolicy), p.score_statistic, p.key_recent, p.capacity
+        (True, 'key_diff', 2, 9)
+    """
+
+    wrapped: EvictionPolicy
+
+    @property  # type: ignore[override]
+    def score_statistic(self) -> ScoreStatistic:
+        return self.wrapped.score_statistic
+
+    @property
+    def statistic_policy(self) -> EvictionPolicy:
+        return self.wrapped.statistic_policy
+
+    @property  # type: ignore[override]
+    def score_history(self) -> int | None:
+        return self.wrapped.score_history
+
+    @property  # type: ignore[override]
+    def key_recent(self) -> int:
+        return self.wrapped.key_recent
+
+    @property
+    def prompt_rows(self) -> int | None:
+        return self.wrapped.prompt_rows
+
+    @property  # type: ignore[override]
+    def ragged_heads(self) -> bool:
+        return self.wrapped.ragged_heads
+
+    @property  # type: ignore[override]
+    def uses_scores(self) -> bool:
+        return self.wrapped.uses_scores
+
+    @property  # type: ignore[override]
+    def default_positions(self) -> str:
+        return self.wrapped.default_positions
+
+    @property
+    def capacity(self) -> int | None:
+        return self.wrapped.capacity

@@ -405,7 +405,7 @@ def cache_scores(
         return key_scores(statistic, keys, positions, n_seen, policy.key_recent)
     if values is None or moments is None:
         raise ValueError(f"{policy!r} scores from keys, values and the queries' moments: values and moments are required")
-    p: Any = policy
+    p: Any = policy.statistic_policy  # (a wrapper's, e.g. AdaKV's scorer)
     return expected_attention(
         keys, values, positions, n_seen, moments, sink=p.sink, future=p.future, epsilon=p.epsilon, rotary=rotary,
         covariance=p.covariance, value_norm=p.value_norm,

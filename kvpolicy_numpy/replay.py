@@ -23,8 +23,11 @@ class Trace:
 
     Attributes:
         kept: ``kept[t]`` is an int array ``[heads, n]`` of the sorted original positions kept
-            per head after token ``t`` was processed (``None`` for ``t < prompt_len - 1``).
-        sizes: cache size (keys attended, the new one included) at every decode step.
+            per head after token ``t`` was processed (``None`` for ``t < prompt_len - 1``). Under
+            head-wise budgets (:class:`~kvpolicy.AdaKV`) heads keep different numbers: ``n`` is
+            the most a head keeps and a head keeping fewer starts with ``-1`` (holes).
+        sizes: cache size (keys attended, the new one included) at every decode step: per head,
+            on average over the heads under head-wise budgets.
         evictions: ``(t, size_before, size_after)`` for every eviction round; ``t`` is the last
             token processed (``prompt_len - 1`` for the prefill rounds).
         outputs: ``[steps, heads, d]`` attention outputs under the policy (when values given).
@@ -245,7 +248,7 @@ def replay(
     if queries is not None and values is None:
         raise ValueError(f"values are required for {policy!r}: its scores multiply by the value norm; pass values=[steps, heads, d]")
     from_keys = policy.score_statistic in KEY_STATISTICS
-    sink = getattr(policy, "sink", 0)
+    sink = getattr(policy.statistic_policy, "sink", 0) if policy.observes_queries else 0  # (Expected Attention's, or its wrapper's scorer's)
 
     state = policy.init_state()
     positions = np.zeros((1, heads, 0), dtype=np.int64)
@@ -291,11 +294,12 @@ def replay(
     for t in range(prompt_len, steps):
         positions = np.concatenate([positions, np.full((1, heads, 1), t, dtype=np.int64)], axis=-1)
         scores = np.concatenate([scores, np.zeros((1, heads, 1))], axis=-1)
-        sizes.append(positions.shape[-1])
-        cached = positions[0]  # [heads, n]
+        cached = positions[0]  # [heads, n]; -1: a hole (a head keeping fewer, head-wise budgets)
+        held = cached >= 0
+        sizes.append(int(held.sum()) // heads)
         # log n: n = the keys this query attends to, i.e. the kept ones (paper, section 3.5)
         row = logits[t][head_index, cached] * log_n_scales(policy, np.asarray([cached.shape[-1]]))[0]
-        probs = softmax(row)
+        probs = softmax(row if held.all() else np.where(held, row, -np.inf))
         if not np.isfinite(probs).all():
             nonfinite += nonfinite_rows(probs[None], t)
         if policy.score_statistic == "latest":

@@ -20,16 +20,20 @@ __all__ = ["keep_slots", "slot_order", "sort_by_position", "unwrap_ring"]
 def slot_order(positions: torch.Tensor, count: int, ring: bool) -> torch.Tensor:
     """Slots of the ``count`` kept tokens of each row and head, in position order ``[b, h, count]``
     (holes have position ``-1``). ``ring``: some row's slot order is a rotation of position order.
+    A head holding fewer than ``count`` tokens (head-wise budgets, :class:`kvpolicy.AdaKV`) gets
+    as many of its holes in front of its tokens, the core's ragged view.
 
     Example:
         >>> slot_order(torch.tensor([[[0, -1, 2, 3]]]), 3, ring=False).tolist()
         [[[0, 2, 3]]]
+        >>> slot_order(torch.tensor([[[3, -1, 5, -1], [3, 4, 5, 6]]]), 3, ring=False).tolist()
+        [[[3, 0, 2], [1, 2, 3]]]
     """
     if ring:
         key = positions.masked_fill(positions < 0, torch.iinfo(torch.int64).max)
         return torch.argsort(key, dim=-1)[..., :count]
-    holes = (positions < 0).to(torch.int8)  # below a frontier, slot order is position order
-    return torch.argsort(holes, dim=-1, stable=True)[..., :count]
+    held = (positions >= 0).to(torch.int8)  # below a frontier, slot order is position order
+    return torch.argsort(held, dim=-1, stable=True)[..., positions.shape[-1] - count :]
 
 
 def keep_slots(storage: Storage, rows: list[int], keep: torch.Tensor, old_front: int, chunk_bytes: int) -> None:

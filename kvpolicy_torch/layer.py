@@ -36,6 +36,7 @@ from .attention import decode_attention, grouped_decode
 from .checks import check_append, check_batch_index, check_capacity, check_like, check_query, check_received
 from .compaction import keep_slots, slot_order, sort_by_position, unwrap_ring
 from .group import LayerGroup
+from .headwise import held_tokens, mark_dropped
 from .posshift import KeyShift, PrefixShift, SinkShift, slot_shifts
 from .queries import RunningMoments
 from .rows import LayerSnapshot, Rows
@@ -128,6 +129,10 @@ class LayerCache:
         if rule is not None and policy.capacity is not None and policy.capacity < rule.limit + 1:
             raise ValueError(f"{policy!r} declares capacity {policy.capacity} below its decode eviction's limit + 1")
         self.rule = rule
+        # head-wise budgets (AdaKV): a row's count is its widest head's, the others hold holes
+        self._ragged = bool(policy.ragged_heads)
+        if self._ragged and self.static_shapes:
+            raise ValueError(f"{policy!r} (head-wise budgets) runs with static_shapes=False only (the eager layout)")
         # a policy without one-token evictions (BUZZ) that declares its size rule: a decode step
         # at which the rule keeps every token skips the policy's call (host integers only)
         self._size_rule = policy.size_rule() if rule is None else None
@@ -173,7 +178,7 @@ class LayerCache:
         self._decode: DecodeState | None = None
         self._device_newer = False
         #: Expected Attention: the running moments of the queries seen (:meth:`observe_queries`)
-        self.running_queries = RunningMoments(self.policy.sink) if self.policy.observes_queries else None  # type: ignore[attr-defined]
+        self.running_queries = RunningMoments(self.policy.statistic_policy.sink) if self.policy.observes_queries else None  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ copies (pickle, deepcopy, torch.save)
     def __getstate__(self) -> dict[str, Any]:
@@ -243,6 +248,17 @@ class LayerCache:
         """Kept tokens per head (every row); see :attr:`lengths` for rows that differ."""
         self._host()
         return self._uniform(self._rows.count, "kept tokens (use .lengths)")
+
+    @property
+    def mean_length(self) -> float:
+        """Kept tokens per KV head on average over the heads and rows: :attr:`length`, except
+        under head-wise budgets (``policy.ragged_heads``), where ``length`` is the widest head's
+        count of slots and the heads hold fewer on average (one host read)."""
+        if not self._ragged or self._store is None:
+            return float(self.length)
+        self._host()
+        pos = self._working().positions
+        return held_tokens(pos) / (pos.shape[0] * pos.shape[1])
 
     @property
     def lengths(self) -> list[int]:
@@ -330,7 +346,7 @@ class LayerCache:
                 self.group.leave(self._group_index)  # growth: a shape of its own
         grown = Storage.allocate(like_k, like_v, slots, score_dtype, shared)
         if self._store is not None:  # growth (unbounded policies): carry what is there
-            grown.copy_prefix(self._store, max(self._rows.front))
+            grown.copy_prefix(self._store, min(max(self._rows.front), self._store.slots))  # (the rest: the transient set)
         self._store = grown
         self._tail_clean = False
         if self.static_shapes and (self._decode is None or self._decode.free.shape != (b, h)):
@@ -362,14 +378,22 @@ class LayerCache:
         return 0 if self._store is None else self._store.nbytes
 
     @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's key and value over a row's KV heads (0 before the first append)."""
+        if self._store is None:
+            return 0
+        k, v = self._store.keys, self._store.values
+        return k.shape[1] * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())
+
+    @property
     def kv_bytes(self) -> int:
         """Bytes of the keys and values actually kept (pads and holes excluded)."""
         if self._store is None:
             return 0
         self._host()
-        k, v = self._store.keys, self._store.values
-        per_token = k.shape[1] * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())
-        return per_token * sum(self._rows.count)
+        if self._ragged:  # heads hold different numbers: count them (one host read)
+            return self.token_bytes // self._store.keys.shape[1] * held_tokens(self._working().positions)
+        return self.token_bytes * sum(self._rows.count)
 
     # ------------------------------------------------------------------ ordered views (inspection)
     def _dense(self) -> bool:
@@ -447,7 +471,7 @@ class LayerCache:
 
     def _needs_bias(self) -> bool:
         """Whether a slot in the returned range is a hole for some row (host ints only)."""
-        if self.static_shapes or self._extra is not None:
+        if self.static_shapes or self._extra is not None or self._ragged:
             return True
         lo, hi = self._range
         rows = self._rows
@@ -469,6 +493,11 @@ class LayerCache:
         rows = torch.arange(q, device=dev)[:, None]
         cols = torch.arange(n, device=dev)[None, :]
         causal = cols <= start + rows  # [q, n]
+        if self._ragged and bool(((pos >= 0) != (pos[:, :1] >= 0)).any()):
+            raise NotImplementedError(
+                f"{self.policy!r}: a prompt chunk after a head-wise eviction (heads holding different tokens) needs a "
+                "mask per KV head, which this backend does not build yet; append the whole prompt at once"
+            )
         if valid is None and all(c == start + q for c in self._rows.count):  # no pads, no holes before the chunk
             return causal[None, None]
         kept = (pos[:, 0, :] >= 0)[:, None, :]  # [b, 1, n]: rows are compacted, so head 0 speaks for all
@@ -603,6 +632,10 @@ class LayerCache:
                 # allocate those (and one spare a step appends into), growing only if more come
                 slots = max(q, self.reserve) + 1
         self._full_slots = slots if capacity is None else capacity + self._slack(capacity, per_slot)
+        if self._ragged and capacity is not None:
+            # one head may hold more than the mean (up to the layer's budget less the others'
+            # floors): allocated for the mean, grown to the widest head's need (kvpolicy.AdaKV)
+            self._full_slots = max(self._full_slots, self.policy.head_capacity(keys.shape[1]))  # type: ignore[attr-defined]
         self._rows = Rows.start(b, self.policy.init_state())
         self._allocate(keys, values, slots)
         # what later appends must match (one tuple comparison per step; _check_like says what differs)
@@ -1021,12 +1054,28 @@ class LayerCache:
                 self._rows.states[r] = dict(state)
             rounds += done
         if self._extra is not None:
+            if self._ragged and self.slots < max(self._rows.count) <= self._full_slots:
+                # the widest head holds more than the mean's slots: grow the storage to fit it
+                self._allocate(self._extra.keys[:, :, :1], self._extra.values[:, :, :1], self._grown_slots(max(self._rows.count) + 1))
             if max(self._rows.count) > self.slots:
                 raise RuntimeError(
                     f"{self.policy!r} left {max(self._rows.count)} tokens but declared capacity {self.policy.capacity}"
                 )
             self._put_back()
+        if self._ragged and rounds:
+            self._fit_widest()
         return rounds
+
+    def _fit_widest(self) -> None:
+        """Head-wise budgets: the storage follows the widest head. After an eviction, a store
+        holding more than twice its growth step above the widest head's tokens is reallocated to
+        one step above them (:func:`~kvpolicy_torch.storage.grown_slots`, so it neither grows nor
+        shrinks at every step as the heads' shares move)."""
+        need = max(self._rows.front)
+        fit = grown_slots(need)
+        if self.slots > need + 2 * (fit - need) and fit < self.slots:
+            store = self._held()
+            self._allocate(store.keys[:, :, :1], store.values[:, :, :1], fit)
 
     # ------------------------------------------------------------------ compaction
     def _compact_rows(self, rows: list[int]) -> None:
@@ -1054,7 +1103,11 @@ class LayerCache:
         self._search.forget()  # slots move
         self._tail_clean = False
         old_front = max(self._rows.front[r] for r in rows)
-        keep_slots(self._full(), rows, keep, old_front, self.compaction_chunk_bytes)
+        if self._ragged:  # -1: a hole (a head keeping fewer than the widest), copied from slot 0, then marked
+            keep_slots(self._full(), rows, keep.clamp(min=0), old_front, self.compaction_chunk_bytes)
+            mark_dropped(self._full(), None if len(rows) == self.batch else torch.tensor(rows, device=keep.device), keep)
+        else:
+            keep_slots(self._full(), rows, keep, old_front, self.compaction_chunk_bytes)
         self._rows.kept(rows, keep.shape[2])
 
     def _put_back(self) -> None:

@@ -114,8 +114,9 @@ def replay(
 
     for t in range(prompt_len, steps):
         _, v_all = layer.append(keys_t[t][None, :, None, :], values_t[t][None, :, None, :])
-        sizes.append(layer.length)
         cached = layer.slot_positions[0]  # [heads, n] in slot order, -1 at holes
+        # per head; under head-wise budgets (heads hold different numbers) on average, as the reference
+        sizes.append(int((cached >= 0).sum()) // heads if policy.ragged_heads else layer.length)
         scale = _scales(policy, torch.tensor([layer.length], device=device)).to(dtype)  # n = kept keys
         rows = torch.gather(logits_t[t], 1, cached.clamp(min=0)) * scale
         probs = torch.softmax(rows.masked_fill(cached < 0, float("-inf")), dim=-1)  # [heads, n]

@@ -37,3 +37,15 @@ def layer0_states(model: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, torch
         return projection(hidden).view(b, s, -1, attn.head_dim).transpose(1, 2)
 
     return heads(attn.q_proj), heads(attn.k_proj), heads(attn.v_proj), pos
+
+
+def layer0_logits_and_keys(model: Any, tokens: torch.Tensor) -> tuple[Any, Any]:
+    """Layer 0's pre-softmax logits ``[steps, heads, steps]`` and RoPE'd keys ``[steps, kv_heads,
+    head_dim]`` (float64 NumPy) in a full forward of ``tokens`` (layer 0 sees only token
+    embeddings, so they are reproducible); a Llama-family model."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q, k, _, (cos, sin) = layer0_states(model, tokens)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    logits = torch.einsum("bhqd,bhkd->bqhk", q, k) * model.model.layers[0].self_attn.scaling
+    return logits[0].detach().double().numpy(), k[0].transpose(0, 1).detach().double().numpy()

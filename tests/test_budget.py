@@ -318,7 +318,7 @@ def test_every_builtin_one_token_policy_declares_its_size_rule() -> None:
         cls = entry.cls if isinstance(entry, Preset) else entry
         if not cls.__module__.startswith("kvpolicy.policies") or not cls.evicts:
             continue
-        needs = {"compose": {"decode": "h2o"}, "pyramid": {"base": "h2o"}}.get(name, {})  # planned from another's name
+        needs = {"compose": {"decode": "h2o"}, "pyramid": {"base": "h2o"}, "adakv": {"scorer": "h2o"}}.get(name, {})  # planned from another's name
         policy = entry.from_size(max(entry.min_size, 24), **needs)
         if policy.decode_eviction is None or isinstance(policy, Composed):
             continue
@@ -384,7 +384,7 @@ def test_every_builtin_builds_from_a_size_through_the_registry() -> None:
             continue
         if cls.from_size.__func__ is EvictionPolicy.from_size.__func__:  # no size knob: none today
             pytest.fail(f"{name} has no from_size")
-        needs = {"compose": {"decode": "h2o"}, "pyramid": {"base": "h2o"}}.get(name, {})  # a class planned from another's name
+        needs = {"compose": {"decode": "h2o"}, "pyramid": {"base": "h2o"}, "adakv": {"scorer": "h2o"}}.get(name, {})  # a class planned from another's name
         for size in (entry.min_size, entry.min_size + 1, 64, 300):
             policy = entry.from_size(size, **needs)
             assert isinstance(policy, cls) and policy == entry.from_size(size, **needs), (name, size)

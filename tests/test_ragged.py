@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
 
-from kvpolicy import BUZZ, H2O, TOVA, ExpectedAttention, FullCache, KeyDiff, Knorm, LocalWindow, Scissorhands, SnapKV, StreamingLLM, compose  # noqa: E402
+from kvpolicy import BUZZ, H2O, AdaKV, TOVA, ExpectedAttention, FullCache, KeyDiff, Knorm, LocalWindow, Scissorhands, SnapKV, StreamingLLM, compose  # noqa: E402
 from kvpolicy.models import tiny_llama  # noqa: E402
 from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
 from kvpolicy_torch import LayerCache  # noqa: E402
@@ -39,6 +39,9 @@ POLICIES = [
     KeyDiff(12, selection="shared"),
     ExpectedAttention(12, sink=2, future=32),  # scores from keys, values and the queries' running moments
     ExpectedAttention(11, recent=2, selection="shared"),
+    AdaKV(H2O(6, 6), 0.2),  # head-wise budgets: heads hold different numbers of tokens
+    AdaKV(KeyDiff(11, recent=2), 0.0),
+    AdaKV(SnapKV(12, window=4), 0.5),
 ]
 LENGTHS = (9, 14, 20, 27)  # four prompts, all different
 

@@ -544,6 +544,12 @@ class ShardedEvictingCache(EvictingCache):
         group: Any = None,
         positions: PositionsMode | None = None,
     ) -> None:
+        if policy.ragged_heads and layout.tp_size > 1:
+            raise ValueError(
+                f"{policy!r} shares a layer's budget over all of its KV heads (head-wise budgets), which are split over "
+                f"{layout.tp_size} tensor-parallel ranks here: the ranks would have to exchange their heads' rankings, "
+                "which kvpolicy does not do yet. Run it with tp_size=1 (or a per-head policy under tensor parallelism)"
+            )
         reduce = tp_all_reduce(group) if policy.selection == "shared" and layout.tp_size > 1 else None
         super().__init__(policy, model, positions=positions, reduce_scores=reduce)
         self.layout = layout

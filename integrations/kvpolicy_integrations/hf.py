@@ -1077,9 +1077,8 @@ class EvictingCache(Cache):
         """Bytes a full cache would hold for the (real) tokens seen so far."""
         total = 0
         for layer in self.layers:
-            kept = sum(layer.store.lengths)
-            if kept:
-                total += layer.store.kv_bytes // kept * sum(layer.store.seen)
+            if layer.store.is_initialized:
+                total += layer.store.token_bytes * sum(layer.store.seen)
         return total
 
 

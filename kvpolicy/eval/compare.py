@@ -336,7 +336,7 @@ class Engine:
         return cache
 
     def _length(self, cache: Any) -> float:
-        return sum(layer.store.length for layer in cache.layers) / len(cache.layers)
+        return sum(layer.store.mean_length for layer in cache.layers) / len(cache.layers)
 
     def run_ppl(self, ids: Any, prompt_length: int, n_score: int, cache: Any,
                 on_step: Any = None) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Built-in policies, one per module."""
 
 from ..registry import mark_builtin_policies, register_policy
+from .adakv import AdaKV, headwise_keep
 from .buzz import BUZZ, estimate_threshold, fixed_point_middle, small_stride, threshold_ratio
 from .composition import Composed, compose
 from .expected_attention import ExpectedAttention
@@ -19,6 +20,8 @@ register_policy(BUZZ, name="buzz_logn", preset={"log_n": True}, doc="BUZZ with l
 mark_builtin_policies()  # register_policy refuses to replace these (or take their aliases) unless told to
 
 __all__ = [
+    "AdaKV",
+    "headwise_keep",
     "BUZZ",
     "Composed",
     "ExpectedAttention",

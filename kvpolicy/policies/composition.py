@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..policy import KEY_STATISTICS, Array, CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling, ScoreStatistic
+from ..policy import KEY_STATISTICS, Array, CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling, WrappingPolicy
 from ..registry import get_policy, register_policy
 
 __all__ = ["Composed", "compose"]
@@ -16,7 +16,7 @@ def _sub_view(view: CacheView, state: dict[str, int]) -> CacheView:
 
 
 @register_policy
-class Composed(EvictionPolicy):
+class Composed(WrappingPolicy):
     """A prefill policy, then a decode policy, on one cache.
 
     Right after a prompt (chunk) that leaves more than ``decode.capacity - 1`` tokens, the
@@ -78,36 +78,22 @@ class Composed(EvictionPolicy):
             )
         super().__init__(selection=decode.selection)
         self.prefill, self.decode = prefill, decode
+        self.wrapped = decode
         self.log_n: LogNScaling | None = decode.log_n
 
     # ---------------------------------------------------------------- what backends read
-    @property  # type: ignore[override]
-    def score_statistic(self) -> ScoreStatistic:
-        return self.decode.score_statistic
-
-    @property  # type: ignore[override]
-    def score_history(self) -> int | None:
-        return self.decode.score_history
-
-    @property  # type: ignore[override]
-    def key_recent(self) -> int:
-        return self.decode.key_recent
-
+    # (the rest is the decode policy's: WrappingPolicy)
     @property
     def prompt_rows(self) -> int | None:
         return self.prefill.prompt_rows
 
     @property  # type: ignore[override]
-    def uses_scores(self) -> bool:
-        return self.prefill.uses_scores or self.decode.uses_scores
+    def ragged_heads(self) -> bool:
+        return self.prefill.ragged_heads or self.decode.ragged_heads
 
     @property  # type: ignore[override]
-    def default_positions(self) -> str:
-        return self.decode.default_positions
-
-    @property
-    def capacity(self) -> int | None:
-        return self.decode.capacity
+    def uses_scores(self) -> bool:
+        return self.prefill.uses_scores or self.decode.uses_scores
 
     @property
     def decode_eviction(self) -> DecodeEviction | None:

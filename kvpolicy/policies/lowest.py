@@ -11,7 +11,7 @@ from functools import cached_property
 from typing import Any
 
 from ..params import Param
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, SizeRule, keep_at_most
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Ranking, SizeRule, keep_at_most
 
 
 class KeepAtMost(EvictionPolicy):
@@ -69,6 +69,21 @@ class KeepAtMost(EvictionPolicy):
 
     def size_rule(self) -> SizeRule:
         return keep_at_most(self.rule.limit)
+
+    # head-wise budgets (AdaKV): a "lowest" rule ranks a head's tokens by score
+    def head_budget(self, n_cached: int, phase: str) -> int | None:
+        rule = self.rule
+        return rule.limit if rule.victim == "lowest" and n_cached > rule.limit else None
+
+    def ranking(self, view: CacheView) -> Ranking:
+        if self.rule.victim != "lowest":
+            raise NotImplementedError(f"{self!r} keeps positions, not scores: it ranks no tokens")
+        # select's order: the lowest score goes first, the earliest of a tie; the recent window stays
+        return view.lowest_first(self.rule.recent)
+
+    @property
+    def ranks_tokens(self) -> bool:
+        return self.rule.victim == "lowest" and super().ranks_tokens
 
 
 class KeepHighest(KeepAtMost):

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from .._validation import check_int
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, ScoreStatistic, SizeRule
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, SizeRule, WrappingPolicy
 from ..registry import get_policy, register_policy
 
 
@@ -46,7 +46,7 @@ def pyramid_sizes(size: int, layers: int, *, beta: float = 20.0, floor: int = 1)
 
 
 @register_policy
-class PyramidKV(EvictionPolicy):
+class PyramidKV(WrappingPolicy):
     """Per-layer budgets: layer ``l`` of ``L`` runs the ``base`` policy planned for its own size
     from :func:`pyramid_sizes` (pyramidal by depth: lower layers keep more), the sizes summing to
     ``L x size``, the same total as ``base`` at ``size`` in every layer.
@@ -89,6 +89,7 @@ class PyramidKV(EvictionPolicy):
         self.base_params = dict(base_params)
         pyramid_sizes(self.size, 1, beta=beta, floor=self.floor)  # validates beta and floor
         self.mean = entry.from_size(self.size, **self.base_params)
+        self.wrapped = self.mean
         super().__init__(selection=self.mean.selection)
         self.log_n = self.mean.log_n
 
@@ -104,33 +105,7 @@ class PyramidKV(EvictionPolicy):
         return get_policy(self.base).from_size(max(size, get_policy(self.base).min_size), **self.base_params)
 
     # ---------------------------------------------------------------- one layer: base at the mean
-    @property  # type: ignore[override]
-    def score_statistic(self) -> ScoreStatistic:
-        return self.mean.score_statistic
-
-    @property  # type: ignore[override]
-    def score_history(self) -> int | None:
-        return self.mean.score_history
-
-    @property  # type: ignore[override]
-    def key_recent(self) -> int:
-        return self.mean.key_recent
-
-    @property
-    def prompt_rows(self) -> int | None:
-        return self.mean.prompt_rows
-
-    @property  # type: ignore[override]
-    def uses_scores(self) -> bool:
-        return self.mean.uses_scores
-
-    @property  # type: ignore[override]
-    def default_positions(self) -> str:
-        return self.mean.default_positions
-
-    @property
-    def capacity(self) -> int | None:
-        return self.mean.capacity
+    # (what backends read is the mean layer's: WrappingPolicy)
 
     @property
     def decode_eviction(self) -> DecodeEviction | None:

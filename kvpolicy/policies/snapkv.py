@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..params import Param
-from ..policy import Array, CacheView, EvictionPolicy
+from ..policy import Array, CacheView, EvictionPolicy, Ranking
 from ..registry import register_policy
 
 
@@ -130,6 +130,20 @@ class SnapKV(EvictionPolicy):
         order = xp.take_along_axis(by_own, xp.argsort(-xp.take_along_axis(pooled, by_own, axis=-1), axis=-1, stable=True), axis=-1)
         kept = xp.sort(order[..., : self.size - self.window], axis=-1)
         return view.keep(kept, view.arange(prefix, n))
+
+    def head_budget(self, n_cached: int, phase: str) -> int | None:
+        return self.size if phase == "prefill" and n_cached > self.size else None
+
+    def ranking(self, view: CacheView) -> Ranking:
+        # select's order reversed: the lowest pooled score goes first, a tie to the lower own
+        # score, then to the later position; the observation window stays
+        xp = view.xp
+        n = view.n_cached
+        prefix = max(n - self.window, 0)
+        own = view.ranking_scores
+        pooled = xp.concat([_POOLS[self.pooling](view, own[..., :prefix], self.kernel), own[..., prefix:]], axis=-1)
+        protected = xp.broadcast_to(view.arange(n) >= prefix, view.positions.shape)
+        return Ranking(protected, (pooled, own, -view.positions))
 
     min_size = 2
 

@@ -89,8 +89,67 @@ def _fmt(a: Any) -> str:
     return np.array2string(np.asarray(a), separator=", ", max_line_width=10**6, threshold=200)
 
 
+def held_per_head(positions: np.ndarray) -> int:
+    """Tokens a cache ``[batch, heads, n]`` (or ``[heads, n]``) holds per head: ``n``, or under
+    head-wise budgets (holes, position ``-1``) the mean over a row's heads, rounded up, the most
+    over rows.
+
+    Example:
+        >>> held_per_head(np.array([[[-1, 3, 4], [2, 3, 4]]]))
+        3
+    """
+    positions = np.asarray(positions)
+    if positions.size == 0 or positions.min() >= 0:
+        return int(positions.shape[-1])
+    rows = positions.reshape(-1, *positions.shape[-2:])
+    held = (rows >= 0).sum(axis=(1, 2))
+    return int(-(-held.max() // rows.shape[1]))
+
+
+def trim_holes(kept: np.ndarray) -> np.ndarray:
+    """``kept`` ``[heads, n]`` without its leading slots that are holes in every head (a row of a
+    batch keeps as many slots as the batch's widest head; alone, as its own widest).
+
+    Example:
+        >>> trim_holes(np.array([[-1, -1, 4], [-1, 3, 4]])).tolist()
+        [[-1, 4], [3, 4]]
+    """
+    kept = np.asarray(kept)
+    empty = np.all(kept < 0, axis=0)
+    lead = int(np.argmin(empty)) if not empty.all() else kept.shape[-1]
+    return kept[:, lead:]
+
+
+def check_positions(policy: EvictionPolicy, kept: np.ndarray, t: int, where: str) -> None:
+    """Positions ``[heads, n]`` after token ``t``: per head sorted, unique, in ``[0, t]`` after
+    leading holes (``-1``: head-wise budgets); at most ``capacity - 1`` tokens per head (on average
+    over the heads, under head-wise budgets); equal heads under shared selection. Raises
+    :class:`ContractViolation` naming ``where``."""
+    kept = np.asarray(kept)
+    if kept.dtype.kind not in "iu" or kept.ndim != 2:
+        raise ContractViolation(f"{where}: kept positions must be a [heads, n] int array, got {kept.dtype} {kept.shape}")
+    cap = policy.capacity
+    size = held_per_head(kept)
+    if cap is not None and size > cap - 1:
+        raise ContractViolation(
+            f"{policy!r} kept {size} tokens after token {t} ({where}); its capacity is {cap}, so at most "
+            f"{cap - 1} may remain after an eviction (the next token must fit)"
+        )
+    for h, full in enumerate(kept.tolist()):
+        row = [p for p in full if p != -1]
+        if full[: len(full) - len(row)] != [-1] * (len(full) - len(row)):
+            raise ContractViolation(f"{where}: positions after token {t} (head {h}) have holes (-1) after tokens: {full}")
+        if row != sorted(set(row)):
+            raise ContractViolation(f"{where}: positions after token {t} (head {h}) are not sorted and unique: {row}")
+        if row and (row[0] < 0 or row[-1] > t):
+            raise ContractViolation(f"{where}: positions after token {t} (head {h}) are outside [0, {t}]: {row}")
+    if getattr(policy, "selection", "per_head") == "shared" and kept.shape[0] > 1 and not (kept == kept[:1]).all():
+        raise ContractViolation(f"{where}: selection='shared' kept different tokens per head after token {t}: {kept.tolist()}")
+
+
 def check_keep(policy: EvictionPolicy, view: CacheView, keep: Any) -> np.ndarray:
-    """The keep array as int64 NumPy, after checking it against the contract."""
+    """The keep array as int64 NumPy, after checking it against the contract (rows may start
+    with holes, ``-1``: head-wise budgets)."""
     arr = np.asarray(keep)
     n = view.n_cached
     if arr.ndim != 3 or arr.shape[:2] != (view.batch, view.heads):
@@ -102,11 +161,14 @@ def check_keep(policy: EvictionPolicy, view: CacheView, keep: Any) -> np.ndarray
         raise ContractViolation(f"{policy!r} returned slots of dtype {arr.dtype}; expected integers (int64)")
     arr = arr.astype(np.int64, copy=False)
     k = arr.shape[-1]
-    if k >= n:
+    if k > n or (k == n and not (arr < 0).any()):
         raise ContractViolation(f"{policy!r} asked to evict but kept {k} of {n} tokens (return None to keep all)")
-    if k and (arr.min() < 0 or arr.max() >= n):
+    if k and (arr.min() < (-1 if policy.ragged_heads else 0) or arr.max() >= n):  # holes: head-wise budgets only
         raise ContractViolation(f"{policy!r} returned slots outside [0, {n}): {_fmt(arr)}")
-    if k > 1 and not np.all(np.diff(arr, axis=-1) > 0):
+    later, earlier = arr[..., 1:], arr[..., :-1]
+    if k > 1 and np.any((later < 0) & (earlier >= 0)):
+        raise ContractViolation(f"{policy!r} returned holes (-1) after slots (holes lead a row): {_fmt(arr)}")
+    if k > 1 and np.any((later <= earlier) & (later >= 0)):
         raise ContractViolation(f"{policy!r} returned slots that are not strictly ascending: {_fmt(arr)}")
     return arr
 
@@ -146,7 +208,13 @@ def probe_host_decision(policy: EvictionPolicy, view: CacheView) -> tuple[int | 
     the real scores (they are host decisions)."""
     probe = CacheView(view.positions, read_only(-view.scores), view.n_seen, dict(view.state), view.phase)
     keep = policy.evict(probe)
-    return (None if keep is None else int(np.asarray(keep).shape[-1])), probe.state
+    return kept_count(keep), probe.state
+
+
+def kept_count(keep: Any) -> int | None:
+    """Tokens a keep array keeps, over every row and head (holes, ``-1``, not counted), or
+    ``None`` for ``None``: the host decision (under head-wise budgets a head's share is not)."""
+    return None if keep is None else int((np.asarray(keep) >= 0).sum())
 
 
 class NumpyCache:
@@ -167,7 +235,7 @@ class NumpyCache:
 
     @property
     def length(self) -> int:
-        return int(self.positions.shape[-1])
+        return held_per_head(self.positions)
 
     def append(self, q: int, keys: np.ndarray | None = None) -> None:
         """``q`` tokens; ``keys`` ``[batch, heads, q, KEY_DIM]`` (default zeros) for a key statistic."""
@@ -197,7 +265,7 @@ class NumpyCache:
             cached = np.take_along_axis(self.all_keys, self.positions[..., None], axis=2)
             moments = None
             if self.policy.score_statistic == "expected_attention":  # each token's vector is its query too
-                counted = (np.arange(self.n_seen) >= self.policy.sink).astype(np.float64)  # type: ignore[attr-defined]
+                counted = (np.arange(self.n_seen) >= self.policy.statistic_policy.sink).astype(np.float64)  # type: ignore[attr-defined]
                 moments = query_moments(self.all_keys[:, :, None], np.broadcast_to(counted, (self.batch, self.n_seen)))
             self.scores = cache_scores(self.policy, cached, cached, self.positions, self.n_seen, moments)
         self.positions, self.scores, rounds = evict_until_done(
@@ -212,7 +280,7 @@ class NumpyCache:
             probed = probe_host_decision(self.policy, view)
         keep = self.policy.evict(view)
         if self.probe:
-            got = None if keep is None else int(np.asarray(keep).shape[-1])
+            got = kept_count(keep)
             if probed[0] != got:
                 raise ContractViolation(
                     f"{self.policy!r}: whether to evict / how many to keep depends on the score values "
@@ -293,13 +361,15 @@ def check_untouched(policy: EvictionPolicy, before: tuple[np.ndarray, np.ndarray
     for b, h in np.ndindex(*pos1.shape[:2]):
         real = pos0[b, h] >= 0  # (a slot freed by a one-token eviction reads as position -1 until compacted)
         p0, s0 = pos0[b, h][real], sc0[b, h][real]
-        where = np.searchsorted(p0, pos1[b, h])
+        held = pos1[b, h] >= 0  # (holes lead a head that keeps fewer, under head-wise budgets)
+        p1, s1 = pos1[b, h][held], sc1[b, h][held]
+        where = np.searchsorted(p0, p1)
         same = bool(np.all(where < p0.shape[-1]))
         if same:
             # (a key statistic's scores are the backend's own, recomputed from the keys at each
             # eviction: only the positions are the policy's to leave alone)
-            scores_kept = policy.score_statistic in KEY_STATISTICS or np.array_equal(s0[where], sc1[b, h], equal_nan=True)
-            same = np.array_equal(p0[where], pos1[b, h]) and scores_kept
+            scores_kept = policy.score_statistic in KEY_STATISTICS or np.array_equal(s0[where], s1, equal_nan=True)
+            same = np.array_equal(p0[where], p1) and scores_kept
         if not same:
             raise ContractViolation(
                 f"{policy!r} wrote into the view it was shown on the torch backend (row {b}, KV head {h}: the kept "
@@ -419,6 +489,7 @@ def decode_received(policy: EvictionPolicy, logits: np.ndarray, t: int, position
     b, kv, n = positions.shape
     cached = np.repeat(positions, group, axis=1)  # [batch, q_heads, n]
     row = np.take_along_axis(logits[:, t], cached, axis=-1) * log_n_scales(policy, np.asarray([n]))[0]  # n = kept keys
+    row = np.where(cached >= 0, row, -np.inf)  # holes (head-wise budgets) are not attended
     return step_received(policy, softmax(row)[:, None], group, np.ones((1, n), dtype=bool), None)
 
 

@@ -24,7 +24,8 @@ Four properties, each run on many drawn examples (see :mod:`kvpolicy.testing.pro
     :class:`kvpolicy_torch.LayerCache` in lockstep with bit-equal scores: the kept positions
     agree on every step of every example (when torch is installed); each row of a batch equals
     that row run alone; every ``select`` result is ``[batch, heads, k]`` integer slots, strictly
-    ascending, in range, evicting at least one token; *whether* to evict, *how many* to keep
+    ascending, in range, evicting at least one token (a head-wise policy, ``ragged_heads``, may
+    start a row with holes, ``-1``; its caches are compared without holes common to every head); *whether* to evict, *how many* to keep
     and the state update do not depend on the score values (the policy is probed with other
     scores); capacity and invariants as above.
 ``stateful``
@@ -54,7 +55,7 @@ from kvpolicy.driver import PolicyError
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
 
 from . import _format
-from ._driver import ContractViolation, NumpyCache, example_inputs, run_replay, sequence_rows
+from ._driver import ContractViolation, NumpyCache, check_positions, example_inputs, held_per_head, run_replay, sequence_rows, trim_holes
 from ._util import torch_available
 from .invariants import Invariant, policy_invariants, run_invariants
 from .strategies import TIE_KINDS, LogitsSpec, gqa_shapes, last_refusal, logits_specs, padded_batches, policies, prompt_lengths
@@ -77,26 +78,6 @@ PROPERTIES = ("replay", "sizes", "full_cache", "backends", "stateful")
 # ============================================================================ single examples
 def _first(prompt_len: int) -> int:
     return max(prompt_len - 1, 0)
-
-
-def _check_positions(policy: EvictionPolicy, kept: np.ndarray, t: int, where: str) -> None:
-    """Sorted, unique, in ``[0, t]``; within capacity; equal heads under shared selection."""
-    kept = np.asarray(kept)
-    if kept.dtype.kind not in "iu" or kept.ndim != 2:
-        raise ContractViolation(f"{where}: kept positions must be a [heads, n] int array, got {kept.dtype} {kept.shape}")
-    cap = policy.capacity
-    if cap is not None and kept.shape[1] > cap - 1:
-        raise ContractViolation(
-            f"{policy!r} kept {kept.shape[1]} tokens after token {t} ({where}); its capacity is {cap}, so at most "
-            f"{cap - 1} may remain after an eviction (the next token must fit)"
-        )
-    for h, row in enumerate(kept.tolist()):
-        if row != sorted(set(row)):
-            raise ContractViolation(f"{where}: positions after token {t} (head {h}) are not sorted and unique: {row}")
-        if row and (row[0] < 0 or row[-1] > t):
-            raise ContractViolation(f"{where}: positions after token {t} (head {h}) are outside [0, {t}]: {row}")
-    if getattr(policy, "selection", "per_head") == "shared" and kept.shape[0] > 1 and not (kept == kept[:1]).all():
-        raise ContractViolation(f"{where}: selection='shared' kept different tokens per head after token {t}: {kept.tolist()}")
 
 
 def _keys_arg(policy: EvictionPolicy, expr: str, logits: str) -> str:
@@ -141,10 +122,10 @@ def check_replay(
         kept = trace.kept[t]
         if kept is None:
             raise ContractViolation(f"replay kept nothing after token {t}")
-        _check_positions(policy, kept, t, "replay")
+        check_positions(policy, kept, t, "replay")
         if previous is not None:
             for h in range(kept.shape[0]):
-                back = set(kept[h].tolist()) - set(previous[h].tolist()) - {t}
+                back = set(kept[h].tolist()) - set(previous[h].tolist()) - {t, -1}
                 if back:
                     raise ContractViolation(f"evicted positions {sorted(back)} came back after token {t} (head {h})")
         try:
@@ -283,7 +264,7 @@ def compare_backends(
 
     def on_step(t: int, positions: np.ndarray, rounds: list[tuple[int, int]]) -> None:
         for b in range(positions.shape[0]):
-            _check_positions(policy, positions[b], t, f"row {b}")
+            check_positions(policy, positions[b], t, f"row {b}")
             try:
                 run_invariants(invs, policy, positions[b], t)
             except AssertionError as e:
@@ -292,7 +273,7 @@ def compare_backends(
     kept = run_replay(policy, logits, prompt_len, group=group, torch=use_torch, probe=True, on_step=on_step)
     if cap is not None:
         for t in range(prompt_len, logits.shape[1]):
-            size = (kept[t - 1].shape[-1] if t > 0 and kept[t - 1] is not None else 0) + 1
+            size = (held_per_head(kept[t - 1]) if t > 0 and kept[t - 1] is not None else 0) + 1
             if size > cap:
                 raise ContractViolation(f"{policy!r} attended {size} tokens at token {t}, above its capacity {cap}")
     if logits.shape[0] > 1:
@@ -300,7 +281,7 @@ def compare_backends(
             alone = run_replay(policy, logits[b : b + 1], prompt_len, group=group, torch=False, probe=False)
             mine = sequence_rows(kept, b)
             for t, (x, y) in enumerate(zip(mine, alone)):
-                if x is not None and not np.array_equal(x, y[0]):
+                if x is not None and not np.array_equal(trim_holes(x), trim_holes(y[0])):
                     raise ContractViolation(
                         f"row {b} of a batch of {logits.shape[0]} kept {x.tolist()} after token {t}, but the same row "
                         f"alone keeps {y[0].tolist()}: rows of a batch must be independent"

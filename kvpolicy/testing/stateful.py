@@ -31,7 +31,7 @@ from kvpolicy._validation import check_bool
 from kvpolicy.policy import EvictionPolicy
 
 from . import _format
-from ._driver import ContractViolation, Lockstep, seeded_keys, softmax, step_received
+from ._driver import ContractViolation, Lockstep, check_positions, seeded_keys, softmax, step_received
 from .invariants import Invariant, policy_invariants, run_invariants
 from .strategies import LOGIT_EXTREMES, LOGIT_LEVELS, policies
 
@@ -119,7 +119,10 @@ class _Run:
             )
         rows = self.policy.prompt_rows if q > 1 else None  # a decode step's one query either way
         keys = seeded_keys(seed, (self.batch, self.heads, q))  # read by a policy scoring keys only
-        lock.append(q, received_for(kind, seed, self.batch, self.heads, lock.np.length, q, rows, policy=self.policy), keys)
+        slots = lock.np.positions.shape[-1]  # (under head-wise budgets more than lock.np.length)
+        received = received_for(kind, seed, self.batch, self.heads, slots, q, rows, policy=self.policy)
+        received[..., :slots][lock.np.positions < 0] = 0.0  # holes (head-wise budgets) receive nothing
+        lock.append(q, received, keys)
 
     def _evict(self) -> list[tuple[int, int]]:
         rounds = self.lock.evict(self._check_stable)
@@ -154,17 +157,8 @@ class _Run:
     def _check_stable(self) -> None:
         pos = self.lock.positions
         t = self.lock.n_seen - 1
-        cap = self.policy.capacity
-        if cap is not None and pos.shape[-1] > cap - 1:
-            raise ContractViolation(
-                f"{self.policy!r} kept {pos.shape[-1]} tokens after token {t}; its capacity is {cap}, so at most "
-                f"{cap - 1} may remain after an eviction"
-            )
         for b in range(pos.shape[0]):
-            for h in range(pos.shape[1]):
-                row = pos[b, h].tolist()
-                if row != sorted(set(row)) or (row and (row[0] < 0 or row[-1] > t)):
-                    raise ContractViolation(f"positions of row {b}, head {h} after token {t} are not sorted, unique, in [0, {t}]: {row}")
+            check_positions(self.policy, pos[b], t, f"row {b}")
             try:
                 run_invariants(self.invariants, self.policy, pos[b], t)
             except AssertionError as e:

@@ -49,7 +49,7 @@ import numpy as np
 from hypothesis import reject
 from hypothesis import strategies as st
 
-from kvpolicy import BUZZ, H2O, TOVA, EvictionPolicy, ExpectedAttention, FullCache, KeyDiff, Knorm, LocalWindow, Preset, Scissorhands, SnapKV, StreamingLLM
+from kvpolicy import BUZZ, H2O, TOVA, AdaKV, EvictionPolicy, ExpectedAttention, FullCache, KeyDiff, Knorm, LocalWindow, Preset, Scissorhands, SnapKV, StreamingLLM
 
 __all__ = [
     "LOGIT_EXTREMES",
@@ -58,6 +58,7 @@ __all__ = [
     "MIN_THRESHOLD",
     "TIE_KINDS",
     "PaddedBatch",
+    "adakv_policies",
     "any_policy",
     "builtin_strategy",
     "buzz_policies",
@@ -208,6 +209,21 @@ def scissorhands_policies(draw: st.DrawFn, **fixed: Any) -> Scissorhands:
     return _build(Scissorhands, params, fixed)  # type: ignore[return-value]
 
 
+@st.composite
+def adakv_policies(draw: st.DrawFn, **fixed: Any) -> AdaKV:
+    """:class:`~kvpolicy.AdaKV` over a per-head H2O, TOVA, Knorm, KeyDiff or SnapKV (drawn as
+    their own strategies draw them), ``alpha_safeguard`` 0, 1 or between."""
+    scorer = fixed.get("scorer", draw(st.one_of(
+        h2o_policies(selection="per_head"),
+        tova_policies(selection="per_head"),
+        key_policies(Knorm, selection="per_head"),
+        key_policies(KeyDiff, selection="per_head"),
+        snapkv_policies(selection="per_head"),
+    )))
+    alpha = fixed.get("alpha_safeguard", draw(st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0.05, 0.95))))
+    return AdaKV(scorer, alpha)
+
+
 def full_policies(**fixed: Any) -> st.SearchStrategy[FullCache]:
     """:class:`~kvpolicy.FullCache` (it has no parameters)."""
     return st.builds(FullCache)
@@ -241,6 +257,7 @@ _BUILTIN: dict[type, Callable[..., st.SearchStrategy]] = {
     ExpectedAttention: expected_attention_policies,
     SnapKV: snapkv_policies,
     Scissorhands: scissorhands_policies,
+    AdaKV: adakv_policies,
 }
 
 

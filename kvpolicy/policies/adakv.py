@@ -1,0 +1,252 @@
+"""Head-wise budgets: AdaKV (Feng et al., 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive
+Budget Allocation for Efficient LLM Inference")."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+from .._validation import check_float
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Ranking, SizeRule, WrappingPolicy
+from ..registry import get_policy, register_policy
+
+__all__ = ["AdaKV", "headwise_keep"]
+
+
+def _lexsort(keys: list[Array], xp: Any) -> Array:
+    """Slots ``[..., m]`` in ascending lexicographic order of ``keys`` (the first key first; equal
+    in every key: slot order), by stable sorts from the last key to the first."""
+    order = None
+    for key in reversed(keys):
+        if xp.isdtype(key.dtype, "real floating"):
+            key = xp.where(xp.isnan(key), -xp.inf, key)  # a NaN counts as -inf
+        if order is not None:
+            key = xp.take_along_axis(key, order, axis=-1)
+        step = xp.argsort(key, axis=-1, stable=True)
+        order = step if order is None else xp.take_along_axis(order, step, axis=-1)
+    return order
+
+
+def headwise_keep(view: CacheView, ranking: Ranking, budget: int, floor: int) -> Array:
+    """The keep array of one head-wise eviction: of each row's tokens (every head of the layer),
+    keep ``budget``, the tokens ``ranking`` evicts last over all heads, after each head's
+    ``floor`` best and every protected token.
+
+    In order: holes go first (they hold nothing), then the unprotected tokens outside their head's
+    ``floor`` best by ``ranking``'s keys (over all heads at once; a tie in every key goes to the
+    lower head), until ``budget`` remain. The result is ``[batch, heads, k]`` with ``k`` the most
+    tokens a head keeps; a head keeping fewer starts with holes (``-1``). Reads ``k`` on the host.
+
+    Args:
+        view: the layer (``held``: which slots hold a token).
+        ranking: the scorer's order (:meth:`~kvpolicy.EvictionPolicy.ranking`).
+        budget: tokens kept per row, over all heads (at most the tokens held).
+        floor: tokens each head keeps at least (its best by ``ranking``; fewer if it holds fewer).
+
+    Example (head 0 attends sharply, head 1 broadly: head 1 keeps more):
+        >>> import numpy as np
+        >>> from kvpolicy import CacheView, Ranking
+        >>> s = np.array([[[0.9, 0.0, 0.1, 0.0], [0.3, 0.2, 0.25, 0.15]]])
+        >>> view = CacheView(np.broadcast_to(np.arange(4), (1, 2, 4)), s, 4)
+        >>> ranking = Ranking(np.zeros((1, 2, 4), dtype=bool), (s, view.positions))
+        >>> headwise_keep(view, ranking, budget=4, floor=1).tolist()
+        [[[-1, -1, 0], [0, 1, 2]]]
+        >>> headwise_keep(view, ranking, budget=4, floor=2).tolist()  # floors of 2: 2 tokens each
+        [[[0, 2], [0, 2]]]
+    """
+    xp = view.xp
+    batch, heads, n = view.positions.shape
+    held = view.held
+    protected = ranking.protected & held
+    # each head's eviction order: holes first, protected tokens last
+    order = _lexsort([xp.astype(held, xp.int8), xp.astype(protected, xp.int8), *ranking.keys], xp)
+    place = xp.argsort(order, axis=-1)  # a slot's place in its head's order (the inverse permutation)
+    must = protected | (held & (place >= n - floor))  # the head's `floor` best, and what is protected
+    # one order over the row's heads (flattened head by head: a full tie goes to the lower head)
+    flat = [xp.reshape(k, (batch, heads * n)) for k in (xp.astype(held, xp.int8), xp.astype(must, xp.int8), *ranking.keys)]
+    rank = xp.argsort(_lexsort(flat, xp), axis=-1)
+    kept = xp.reshape(rank >= heads * n - budget, (batch, heads, n))
+    widest = int(xp.max(xp.sum(xp.astype(kept, xp.int64), axis=-1)))
+    slots = xp.where(kept, view.arange(n), -1)
+    return xp.sort(slots, axis=-1)[..., n - widest :]
+
+
+@register_policy
+class AdaKV(WrappingPolicy):
+    """Head-wise budgets (AdaKV) over a scorer: one top-k over a layer's KV heads, a floor per head.
+
+    A layer's budget is shared among its KV heads by one top-k over all heads' scores.
+
+    Where the ``scorer`` (H2O, TOVA, Knorm, KeyDiff, SnapKV, any policy that declares
+    :meth:`~kvpolicy.EvictionPolicy.ranking`) would keep ``b`` tokens in every one of a layer's
+    ``H`` KV heads, AdaKV keeps ``H x b`` tokens in the layer: first each head's
+    ``floor = int(alpha_safeguard x b)`` best by the scorer's ranking and every token the scorer
+    protects (its recent or observation window), then the best of the rest over all heads at once
+    (:func:`headwise_keep`). Heads whose attention is spread keep more, heads that attend sharply
+    fewer. The scorer decides when (its :meth:`~kvpolicy.EvictionPolicy.head_budget` on the
+    layer's mean tokens per head): after a prompt (SnapKV), or at every decode step once full
+    (H2O, TOVA, KeyDiff, Knorm), where a step adds one token to each head and so evicts ``H``
+    tokens of the layer, the lowest over all heads outside the floors: which heads lose a token
+    is decided by their scores. ``alpha_safeguard = 1`` is the scorer itself (every head keeps
+    its own ``b``); ``0`` is one top-k with no floor.
+
+    Kept tokens are freed, not masked (kvpress's ``AdaKVPress`` masks them and keeps the memory):
+    a head keeping fewer tokens than the layer's widest holds holes in its first slots (position
+    ``-1``), so a layer's storage is its widest head's tokens times its heads (docs/design.md,
+    "Head-wise budgets"). :attr:`capacity` is per head *on average* (the layer holds at most
+    ``H x (capacity - 1)`` tokens between steps); one head may hold up to
+    :meth:`head_capacity` ``(H)``.
+
+    Parameters:
+        scorer: a policy that ranks tokens (``selection="per_head"``), e.g. ``SnapKV(size=64)``.
+        alpha_safeguard: the fraction of its share ``b`` each head keeps at least (``[0, 1]``;
+            kvpress's default 0.2).
+
+    Registered presets (planned like any policy: ``make_policy("adakv_snapkv", 0.3, ...)``):
+    ``adakv_snapkv``, ``adakv_h2o``, ``adakv_keydiff``, ``adakv_tova``, ``adakv_expected_attention``
+    (kvpress's leaderboard leader); ``adakv`` plans with
+    ``scorer="<registry name>"``.
+
+    Example:
+        >>> from kvpolicy import AdaKV, H2O
+        >>> p = AdaKV(H2O(heavy=6, recent=2), alpha_safeguard=0.25)
+        >>> p.capacity, p.floor, p.head_capacity(4)
+        (9, 2, 27)
+    """
+
+    name = "adakv"
+
+    def __init__(self, scorer: EvictionPolicy, alpha_safeguard: float = 0.2) -> None:
+        if not isinstance(scorer, EvictionPolicy):
+            raise ValueError(
+                f"scorer must be an EvictionPolicy instance (e.g. SnapKV(size=64)), got {scorer!r}; to plan one from a "
+                "budget use make_policy('adakv', budget, ..., scorer='snapkv')"
+            )
+        if not scorer.ranks_tokens:
+            raise ValueError(
+                f"scorer must rank tokens by a score (declare ranking() and head_budget(): H2O, TOVA, Knorm, KeyDiff, "
+                f"SnapKV), got {scorer!r}"
+            )
+        if scorer.selection != "per_head":
+            raise ValueError(
+                f"scorer must select per head (selection='per_head'): AdaKV shares the layer's budget among its heads; "
+                f"got {scorer!r}"
+            )
+        self.alpha_safeguard = check_float("alpha_safeguard", alpha_safeguard, low=0.0, high=1.0)
+        super().__init__(selection="per_head")
+        self.scorer = self.wrapped = scorer
+        self.log_n = scorer.log_n
+
+    # ---------------------------------------------------------------- what backends read
+    # (the scorer's: WrappingPolicy; its capacity is per head on average here)
+    ragged_heads = True  # (a class attribute over WrappingPolicy's property: AdaKV makes heads differ)
+
+    @property
+    def capacity(self) -> int | None:
+        """Most tokens a layer holds per head *on average* (the scorer's capacity)."""
+        return self.scorer.capacity
+
+    @property
+    def share(self) -> int:
+        """``b``: the tokens per head the scorer keeps when it evicts (its ``head_budget``)."""
+        b = self.scorer.head_budget(sys.maxsize, "prefill")
+        assert b is not None  # a scorer evicts from any number of tokens after a prompt
+        return b
+
+    @property
+    def floor(self) -> int:
+        """Tokens each head keeps at least: ``int(alpha_safeguard x share)``."""
+        return self.floor_of(self.share)
+
+    def floor_of(self, share: int) -> int:
+        """``int(alpha_safeguard x share)`` (kvpress's rounding), computed without float error
+        at ``alpha_safeguard = 1``."""
+        return share if self.alpha_safeguard == 1.0 else int(math.floor(self.alpha_safeguard * share))
+
+    def head_capacity(self, heads: int) -> int | None:
+        """Most tokens one of ``heads`` heads ever holds: the layer's ``heads x share`` less the
+        others' floors, plus the token a decode step appends (``None`` when the scorer is
+        unbounded)."""
+        if self.capacity is None:
+            return None
+        return heads * self.share - (heads - 1) * self.floor + 1
+
+    @property
+    def decode_eviction(self) -> DecodeEviction | None:
+        return None  # a step evicts one token per head of the layer, from whichever heads score lowest
+
+    # ---------------------------------------------------------------- the rule
+    def init_state(self) -> dict[str, int]:
+        # every head gains one token a step, so with `kept` per head (on average) after the last
+        # eviction, at `seen` tokens, a layer now holds kept + n_seen - seen per head on average
+        # (host integers: the widest head, n_cached, depends on the scores)
+        return {"seen": 0, "kept": 0}
+
+    def mean_tokens(self, view: CacheView) -> int:
+        """Tokens the layer holds per head on average (host integers only): ``n_cached`` until
+        AdaKV first evicts (only it makes heads differ; another policy, e.g. a composition's
+        prefill, may have evicted before), then what it kept plus the tokens seen since."""
+        if view.state["kept"] == 0:
+            return view.n_cached
+        return view.state["kept"] + view.n_seen - view.state["seen"]
+
+    def select(self, view: CacheView) -> Array | None:
+        b = self.scorer.head_budget(self.mean_tokens(view), view.phase)
+        if b is None:
+            return None
+        xp = view.xp
+        # the scorer ranks a view whose holes score 0 (backends differ there: 0 or +inf), so
+        # pooling (SnapKV) next to them is pooling at the edge
+        scores = xp.where(view.held, view.scores, xp.zeros_like(view.scores))
+        ranking = self.scorer.ranking(CacheView(view.positions, scores, view.n_seen, {}, view.phase))
+        view.state.update(seen=view.n_seen, kept=b)
+        return headwise_keep(view, ranking, view.heads * b, self.floor_of(b))
+
+    def size_rule(self) -> SizeRule | None:
+        """The scorer's rule: exact with one head (the planners'); with more, ``n`` is the widest
+        head's, so the rule may say "evict" where :meth:`select` declines (backends then ask it)."""
+        return self.scorer.size_rule()
+
+    def params(self) -> dict[str, Any]:
+        """The scorer as plain data (registry name and parameters) and ``alpha_safeguard``."""
+        return {
+            "scorer": {"policy": self.scorer.name, **self.scorer.params(), "selection": self.scorer.selection},
+            "alpha_safeguard": self.alpha_safeguard,
+        }
+
+    def __repr__(self) -> str:
+        return f"AdaKV(scorer={self.scorer!r}, alpha_safeguard={self.alpha_safeguard!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AdaKV) and (self.scorer, self.alpha_safeguard) == (other.scorer, other.alpha_safeguard)
+
+    def __hash__(self) -> int:
+        return hash(("AdaKV", self.scorer, self.alpha_safeguard))
+
+    min_size = 2
+
+    @classmethod
+    def from_size(cls, size: int, **overrides: Any) -> "AdaKV":
+        """``scorer`` (required: a registry name) planned with ``from_size(size)`` and
+        ``selection="per_head"``; ``alpha_safeguard`` is AdaKV's; the other overrides are the
+        scorer's."""
+        scorer = overrides.pop("scorer", None)
+        if not isinstance(scorer, str):
+            raise ValueError(
+                "AdaKV plans from a scorer's registry name: scorer='snapkv' (or h2o, tova, knorm, keydiff; or use a "
+                f"preset such as adakv_snapkv), got {scorer!r}"
+            )
+        alpha = overrides.pop("alpha_safeguard", 0.2)
+        entry = get_policy(scorer)
+        overrides.setdefault("selection", "per_head")
+        return cls(entry.from_size(max(size, entry.min_size), **overrides), alpha)
+
+
+for _scorer in ("snapkv", "h2o", "keydiff", "tova", "expected_attention"):
+    register_policy(
+        AdaKV,
+        name=f"adakv_{_scorer}",
+        preset={"scorer": _scorer},
+        doc=f"AdaKV head-wise budgets over {_scorer} (per head), alpha_safeguard 0.2",
+    )
