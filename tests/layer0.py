@@ -49,3 +49,18 @@ def layer0_logits_and_keys(model: Any, tokens: torch.Tensor) -> tuple[Any, Any]:
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     logits = torch.einsum("bhqd,bhkd->bqhk", q, k) * model.model.layers[0].self_attn.scaling
     return logits[0].detach().double().numpy(), k[0].transpose(0, 1).detach().double().numpy()
+
+
+def greedy_tokens(model: Any, cache: Any, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """``ids`` and ``steps`` greedily decoded tokens after them ``[batch, prompt + steps]``, the
+    model running with ``cache`` (an EvictingCache: what the layer-0 differential tests replay)."""
+    from kvpolicy.hf import cache_kwargs
+
+    with torch.no_grad():
+        out = model(ids, **cache_kwargs(model, cache))
+        tokens = [ids]
+        for _ in range(steps):
+            tok = out.logits[:, -1:].argmax(-1)
+            tokens.append(tok)
+            out = model(tok, **cache_kwargs(model, cache))
+    return torch.cat(tokens, dim=1)

@@ -135,14 +135,9 @@ def test_evicting_cache_keeps_what_the_reference_keeps_on_layer0(policy) -> None
     model = tiny_llama(num_layers=2, heads=4, kv_heads=4, head_dim=8, vocab=96, seed=3).double()
     ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(5))
     cache = EvictingCache(policy, model)
-    with torch.no_grad():
-        out = model(ids, **cache_kwargs(model, cache))
-        tokens = [ids]
-        for _ in range(20):
-            tok = out.logits[:, -1:].argmax(-1)
-            tokens.append(tok)
-            out = model(tok, **cache_kwargs(model, cache))
-    logits, keys = _layer0(model, torch.cat(tokens, dim=1))
+    from layer0 import greedy_tokens
+
+    logits, keys = _layer0(model, greedy_tokens(model, cache, ids, 20))
     trace = kvpolicy_numpy.replay(policy, logits, prompt_len=ids.shape[1], keys=keys)
     np.testing.assert_array_equal(cache.layers[0].store.positions[0].numpy(), trace.kept[-1])
     for layer in cache.layers:

@@ -238,14 +238,9 @@ def test_evicting_cache_keeps_what_the_reference_keeps_on_layer0(policy, no_scor
     with torch.no_grad():
         model(ids, **cache_kwargs(model, prefill))
     cache = EvictingCache(policy, model)
-    with torch.no_grad():
-        out = model(ids, **cache_kwargs(model, cache))
-        tokens = [ids]
-        for _ in range(20):
-            tok = out.logits[:, -1:].argmax(-1)
-            tokens.append(tok)
-            out = model(tok, **cache_kwargs(model, cache))
-    logits, keys, values, queries = _layer0(model, torch.cat(tokens, dim=1))
+    from layer0 import greedy_tokens
+
+    logits, keys, values, queries = _layer0(model, greedy_tokens(model, cache, ids, 20))
     rope = Rotary(model.model.rotary_emb.inv_freq.double().numpy())
     trace = kvpolicy_numpy.replay(policy, logits, 30, values=values, keys=keys, queries=queries, rope=rope)
     np.testing.assert_array_equal(prefill.layers[0].store.positions[0].numpy(), trace.kept[29])
