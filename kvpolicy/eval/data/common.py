@@ -21,7 +21,7 @@ from ..._validation import check_bool
 
 __all__ = [
     "TextDoc", "SummaryExample", "Passage", "QAExample", "RetrievalExample", "shared_data_dir", "shared_file",
-    "require_file", "decode_utf8", "read_jsonl_lines", "read_jsonl", "read_records", "record_errors", "select_rows",
+    "require_file", "given_or_shared", "decode_utf8", "read_jsonl_lines", "read_jsonl", "read_records", "record_errors", "select_rows",
     "install_hint", "PACKAGE_VERSIONS", "package_path",
 ]
 
@@ -127,6 +127,18 @@ def shared_file(name: str) -> Path | None:
         return None
     p = d / name
     return p if p.is_file() else None
+
+
+def given_or_shared(path: str | os.PathLike[str] | None, name: str, what: str, source: str) -> Path:
+    """The data file a loader reads: ``path`` when given (:func:`require_file`), else ``name`` in
+    the shared data folder (:func:`shared_file`); ``FileNotFoundError`` saying where to get it
+    (``source``) when neither is there."""
+    if path is not None:
+        return require_file(path, what)
+    found = shared_file(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} not found: pass path=... or set $KVPOLICY_DATA; get it from {source}")
+    return found
 
 
 def require_file(path: str | os.PathLike[str], what: str) -> Path:

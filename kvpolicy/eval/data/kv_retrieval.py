@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from .common import RetrievalExample, read_records, record_errors, require_file, select_rows, shared_file
+from .common import RetrievalExample, given_or_shared, read_records, record_errors, select_rows
 
 __all__ = ["KV_INSTRUCTION", "format_kv_records", "load_kv_retrieval", "format_kv_prompt"]
 
@@ -41,16 +41,8 @@ def load_kv_retrieval(
     ``context`` is the JSON-dict text of ``ordered_kv_records``; with ``gold_index`` the
     queried pair is moved to that position first (as in the paper's position sweeps).
     """
-    if path is not None:
-        p = require_file(path, "KV-retrieval jsonl")
-    else:
-        found = shared_file("kv-retrieval-75_keys.jsonl.gz")
-        if found is None:
-            raise FileNotFoundError(
-                "kv-retrieval-75_keys.jsonl.gz not found: pass path=... or set $KVPOLICY_DATA; get it "
-                "from https://github.com/nelson-liu/lost-in-the-middle (kv_retrieval_data/)"
-            )
-        p = found
+    p = given_or_shared(path, "kv-retrieval-75_keys.jsonl.gz", "KV-retrieval jsonl",
+                        "https://github.com/nelson-liu/lost-in-the-middle (kv_retrieval_data/)")
     rows = read_records(p)
     out: list[RetrievalExample] = []
     for i in select_rows(len(rows), limit, seed):

@@ -18,11 +18,10 @@ from .common import (
     Passage,
     QAExample,
     TextDoc,
+    given_or_shared,
     read_records,
     record_errors,
-    require_file,
     select_rows,
-    shared_file,
 )
 from .wiki_leads import load_wiki_leads
 
@@ -211,16 +210,8 @@ def load_nq_multidoc(
     for g in positions:
         if not 0 <= g < n_docs:
             raise ValueError(f"gold_positions: gold position {g} is outside [0, n_docs={n_docs}): each must be a document index")
-    if path is not None:
-        p = require_file(path, "NQ-open oracle jsonl")
-    else:
-        found = shared_file("nq-open-oracle.jsonl.gz")
-        if found is None:
-            raise FileNotFoundError(
-                "nq-open-oracle.jsonl.gz not found: pass path=... or set $KVPOLICY_DATA; get it from "
-                "https://github.com/nelson-liu/lost-in-the-middle (qa_data/nq-open-oracle.jsonl.gz)"
-            )
-        p = found
+    p = given_or_shared(path, "nq-open-oracle.jsonl.gz", "NQ-open oracle jsonl",
+                        "https://github.com/nelson-liu/lost-in-the-middle (qa_data/nq-open-oracle.jsonl.gz)")
     rows = read_records(p)
     pool = _distractor_pool(distractor_pool, distractor_max_words) if n_docs > 1 else None
     out: list[QAExample] = []
