@@ -191,6 +191,16 @@ def test_mistral_window_shorter_than_the_prompt():
     assert torch.equal(outs[0], outs[1])
 
 
+def _queries_rotate_back(model) -> bool:
+    from kvpolicy_integrations.capabilities import query_rotations
+
+    try:
+        query_rotations(model)
+    except ValueError:
+        return False
+    return True
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", sorted(MATRIX))
 def test_family_matrix(model_type):
@@ -211,6 +221,12 @@ def test_family_matrix(model_type):
         if name == "full":
             continue  # above
         policy = _plan(name, 0.3)
+        if policy.observes_queries and not _queries_rotate_back(model):
+            # a model whose keys move in a way no RoPE layout explains (a norm after RoPE): Expected
+            # Attention cannot rotate its queries back, and says so (no model without RoPE lands here)
+            with pytest.raises(ValueError, match="before RoPE"):
+                EvictingCache(policy, model, positions="original")
+            continue
         cache = EvictingCache(policy, model, positions="original")
         assert _generate(model, ids, cache, 16).shape[1] == PROMPT + 16
         assert _within_capacity(cache), name

@@ -28,7 +28,8 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["LayerAttention", "ModelCapabilities", "RopeLayout", "cache_kwargs", "detect", "text_config"]
+__all__ = ["LayerAttention", "ModelCapabilities", "RopeLayout", "cache_kwargs", "detect", "query_rotations", "rope_layouts",
+           "text_config"]
 
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     """The keyword that hands ``cache`` to ``model``'s forward and ``generate``: ``cache`` where the
@@ -236,6 +237,29 @@ def rope_layouts(model: torch.nn.Module) -> list[RopeLayout | None]:
         return _LAYOUTS[model]
     _LAYOUTS[model] = layouts = _measure_rope(model)
     return layouts
+
+
+def query_rotations(model: torch.nn.Module) -> list[RopeLayout | None]:
+    """What rotation each layer's queries carry, for a statistic of the queries before RoPE
+    (Expected Attention): the measured :func:`rope_layouts`, or ``None`` for every layer of a model
+    with no rotary frequencies at all (absolute position embeddings, ALiBi: nothing rotates its
+    queries). ``ValueError`` when a model with rotary frequencies moves its keys in a way no RoPE
+    layout explains (e.g. a norm after RoPE): its queries cannot be rotated back.
+
+    Example:
+        >>> from kvpolicy.models import tiny_llama
+        >>> [(r.style, r.rotary_dim) for r in query_rotations(tiny_llama())][:1]
+        [('half', 16)]
+    """
+    try:
+        return rope_layouts(model)
+    except ValueError as exc:
+        if any(name.endswith("inv_freq") for name, _ in model.named_buffers()):
+            raise ValueError(
+                f"a statistic of the queries before RoPE (Expected Attention) cannot be kept for this model: {exc}. "
+                "Its queries cannot be rotated back; choose a policy scored from attention or keys"
+            ) from None
+        return [None] * int(text_config(model).num_hidden_layers)
 
 
 def _measure_rope(model: torch.nn.Module) -> list[RopeLayout | None]:

@@ -49,7 +49,7 @@ from kvpolicy.statistics import Rotary
 from kvpolicy_torch import LayerCache, LayerGroup, PrefixShift, received_attention, rope_matrix, rope_rotate
 from kvpolicy_torch.static import StepOptions, device_flag
 
-from .capabilities import LayerAttention, ModelCapabilities, RopeLayout, cache_kwargs, detect, rope_layouts
+from .capabilities import LayerAttention, ModelCapabilities, RopeLayout, cache_kwargs, detect, query_rotations, rope_layouts
 
 __all__ = [
     "ATTENTION_NAME",
@@ -817,7 +817,7 @@ class EvictingCache(Cache):
         if positions not in ("original", "cache"):
             raise ValueError(f"positions must be 'original' or 'cache', got {positions!r}")
         ropes: list[RopeLayout | None] = [None] * len(caps.layers)
-        if positions == "cache" or policy.score_statistic == "expected_attention":
+        if positions == "cache" or policy.observes_queries:
             # (Expected Attention rotates each query back to before RoPE and averages RoPE over the next positions)
             if not isinstance(model, torch.nn.Module):
                 raise ValueError(
@@ -825,7 +825,8 @@ class EvictingCache(Cache):
                     f"only its config: its RoPE layout is measured with one forward"
                     + ("; positions='original' works with a config" if positions == "cache" else "")
                 )
-            ropes = rope_layouts(model)
+            # (a model without RoPE serves Expected Attention with its queries as they are)
+            ropes = rope_layouts(model) if positions == "cache" else query_rotations(model)
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1 or None, got {max_tokens!r}")
         fused_decode = check_bool("fused_decode", fused_decode)
