@@ -87,7 +87,6 @@ def replay(
     sizes: list[int] = []
     evictions: list[tuple[int, int, int]] = []
     outputs = torch.zeros(steps, heads, values_t.shape[2], dtype=dtype, device=device)
-    dummy_keys = torch.zeros(1, heads, 1, 1, dtype=dtype, device=device)
     nonfinite: list[tuple[int, int]] = []  # (step, head) rows whose probabilities overflowed
 
     def step_evict(t: int) -> None:
