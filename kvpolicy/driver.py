@@ -164,7 +164,9 @@ def check_keep(policy: EvictionPolicy, keep: Any, positions: Any, *, values: boo
     """``keep`` (what ``policy`` returned for a view of ``positions`` ``[batch, heads, n]``) as int64
     on the positions' device, or :class:`PolicyError` naming the policy and the rule it broke:
     shape ``[batch, heads, k]``, integer slots, fewer than ``n`` (return ``None`` to keep every
-    token) and, with ``values``, strictly ascending (so unique) in ``[0, n)``. The value checks read
+    token; ``n`` itself for head-wise budgets when a hole is made, and for one process's share of a
+    sharded layer, :attr:`~kvpolicy.EvictionPolicy.sharded_heads`, whose heads may evict nothing in a
+    round that evicts elsewhere) and, with ``values``, strictly ascending (so unique) in ``[0, n)``. The value checks read
     the answer on the host: one read per eviction round (a sync on an accelerator), so the loop
     (:func:`kept_slots`) leaves them out only at a torch decode step of a built-in policy
     (:func:`kvpolicy.registry.is_builtin_policy`: held to the contract by the conformance kit), to
@@ -192,7 +194,9 @@ def check_keep(policy: EvictionPolicy, keep: Any, positions: Any, *, values: boo
         raise PolicyError(f"{policy!r}.select() returned slots of dtype {keep.dtype}; expected integers (int64)")
     keep = xp.astype(keep, xp.int64)
     k = keep.shape[-1]
-    if k > n or (k == n and not values and not policy.ragged_heads):  # (a ragged keep may make holes only)
+    # (a ragged keep may make holes only; one process's share of a sharded layer may keep it all
+    # while another process's heads evict: it still answers, so that every process records the round)
+    if k > n or (k == n and not values and not policy.ragged_heads):
         raise PolicyError(f"{policy!r} asked to evict but kept {k} of {n} tokens (select() returns None to keep every token)")
     if k and values:
         # holes (-1) may lead a row of a head-wise policy (ragged_heads); what follows ascends
@@ -201,10 +205,10 @@ def check_keep(policy: EvictionPolicy, keep: Any, positions: Any, *, values: boo
         if k > 1:
             later, earlier = keep[..., 1:], keep[..., :-1]
             bad = bad | xp.any(((later <= earlier) & (later >= 0)) | ((later < 0) & (earlier >= 0)))
-        if k == n:  # as many slots as the view: only a row that turns a token into a hole evicts
+        if k == n and not policy.sharded_heads:  # as many slots as the view: only a row that turns a token into a hole evicts
             bad = bad | ~xp.any(keep < 0)
         if bool(bad):
-            if k == n and not bool(xp.any(keep < 0)):
+            if k == n and not policy.sharded_heads and not bool(xp.any(keep < 0)):
                 raise PolicyError(
                     f"{policy!r} asked to evict but kept {k} of {n} tokens (select() returns None to keep every token)"
                 )
@@ -219,7 +223,9 @@ def check_capacity_kept(policy: EvictionPolicy, n_cached: int, positions: Any = 
     """:class:`PolicyError` when ``policy`` stopped evicting (``select`` returned ``None``) with
     more than its :attr:`~kvpolicy.EvictionPolicy.capacity` tokens cached: per head, or, when
     ``positions`` ``[batch, heads, n]`` are given and hold holes (head-wise budgets, whose capacity
-    is per head on average), on average over a row's heads.
+    is per head on average), on average over a row's heads. Not for one process's share of a
+    layer split over processes (:attr:`~kvpolicy.EvictionPolicy.sharded_heads`): its heads may
+    hold more than the layer's mean.
 
     Example:
         >>> from kvpolicy import StreamingLLM
@@ -230,6 +236,8 @@ def check_capacity_kept(policy: EvictionPolicy, n_cached: int, positions: Any = 
         kvpolicy.driver.PolicyError: StreamingLLM(sink=1, window=2) stopped evicting with 5 tokens cached, more than its capacity 4: select() must keep evicting (it is asked again after every round) until at most capacity - 1 tokens remain
     """
     cap = policy.capacity
+    if policy.sharded_heads:
+        return  # the capacity bounds the mean over all of a layer's heads, of which this process holds a share
     if cap is not None and n_cached > cap and positions is not None:
         xp = array_namespace(positions)
         held = xp.sum(xp.astype(positions >= 0, xp.int64), axis=(1, 2))  # [batch] (a host read: rare)

@@ -620,6 +620,13 @@ class EvictionPolicy(ABC):
     #: may show them; backends then count a row's slots as its widest head's.
     ragged_heads: ClassVar[bool] = False
 
+    #: ``True`` for a head-wise policy deciding for one process's share of a layer whose KV heads
+    #: are split over processes (:class:`~kvpolicy.policies.ShardedAdaKV`, tensor parallelism): its heads
+    #: may keep every token in a round that evicts on another process's heads, and hold more than
+    #: the layer's capacity per head on average (the capacity bounds the mean over *all* the
+    #: layer's heads, which no one process holds). The eviction loop's checks allow both.
+    sharded_heads: ClassVar[bool] = False
+
     #: ``False`` for a policy that never evicts (the full cache): the planners give it budget 1
     #: and refuse a capacity, and eval runs it once, as the reference line, not per budget.
     evicts: ClassVar[bool] = True

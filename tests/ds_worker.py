@@ -6,7 +6,8 @@
 
 For each model (a tiny *random* Llama with 8 query / 4 KV heads, and the real SmolLM2-135M with
 9 query / 3 KV heads, which AutoTP splits 6+3 / 2+1 over two ranks) and each case (full cache,
-BUZZ and H2O at 30%, H2O with shared selection at 30%), rank 0 first runs the single-process
+BUZZ and H2O at 30%, H2O with shared selection at 30%, the key statistics, AdaKV over H2O, KeyDiff
+and SnapKV at 30%), rank 0 first runs the single-process
 reference with plain transformers, then every rank runs the same greedy generation through
 ``kvpolicy.deepspeed.init_inference``. Every rank writes its generated tokens and each layer's
 kept positions (its local KV heads) to ``DIR``; the pytest process compares them.
@@ -47,6 +48,10 @@ def cases(prompt_length: int, new_tokens: int) -> dict[str, object]:
         "knorm30": make_policy("knorm", 0.3, **run),  # scores from keys: no capture, each rank its heads
         "keydiff30": make_policy("keydiff", 0.3, **run),
         "ea30": make_policy("expected_attention", 0.3, **run),  # + each rank's own query heads' moments
+        # head-wise budgets: one top-k over all of a layer's KV heads, each rank gathering the others' scores
+        "adakv_h2o30": make_policy("adakv_h2o", 0.3, **run),
+        "adakv_keydiff30": make_policy("adakv_keydiff", 0.3, **run),
+        "adakv_snapkv30": make_policy("adakv_snapkv", 0.3, **run),
     }
 
 
@@ -116,7 +121,7 @@ def main() -> None:
                 out / f"{name}_{case}_tp{args.tp}_rank{rank}.npz", toks, engine.last_cache,
                 kv_start=shard.kv_start, kv_stop=shard.kv_stop,
             )  # fmt: skip
-            if case == "h2o30shared":  # the gathered view agrees with the local one
+            if case == "h2o30shared" or case.startswith("adakv"):  # the gathered view agrees with the local one
                 gathered = engine.last_cache.gather_positions()
                 np.savez(out / f"{name}_{case}_tp{args.tp}_rank{rank}_gathered.npz",
                          **{f"layer{i}": g.numpy() for i, g in enumerate(gathered)})  # fmt: skip
@@ -125,6 +130,18 @@ def main() -> None:
             with torch.no_grad():
                 toks = engine.module.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(engine.module, cache), **gen)
             save(out / f"{name}_h2o30noreduce_tp{args.tp}_rank{rank}.npz", toks, cache)
+            # negative control: AdaKV on each rank's own heads alone (no gather of the others' scores)
+            cache = EvictingCache(policies["adakv_keydiff30"], engine.module)
+            with torch.no_grad():
+                toks = engine.module.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(engine.module, cache), **gen)
+            save(out / f"{name}_adakv_keydiff30local_tp{args.tp}_rank{rank}.npz", toks, cache)
+            # a batch of two under sharded head-wise budgets: refused alike on every rank (no rank left waiting)
+            try:
+                engine.generate(ids.repeat(2, 1), policy=policies["adakv_keydiff30"], **gen)
+                refused = ""
+            except ValueError as e:
+                refused = str(e)
+            (out / f"{name}_adakv_batch2_tp{args.tp}_rank{rank}.txt").write_text(refused)
         # engine.module.generate with a cache from make_cache (the do-it-yourself path)
         buzz = policies["buzz30"]
         cache = engine.make_cache(buzz)

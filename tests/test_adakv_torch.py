@@ -145,15 +145,26 @@ def test_evicting_cache_keeps_what_the_reference_keeps_on_layer0(policy) -> None
         assert held == 4 * (policy.share if policy.capacity is not None else trace.sizes[-1])
 
 
-def test_tensor_parallel_ranks_refuse_headwise_budgets() -> None:
-    """Under tensor parallelism a layer's heads are split over ranks, and AdaKV's one top-k over
-    them would need the ranks to exchange rankings: refused with the reason, not run per rank."""
-    from kvpolicy.deepspeed import ShardedEvictingCache, shard_layout
+def test_tensor_parallel_ranks_run_adakv_share_and_refuse_what_they_cannot_pair() -> None:
+    """Under tensor parallelism a layer's heads are split over ranks: each rank's layers run AdaKV's
+    share (ShardedAdaKV, which gathers the others' scores; the 2-rank run is in
+    tests/test_deepspeed_multi.py); AdaKV inside a composition and a batch of several sequences
+    are refused with the reason, before any exchange."""
+    from kvpolicy import compose
+    from kvpolicy.deepspeed import ShardedEvictingCache, TensorParallelHeads, shard_layout
+    from kvpolicy.policies import ShardedAdaKV
 
     model = tiny_llama(num_layers=1, heads=4, kv_heads=2, head_dim=8)
-    with pytest.raises(ValueError, match="tensor-parallel"):
-        ShardedEvictingCache(AdaKV(H2O(4, 2)), model, layout=shard_layout(model, 2), rank=0)
-    ShardedEvictingCache(AdaKV(H2O(4, 2)), model, layout=shard_layout(model, 1), rank=0)  # one rank: fine
+    cache = ShardedEvictingCache(AdaKV(H2O(4, 2)), model, layout=shard_layout(model, 2), rank=1)
+    policy = cache.layers[0].store.policy
+    assert isinstance(policy, ShardedAdaKV) and policy.wrapped == AdaKV(H2O(4, 2)) == cache.requested_policy
+    assert isinstance(policy.exchange, TensorParallelHeads) and (policy.exchange.heads, policy.exchange.start) == (2, 1)
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        cache.update(torch.zeros(2, 1, 3, 8), torch.zeros(2, 1, 3, 8), 0)
+    with pytest.raises(ValueError, match="AdaKV itself only"):
+        ShardedEvictingCache(compose(prefill=SnapKV(size=40), decode=AdaKV(H2O(4, 2))), model, layout=shard_layout(model, 2), rank=0)
+    one = ShardedEvictingCache(AdaKV(H2O(4, 2)), model, layout=shard_layout(model, 1), rank=0)  # one rank: AdaKV itself
+    assert one.layers[0].store.policy == AdaKV(H2O(4, 2)) and not one.headwise_split
 
 
 @pytest.mark.slow

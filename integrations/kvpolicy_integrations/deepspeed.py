@@ -12,7 +12,15 @@ and the policy state is head-sharded:
 * a policy with ``selection="shared"`` sums its scores over *all* KV heads before choosing one
   set of slots. Each rank sums its local heads and :func:`make_cache` passes an all-reduce (SUM)
   over the tensor-parallel group as ``reduce_scores``, so every rank chooses the same slots.
-  That is one small collective (``[batch, 1, cached]`` float32) per layer and eviction round.
+  That is one small collective (``[batch, 1, cached]`` float32) per layer and eviction round;
+* head-wise budgets (:class:`~kvpolicy.AdaKV`) rank all of a layer's KV heads at once (one
+  top-k), so the cache runs AdaKV's share for this rank (:class:`~kvpolicy.policies.ShardedAdaKV`):
+  in a round that evicts, each rank gathers every rank's positions and scores
+  (:class:`TensorParallelHeads`: an all-reduce of the width and an all-gather of ``[batch,
+  kv_heads, cached]``, twice), runs AdaKV on the whole layer and keeps its own heads' share: the
+  positions a single process keeps for the same heads. Whether to evict is decided on host
+  integers, alike on every rank (no exchange at a step that evicts nothing). One sequence at a
+  time (batch 1, refused otherwise); AdaKV inside another policy (a composition) is refused.
 
 How DeepSpeed 0.19 shards heads (``deepspeed/module_inject/tp_shard.py``, ``get_shard_size``;
 checked against real engines in ``tests/ds_worker.py``): with ``num_key_value_heads = K`` read
@@ -47,6 +55,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from kvpolicy.policies import AdaKV, ShardedAdaKV
 from kvpolicy.policy import EvictionPolicy
 
 from .capabilities import cache_kwargs, detect
@@ -62,6 +71,7 @@ __all__ = [
     "ModelGeometry",
     "ShardLayout",
     "ShardedEvictingCache",
+    "TensorParallelHeads",
     "init_inference",
     "local_heads",
     "check_launcher_env",
@@ -515,6 +525,49 @@ def local_heads(module: torch.nn.Module, geometry: ModelGeometry | None = None) 
 # ------------------------------------------------------------------------------------------------
 
 
+class TensorParallelHeads:
+    """The :class:`~kvpolicy.policies.HeadExchange` of one tensor-parallel rank: its KV heads
+    among the layer's (``layout[rank]``) and an all-gather over ``group``, for head-wise budgets
+    (:class:`~kvpolicy.policies.ShardedAdaKV`) under AutoTP.
+
+    :meth:`gather` is two collectives over ``group`` (every rank calls it, in the same order): an
+    all-reduce (MAX) of the width, then an all-gather of the rows padded to the widest rank's
+    width and the most heads a rank holds (AutoTP's split may be uneven: 2 + 1 heads).
+
+    Example (one rank: no process group needed):
+        >>> from kvpolicy.models import tiny_llama
+        >>> ex = TensorParallelHeads(shard_layout(tiny_llama(heads=9, kv_heads=3), 1), 0)
+        >>> ex.heads, ex.start, ex.gather(torch.tensor([[[4, 5]]]), -1).tolist()
+        (3, 0, [[[4, 5]]])
+    """
+
+    def __init__(self, layout: ShardLayout, rank: int, group: Any = None) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.tp_size:
+            raise ValueError(f"rank must be an integer in [0, {layout.tp_size}), got {rank!r}")
+        self.layout, self.rank, self.group = layout, rank, group
+        self.heads = layout.geometry.kv_heads
+        self.start = layout[rank].kv_start
+
+    def gather(self, x: torch.Tensor, fill: Any) -> torch.Tensor:
+        """Every rank's ``x`` ``[batch, its KV heads, n]``, in head order, each left-padded with ``fill``
+        to the widest rank's ``n``: ``[batch, kv_heads, widest]``."""
+        if self.layout.tp_size == 1:
+            return x
+        import torch.distributed as tdist
+
+        width = torch.tensor([x.shape[-1]], dtype=torch.int64, device=x.device)
+        tdist.all_reduce(width, op=tdist.ReduceOp.MAX, group=self.group)
+        m, most = int(width.item()), max(s.n_kv_heads for s in self.layout.shards)
+        padded = x.new_full((x.shape[0], most, m), fill)
+        padded[:, : x.shape[1], m - x.shape[-1] :] = x
+        parts = [torch.empty_like(padded) for _ in range(self.layout.tp_size)]
+        tdist.all_gather(parts, padded, group=self.group)
+        return torch.cat([p[:, : s.n_kv_heads] for p, s in zip(parts, self.layout.shards)], dim=1)
+
+    def __repr__(self) -> str:
+        return f"TensorParallelHeads(rank={self.rank} of {self.layout.tp_size}, KV heads {self.start}..{self.layout[self.rank].kv_stop - 1} of {self.heads})"
+
+
 def tp_all_reduce(group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     """A ``reduce_scores`` hook: all-reduce (SUM) of the head-summed scores over ``group``."""
     import deepspeed.comm as dist
@@ -544,17 +597,37 @@ class ShardedEvictingCache(EvictingCache):
         group: Any = None,
         positions: PositionsMode | None = None,
     ) -> None:
-        if policy.ragged_heads and layout.tp_size > 1:
-            raise ValueError(
-                f"{policy!r} shares a layer's budget over all of its KV heads (head-wise budgets), which are split over "
-                f"{layout.tp_size} tensor-parallel ranks here: the ranks would have to exchange their heads' rankings, "
-                "which kvpolicy does not do yet. Run it with tp_size=1 (or a per-head policy under tensor parallelism)"
-            )
+        #: the policy asked for (``policy``, the one the layers run, is its share of a sharded layer
+        #: for head-wise budgets)
+        self.requested_policy = policy
+        self.headwise_split = policy.ragged_heads and layout.tp_size > 1
+        if self.headwise_split:
+            # AdaKV's one top-k over a layer's heads: each rank gathers the others' scores when it evicts
+            if not isinstance(policy, AdaKV):
+                raise ValueError(
+                    f"{policy!r} shares a layer's budget over all of its KV heads (head-wise budgets), which are split over "
+                    f"{layout.tp_size} tensor-parallel ranks here: kvpolicy exchanges the ranks' scores for AdaKV itself "
+                    "only, not inside another policy (a composition, a per-layer schedule). Run it with tp_size=1, or "
+                    "AdaKV(scorer) alone"
+                )
+            policy = ShardedAdaKV(policy, TensorParallelHeads(layout, rank, group))
         reduce = tp_all_reduce(group) if policy.selection == "shared" and layout.tp_size > 1 else None
         super().__init__(policy, model, positions=positions, reduce_scores=reduce)
         self.layout = layout
         self.rank = rank
         self.group = group
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`EvictingCache.update`, refusing a batch of several sequences under head-wise
+        budgets split over ranks (every rank refuses alike, before any exchange: no rank waits)."""
+        if self.headwise_split and key_states.shape[0] > 1:
+            raise ValueError(
+                f"{self.requested_policy!r} over {self.tp_size} tensor-parallel ranks serves one sequence at a time "
+                f"(batch 1), got a batch of {key_states.shape[0]}: the cache groups a batch's rows by their widest KV head, "
+                "which differs between ranks, so the ranks' exchanges would not pair up. Generate one sequence per call"
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @property
     def shard(self) -> HeadShard:
@@ -566,7 +639,9 @@ class ShardedEvictingCache(EvictingCache):
 
     def gather_positions(self) -> list[torch.Tensor]:
         """Every layer's kept positions for *all* KV heads, ``[batch, kv_heads, cached]`` on CPU,
-        gathered from the ranks (a collective: call it on every rank)."""
+        gathered from the ranks (a collective: call it on every rank). Under head-wise budgets a
+        rank's rows are as wide as its widest head: the others are left-padded with holes (``-1``),
+        as a single process lays them out."""
         local = [layer.store.positions.detach().cpu() for layer in self.layers]
         if self.tp_size == 1:
             return local
@@ -574,7 +649,12 @@ class ShardedEvictingCache(EvictingCache):
 
         parts: list[Any] = [None] * self.tp_size
         tdist.all_gather_object(parts, local, group=self.group)
-        return [torch.cat([p[i] for p in parts], dim=1) for i in range(len(local))]
+        out = []
+        for i in range(len(local)):
+            # head-wise budgets: a rank's rows are as wide as its widest head; holes (-1) lead a row
+            widest = max(p[i].shape[-1] for p in parts)
+            out.append(torch.cat([torch.nn.functional.pad(p[i], (widest - p[i].shape[-1], 0), value=-1) for p in parts], dim=1))
+        return out
 
 
 def _unwrap(engine_or_model: Any) -> tuple[torch.nn.Module, Any]:
@@ -602,14 +682,16 @@ def make_cache(
         engine_or_model: a ``deepspeed.InferenceEngine`` (its ``module`` and ``mp_group`` are
             used), an :class:`EvictingInferenceEngine`, or a transformers model.
         policy: the eviction policy. With ``selection="shared"`` and more than one rank the
-            head-summed scores are all-reduced over the tensor-parallel group.
+            head-summed scores are all-reduced over the tensor-parallel group; AdaKV (head-wise
+            budgets) gathers the ranks' per-head scores when it evicts (batch 1).
         positions: ``"original"`` / ``"cache"`` (default: the policy's).
         tp_group: the tensor-parallel group when ``engine_or_model`` is a bare, already sharded
             model (an engine brings its own).
 
     Raises:
-        ValueError: the model type is unsupported, or the module's sharded projections do not have
-            the heads AutoTP's rule gives this rank (a sharding this cache does not understand).
+        ValueError: the model type is unsupported, the module's sharded projections do not have
+            the heads AutoTP's rule gives this rank (a sharding this cache does not understand), or
+            a head-wise policy other than AdaKV itself (e.g. a composition around it) is split over ranks.
 
     Example (on each rank, after ``engine = deepspeed.init_inference(model, tensor_parallel={"tp_size": 2},
     replace_with_kernel_inject=False)``)::

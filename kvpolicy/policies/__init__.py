@@ -1,7 +1,7 @@
 """Built-in policies, one per module."""
 
 from ..registry import mark_builtin_policies, register_policy
-from .adakv import AdaKV, headwise_keep
+from .adakv import AdaKV, HeadExchange, ShardedAdaKV, headwise_keep
 from .buzz import BUZZ, estimate_threshold, fixed_point_middle, small_stride, threshold_ratio
 from .composition import Composed, compose
 from .expected_attention import ExpectedAttention
@@ -21,6 +21,8 @@ mark_builtin_policies()  # register_policy refuses to replace these (or take the
 
 __all__ = [
     "AdaKV",
+    "HeadExchange",
+    "ShardedAdaKV",
     "headwise_keep",
     "BUZZ",
     "Composed",

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from .._validation import check_float
 from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Ranking, SizeRule, WrappingPolicy
 from ..registry import get_policy, register_policy
 
-__all__ = ["AdaKV", "headwise_keep"]
+__all__ = ["AdaKV", "HeadExchange", "ShardedAdaKV", "headwise_keep"]
 
 
 def _lexsort(keys: list[Array], xp: Any) -> Array:
@@ -191,8 +191,15 @@ class AdaKV(WrappingPolicy):
             return view.n_cached
         return view.state["kept"] + view.n_seen - view.state["seen"]
 
+    def head_share(self, view: CacheView) -> int | None:
+        """``b``, the tokens per head this view's eviction keeps on average (the scorer's
+        :meth:`~kvpolicy.EvictionPolicy.head_budget` on :meth:`mean_tokens`), or ``None`` when
+        it keeps every token: host integers only, so every process of a sharded layer
+        (:class:`ShardedAdaKV`) decides alike without exchanging a thing."""
+        return self.scorer.head_budget(self.mean_tokens(view), view.phase)
+
     def select(self, view: CacheView) -> Array | None:
-        b = self.scorer.head_budget(self.mean_tokens(view), view.phase)
+        b = self.head_share(view)
         if b is None:
             return None
         xp = view.xp
@@ -250,3 +257,131 @@ for _scorer in ("snapkv", "h2o", "keydiff", "tova", "expected_attention"):
         preset={"scorer": _scorer},
         doc=f"AdaKV head-wise budgets over {_scorer} (per head), alpha_safeguard 0.2",
     )
+
+
+@runtime_checkable
+class HeadExchange(Protocol):
+    """How one process reaches the rest of a layer whose KV heads are split over processes
+    (tensor parallelism: each rank holds a contiguous block of them), for :class:`ShardedAdaKV`.
+
+    Attributes:
+        heads: the layer's KV heads, over all processes.
+        start: this process's first head among them (its heads are ``start, start + 1, ...``).
+
+    :meth:`gather` is a collective: every process calls it, in the same order, with arrays of
+    its own heads. ``kvpolicy.deepspeed.TensorParallelHeads`` is the one over a
+    ``torch.distributed`` group.
+    """
+
+    heads: int
+    start: int
+
+    def gather(self, x: Array, fill: Any) -> Array:
+        """``x`` ``[batch, local heads, n]`` of every process, in head order: ``[batch, heads, m]``,
+        each process's rows left-padded with ``fill`` to the widest process's ``m`` (a head-wise
+        layout's holes lead its rows, so a left-padded row is the same row)."""
+        ...
+
+
+class ShardedAdaKV(WrappingPolicy):
+    """:class:`AdaKV` for one process's share of a layer whose KV heads are split over processes
+    (tensor parallelism): the same tokens per head as AdaKV on the whole layer.
+
+    AdaKV ranks all of a layer's heads at once (one top-k), so when it evicts, each process
+    gathers every process's positions and scores (two calls of ``exchange.gather``, each
+    ``[batch, heads, n]``, padded), runs AdaKV on the whole layer, identically everywhere, and
+    keeps its own heads' share, in its own slots. Whether to evict is decided on host integers
+    (:meth:`AdaKV.head_share`), alike on every process, so a step that evicts nothing exchanges
+    nothing. A process whose heads lose no token in a round that evicts elsewhere still answers
+    (with all its slots: :attr:`~kvpolicy.EvictionPolicy.sharded_heads`), so that every process
+    records the round in the policy's state.
+
+    What a process allocates: its heads' widest, as a single process would (AdaKV's
+    :attr:`capacity` per head, grown up to :meth:`head_capacity` of the *whole* layer's heads: one
+    process's heads may take more than their share of the layer's budget). A size rule would see
+    one process's widest head only, so there is none: backends ask :meth:`select` at every step.
+
+    One sequence at a time (batch 1): the torch backend groups a batch's rows by their widest
+    head, which differs between processes (``kvpolicy.deepspeed`` refuses a larger batch).
+
+    Parameters:
+        adakv: the :class:`AdaKV` policy of the whole layer.
+        exchange: the :class:`HeadExchange` of this process.
+
+    Example (rank 1 of 2, holding head 2 of a layer's 3; its exchange here knows rank 0's rows):
+        >>> import numpy as np
+        >>> from kvpolicy import CacheView, H2O
+        >>> positions = np.broadcast_to(np.arange(5), (1, 3, 5))
+        >>> scores = np.array([[[9.0, 0, 0, 0, 1], [5, 4, 3, 2, 1], [4, 4, 0, 1, 1]]])
+        >>> class Rank1:
+        ...     heads, start = 3, 2
+        ...     def gather(self, x, fill):  # (a collective in real use: kvpolicy.deepspeed.TensorParallelHeads)
+        ...         return np.concatenate([(positions if fill == -1 else scores)[:, :2], x], axis=1)
+        >>> adakv = AdaKV(H2O(heavy=2, recent=1), alpha_safeguard=0.5)
+        >>> adakv.select(CacheView(positions, scores, 5, adakv.init_state())).tolist()  # one process, 3 heads
+        [[[-1, -1, 0, 4], [0, 1, 2, 4], [-1, 0, 1, 4]]]
+        >>> ShardedAdaKV(adakv, Rank1()).select(CacheView(positions[:, 2:], scores[:, 2:], 5, adakv.init_state())).tolist()
+        [[[0, 1, 4]]]
+    """
+
+    name = "adakv"  # the policy it runs (not registered itself: it holds a process's exchange)
+    ragged_heads = True
+    sharded_heads = True
+    size_rule = None  # a process's count is its widest head's, which says nothing of the layer's
+
+    def __init__(self, adakv: AdaKV, exchange: HeadExchange) -> None:
+        if not isinstance(adakv, AdaKV):
+            raise ValueError(f"adakv must be an AdaKV policy (head-wise budgets over a scorer), got {adakv!r}")
+        if not isinstance(exchange, HeadExchange):
+            raise ValueError(f"exchange must be a HeadExchange (heads, start, gather(x, fill)), got {exchange!r}")
+        heads, start = exchange.heads, exchange.start
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            raise ValueError(f"exchange.heads must be a positive integer, got {heads!r}")
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < heads:
+            raise ValueError(f"exchange.start must be an integer in [0, {heads}), got {start!r}")
+        super().__init__(selection="per_head")
+        self.wrapped = adakv
+        self.exchange = exchange
+        self.log_n = adakv.log_n
+
+    def head_capacity(self, heads: int) -> int | None:
+        """Most tokens one head ever holds: AdaKV's for the *layer's* heads (``exchange.heads``),
+        whatever ``heads`` this process holds."""
+        return self.wrapped.head_capacity(self.exchange.heads)
+
+    def init_state(self) -> dict[str, int]:
+        return self.wrapped.init_state()
+
+    def for_layer(self, layer: int, layers: int) -> EvictionPolicy:
+        inner = self.wrapped.for_layer(layer, layers)
+        return self if inner is self.wrapped else ShardedAdaKV(inner, self.exchange)  # type: ignore[arg-type]
+
+    def select(self, view: CacheView) -> Array | None:
+        if self.wrapped.head_share(view) is None:  # host integers, alike on every process: no exchange
+            return None
+        xp = view.xp
+        local, n = view.heads, view.n_cached
+        positions = self.exchange.gather(view.positions, -1)
+        scores = self.exchange.gather(view.scores, 0)
+        m = int(positions.shape[-1])
+        whole = CacheView(positions, scores, view.n_seen, view.state, view.phase)  # (AdaKV records the round in state)
+        keep = self.wrapped.select(whole)
+        if keep is None:  # pragma: no cover - budget() said it evicts, on the same integers
+            raise RuntimeError(f"{self.wrapped!r} declined on the whole layer after deciding to evict")
+        start = self.exchange.start
+        mine = keep[:, start : start + local, :]
+        mine = xp.where(mine >= 0, mine - (m - n), xp.full_like(mine, -1))  # the whole layer's slots -> this process's
+        widest = int(xp.max(xp.sum(xp.astype(mine >= 0, xp.int64), axis=-1)))
+        return mine[..., mine.shape[-1] - widest :]
+
+    def params(self) -> dict[str, Any]:
+        return {"adakv": self.wrapped, "heads": self.exchange.heads, "start": self.exchange.start}
+
+    def __repr__(self) -> str:
+        return f"ShardedAdaKV({self.wrapped!r}, heads={self.exchange.heads}, start={self.exchange.start})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ShardedAdaKV) and self.wrapped == other.wrapped and self.exchange is other.exchange
+
+    def __hash__(self) -> int:
+        return hash(("ShardedAdaKV", self.wrapped, self.exchange.heads, self.exchange.start))
