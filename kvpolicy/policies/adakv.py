@@ -371,7 +371,8 @@ class ShardedAdaKV(WrappingPolicy):
         start = self.exchange.start
         mine = keep[:, start : start + local, :]
         mine = xp.where(mine >= 0, mine - (m - n), xp.full_like(mine, -1))  # the whole layer's slots -> this process's
-        widest = int(xp.max(xp.sum(xp.astype(mine >= 0, xp.int64), axis=-1)))
+        # as wide as this process's widest head; one slot (a hole) if its heads keep nothing (floor 0)
+        widest = max(int(xp.max(xp.sum(xp.astype(mine >= 0, xp.int64), axis=-1))), 1)
         return mine[..., mine.shape[-1] - widest :]
 
     def params(self) -> dict[str, Any]:
