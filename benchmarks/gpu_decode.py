@@ -73,7 +73,7 @@ def build_model(shape: dict[str, Any], device: str, dtype: Any, seed: int = 0) -
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvpolicy.models import rebuild_rotary
+    from kvpolicy_tools.models import rebuild_rotary
 
     config = LlamaConfig(**shape, attn_implementation="sdpa", pad_token_id=0, bos_token_id=1, eos_token_id=2)
     with torch.device("meta"):
@@ -292,7 +292,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch
 
-    from kvpolicy.perf.report import machine, machine_line, markdown_table
+    from kvpolicy_tools.perf.report import machine, machine_line, markdown_table
 
     device = args.device
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]

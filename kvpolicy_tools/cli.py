@@ -17,18 +17,23 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .driver import PolicyError
+import numpy as np
 
-__all__ = ["main", "synthetic_logits", "draw_trace", "check_output_file", "check_output_folder", "describe_os_error"]
+from kvpolicy import __version__
+from kvpolicy.budget import make_policy, plan_policy
+from kvpolicy.policy import EvictionPolicy
+from kvpolicy.registry import Preset, available_policies, create_policy, get_policy, signature_of
+from kvpolicy_numpy import replay
 
+from .command import CLIError, check_output_file, describe_os_error, run_command
+from .eval import compare
+from .perf import bench
 
-class CLIError(ValueError):
-    """A user error the CLI reports without a traceback."""
+__all__ = ["main", "build_parser", "synthetic_logits", "draw_trace"]
 
 
 # ============================================================================ helpers
@@ -62,8 +67,6 @@ def _parse_sets(items: Sequence[str] | None) -> dict[str, Any]:
 
 def _entry_params(entry: Any) -> list[tuple[str, Any, bool]]:
     """``(name, default, required)`` for every constructor parameter of a registry entry."""
-    from .registry import Preset, signature_of
-
     cls = entry.cls if isinstance(entry, Preset) else entry
     fixed = entry.fixed if isinstance(entry, Preset) else {}
     sig = inspect.signature(cls.__init__).parameters
@@ -76,8 +79,6 @@ def _entry_params(entry: Any) -> list[tuple[str, Any, bool]]:
 
 def _check_overrides(name: str, overrides: dict[str, Any]) -> Any:
     """The registry entry for ``name``, after checking ``overrides`` name its parameters."""
-    from .registry import get_policy
-
     entry = get_policy(name)
     known = [p for p, _, _ in _entry_params(entry)]
     unknown = sorted(set(overrides) - set(known))
@@ -99,8 +100,6 @@ def _add_policies(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_policies(args: argparse.Namespace) -> int:
-    from .registry import Preset, available_policies
-
     rows = []
     for name, entry in available_policies().items():
         cls = entry.cls if isinstance(entry, Preset) else entry
@@ -133,8 +132,6 @@ def _cmd_policies(args: argparse.Namespace) -> int:
 
 
 def _base_from_size() -> Any:
-    from .policy import EvictionPolicy
-
     return EvictionPolicy.from_size.__func__
 
 
@@ -152,8 +149,6 @@ def _add_plan(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .budget import plan_policy
-
     overrides = _parse_sets(args.set)
     entry = _check_overrides(args.name, overrides)
     plan = plan_policy(entry, args.budget, context_length=args.context, prompt_length=args.prompt,
@@ -171,8 +166,6 @@ def synthetic_logits(steps: int, heads: int = 1, seed: int = 0) -> "Any":
     """Attention logits ``[steps, heads, steps]`` that look a little like a language model's:
     a strong first token (the attention sink), a few heavy-hitter columns per head, a recency
     bias and occasional "sentence boundary" tokens, over Gaussian noise."""
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     q = np.arange(steps)[:, None]
     k = np.arange(steps)[None, :]
@@ -193,13 +186,12 @@ def synthetic_logits(steps: int, heads: int = 1, seed: int = 0) -> "Any":
 def draw_trace(trace: Any, policy: Any, out: str | Path, *, title: str | None = None) -> Path:
     """Draw ``trace`` like the BUZZ paper's Figure 1: x the decode step, y the position, a dark
     pixel where the position is kept after that step (light: evicted; white: not yet seen)."""
-    import matplotlib
+    import matplotlib  # optional: the plot extra
 
     matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-    import numpy as np
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
+    import matplotlib.pyplot as plt  # optional: the plot extra
+    from matplotlib.colors import ListedColormap  # optional: the plot extra
+    from matplotlib.patches import Patch  # optional: the plot extra
 
     steps = len(trace.kept)
     heads = next(k for k in trace.kept if k is not None).shape[0]
@@ -264,61 +256,8 @@ def _add_trace(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("trace.png"), help="PNG to write (default trace.png)")
 
 
-def check_output_file(path: Path, flag: str) -> Path:
-    """``path`` if a file can be written there (its folder exists or can be made, and it is not a
-    folder itself), else :class:`CLIError` naming ``flag``; checked before any work is done.
-
-    Example:
-        >>> check_output_file(Path("/proc/x.png"), "--out")
-        Traceback (most recent call last):
-        ...
-        kvpolicy.cli.CLIError: --out /proc/x.png: cannot write there (/proc is not a folder kvpolicy may write to)
-    """
-    if path.is_dir():
-        raise CLIError(f"{flag} {path}: is a folder; give a file name, e.g. {path / 'trace.png'}")
-    _check_writable_below(path.parent, path, flag)
-    return path
-
-
-def check_output_folder(path: Path, flag: str) -> Path:
-    """``path`` if it is a folder that can be written to or made, else :class:`CLIError` naming
-    ``flag`` (``kvpolicy compare --out``: checked before the model is loaded).
-
-    Example:
-        >>> check_output_folder(Path("/proc/report"), "--out")
-        Traceback (most recent call last):
-        ...
-        kvpolicy.cli.CLIError: --out /proc/report: cannot write there (/proc is not a folder kvpolicy may write to)
-    """
-    _check_writable_below(path, path, flag)
-    return path
-
-
-def _check_writable_below(folder: Path, path: Path, flag: str) -> None:
-    """The nearest existing folder at or above ``folder`` must be a folder kvpolicy may write to."""
-    import os
-
-    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
-    if existing is not None and not existing.is_dir():
-        raise CLIError(f"{flag} {path}: {existing} is a file, not a folder")
-    # /proc, /sys and read-only mounts: os.access may say yes to root, so look at the mount as well
-    writable = existing is not None and os.access(existing, os.W_OK)
-    if writable:
-        try:
-            writable = not (os.statvfs(existing).f_flag & os.ST_RDONLY) and existing.resolve().parts[1:2] not in (("proc",), ("sys",))
-        except OSError:
-            writable = False
-    if not writable:
-        raise CLIError(f"{flag} {path}: cannot write there ({existing} is not a folder kvpolicy may write to)")
-
-
 def _cmd_trace(args: argparse.Namespace) -> int:
-    import numpy as np
 
-    from kvpolicy_numpy import replay
-
-    from .budget import make_policy
-    from .registry import create_policy
 
     check_output_file(args.out, "--out")
     if args.logits is not None:
@@ -363,30 +302,6 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 
 # ============================================================================ compare
-def _add_compare(p: argparse.ArgumentParser) -> None:
-    from .eval.compare import add_arguments
-
-    add_arguments(p)
-
-
-def _cmd_compare(args: argparse.Namespace) -> int:
-    from .eval.compare import run
-
-    return run(args)
-
-
-def _add_bench(p: argparse.ArgumentParser) -> None:
-    from .perf.bench import add_arguments
-
-    add_arguments(p)
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from .perf.bench import run
-
-    return run(args)
-
-
 # ============================================================================ the parser
 @dataclass(frozen=True)
 class _Verb:
@@ -401,14 +316,12 @@ _VERBS: list[_Verb] = [
     _Verb("policies", "list the registered policies with their parameters", _add_policies, _cmd_policies),
     _Verb("plan", "resolve a policy's parameters from a cache budget", _add_plan, _cmd_plan),
     _Verb("trace", "replay a policy and draw the kept positions over time (PNG)", _add_trace, _cmd_trace),
-    _Verb("compare", "compare the policies on real text with a real model and write a report", _add_compare, _cmd_compare),
-    _Verb("bench", "CPU benchmarks: eviction cost vs cache size, decode speed and memory, step breakdown", _add_bench, _cmd_bench),
+    _Verb("compare", "compare the policies on real text with a real model and write a report", compare.add_arguments, compare.run),
+    _Verb("bench", "CPU benchmarks: eviction cost vs cache size, decode speed and memory, step breakdown", bench.add_arguments, bench.run),
 ]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-
     parser = argparse.ArgumentParser(
         prog="kvpolicy",
         description="KV-cache eviction policies (BUZZ, H2O, StreamingLLM, local window): list, plan, trace.",
@@ -420,36 +333,6 @@ def build_parser() -> argparse.ArgumentParser:
         verb.add_arguments(p)
         p.set_defaults(run_verb=verb.run)  # the verb's function, read by main()
     return parser
-
-
-def describe_os_error(e: OSError) -> str:
-    """An ``OSError`` as one line that names the file first (``/proc/x.png: No such file or
-    directory`` rather than ``[Errno 2] ...``); an error raised with a message of its own keeps it.
-
-    Example:
-        >>> describe_os_error(FileNotFoundError(2, "No such file or directory", "/proc/x.png"))
-        '/proc/x.png: No such file or directory'
-    """
-    if e.strerror and e.filename is not None:
-        return f"{e.filename}: {e.strerror}"
-    return str(e) or type(e).__name__
-
-
-def run_command(prog: str, run: Callable[[argparse.Namespace], Any], args: argparse.Namespace) -> int:
-    """``run(args)`` as a command's exit status: a ``ValueError`` (the library's documented
-    errors, and :class:`CLIError`) or an ``OSError`` (a file or folder that cannot be read or
-    written: it names the path) is the user's, printed as ``prog: error: ...`` with status 2."""
-    try:
-        return int(run(args) or 0)
-    except ValueError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"{prog}: error: {describe_os_error(e)}", file=sys.stderr)
-        return 2
-    except PolicyError as e:  # a (third-party) policy broke its contract: it names the policy
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:

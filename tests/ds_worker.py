@@ -27,7 +27,7 @@ import torch
 from kvpolicy import FullCache, make_policy
 from kvpolicy.deepspeed import init_inference, local_heads, weight_numel_per_rank
 from kvpolicy.hf import EvictingCache, cache_kwargs
-from kvpolicy.models import load, tiny_llama
+from kvpolicy_tools.models import load, tiny_llama
 
 PROMPT = (
     "Read the notes and answer. "

@@ -115,7 +115,7 @@ def test_static_shapes_and_chunks_after_a_headwise_eviction_are_refused() -> Non
 
 # ============================================================================ transformers
 transformers = pytest.importorskip("transformers")
-from kvpolicy.models import tiny_llama  # noqa: E402
+from kvpolicy_tools.models import tiny_llama  # noqa: E402
 from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
 
 

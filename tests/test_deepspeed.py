@@ -27,7 +27,7 @@ from kvpolicy.deepspeed import (  # noqa: E402
     weight_numel_per_rank,
 )
 from kvpolicy.hf import cache_kwargs  # noqa: E402
-from kvpolicy.models import tiny_llama  # noqa: E402
+from kvpolicy_tools.models import tiny_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None

@@ -271,22 +271,22 @@ def test_buzz_log_parameters_checked_even_without_log_n() -> None:
 def _bool_sites():
     """Every public function or constructor with a bool parameter, called with ``value`` there
     (each call raises, on a bad value, before doing any work)."""
-    from kvpolicy.eval.data import Passage, SummaryExample, load_wiki_articles, make_needle_example
-    from kvpolicy.eval.tasks import QAOptions, SummarizationOptions
-    from kvpolicy.perf.decode import PolicySpec, standard_candidates
-    from kvpolicy.perf.report import machine
+    from kvpolicy_tools.eval.data import Passage, SummaryExample, load_wiki_articles, make_needle_example
+    from kvpolicy_tools.eval.tasks import QAOptions, SummarizationOptions
+    from kvpolicy_tools.perf.decode import PolicySpec, standard_candidates
+    from kvpolicy_tools.perf.report import machine
     from kvpolicy.testing import check_policy, compare_backends, policy_machine, replay_events
     from kvpolicy.testing.profiles import register_profiles
     from kvpolicy.testing.stateful import run_machine
     from kvpolicy.testing.timing import bench_report
 
     def evaluate(v):
-        from kvpolicy.eval.compare import evaluate
+        from kvpolicy_tools.eval.engine import evaluate
 
         return evaluate(None, None, [], [], [], progress=v)
 
     def load(v):
-        from kvpolicy.models import load
+        from kvpolicy_tools.models import load
 
         return load("smollm2-135m", progress=v)
 
@@ -296,7 +296,7 @@ def _bool_sites():
         return split_sizes(576, 2, kv_heads=3, by_heads=v)
 
     def evicting_cache(**flag):
-        from kvpolicy.models import tiny_llama
+        from kvpolicy_tools.models import tiny_llama
         from kvpolicy_integrations.hf import EvictingCache
 
         return EvictingCache(H2O(2, 2), tiny_llama().config, **flag)

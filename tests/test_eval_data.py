@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpolicy.eval import data as D
-from kvpolicy.eval.data import (
+from kvpolicy_tools.eval import data as D
+from kvpolicy_tools.eval.data import (
     BM25,
     Passage,
     QAExample,
@@ -34,7 +34,7 @@ from kvpolicy.eval.data import (
     parse_wikitext,
     strip_wiki_markup,
 )
-from kvpolicy.eval.metrics import normalize_answer
+from kvpolicy_tools.eval.metrics import normalize_answer
 
 SHARED = D.shared_data_dir()
 

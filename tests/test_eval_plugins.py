@@ -14,9 +14,9 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvpolicy.eval import compare  # noqa: E402
-from kvpolicy.eval.results import CellResult, TaskResult  # noqa: E402
-from kvpolicy.eval.tasks import Sample, Task, TaskOptions, register_task, task_registry, unregister_task  # noqa: E402
+from kvpolicy_tools.eval import compare  # noqa: E402
+from kvpolicy_tools.eval.results import CellResult, TaskResult  # noqa: E402
+from kvpolicy_tools.eval.tasks import Sample, Task, TaskOptions, register_task, task_registry, unregister_task  # noqa: E402
 from test_compare import CharTokenizer, _sources  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def _run(tmp_path, *extra, model) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def model():
-    from kvpolicy.models import tiny_llama
+    from kvpolicy_tools.models import tiny_llama
 
     return tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, max_position_embeddings=1024)
 
@@ -82,7 +82,7 @@ def test_a_task_from_outside_runs_through_compare(registered, model, tmp_path) -
     assert task["title"] == "Toy: words answered" and task["n_samples"] == 1
     assert {c["policy"] for c in task["cells"]} == {"full", "h2o"}
     assert all("words" in c["metrics"] for c in task["cells"])
-    from kvpolicy.eval.tasks import TokenizerAdapter
+    from kvpolicy_tools.eval.tasks import TokenizerAdapter
 
     want = len(TokenizerAdapter(CharTokenizer()).prompt_ids(" ".join(["cat"] * 12)))
     assert task["prompt_tokens"]["max"] == want  # its own option (--toy-words 12) reached it
@@ -134,7 +134,7 @@ def test_a_broken_entry_point_is_named(monkeypatch, target, message) -> None:
 def test_task_specific_checks_and_flags_live_in_the_task(tmp_path) -> None:
     """compare names no task: ppl's "nothing to run" check is PerplexityTask.check, and qa's
     --qa-distractors is QATask's own option (and in its rerun command)."""
-    from kvpolicy.eval.tasks import DataSources, QATask, make_tasks
+    from kvpolicy_tools.eval.tasks import DataSources, QATask, make_tasks
 
     args = compare.build_parser().parse_args(["--tasks", "ppl", "--policies", "h2o", "--budgets", "none",
                                               "--out", str(tmp_path)])
@@ -163,8 +163,8 @@ def test_registration_errors() -> None:
 def test_results_are_typed_and_a_fixed_seed_repeats_them(model, tmp_path) -> None:
     """evaluate() returns TaskResult / CellResult; two runs with the same seed write the same
     results (every number and command; only timings differ)."""
-    from kvpolicy.eval.compare import evaluate
-    from kvpolicy.eval.tasks import TokenizerAdapter, make_tasks
+    from kvpolicy_tools.eval.engine import evaluate
+    from kvpolicy_tools.eval.tasks import TokenizerAdapter, make_tasks
 
     tasks = make_tasks(["ppl"], TaskOptions(samples=1, context=48), _sources())
     out = evaluate(model, TokenizerAdapter(CharTokenizer()), tasks, ["full", "h2o"], [0.5], progress=False)
@@ -182,7 +182,7 @@ def test_results_are_typed_and_a_fixed_seed_repeats_them(model, tmp_path) -> Non
     assert strip(a["tasks"]) == strip(b["tasks"])
 
 
-@pytest.mark.parametrize("module", ["kvpolicy.eval.tasks.base", "kvpolicy.eval.results", "kvpolicy.params", "kvpolicy.statistics"])
+@pytest.mark.parametrize("module", ["kvpolicy_tools.eval.tasks.base", "kvpolicy_tools.eval.results", "kvpolicy.params", "kvpolicy.statistics"])
 def test_docstring_examples(module) -> None:
     import doctest
     import importlib

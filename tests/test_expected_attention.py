@@ -7,7 +7,7 @@
 * the torch backend (running moments, ``kvpolicy_torch.replay``) against the reference, bit for
   bit in the kept positions, with GQA groups and every RoPE layout (half, interleaved, partial);
 * the transformers cache against the reference on layer 0 of the tiny random-weight model
-  ``kvpolicy.models.tiny_llama`` (wiring and numerics, not language): the queries the layer sees,
+  ``kvpolicy_tools.models.tiny_llama`` (wiring and numerics, not language): the queries the layer sees,
   rotated back to before RoPE, make the same statistics; no score capture in attention;
 * docs/policies.md's worked example.
 
@@ -197,7 +197,7 @@ def test_planned_from_a_budget_and_listed() -> None:
 
 # ============================================================================ transformers
 transformers = pytest.importorskip("transformers")
-from kvpolicy.models import tiny_llama  # noqa: E402
+from kvpolicy_tools.models import tiny_llama  # noqa: E402
 from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
 
 

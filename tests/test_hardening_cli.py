@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from kvpolicy.cli import main  # noqa: E402
-from kvpolicy.eval import data as D  # noqa: E402
+from kvpolicy_tools.cli import main  # noqa: E402
+from kvpolicy_tools.eval import data as D  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

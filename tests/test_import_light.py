@@ -91,11 +91,11 @@ def test_core_works_without_torch() -> None:
 
 
 def test_cli_policies_without_torch() -> None:
-    pytest.importorskip("kvpolicy.cli")
+    pytest.importorskip("kvpolicy_tools.cli")
     res = run_blocked(
         """
         import sys
-        from kvpolicy.cli import main
+        from kvpolicy_tools.cli import main
         rc = main(["policies"])
         assert "torch" not in sys.modules
         raise SystemExit(rc)

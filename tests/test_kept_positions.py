@@ -1,7 +1,7 @@
 """benchmarks/peers/kept_positions.py (kept positions against kvpress's presses): skips cleanly
 without the kvpress venv, its pieces on their own, and, with the venv present
 (benchmarks/peers/setup_kvpress.sh), both sides on the tiny random-weight model
-``kvpolicy.models.tiny_llama`` (wiring, not language): the presses whose rule kvpolicy shares keep
+``kvpolicy_tools.models.tiny_llama`` (wiring, not language): the presses whose rule kvpolicy shares keep
 the same positions per layer and KV head."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_both_sides_keep_the_same_positions_on_a_tiny_model(kept, tmp_path):
     python = kept.kvpress_python(VENV)
     if python is None:
         pytest.skip("the kvpress venv is missing (benchmarks/peers/setup_kvpress.sh)")
-    from kvpolicy.models import tiny_llama
+    from kvpolicy_tools.models import tiny_llama
 
     model = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, vocab=96, seed=2).eval()
     model.save_pretrained(tmp_path / "model")

@@ -1,7 +1,7 @@
 """Scores from keys (``score_statistic`` ``"key_norm"`` / ``"key_diff"``): Knorm and KeyDiff on
 every backend. The NumPy reference (``replay(..., keys=)``) against a literal per-head oracle
 written here, the torch replay against the reference, the transformers cache against the
-reference on layer 0's keys (the tiny random-weight model ``kvpolicy.models.tiny_llama``: it
+reference on layer 0's keys (the tiny random-weight model ``kvpolicy_tools.models.tiny_llama``: it
 checks wiring and numerics, not language), no score capture in attention, and docs/policies.md's
 worked example. The kit's ``check_policy`` runs them in tests/test_contract.py, left-padded
 batches in tests/test_ragged.py, DeepSpeed's two ranks in tests/test_deepspeed_multi.py.
@@ -154,7 +154,7 @@ def test_layer_cache_ignores_attention_and_scores_from_the_held_keys() -> None:
 
 # ============================================================================ transformers
 transformers = pytest.importorskip("transformers")
-from kvpolicy.models import tiny_llama  # noqa: E402
+from kvpolicy_tools.models import tiny_llama  # noqa: E402
 from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
 
 

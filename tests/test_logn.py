@@ -114,7 +114,7 @@ def test_transformers_path_agrees_with_reference_above_and_below_512():
     pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from kvpolicy.models import tiny_llama
+    from kvpolicy_tools.models import tiny_llama
     from kvpolicy_integrations.hf import EvictingCache, cache_kwargs
 
     model = tiny_llama(num_layers=1, heads=2, kv_heads=2, head_dim=8, vocab=64, seed=4,

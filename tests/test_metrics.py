@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpolicy.eval.metrics import corpus_rouge, exact_match, exact_match_strict, normalize_answer
-from kvpolicy.eval.metrics import perplexity_from_nll, rouge, rouge_mean
+from kvpolicy_tools.eval.metrics import corpus_rouge, exact_match, exact_match_strict, normalize_answer
+from kvpolicy_tools.eval.metrics import perplexity_from_nll, rouge, rouge_mean
 
 # ----------------------------------------------------------------------------- ROUGE
 

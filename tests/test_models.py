@@ -1,4 +1,4 @@
-"""Tests for kvpolicy.models: tiny test models, describe(), and loading the embedded SmolLM2-135M."""
+"""Tests for kvpolicy_tools.models: tiny test models, describe(), and loading the embedded SmolLM2-135M."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvpolicy import models  # noqa: E402
-from kvpolicy.models import describe, load, resolve_dtype, tiny_llama  # noqa: E402
+from kvpolicy_tools import models  # noqa: E402
+from kvpolicy_tools.models import describe, load, resolve_dtype, tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.hf, pytest.mark.torch]
 
@@ -25,7 +25,7 @@ _HAS_GGUF = importlib.util.find_spec("gguf") is not None
 
 def test_import_does_not_pull_torch_or_transformers() -> None:
     code = (
-        "import sys, kvpolicy.models;"
+        "import sys, kvpolicy_tools.models;"
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules];"
         "assert not bad, bad"
     )

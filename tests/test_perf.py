@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from kvpolicy import BUZZ, H2O, FullCache, LocalWindow, StreamingLLM, simulate_sizes
 from kvpolicy.budget import _replay_sizes
 from kvpolicy.policy import CacheView
-from kvpolicy.perf.report import fit_slope, markdown_table, slopes
+from kvpolicy_tools.perf.report import fit_slope, markdown_table, slopes
 from strategies import any_policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,7 +152,7 @@ def test_layer_cache_index_select_path_keeps_the_same_tokens() -> None:
 # ============================================================================ transformers integration
 pytest.importorskip("transformers")
 
-from kvpolicy.models import tiny_llama  # noqa: E402
+from kvpolicy_tools.models import tiny_llama  # noqa: E402
 from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
 from kvpolicy_torch import decode_attention, rope_rotate  # noqa: E402
 
@@ -220,8 +220,8 @@ def test_fused_path_is_taken_in_decode_only(monkeypatch) -> None:
 
 
 # ============================================================================ benchmark machinery
-from kvpolicy.perf.decode import Candidate, build_cache, prefill  # noqa: E402
-from kvpolicy.perf.eviction import POLICIES, policy_at_size, workload  # noqa: E402
+from kvpolicy_tools.perf.decode import Candidate, build_cache, prefill  # noqa: E402
+from kvpolicy_tools.perf.eviction import POLICIES, policy_at_size, workload  # noqa: E402
 
 
 @pytest.mark.parametrize("name", POLICIES)
@@ -300,7 +300,7 @@ def make_local(budget, context_length, prompt_length):
 
 
 def test_bench_resolves_third_party_policies() -> None:
-    from kvpolicy.perf.bench import resolve_policy
+    from kvpolicy_tools.perf.bench import resolve_policy
 
     spec = resolve_policy("test_perf:HalfWindow")
     assert spec.budgeted and isinstance(spec.planner(0.25, 400, 300), HalfWindow)
@@ -313,7 +313,7 @@ def test_bench_resolves_third_party_policies() -> None:
 
 
 def test_bench_command_quick_on_a_tiny_model(tmp_path) -> None:
-    from kvpolicy.perf.bench import main
+    from kvpolicy_tools.perf.bench import main
 
     out = tmp_path / "bench"
     status = main([
@@ -376,7 +376,7 @@ def test_in_place_compaction_equals_gather_then_copy(policy, chunk_bytes, monkey
 
 
 # ============================================================================ endurance (issue 15)
-from kvpolicy.perf.endurance import (  # noqa: E402
+from kvpolicy_tools.perf.endurance import (  # noqa: E402
     CacheShape,
     EnduranceResult,
     EnduranceSample,
@@ -440,7 +440,7 @@ def test_endurance_refuses_what_it_cannot_measure() -> None:
 def test_endurance_docstring_example() -> None:
     import doctest
 
-    import kvpolicy.perf.endurance as module
+    import kvpolicy_tools.perf.endurance as module
 
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted and not result.failed

@@ -28,11 +28,11 @@ OURS = ("kvpolicy", "kvpolicy_numpy", "kvpolicy_torch", "kvpolicy_integrations")
 
 # (file relative to the repository root, the private name): why it stays.
 ALLOWED: dict[tuple[str, str], str] = {
-    ("kvpolicy/perf/decode.py", "_attn_implementation"): (
+    ("kvpolicy_tools/perf/decode.py", "_attn_implementation"): (
         "transformers has no public getter for a config's attention implementation "
         "(only the setter model.set_attn_implementation)"
     ),
-    ("kvpolicy/models.py", "_attn_implementation"): (
+    ("kvpolicy_tools/models.py", "_attn_implementation"): (
         "transformers has no public getter for a config's attention implementation; read for the model card"
     ),
     ("integrations/kvpolicy_integrations/hf.py", "_attn_implementation"): (
@@ -43,7 +43,7 @@ ALLOWED: dict[tuple[str, str], str] = {
         "torch._dynamo.mark_static_address is torch's documented way to give a compiled step's state "
         "fixed addresses (CUDA graphs); torch.compiler has no public alias (transformers' StaticCache uses it too)"
     ),
-    ("kvpolicy/models.py", "_is_quantized"): (
+    ("kvpolicy_tools/models.py", "_is_quantized"): (
         "transformers marks a GGUF-dequantised config as quantised with this flag and offers no public "
         "way to clear it; the model is saved as a plain float checkpoint"
     ),

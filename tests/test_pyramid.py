@@ -92,7 +92,7 @@ def test_each_layer_of_a_transformers_cache_holds_its_schedule() -> None:
     """Tiny random-weight Llama (4 layers): after the prompt and every decode step each layer
     keeps exactly its own H2O size."""
     pytest.importorskip("transformers")
-    from kvpolicy.models import tiny_llama
+    from kvpolicy_tools.models import tiny_llama
 
     p = PyramidKV("h2o", size=12, beta=4, floor=2)
     lengths, _ = _lengths_after_generate(tiny_llama(num_layers=4, seed=0), p, prompt=40, new=5)
@@ -104,7 +104,7 @@ def test_kept_bytes_per_layer_match_the_schedule_on_the_real_model() -> None:
     """SmolLM2-135M (real weights, 30 layers, 3 KV heads x 64 dims): each layer's kept keys and
     values take exactly its schedule size's bytes."""
     pytest.importorskip("transformers")
-    from kvpolicy import models
+    from kvpolicy_tools import models
 
     model = models.load("smollm2-135m")[0]
     p = make_policy("pyramid_h2o", 0.25, context_length=200 + 8, prompt_length=200)

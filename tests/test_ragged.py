@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
 from kvpolicy import BUZZ, H2O, AdaKV, TOVA, ExpectedAttention, FullCache, KeyDiff, Knorm, LocalWindow, Scissorhands, SnapKV, StreamingLLM, compose  # noqa: E402
-from kvpolicy.models import tiny_llama  # noqa: E402
+from kvpolicy_tools.models import tiny_llama  # noqa: E402
 from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
 from kvpolicy_torch import LayerCache  # noqa: E402
 
@@ -160,7 +160,7 @@ def test_layer_cache_rows_keep_what_each_row_keeps_alone(policy) -> None:
 # ============================================================================ the real model
 @pytest.fixture(scope="module")
 def smollm():
-    from kvpolicy.models import load
+    from kvpolicy_tools.models import load
 
     try:
         return load("smollm2-135m")

@@ -1,7 +1,7 @@
 """RULER (``kvpolicy compare --tasks ruler``): the generators, the metric, the options and a tiny
 end-to-end run.
 
-The end-to-end run uses the tiny random-weight Llama (``kvpolicy.models.tiny_llama``) with a
+The end-to-end run uses the tiny random-weight Llama (``kvpolicy_tools.models.tiny_llama``) with a
 character-level stand-in tokenizer and an in-memory haystack, at 1,000 tokens (characters): it checks the
 pipeline (samples, the question fed after the eviction, the report's subtask table and plot), not
 scores (random weights score ~0); at 1,000 characters the subtasks with long prompts (vt, cwe) do not
@@ -18,8 +18,8 @@ import string
 
 import pytest
 
-from kvpolicy.eval import ruler_data as R
-from kvpolicy.eval.data import QAExample, Passage, TextDoc
+from kvpolicy_tools.eval import ruler_data as R
+from kvpolicy_tools.eval.data import QAExample, Passage, TextDoc
 
 # one pseudo-word vocabulary big enough for every generator (cwe draws hundreds of distinct words)
 _RNG = random.Random(7)
@@ -159,8 +159,8 @@ def test_bad_arguments_name_the_parameter():
 
 
 def test_options_and_cli_errors(capsys):
-    from kvpolicy.cli import main
-    from kvpolicy.eval.tasks import RulerOptions
+    from kvpolicy_tools.cli import main
+    from kvpolicy_tools.eval.tasks import RulerOptions
 
     for kwargs, message in (({"length": 100}, "--ruler-length must be an integer in [256, 131072]"),
                             ({"question": "before"}, "--ruler-question must be 'after' or 'context'"),
@@ -198,14 +198,14 @@ class CharTokenizer:
 
 @pytest.fixture(scope="module")
 def tiny():
-    from kvpolicy.models import tiny_llama
+    from kvpolicy_tools.models import tiny_llama
 
     return tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, max_position_embeddings=1024)
 
 
 def _run(tiny, out, *extra):
-    from kvpolicy.eval import compare
-    from kvpolicy.eval.tasks import DataSources
+    from kvpolicy_tools.eval import compare
+    from kvpolicy_tools.eval.tasks import DataSources
 
     qa = [QAExample(id=f"q{i}", question=r["question"], answers=tuple(r["answers"]),
                     documents=(Passage(title=r["title"], text=r["text"], is_gold=True),), gold_index=0)
@@ -244,8 +244,8 @@ def test_question_after_the_eviction_is_not_seen_by_it(tiny):
     """With the question after the eviction, SnapKV (a prefill policy) keeps the same context tokens
     whatever the question; with the question in the prefill, its observation window is the question."""
     from kvpolicy import SnapKV
-    from kvpolicy.eval.compare import Engine
-    from kvpolicy.eval.tasks import TokenizerAdapter
+    from kvpolicy_tools.eval.engine import Engine
+    from kvpolicy_tools.eval.tasks import TokenizerAdapter
 
     tok = TokenizerAdapter(CharTokenizer())
     engine = Engine(tiny, tok)

@@ -278,7 +278,7 @@ def test_gpu_block_commands_parse_and_the_plan_runs(example, capsys):
 
 @pytest.fixture(scope="module")
 def small_checkpoint(tmp_path_factory) -> Path:
-    from kvpolicy.models import load
+    from kvpolicy_tools.models import load
 
     try:
         model, tok = load("smollm2-135m", dtype="float32")

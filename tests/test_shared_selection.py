@@ -131,7 +131,7 @@ def test_shared_reduction_count_through_evicting_cache():
     """The same through transformers' generate: reductions == eviction rounds over decode."""
     pytest.importorskip("transformers")
     from kvpolicy.hf import EvictingCache, cache_kwargs
-    from kvpolicy.models import tiny_llama
+    from kvpolicy_tools.models import tiny_llama
 
     model = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=8, vocab=64, seed=0)
     calls = []

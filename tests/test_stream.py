@@ -14,9 +14,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
 from kvpolicy import create_policy  # noqa: E402
-from kvpolicy.eval import compare  # noqa: E402
-from kvpolicy.eval.tasks import StreamTask, TaskOptions  # noqa: E402
-from kvpolicy.models import tiny_llama  # noqa: E402
+from kvpolicy_tools.eval import compare  # noqa: E402
+from kvpolicy_tools.eval.tasks import StreamTask, TaskOptions  # noqa: E402
+from kvpolicy_tools.models import tiny_llama  # noqa: E402
 from test_compare import CharTokenizer, _sources  # noqa: E402
 
 POLICIES = ["full", "local", "streaming_llm", "h2o", "buzz", "buzz_logn"]
@@ -60,7 +60,7 @@ def test_stream_perplexity_equals_a_hand_loop(model, stream):
     """Every cell's per-document negative log-likelihood equals a hand loop over the same tokens
     with the same (planned) cache, to 1e-6; the engine starts from a shared recorded prefill, the
     hand loop from the policy's own."""
-    from kvpolicy.eval.tasks import TokenizerAdapter
+    from kvpolicy_tools.eval.tasks import TokenizerAdapter
 
     _, res = stream
     task = res["tasks"]["stream"]
@@ -120,7 +120,7 @@ def test_stream_cells_both_equalisations_side_by_side(stream):
 
 
 def test_stream_verdicts_say_losses_plainly(stream):
-    from kvpolicy.eval.report import verdicts
+    from kvpolicy_tools.eval.report import verdicts
 
     _, res = stream
     fake = json.loads(json.dumps(res["tasks"]["stream"]))

@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from kvpolicy import BUZZ, H2O, FullCache, LocalWindow, StreamingLLM  # noqa: E402
 from kvpolicy.hf import EvictingCache, cache_kwargs  # noqa: E402
-from kvpolicy.models import tiny_llama  # noqa: E402
+from kvpolicy_tools.models import tiny_llama  # noqa: E402
 from kvpolicy_torch import LayerCache  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,11 +22,17 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from kvpolicy_torch import rope_rotate
 
 __all__ = ["LayerAttention", "ModelCapabilities", "RopeLayout", "cache_kwargs", "detect", "query_rotations", "rope_layouts",
            "text_config"]
@@ -37,7 +43,7 @@ def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     ``past_key_values``.
 
     Example:
-        >>> from kvpolicy.models import tiny_llama
+        >>> from kvpolicy_tools.models import tiny_llama
         >>> list(cache_kwargs(tiny_llama(num_layers=1), None)) in (["cache"], ["past_key_values"])
         True
     """
@@ -123,7 +129,6 @@ def _what_works(model_type: str) -> str:
 def _model_class(model_or_config: Any) -> type | None:
     if isinstance(model_or_config, torch.nn.Module):
         return type(model_or_config)
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = getattr(model_or_config, "config", model_or_config)
     for cfg in (config, text_config(config)):
@@ -138,8 +143,6 @@ def _uses_attention_interface(cls: type) -> bool:
     """Whether the model class's attention dispatches through ``ALL_ATTENTION_FUNCTIONS`` (what
     ``set_attn_implementation`` switches): declared by ``is_backend_compatible()``, or its
     modeling module dispatches through it (StableLM does without declaring it)."""
-    import sys
-
     if getattr(cls, "is_backend_compatible", lambda: False)():
         return True
     module = sys.modules.get(cls.__module__)
@@ -151,13 +154,11 @@ def detect(model_or_config: Any) -> ModelCapabilities:
     missing capability and what works when kvpolicy cannot serve it at all.
 
     Example:
-        >>> from kvpolicy.models import tiny_llama
+        >>> from kvpolicy_tools.models import tiny_llama
         >>> caps = detect(tiny_llama())
         >>> caps.model_type, caps.layers[0], caps.has_local_layers
         ('llama', LayerAttention(kind='full', window=None), False)
     """
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
     config = text_config(model_or_config)
     model_type = str(getattr(config, "model_type", None))
     for attr in ("num_hidden_layers", "num_attention_heads"):
@@ -229,7 +230,7 @@ def rope_layouts(model: torch.nn.Module) -> list[RopeLayout | None]:
     RoPE layout explains (then pos-shift cannot be done; ``positions="original"`` works).
 
     Example:
-        >>> from kvpolicy.models import tiny_llama
+        >>> from kvpolicy_tools.models import tiny_llama
         >>> [(r.style, r.rotary_dim) for r in rope_layouts(tiny_llama())][:1]
         [('half', 16)]
     """
@@ -247,7 +248,7 @@ def query_rotations(model: torch.nn.Module) -> list[RopeLayout | None]:
     layout explains (e.g. a norm after RoPE): its queries cannot be rotated back.
 
     Example:
-        >>> from kvpolicy.models import tiny_llama
+        >>> from kvpolicy_tools.models import tiny_llama
         >>> [(r.style, r.rotary_dim) for r in query_rotations(tiny_llama())][:1]
         [('half', 16)]
     """
@@ -263,9 +264,6 @@ def query_rotations(model: torch.nn.Module) -> list[RopeLayout | None]:
 
 
 def _measure_rope(model: torch.nn.Module) -> list[RopeLayout | None]:
-    from transformers import DynamicCache
-
-    from kvpolicy_torch import rope_rotate
 
     config = text_config(model)
     model_type = getattr(config, "model_type", None)

@@ -46,8 +46,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.distributed as tdist
 
+from kvpolicy import FullCache
+from kvpolicy._validation import check_bool
+from kvpolicy.budget import make_policy
 from kvpolicy.policy import EvictionPolicy
+from kvpolicy.registry import get_policy
 
 from .capabilities import cache_kwargs, detect
 from .hf import EvictingCache, PositionsMode
@@ -232,8 +237,6 @@ def split_sizes(total: int, tp_size: int, *, kv_heads: int | None, grain: int = 
         >>> split_sizes(13824, 8, kv_heads=40, by_heads=False)  # Llama-2-13B's MLP
         [1728, 1728, 1728, 1728, 1728, 1728, 1728, 1728]
     """
-    from kvpolicy._validation import check_bool
-
     by_heads = check_bool("by_heads", by_heads)
     sizes = []
     for rank in range(tp_size):
@@ -310,7 +313,7 @@ def shard_layout(model_or_config: Any, tp_size: int) -> ShardLayout:
     """The heads AutoTP gives each of ``tp_size`` ranks (no DeepSpeed, no process group needed).
 
     Example:
-        >>> from kvpolicy.models import tiny_llama
+        >>> from kvpolicy_tools.models import tiny_llama
         >>> [(s.n_q_heads, s.n_kv_heads) for s in shard_layout(tiny_llama(heads=9, kv_heads=3), 2).shards]
         [(6, 2), (3, 1)]
     """
@@ -402,7 +405,7 @@ def parameter_shard(
     read or generate exactly its part of a checkpoint without the whole model.
 
     Example:
-        >>> from kvpolicy.models import tiny_llama
+        >>> from kvpolicy_tools.models import tiny_llama
         >>> g = ModelGeometry.from_config(tiny_llama(heads=9, kv_heads=3, head_dim=16))
         >>> parameter_shard("model.layers.0.self_attn.q_proj.weight", (144, 144), g, 2, 1)
         (0, 96, 144)
@@ -479,7 +482,7 @@ def check_launcher_env(environ: Mapping[str, str] | None = None, *, accelerator:
     if world <= 1 or "LOCAL_SIZE" in env:
         return
     if accelerator is None:
-        from deepspeed.accelerator import get_accelerator
+        from deepspeed.accelerator import get_accelerator  # optional: the deepspeed extra
 
         accelerator = get_accelerator().device_name()
     if accelerator != "cpu":
@@ -517,7 +520,7 @@ def local_heads(module: torch.nn.Module, geometry: ModelGeometry | None = None) 
 
 def tp_all_reduce(group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     """A ``reduce_scores`` hook: all-reduce (SUM) of the head-summed scores over ``group``."""
-    import deepspeed.comm as dist
+    import deepspeed.comm as dist  # optional: the deepspeed extra
 
     def reduce_scores(summed: torch.Tensor) -> torch.Tensor:
         summed = summed.contiguous()
@@ -570,7 +573,6 @@ class ShardedEvictingCache(EvictingCache):
         local = [layer.store.positions.detach().cpu() for layer in self.layers]
         if self.tp_size == 1:
             return local
-        import torch.distributed as tdist
 
         parts: list[Any] = [None] * self.tp_size
         tdist.all_gather_object(parts, local, group=self.group)
@@ -622,8 +624,6 @@ def make_cache(
     module, group = _unwrap(engine_or_model)
     group = group if group is not None else tp_group
     if group is not None:
-        import torch.distributed as tdist
-
         tp_size, rank = tdist.get_world_size(group), tdist.get_rank(group)
         if rank < 0:
             raise ValueError("this process is not a member of the tensor-parallel group")
@@ -692,7 +692,7 @@ def _merged_config(config: str | os.PathLike[str] | Mapping[str, Any] | None, kw
 
 def _parse_ds_config(merged: Mapping[str, Any]) -> Any:
     """Parse with DeepSpeed's own pydantic schema (aliases, types, unknown keys), then apply the refusals."""
-    from deepspeed.inference.config import DeepSpeedInferenceConfig
+    from deepspeed.inference.config import DeepSpeedInferenceConfig  # optional: the deepspeed extra
 
     parsed = DeepSpeedInferenceConfig(**merged)
     for field_name, refused, message in _REFUSED_OPTIONS:
@@ -760,7 +760,6 @@ class EvictingInferenceEngine:
         policy = self.policy if policy is None else policy
         if isinstance(policy, EvictionPolicy):
             return policy
-        from kvpolicy.budget import make_policy
 
         if max_new_tokens is None:
             raise ValueError(f"policy {policy!r} is planned per run: pass max_new_tokens to generate()")
@@ -807,8 +806,6 @@ class EvictingInferenceEngine:
 
 
 def _placeholder_policy() -> EvictionPolicy:
-    from kvpolicy import FullCache
-
     return FullCache()
 
 
@@ -862,8 +859,6 @@ def init_inference(
     merged = _merged_config(config, ds_kwargs)
     parsed = _parse_ds_config(merged)  # refusals first: they hold whatever else is wrong
     if isinstance(policy, str):
-        from kvpolicy.registry import get_policy
-
         get_policy(policy)  # unknown names fail now, not at the first generate()
     geometry = ModelGeometry.from_config(model)
 
@@ -910,7 +905,7 @@ def init_inference(
     for key in ("tensor_parallel", "tp", "mp_size", "dtype", "max_out_tokens", "max_tokens", "replace_with_kernel_inject", "kernel_inject"):
         merged.pop(key, None)
     check_launcher_env()  # last: the configuration errors above say more
-    import deepspeed
+    import deepspeed  # optional: the deepspeed extra
 
     engine = deepspeed.init_inference(
         model,

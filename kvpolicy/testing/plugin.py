@@ -30,6 +30,9 @@ from typing import Any
 
 import pytest
 
+from kvpolicy.testing import check_policy
+from kvpolicy.testing.timing import policy_workload
+
 #: The contract properties (kept equal to ``kvpolicy.testing.contract.PROPERTIES`` by a test;
 #: spelled out so that loading the plugin does not import hypothesis).
 PROPERTIES = ("replay", "sizes", "full_cache", "backends", "stateful")
@@ -46,8 +49,6 @@ def kvpolicy_contract(request: pytest.FixtureRequest) -> Any:
     prop = getattr(request, "param", None)
 
     def check(policy_factory: Any = None, params: Any = None, **kwargs: Any) -> Any:
-        from kvpolicy.testing import check_policy
-
         if prop is not None:
             wanted = kwargs.pop("checks", None)
             if wanted is not None and prop not in wanted:
@@ -71,8 +72,6 @@ def kvpolicy_benchmark(request: pytest.FixtureRequest) -> Any:
         rounds: int = 5,
         **workload_kwargs: Any,
     ) -> Any:
-        from kvpolicy.testing.timing import policy_workload
-
         benchmark = request.getfixturevalue("benchmark")  # pytest-benchmark
         w = policy_workload(policy_factory, size, backend, **workload_kwargs)
         if measure == "one_eviction":

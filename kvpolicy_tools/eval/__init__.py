@@ -1,10 +1,10 @@
 """Evaluation data and metrics for ``kvpolicy compare`` (no torch import here).
 
-* :mod:`kvpolicy.eval.data` - typed examples, loaders for local files / package-shipped
+* :mod:`kvpolicy_tools.eval.data` - typed examples, loaders for local files / package-shipped
   text / hub fallbacks, and prompt formatters: one module per data source.
-* :mod:`kvpolicy.eval.metrics` - ROUGE (+ the BUZZ geometric mean), SQuAD-normalised
+* :mod:`kvpolicy_tools.eval.metrics` - ROUGE (+ the BUZZ geometric mean), SQuAD-normalised
   exact match, perplexity, and how the report shows each metric.
-* :mod:`kvpolicy.eval.tasks` - the tasks of ``kvpolicy compare``, one per file; what is
+* :mod:`kvpolicy_tools.eval.tasks` - the tasks of ``kvpolicy compare``, one per file; what is
   particular to a task (commands, report sections, plots) is in its hooks.
 """
 

@@ -174,10 +174,10 @@ def paired_se(a: dict[str, Any], b: dict[str, Any], metric: str) -> float | None
 
 def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend (files only, no display)."""
-    import matplotlib
+    import matplotlib  # optional: the plot extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: the plot extra
 
     return plt
 

@@ -46,7 +46,7 @@ _ARTICLES = re.compile(r"\b(a|an|the)\b")
 @functools.lru_cache(maxsize=1)
 def _scorer() -> Any:
     try:
-        from rouge_score import rouge_scorer
+        from rouge_score import rouge_scorer  # optional: the eval extra
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise ImportError(
             "ROUGE needs the 'rouge-score' package: pip install rouge-score "

@@ -2,12 +2,12 @@
 
 Everything here is computed from the results of the run that writes the report; the only numbers
 not measured in the run are the BUZZ paper's own (Llama-2-7B), which appear in a separate,
-labelled section (each task's :attr:`~kvpolicy.eval.tasks.Task.paper_table`) and are never mixed
+labelled section (each task's :attr:`~kvpolicy_tools.eval.tasks.Task.paper_table`) and are never mixed
 into our tables or plots.
 
 What is particular to a task (its captions, verdicts, budget-plot panels, extra tables and plots,
-paper table) comes from its :class:`~kvpolicy.eval.tasks.Task` hooks, so no task is named here;
-the shared formatting is :mod:`kvpolicy.eval.display`.
+paper table) comes from its :class:`~kvpolicy_tools.eval.tasks.Task` hooks, so no task is named here;
+the shared formatting is :mod:`kvpolicy_tools.eval.display`.
 """
 
 from __future__ import annotations
@@ -18,18 +18,29 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .display import BUZZES, COLORS, STYLES, Panel, fmt, full_cell, lower_is_better, metric_name, paired_se
-from .display import better as _better
-from .display import cells as _cells
-from .display import order as _order
-from .display import pct as _pct
-from .display import plot_scale as _scale
-from .display import policy_name as _name
-from .display import pyplot as _plt
-from .display import row as _row
-from .display import md_table as _md_table
-from .display import shared_legend, shown_in_percent
-from .display import value as _value
+from .display import (
+    BUZZES,
+    COLORS,
+    STYLES,
+    Panel,
+    better as _better,
+    cells as _cells,
+    fmt,
+    full_cell,
+    lower_is_better,
+    md_table as _md_table,
+    metric_name,
+    order as _order,
+    paired_se,
+    pct as _pct,
+    plot_scale as _scale,
+    policy_name as _name,
+    pyplot as _plt,
+    row as _row,
+    shared_legend,
+    shown_in_percent,
+    value as _value,
+)
 from .results import TaskResult
 from .tasks import Task, task_registry
 
@@ -477,7 +488,7 @@ def _paper_md(names: Sequence[str]) -> str:
 
 def document(meta: dict[str, Any], results: Mapping[str, TaskResult]) -> dict[str, Any]:
     """The report's document, as ``results.json`` holds it: the run's ``meta`` and each task's
-    typed results (:class:`~kvpolicy.eval.results.TaskResult`) in their serialised form."""
+    typed results (:class:`~kvpolicy_tools.eval.results.TaskResult`) in their serialised form."""
     return {"meta": meta, "tasks": {name: r.as_dict() for name, r in results.items()}}
 
 

@@ -1,5 +1,5 @@
 """Typed results of ``kvpolicy compare``: one :class:`TaskResult` per task, one :class:`CellResult`
-per cache configuration. :func:`kvpolicy.eval.compare.evaluate` returns them, the report takes
+per cache configuration. :func:`kvpolicy_tools.eval.compare.evaluate` returns them, the report takes
 them, and ``results.json`` is their :meth:`~TaskResult.as_dict` (the file's format is this).
 
 Example:

@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .data import load_paul_graham_essays
+
 __all__ = [
     "NOISE",
     "QA_SUBTASKS",
@@ -516,8 +518,6 @@ def default_resources() -> RulerResources:
         (True, True)
     """
     if not _DEFAULT:
-        from .data import load_paul_graham_essays
-
         texts = [d.text for d in load_paul_graham_essays()]
         _DEFAULT.append(RulerResources(words=essay_words(texts), vocab=vocabulary(texts)))
     return _DEFAULT[0]

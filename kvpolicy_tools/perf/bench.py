@@ -4,11 +4,11 @@ Three parts (``--what``, default all):
 
 * ``complexity``: the cost of one eviction and the amortised eviction cost per decoded token,
   against the cache size, every built-in policy, torch and NumPy backends
-  (:mod:`kvpolicy.perf.eviction`); log-log slopes are fitted per series.
+  (:mod:`kvpolicy_tools.perf.eviction`); log-log slopes are fitted per series.
 * ``decode``: tokens/s and cache bytes of the model (default: the embedded SmolLM2-135M) for
   transformers' ``DynamicCache``, kvpolicy's ``FullCache``, a capture-only cache and the
   policies at each budget, measured interleaved; ratios to ``DynamicCache`` are taken within a
-  round (:mod:`kvpolicy.perf.decode`).
+  round (:mod:`kvpolicy_tools.perf.decode`).
 * ``breakdown``: where a decode step's time goes (attention, score product, accumulation,
   eviction, cache update, the rest of the model).
 
@@ -39,6 +39,14 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
+
+from kvpolicy.budget import plan_policy
+from kvpolicy.policy import EvictionPolicy
+from kvpolicy.registry import Preset
+from kvpolicy.testing.timing import bench_report, bench_specs, bench_steps
+from kvpolicy_tools.command import run_command
+from kvpolicy_tools.perf.eviction import POLICIES, measure_complexity
+from kvpolicy_tools.perf.report import machine, machine_line, markdown_table, plot_breakdown, plot_complexity, plot_decode, slopes
 
 __all__ = ["add_arguments", "resolve_policy", "run"]
 
@@ -74,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--backends", default="torch,numpy", help="torch,numpy (default both)")
     g.add_argument("--max-token-heads", type=int, default=2**21, help="skip torch points above batch*heads*size (default 2**21)")
     g = parser.add_argument_group("decode and breakdown")
-    g.add_argument("--model", default="smollm2-135m", help="model for kvpolicy.models.load (default the embedded smollm2-135m; tiny-llama: a 2-layer random model)")
+    g.add_argument("--model", default="smollm2-135m", help="model for kvpolicy_tools.models.load (default the embedded smollm2-135m; tiny-llama: a 2-layer random model)")
     g.add_argument("--contexts", default=None, help=f"prompt lengths (default {FULL['contexts']}; quick {QUICK['contexts']})")
     g.add_argument("--budgets", default=None, help=f"budgets (default {FULL['budgets']}; quick {QUICK['budgets']})")
     g.add_argument(
@@ -120,10 +128,8 @@ def _configs(text: str) -> list[tuple[int, int]]:
 
 
 def resolve_policy(spec: str) -> Any:
-    """A :class:`kvpolicy.perf.decode.PolicySpec` for a registry name or ``module:Factory``."""
-    from .decode import PolicySpec
-    from ..policy import EvictionPolicy
-    from ..registry import Preset
+    """A :class:`kvpolicy_tools.perf.decode.PolicySpec` for a registry name or ``module:Factory``."""
+    from .decode import PolicySpec  # here: decode needs torch and transformers (the hf extra); every verb's parser imports this module
 
     if ":" not in spec:
         return PolicySpec.named(spec)
@@ -141,8 +147,6 @@ def resolve_policy(spec: str) -> Any:
     if isinstance(obj, EvictionPolicy):
         return PolicySpec(repr(obj), lambda b, L, P, _p=obj: _p, budgeted=False)
     if isinstance(obj, Preset) or (isinstance(obj, type) and issubclass(obj, EvictionPolicy)):
-        from ..budget import plan_policy
-
         def planner(b: float | None, L: int, P: int, _e: Any = obj) -> Any:
             return plan_policy(_e, b, context_length=L, prompt_length=P).policy
 
@@ -164,7 +168,7 @@ class _Progress:
         self.bar = None
         if enabled:
             try:
-                from tqdm.auto import tqdm
+                from tqdm.auto import tqdm  # optional: the eval extra (a progress bar)
 
                 self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
             except ImportError:  # pragma: no cover - tqdm is in the hf extra
@@ -193,8 +197,6 @@ def _fmt_slope(x: float) -> str:
 
 # ----------------------------------------------------------------------------------- parts
 def _complexity(args: argparse.Namespace, progress: _Progress, sizes: list[int], configs: list[tuple[int, int]], rounds: int) -> dict[str, Any]:
-    from .eviction import measure_complexity
-
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     rows = measure_complexity(
         sizes, configs, backends=backends, rounds=rounds, max_token_heads=args.max_token_heads, on_progress=progress
@@ -203,8 +205,6 @@ def _complexity(args: argparse.Namespace, progress: _Progress, sizes: list[int],
 
 
 def _complexity_report(data: dict[str, Any], out: Path, plots: bool) -> list[str]:
-    from .report import markdown_table, plot_complexity, slopes
-
     rows = data["rows"]
     big = [r for r in rows if r["size"] >= 4096]
     s_one, s_tok = slopes(rows, "one_eviction_s"), slopes(rows, "per_token_s")
@@ -228,11 +228,10 @@ def _complexity_report(data: dict[str, Any], out: Path, plots: bool) -> list[str
         if not sub:
             continue
         lines += [f"### Microseconds, batch {batch}, {heads} KV heads, head_dim 64, float32", ""]
-        from .eviction import POLICIES
         sizes = sorted({r["size"] for r in sub})
         table = []
         for backend in data["backends"]:
-            for policy in POLICIES:  # every measured policy, in kvpolicy.perf.eviction's order
+            for policy in POLICIES:  # every measured policy, in kvpolicy_tools.perf.eviction's order
                 for measure, name in (("one_eviction_s", "one eviction"), ("per_token_s", "per token")):
                     vals = {r["size"]: r[measure] for r in sub if r["backend"] == backend and r["policy"] == policy}
                     if vals:
@@ -256,13 +255,14 @@ def _decode(
     breakdown_contexts: list[int],
     what: set[str],
 ) -> dict[str, Any]:
+    # here: decode needs torch and transformers (the hf extra); every verb's parser imports this module
     import torch
 
     from ..models import describe, load
     from .decode import Candidate, breakdown, measure_decode, prefill, standard_candidates
 
     if args.model == "tiny-llama":  # a 2-layer random model: exercises the pipeline in seconds
-        from ..models import tiny_llama
+        from ..models import tiny_llama  # here: as above
 
         model = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, max_position_embeddings=8192)
     else:
@@ -317,8 +317,7 @@ def _decode(
 
 
 def _decode_report(data: dict[str, Any], out: Path, plots: bool) -> list[str]:
-    from .decode import BREAKDOWN_ORDER
-    from .report import markdown_table, plot_breakdown, plot_decode
+    from .decode import BREAKDOWN_ORDER  # here: decode needs torch and transformers (the hf extra); every verb's parser imports this module
 
     lines: list[str] = []
     rows = data.get("results", [])
@@ -375,8 +374,6 @@ def _decode_report(data: dict[str, Any], out: Path, plots: bool) -> list[str]:
 # ----------------------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> int:
     """Run ``kvpolicy bench``; returns the exit status."""
-    from .report import machine, machine_line
-
     defaults = QUICK if args.quick else FULL
     what = {w.strip() for w in args.what.split(",") if w.strip()}
     unknown = what - {"complexity", "decode", "breakdown"}
@@ -399,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
     specs = [resolve_policy(p) for p in (args.policy or ["streaming_llm", "h2o", "buzz"])]
 
     if args.threads:
-        import torch
+        import torch  # here: only when --threads is given
 
         torch.set_num_threads(args.threads)
     shared = None if args.shared == "auto" else args.shared == "yes"
@@ -412,9 +409,6 @@ def run(args: argparse.Namespace) -> int:
     third_party = [p for p in (args.policy or []) if ":" in p]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if "complexity" in what:
-        from .eviction import POLICIES
-        from ..testing.timing import bench_steps
-
         n_series = len(POLICIES) * len(configs) * len(backends) + bench_steps(third_party, sizes, backends, rounds)
     n_cands = 3 + len(budgets) * sum(1 for s in specs if s.budgeted) + sum(1 for s in specs if not s.budgeted) + (0 if args.no_unfused else 2)
     total = n_series
@@ -431,8 +425,6 @@ def run(args: argparse.Namespace) -> int:
         if "complexity" in what:
             data["complexity"] = _complexity(args, progress, sizes, configs, rounds)
             if third_party:
-                from ..testing.timing import bench_specs
-
                 data["policy_complexity"] = bench_specs(
                     third_party, sizes=sizes, backends=backends, batch=configs[0][0], heads=configs[0][1], rounds=rounds, on_progress=progress
                 )
@@ -455,8 +447,6 @@ def run(args: argparse.Namespace) -> int:
     if "complexity" in data:
         lines += ["## Eviction cost against cache size", ""] + _complexity_report(data["complexity"], out, plots)
     if data.get("policy_complexity"):
-        from ..testing.timing import bench_report
-
         lines += ["## Eviction cost of the --policy package.module:Factory policies", ""] + bench_report(data["policy_complexity"], out, plots)
     if "decode" in data:
         lines += ["## Decode speed, memory and breakdown", ""] + _decode_report(data["decode"], out, plots)
@@ -466,10 +456,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvpolicy.perf.bench`` (the same as ``kvpolicy bench``)."""
+    """``python -m kvpolicy_tools.perf.bench`` (the same as ``kvpolicy bench``)."""
     parser = argparse.ArgumentParser(prog="kvpolicy bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    from ..cli import run_command
 
     return run_command("kvpolicy bench", run, parser.parse_args(argv))
 

@@ -30,6 +30,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+from transformers.modeling_utils import AttentionInterface
+
+import kvpolicy_integrations.hf as hf
+from kvpolicy import H2O, FullCache, plan_policy
+from kvpolicy._validation import check_bool
+from kvpolicy.registry import get_policy
+from kvpolicy_integrations.capabilities import cache_kwargs
+from kvpolicy_integrations.hf import ATTENTION_NAME, EvictingCache
+from kvpolicy_torch import LayerCache
+
 __all__ = [
     "Candidate",
     "DecodeResult",
@@ -85,16 +98,11 @@ class PolicySpec:
     budgeted: bool = True
 
     def __post_init__(self) -> None:
-        from kvpolicy._validation import check_bool
-
         check_bool("budgeted", self.budgeted)
 
     @classmethod
     def named(cls, name: str) -> "PolicySpec":
         """A registered policy, planned with :func:`kvpolicy.plan_policy`."""
-        from kvpolicy import plan_policy
-        from kvpolicy.registry import get_policy
-
         entry = get_policy(name)
 
         def planner(budget: float | None, context_length: int, prompt_length: int) -> Any:
@@ -128,9 +136,6 @@ def standard_candidates(
     on average, and does no scoring and no eviction, so a policy's speed as a share of it is what
     the policy's bookkeeping costs.
     """
-    from kvpolicy import H2O, FullCache
-    from kvpolicy._validation import check_bool
-
     capture_only, full = check_bool("capture_only", capture_only), check_bool("full", full)
     total = context + decode_tokens
     out = [Candidate("DynamicCache")]
@@ -162,8 +167,6 @@ class Prefill:
 
 
 def _sync(device: Any) -> None:
-    import torch
-
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -174,10 +177,6 @@ def _device_of(model: Any) -> Any:
 
 def prefill(model: Any, context: int, *, batch: int = 1, seed: int = 0, chunk: int | None = None) -> Prefill:
     """Prefill ``context`` random tokens with ``DynamicCache``; ``chunk`` bounds each forward."""
-    import torch
-    from transformers import DynamicCache
-
-    from kvpolicy_integrations.capabilities import cache_kwargs
 
     device = _device_of(model)
     vocab = int(model.config.get_text_config().vocab_size)
@@ -200,9 +199,6 @@ def prefill(model: Any, context: int, *, batch: int = 1, seed: int = 0, chunk: i
 
 def build_cache(model: Any, candidate: Candidate, pre: Prefill, *, score_seed: int = 0) -> Any:
     """A fresh cache of ``candidate`` holding the prefilled prompt (see the module docstring)."""
-    import torch
-    from transformers import DynamicCache
-
     if candidate.is_dynamic:
         cache = DynamicCache(config=model.config)
         last = candidate.keep_last or pre.context
@@ -210,7 +206,6 @@ def build_cache(model: Any, candidate: Candidate, pre: Prefill, *, score_seed: i
             for i, (k, v) in enumerate(zip(pre.keys, pre.values)):
                 cache.update(k[:, :, -last:].contiguous(), v[:, :, -last:].contiguous(), i)  # a copy, as update concatenates
         return cache
-    from kvpolicy_integrations.hf import EvictingCache
 
     cache = EvictingCache(candidate.policy, model, **candidate.cache_options)
     g = torch.Generator().manual_seed(score_seed)
@@ -258,17 +253,12 @@ def use_attention_for(model: Any, cache: Any) -> None:
     """Plain ``"sdpa"`` for the model (the baseline users have): an ``EvictingCache`` switches a
     model to kvpolicy's attention for its own forwards only (``scope_attention``), and a model
     left on ``"kvpolicy_sdpa"`` for good would make the baseline pay for kvpolicy's dispatch."""
-    from kvpolicy_integrations.hf import ATTENTION_NAME
-
     if getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME:
         model.set_attn_implementation("sdpa")
 
 
 def decode(model: Any, cache: Any, ids: Any, position: int) -> int:
     """Feed ``ids`` ``[batch, steps]`` one token at a time; return the next position."""
-    import torch
-
-    from kvpolicy_integrations.capabilities import cache_kwargs
 
     b, steps = ids.shape
     use_attention_for(model, cache)
@@ -353,8 +343,6 @@ def measure_decode(
     :func:`standard_candidates`). ``on_step(label)`` is called after every timed block (a progress
     bar hook).
     """
-    import torch
-
     device = _device_of(model)
     vocab = int(model.config.get_text_config().vocab_size)
     g = torch.Generator().manual_seed(seed)
@@ -456,11 +444,6 @@ def step_timers() -> Iterator[_Timers]:
     for its sinks, or keys re-rotated for other policies with ``positions="cache"``) and
     ``attention glue`` (the rest of kvpolicy's attention function: checks, bookkeeping).
     """
-    from transformers.cache_utils import DynamicLayer
-    from transformers.modeling_utils import AttentionInterface
-
-    import kvpolicy_integrations.hf as hf
-    from kvpolicy_torch import LayerCache
 
     timers = _Timers()
     patches: list[tuple[Any, str, Any]] = []
@@ -528,8 +511,6 @@ def breakdown(
     overhead (about a microsecond per call) lands in the categories. The candidates take turns
     token by token like :func:`measure_decode`; the table averages all ``rounds * steps`` steps.
     """
-    import torch
-
     device = _device_of(model)
     vocab = int(model.config.get_text_config().vocab_size)
     g = torch.Generator().manual_seed(seed)

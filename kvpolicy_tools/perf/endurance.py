@@ -26,7 +26,7 @@ last / first of each metric's median, which should be within 5% of 1 (:meth:`End
 judges the bytes and the fastest-token time).
 
 Example:
-    >>> from kvpolicy.perf.endurance import endurance_policy, run_endurance
+    >>> from kvpolicy_tools.perf.endurance import endurance_policy, run_endurance
     >>> result = run_endurance(endurance_policy("h2o", 32), tokens=400, layers=2, samples=20, warmup=100)
     >>> result.flatness()["allocated_bytes"]
     1.0
@@ -41,7 +41,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpolicy._validation import check_eviction_policy, check_int
+import numpy as np
+import torch
+
+from kvpolicy._validation import check_int
+from kvpolicy.policy import check_eviction_policy
+from kvpolicy_tools.perf.eviction import policy_at_size
+from kvpolicy_tools.perf.report import markdown_table
+from kvpolicy_torch import LayerCache
 
 __all__ = [
     "SMOLLM2_135M",
@@ -76,7 +83,7 @@ class CacheShape:
             check_int(name, getattr(self, name), minimum=1)
 
 
-#: SmolLM2-135M (the embedded model, ``kvpolicy.models.load("smollm2-135m")``): 30 layers,
+#: SmolLM2-135M (the embedded model, ``kvpolicy_tools.models.load("smollm2-135m")``): 30 layers,
 #: 9 query heads sharing 3 KV heads, head_dim 64; float32 on CPU.
 SMOLLM2_135M = CacheShape(layers=30, kv_heads=3, head_dim=64, dtype="float32")
 
@@ -84,9 +91,7 @@ SMOLLM2_135M = CacheShape(layers=30, kv_heads=3, head_dim=64, dtype="float32")
 def endurance_policy(name: str, kept: int) -> Any:
     """The policy ``name`` (``"buzz"``, ``"h2o"``, ``"streaming_llm"``, ``"local"``) whose cache
     holds at most ``kept`` tokens per head (its capacity), as the eviction benchmarks build it
-    (:func:`kvpolicy.perf.eviction.policy_at_size`)."""
-    from .eviction import policy_at_size
-
+    (:func:`kvpolicy_tools.perf.eviction.policy_at_size`)."""
     return policy_at_size(name, check_int("kept", kept, minimum=16))
 
 
@@ -195,11 +200,8 @@ def run_endurance(
             in turn (generating them per token would be measured too).
         on_sample: called with each sample as it is taken (progress).
     """
-    import numpy as np
-    import psutil
-    import torch
+    import psutil  # optional: resident memory where installed
 
-    from kvpolicy_torch import LayerCache
 
     policy = check_eviction_policy("policy", policy)
     tokens = check_int("tokens", tokens, minimum=2)
@@ -284,8 +286,6 @@ def run_endurance(
 
 def markdown(results: Sequence[EnduranceResult], *, tolerance: float = 0.05) -> str:
     """A Markdown table: per run, first and last decile of each metric and their ratio."""
-    from .report import markdown_table
-
     def mib(x: float) -> str:
         return f"{x / 2**20:.2f}"
 

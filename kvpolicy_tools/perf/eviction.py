@@ -27,10 +27,19 @@ holds no keys or values), in preallocated arrays, so both show the policy's own 
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+
+from kvpolicy.budget import fit_capacity
+from kvpolicy.driver import evict_until_done
+from kvpolicy.registry import Preset, get_policy
 
 __all__ = [
     "POLICIES",
@@ -62,9 +71,6 @@ def policy_at_size(name: str, size: int) -> Any:
         >>> policy_at_size("h2o", 64), policy_at_size("streaming_llm", 64).capacity
         (H2O(heavy=31, recent=32), 64)
     """
-    from kvpolicy.budget import fit_capacity
-    from kvpolicy.registry import Preset, get_policy
-
     if size < 16:
         raise ValueError(f"size must be >= 16, got {size}")
     entry = get_policy(name)
@@ -101,9 +107,6 @@ def steady_state(policy: Any, size_hint: int = 1024, *, cycles: int = 6) -> Stea
         >>> (s.size, s.after, s.period)
         (9, 8, 1)
     """
-    import numpy as np
-
-    from kvpolicy.driver import evict_until_done
 
     cap = policy.capacity
     if cap is None:
@@ -162,11 +165,9 @@ class TorchWorkload:
         device: str = "cpu",
         seed: int = 0,
     ) -> None:
-        import dataclasses
+        import torch  # optional: the NumPy workload runs without torch
 
-        import torch
-
-        from kvpolicy_torch import LayerCache
+        from kvpolicy_torch import LayerCache  # optional: as torch
 
         size = steady.size
         self.name, self.size, self.batch, self.heads = label or policy.name, size, batch, heads
@@ -226,8 +227,6 @@ class NumpyWorkload:
     def __init__(
         self, policy: Any, steady: Steady, *, label: str | None = None, batch: int = 1, heads: int = 8, seed: int = 0, **_: Any
     ) -> None:
-        import numpy as np
-
         size = steady.size
         self.name, self.size, self.batch, self.heads = label or policy.name, size, batch, heads
         self.policy, self.steady = policy, steady
@@ -258,8 +257,6 @@ class NumpyWorkload:
         self.n_seen += 1
 
     def evict(self) -> None:
-        from kvpolicy.driver import evict_until_done
-
         n = self.length
         pos, scores, rounds = evict_until_done(self.policy, self.pos[..., :n], self.scores[..., :n], self.n_seen, self.state)
         if rounds:
@@ -321,9 +318,6 @@ def measure_complexity(
     Rows hold the minimum over rounds (``*_s``: on a shared machine noise only adds time) and the
     median (``*_median_s``).
     """
-    import statistics
-    import time
-
     rows: list[dict[str, Any]] = []
     perf = time.perf_counter
 

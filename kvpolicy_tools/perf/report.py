@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import math
 import os
 import platform
@@ -10,6 +11,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from kvpolicy._validation import check_bool
 
 __all__ = [
     "fit_slope",
@@ -37,9 +40,6 @@ def _cpu_model() -> str:
 def machine(*, shared: bool | None = None) -> dict[str, Any]:
     """What the run ran on. ``shared=None`` infers it from the load average before the run
     (above half the cores: other work was running)."""
-    import importlib.metadata as md
-
-    from kvpolicy._validation import check_bool
 
     shared = check_bool("shared", shared, allow_none=True)
     cores = os.cpu_count() or 1
@@ -62,7 +62,7 @@ def machine(*, shared: bool | None = None) -> dict[str, Any]:
         except md.PackageNotFoundError:
             info[dist] = None
     try:
-        import torch
+        import torch  # optional: names torch's threads in the machine description
 
         info["torch_threads"] = torch.get_num_threads()
         if torch.cuda.is_available():
@@ -133,10 +133,10 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align:
 
 
 def _pyplot() -> Any:
-    import matplotlib
+    import matplotlib  # optional: the plot extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: the plot extra
 
     return plt
 
@@ -202,7 +202,7 @@ def plot_complexity(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[s
 
 def _decode_style(label: str) -> dict[str, Any]:
     """Colour by family (darker for larger budgets), dashed for the full caches, dotted unfused."""
-    import matplotlib.colors as mcolors
+    import matplotlib.colors as mcolors  # optional: the plot extra
 
     families = {"DynamicCache": "black", "FullCache": "tab:gray", "capture": "tab:purple", "BUZZ": "tab:orange",
                 "H2O": "tab:blue", "StreamingLLM": "tab:green"}
@@ -220,7 +220,7 @@ def _decode_style(label: str) -> dict[str, Any]:
 def plot_decode(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str], *, title: str = "") -> Path:
     """Speed-up over DynamicCache and KV bytes against the context length, one line per candidate."""
     plt = _pyplot()
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter  # optional: the plot extra
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 5.6))
     labels = list(dict.fromkeys(r["label"] for r in rows))

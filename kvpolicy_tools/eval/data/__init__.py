@@ -16,50 +16,50 @@ Pure Python + NumPy (no torch). Three kinds of sources:
 Every loader is deterministic; ``limit`` with ``seed=None`` takes the first rows in file
 order, with a seed it takes a seeded random subset (still returned in file order).
 
-One module per source under ``kvpolicy/eval/data/`` (:mod:`~kvpolicy.eval.data.common` holds what
+One module per source under ``kvpolicy_tools/eval/data/`` (:mod:`~kvpolicy_tools.eval.data.common` holds what
 they share: the typed examples, file and JSONL reading, row selection, package data files); this
-package re-exports their public names, so ``kvpolicy.eval.data.load_wikitext`` and the like keep
+package re-exports their public names, so ``kvpolicy_tools.eval.data.load_wikitext`` and the like keep
 working.
 """
 
 from __future__ import annotations
 
+from .aclsum import ACLSUM_ASPECTS, load_aclsum
 from .common import (
-    TextDoc,
-    SummaryExample,
+    PACKAGE_VERSIONS,
     Passage,
     QAExample,
     RetrievalExample,
+    SummaryExample,
+    TextDoc,
+    decode_utf8,
+    install_hint,
+    package_path,
+    read_jsonl,
+    read_jsonl_lines,
+    record_errors,
+    require_file,
+    select_rows,
     shared_data_dir,
     shared_file,
-    require_file,
-    decode_utf8,
-    read_jsonl_lines,
-    read_jsonl,
-    record_errors,
-    select_rows,
-    install_hint,
-    PACKAGE_VERSIONS,
-    package_path,
 )
-from .wikitext import parse_wikitext, load_wikitext
-from .xsum import XSUM_PROMPT, load_xsum, format_summary_prompt
-from .nq import BM25, QA_INSTRUCTION, contains_answer, load_nq_multidoc, format_multidoc_prompt
-from .kv_retrieval import KV_INSTRUCTION, format_kv_records, load_kv_retrieval, format_kv_prompt
-from .wiki_articles import strip_wiki_markup, GENSIM_WIKI_FILE, load_wiki_articles
-from .paul_graham import load_paul_graham_essays
-from .aclsum import ACLSUM_ASPECTS, load_aclsum
-from .wiki_leads import load_wiki_leads
+from .kv_retrieval import KV_INSTRUCTION, format_kv_prompt, format_kv_records, load_kv_retrieval
 from .needle import (
     DEFAULT_NEEDLE,
-    DEFAULT_NEEDLE_QUESTION,
     DEFAULT_NEEDLE_ANSWER,
-    Codec,
+    DEFAULT_NEEDLE_QUESTION,
     CharCodec,
+    Codec,
+    format_needle_prompt,
     make_needle_example,
     make_passkey_example,
-    format_needle_prompt,
 )
+from .nq import BM25, QA_INSTRUCTION, contains_answer, format_multidoc_prompt, load_nq_multidoc
+from .paul_graham import load_paul_graham_essays
+from .wiki_articles import GENSIM_WIKI_FILE, load_wiki_articles, strip_wiki_markup
+from .wiki_leads import load_wiki_leads
+from .wikitext import load_wikitext, parse_wikitext
+from .xsum import XSUM_PROMPT, format_summary_prompt, load_xsum
 
 __all__ = [
     "TextDoc",

@@ -10,6 +10,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..._validation import check_bool
+from kvpolicy._validation import check_bool
 
 __all__ = [
     "TextDoc", "SummaryExample", "Passage", "QAExample", "RetrievalExample", "shared_data_dir", "shared_file",
@@ -186,8 +187,6 @@ def read_jsonl_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[s
         ...
         ValueError: ...jsonl:3: expected one JSON object ({...}) per line, got a JSON array
     """
-    import zlib
-
     p = require_file(path, "jsonl")
     with open(p, "rb") as fh:
         gz = fh.read(2) == b"\x1f\x8b"

@@ -7,7 +7,8 @@ import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from ..._validation import check_bool
+from kvpolicy._validation import check_bool
+
 from .common import RetrievalExample, TextDoc
 
 __all__ = [

@@ -95,7 +95,7 @@ def contains_answer(text: str, answers: Iterable[str], *, min_substring_chars: i
     """True if any answer occurs in ``text`` case-insensitively, or after SQuAD normalisation.
 
     The normalised check makes the filter at least as strict as the EM metric
-    (:func:`kvpolicy.eval.metrics.exact_match`), so a distractor cannot be scored as a
+    (:func:`kvpolicy_tools.eval.metrics.exact_match`), so a distractor cannot be scored as a
     correct copy. Answers whose normalised form is shorter than ``min_substring_chars``
     (``"S"``, ``"7"``, ``"IV"``) are matched as whole words instead of substrings: as raw
     substrings they occur in nearly every passage (and substring EM is degenerate for

@@ -10,7 +10,8 @@ import re
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 
-from ..._validation import check_bool
+from kvpolicy._validation import check_bool
+
 from .common import TextDoc, package_path, require_file
 
 __all__ = ["strip_wiki_markup", "GENSIM_WIKI_FILE", "load_wiki_articles"]

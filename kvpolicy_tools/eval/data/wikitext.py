@@ -53,7 +53,7 @@ def load_wikitext(
 ) -> list[TextDoc]:
     """wikitext-2-raw-v1 test split as articles (62 in the standard file).
 
-    ``path`` defaults to ``wikitext-2-raw-test.txt`` in :func:`~kvpolicy.eval.data.common.shared_data_dir`; without
+    ``path`` defaults to ``wikitext-2-raw-test.txt`` in :func:`~kvpolicy_tools.eval.data.common.shared_data_dir`; without
     that file it falls back to ``datasets.load_dataset("wikitext", "wikitext-2-raw-v1",
     split="test")`` (needs the ``datasets`` package and hub access). The full standard
     perplexity text is ``"\\n".join(d.text for d in docs)``.

@@ -22,7 +22,7 @@ def load_xsum(
     """XSum test examples.
 
     The H2O ``xsum_0shot.jsonl`` (``article`` already holds the 0-shot prompt,
-    ``summary_gt`` the reference) is read from ``path`` or :func:`~kvpolicy.eval.data.common.shared_data_dir`.
+    ``summary_gt`` the reference) is read from ``path`` or :func:`~kvpolicy_tools.eval.data.common.shared_data_dir`.
     Without it, falls back to ``datasets.load_dataset("EdinburghNLP/xsum", split="test")``
     (bare articles; wrap them with :func:`format_summary_prompt`).
     """

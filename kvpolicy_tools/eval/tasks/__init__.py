@@ -1,6 +1,6 @@
 """The evaluation tasks of ``kvpolicy compare``, one class per file, registered by name.
 
-A new task is one :class:`Task` subclass in ``kvpolicy/eval/tasks/<name>.py`` decorated with
+A new task is one :class:`Task` subclass in ``kvpolicy_tools/eval/tasks/<name>.py`` decorated with
 :func:`register_task` (and imported below), or, from another package, the ``kvpolicy.tasks``
 entry point group (``name = "package.module:TaskClass"``). Its own settings are an ``Options``
 dataclass set by the flags it adds (:meth:`Task.add_arguments`); ``kvpolicy compare`` lists it,
@@ -31,15 +31,15 @@ from .base import (
     tw_window,
     unregister_task,
 )
-from .ppl import PerplexityOptions, PerplexityTask
-from .stream import StreamOptions, StreamTask
-from .summ import SummarizationOptions, SummarizationTask
+from .kv import KVOptions, KVRetrievalTask
 from .needle import NeedleOptions, NeedleTask
 from .passkey import PasskeyTask
+from .ppl import PerplexityOptions, PerplexityTask
 from .qa import QAOptions, QATask
-from .kv import KVOptions, KVRetrievalTask
-from .tw import TwOptions, TwSweepTask
 from .ruler import RulerOptions, RulerTask
+from .stream import StreamOptions, StreamTask
+from .summ import SummarizationOptions, SummarizationTask
+from .tw import TwOptions, TwSweepTask
 
 __all__ = [
     "CacheConfig",

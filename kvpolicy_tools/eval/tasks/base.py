@@ -4,7 +4,7 @@ sources, the :class:`Task` base class and the task registry.
 A task turns data (package-shipped text by default, the paper's files with ``--data-dir``) into
 :class:`Sample` objects (token ids ready for the model) and lists the :class:`CacheConfig` cells to
 run (policy x budget, policy x fixed cache size, or BUZZ x T/w). The engine in
-:mod:`kvpolicy.eval.compare` prefills each prompt once, runs every configuration's decode through
+:mod:`kvpolicy_tools.eval.compare` prefills each prompt once, runs every configuration's decode through
 an evicting cache, and hands the outputs back to :meth:`Task.score` / :meth:`Task.aggregate`.
 
 Two kinds of samples:
@@ -21,6 +21,7 @@ Nothing here imports torch; the tokenizer is only called through :class:`Tokeniz
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import os
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
@@ -29,6 +30,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
+
+from kvpolicy.budget import PolicyPlan, plan_capacity, plan_policy, simulate_sizes
+from kvpolicy.driver import evict_until_done
+from kvpolicy.policies import BUZZ
+from kvpolicy.policies.buzz import estimate_threshold, window_for_size
+from kvpolicy.registry import get_policy
 
 from .. import data as D
 from ..display import Panel, fmt, metric_name
@@ -214,11 +221,6 @@ class CacheConfig:
     def build(self, prompt_length: int, context_length: int) -> tuple[Any, dict[str, Any]]:
         """``(policy, plan)`` for a run of ``context_length`` tokens of which ``prompt_length``
         are prefilled; ``plan`` is :meth:`kvpolicy.PolicyPlan.as_dict` (or its equivalent)."""
-        from ...budget import PolicyPlan, plan_capacity, plan_policy, simulate_sizes
-        from ...policies import BUZZ
-        from ...policies.buzz import estimate_threshold
-        from ...registry import get_policy
-
         full_avg = float(np.mean(np.arange(prompt_length + 1, context_length + 1)))
         if is_reference(self.policy):
             policy = get_policy(self.policy)()
@@ -270,8 +272,6 @@ def is_reference(name: str) -> bool:
         >>> is_reference("full"), is_reference("h2o")
         (True, False)
     """
-    from ...registry import get_policy
-
     try:
         entry = get_policy(name)
     except ValueError:  # not registered: planning it reports that
@@ -283,8 +283,6 @@ def simulate_chunked_sizes(policy: Any, prompt_length: int, decode_steps: int, c
     """Cache size at each decode step after a prompt prefilled in chunks of ``chunk`` tokens (the
     policy evicts after every chunk, as :class:`~kvpolicy.hf.EvictingCache` does); like
     :func:`kvpolicy.simulate_sizes`, sizes depend on counts only, so placeholder scores are exact."""
-    from ...driver import evict_until_done
-
     state = policy.init_state()
     positions = np.zeros((1, 1, 0), dtype=np.int64)
     n_seen = 0
@@ -312,8 +310,6 @@ def tw_window(ratio: float, size: int, stride: int = 5, sink: int = 4) -> int:
     ``size``: :func:`kvpolicy.policies.buzz.window_for_size` (the paper's "fixed cache size" for
     every T/w; a short run's average depends on where it stops in the eviction cycle, the report
     shows the measured one)."""
-    from ...policies.buzz import window_for_size
-
     return window_for_size(size, stride=stride, sink=sink, ratio=ratio)
 
 
@@ -409,7 +405,7 @@ class NoOptions:
 
 # =========================================================================== tasks
 class Task:
-    """Base class of an evaluation task: one class in one file under ``kvpolicy/eval/tasks/``,
+    """Base class of an evaluation task: one class in one file under ``kvpolicy_tools/eval/tasks/``,
     registered with :func:`register_task` (or, from another package, the ``kvpolicy.tasks`` entry
     point group). Subclasses set the class attributes and implement :meth:`samples` and
     :meth:`score` (and :meth:`aggregate` when averaging per-sample metrics is not right); a task
@@ -507,7 +503,7 @@ class Task:
         return {k: float(np.mean([s[k] for s in scores])) for k in self.metrics}
 
     def format(self, key: str, value: float) -> str:
-        """``value`` of metric ``key`` as the report shows it (:func:`kvpolicy.eval.display.fmt`)."""
+        """``value`` of metric ``key`` as the report shows it (:func:`kvpolicy_tools.eval.display.fmt`)."""
         return fmt(key, value)
 
     def describe(self) -> dict[str, Any]:
@@ -541,7 +537,7 @@ class Task:
         return None
 
     def cell_command(self, cell: Any, command: Any) -> str:
-        """The command that reruns one cell (a :class:`~kvpolicy.eval.results.CellResult`):
+        """The command that reruns one cell (a :class:`~kvpolicy_tools.eval.results.CellResult`):
         ``command(policies, budgets, cache_sizes=None, flags=None)`` builds it (``flags``: this
         task's own flags, default :meth:`cli_flags`)."""
         if is_reference(cell.policy):
@@ -553,7 +549,7 @@ class Task:
         return command([cell.policy], None)
 
     # ----------------------------------------------------------------- the report
-    # The report (``kvpolicy.eval.report``) is computed from ``results.json``; these classmethods
+    # The report (``kvpolicy_tools.eval.report``) is computed from ``results.json``; these classmethods
     # take a task as ``results.json`` holds it (a dict: ``name``, ``metric``, ``cells``, ...).
 
     #: The BUZZ paper's own numbers for this task (a dict: ``caption``, ``decimals``, ``columns``,
@@ -569,7 +565,7 @@ class Task:
     @classmethod
     def budget_panels(cls, task: dict[str, Any]) -> list[Any]:
         """The panels of the task's budget plot (quality against the realised budget), each a
-        :class:`~kvpolicy.eval.display.Panel`; an empty list: no budget plot. Default: one panel,
+        :class:`~kvpolicy_tools.eval.display.Panel`; an empty list: no budget plot. Default: one panel,
         the headline metric."""
         return [Panel(task["metric"], task["cells"], metric_name(task["metric"]))]
 
@@ -634,9 +630,7 @@ def task_registry(*, reload_entry_points: bool = False) -> dict[str, type[Task]]
     global _entry_points_loaded
     if not _entry_points_loaded or reload_entry_points:
         _entry_points_loaded = True
-        from importlib.metadata import entry_points
-
-        for ep in entry_points(group=TASK_ENTRY_POINT_GROUP):
+        for ep in importlib.metadata.entry_points(group=TASK_ENTRY_POINT_GROUP):
             # a broken plug-in is named (its package may be unknown to the user), not a bare traceback
             where = f"{TASK_ENTRY_POINT_GROUP} entry point {ep.name!r} ({getattr(ep, 'value', '?')})"
             try:

@@ -6,8 +6,9 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from .. import data as D
-from .. import metrics as M
+from kvpolicy._validation import check_bool
+
+from .. import data as D, metrics as M
 from ..display import Panel, fmt, md_table, pct, policy_name, row, value
 from .base import Sample, Task, TokenizerAdapter, describe_file, parse_ints, register_task
 
@@ -23,8 +24,6 @@ class QAOptions:
     distractors: str | None = None
 
     def __post_init__(self) -> None:
-        from ..._validation import check_bool
-
         check_bool("include_short_answers", self.include_short_answers)
 
 

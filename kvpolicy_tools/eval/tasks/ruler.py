@@ -136,7 +136,7 @@ class RulerTask(Task):
         return rows
 
     def samples(self, tok: TokenizerAdapter) -> list[Sample]:
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # optional: the eval extra (a progress bar)
 
         res = self._resources()
         length = self.options.length
@@ -220,10 +220,10 @@ class RulerTask(Task):
     def report_plots(cls, task: dict[str, Any], out_dir: Path, model: str) -> list[Path]:
         """``ruler_subtasks.png``: the mean string match against kvpress's compression ratio, one
         line per policy, and a heatmap of every cell's score per subtask."""
-        import matplotlib
+        import matplotlib  # optional: the plot extra
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional: the plot extra
 
         cells = [c for c in task["cells"] if c["groups"]]
         if not cells:

@@ -7,11 +7,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import data as D
-from .. import metrics as M
+from kvpolicy._validation import check_bool
+
+from .. import data as D, metrics as M
 from ..display import Panel, metric_name
 from .base import Sample, Task, TokenizerAdapter, describe_file, hub_only, register_task, sample_order
-
 
 SUMMARY_HEAD = "Read the beginning of a scientific paper.\n\nPaper:\n"
 SUMMARY_TAIL = (
@@ -26,8 +26,6 @@ class SummarizationOptions:
     equal_prompts: bool = False  # --data-dir: only prompts of at least --context tokens, cut to exactly it
 
     def __post_init__(self) -> None:
-        from ..._validation import check_bool
-
         check_bool("equal_prompts", self.equal_prompts)
 
 

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..display import cells as cells_of
-from ..display import fmt, full_cell, metric_name, paired_se, pyplot, value
-from .summ import SummarizationOptions, SummarizationTask
+from kvpolicy.policies.buzz import threshold_ratio
+
+from ..display import cells as cells_of, fmt, full_cell, metric_name, paired_se, pyplot, value
 from .base import CacheConfig, Sample, TaskOptions, TokenizerAdapter, is_reference, parse_floats, register_task, replace_flag
+from .summ import SummarizationOptions, SummarizationTask
 
 
 @dataclass
@@ -94,7 +95,6 @@ class TwSweepTask(SummarizationTask):
         full = full_cell(task)
         if full is not None:
             ax.axhline(100 * full["metrics"]["mean"], color="black", linestyle="--", linewidth=1, label="Full cache (mean)")
-        from ...policies.buzz import threshold_ratio
 
         stride = (cells[0]["plans"][0]["params"].get("stride", 5) if cells[0]["plans"] else 5)
         opt = threshold_ratio(stride)
@@ -176,7 +176,6 @@ class TwSweepTask(SummarizationTask):
             out = base.samples(tok)
             self.data_note = base.data_note
             self.notes.extend(base.notes)
-        from ...policies.buzz import threshold_ratio
 
         self.notes.append(
             f"BUZZ stride {self.options.tw_stride}, sink 4, window solved per ratio so the long-run average cache is "
