@@ -1,4 +1,4 @@
-"""Worker for tests/test_deepspeed_multi.py: run under the DeepSpeed launcher, one process per rank.
+"""Worker for tests/integrations/test_deepspeed_multi.py: run under the DeepSpeed launcher, one process per rank.
 
     deepspeed --num_gpus 2 tests/ds_worker.py --out DIR --tp 2
 

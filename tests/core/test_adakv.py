@@ -300,12 +300,3 @@ def test_wrapped_in_a_composition_or_a_pyramid() -> None:
     assert pyramid.ragged_heads and pyramid.for_layer(0, 4).ragged_heads
     trace = replay(pyramid, logits, prompt_len=20)
     assert int((trace.kept[-1] >= 0).sum()) == 3 * pyramid.mean.share
-
-
-@pytest.mark.parametrize("module", ["kvpolicy.policies.adakv", "kvpolicy.policy", "kvpolicy.policies.composition", "kvpolicy.policies.pyramid"])
-def test_docstring_examples(module) -> None:
-    import doctest
-    import importlib
-
-    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
-    assert result.attempted and not result.failed

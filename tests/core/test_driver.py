@@ -3,21 +3,13 @@ the planner, eval, perf and the kit)."""
 
 from __future__ import annotations
 
-import doctest
-
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import kvpolicy.driver as driver
 from kvpolicy import BUZZ, H2O, EvictionPolicy, StreamingLLM, simulate_sizes
 from kvpolicy.driver import evict_until_done, log_n_scales, softmax
-
-
-def test_docstring_examples() -> None:
-    result = doctest.testmod(driver, optionflags=doctest.ELLIPSIS)
-    assert result.attempted and not result.failed
 
 
 class KeepsEverything(EvictionPolicy):

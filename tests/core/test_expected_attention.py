@@ -11,9 +11,9 @@
   rotated back to before RoPE, make the same statistics; no score capture in attention;
 * docs/policies.md's worked example.
 
-The kit's ``check_policy`` runs it in tests/test_contract.py, left-padded batches in
-tests/test_ragged.py, the compiled step in tests/test_compile.py, DeepSpeed's two ranks in
-tests/test_deepspeed_multi.py.
+The kit's ``check_policy`` runs it in tests/tools/test_contract.py, left-padded batches in
+tests/integrations/test_ragged.py, the compiled step in tests/torch/test_compile.py, DeepSpeed's two ranks in
+tests/integrations/test_deepspeed_multi.py.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from kvpolicy.deepspeed import (  # noqa: E402
 from kvpolicy.hf import cache_kwargs  # noqa: E402
 from kvpolicy_tools.models import tiny_llama  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 

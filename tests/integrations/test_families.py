@@ -370,20 +370,3 @@ def test_every_auto_mapping_type_works_or_is_refused_by_name(model_type):
         EvictingCache(StreamingLLM(2, 4), model)
     except ValueError as exc:
         assert "pos-shift" in str(exc) and "positions='original' works" in str(exc)
-
-
-@pytest.mark.parametrize(
-    "module",
-    ["kvpolicy_integrations.capabilities", "kvpolicy_torch.attention", "kvpolicy_torch.layer", "kvpolicy_torch.ops",
-     "kvpolicy_torch.scores", "kvpolicy_torch.replay", "kvpolicy_torch.group", "kvpolicy_torch.static",
-     "kvpolicy_torch.storage", "kvpolicy_torch.rows", "kvpolicy_torch.update", "kvpolicy_torch.victims",
-     "kvpolicy_torch.compaction", "kvpolicy_torch.posshift", "kvpolicy_torch.checks", "kvpolicy_torch.headwise",
-     "kvpolicy_torch.queries",
-     "kvpolicy_integrations.hf"],
-)
-def test_docstring_examples(module):
-    import doctest
-    import importlib
-
-    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
-    assert result.attempted and not result.failed

@@ -166,7 +166,7 @@ def test_manual_loop_positions_follow_tokens_seen(model):
 def test_other_architectures_are_refused():
     from transformers import AutoModelForCausalLM, FalconConfig, GPT2Config
 
-    # refused by capability, with what is missing (tests/test_families.py walks every model type)
+    # refused by capability, with what is missing (tests/integrations/test_families.py walks every model type)
     with pytest.raises(ValueError, match="attention interface"):
         EvictingCache(H2O(4, 4), FalconConfig(num_hidden_layers=1))
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64))

@@ -12,7 +12,7 @@ from kvpolicy import BUZZ
 from kvpolicy_numpy import replay, softmax
 from oracle import _buzz_round, oracle, oracle_params
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "policies.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "policies.md"
 
 
 def _section(text: str, marker: str) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
 
 
 def _blocks() -> list[str]:

@@ -1,12 +1,12 @@
 """No module of the product code reads or writes another module's private names.
 
-The product code is what ships: ``kvpolicy``, ``kvpolicy_numpy``, ``kvpolicy_torch`` and
-``integrations/kvpolicy_integrations``. A private name starts with one underscore (dunders such as
+The product code is what ships: ``kvpolicy``, ``kvpolicy_numpy``, ``kvpolicy_torch``,
+``integrations/kvpolicy_integrations`` and ``kvpolicy_tools``. A private name starts with one underscore (dunders such as
 ``__name__`` are Python's protocol, not private). The walk flags
 
 * ``from m import _name`` and ``import m._name`` where ``m`` is a module outside this distribution
   or ``_name`` is a private name inside a module (a private *module* of this distribution, such as
-  ``kvpolicy._validation``, is its shared internal code and may be imported by the four packages:
+  ``kvpolicy._validation``, is its shared internal code and may be imported by the five packages:
   the names it exports are public);
 * ``obj._name`` where ``obj`` is not ``self`` or ``cls`` (reads, writes and calls alike);
 * ``getattr``/``setattr``/``hasattr``/``delattr`` with a literal private name.
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-PRODUCT = ("kvpolicy", "kvpolicy_numpy", "kvpolicy_torch", "integrations/kvpolicy_integrations")
-OURS = ("kvpolicy", "kvpolicy_numpy", "kvpolicy_torch", "kvpolicy_integrations")
+ROOT = Path(__file__).resolve().parents[2]
+PRODUCT = ("kvpolicy", "kvpolicy_numpy", "kvpolicy_torch", "integrations/kvpolicy_integrations", "kvpolicy_tools")
+OURS = ("kvpolicy", "kvpolicy_numpy", "kvpolicy_torch", "kvpolicy_integrations", "kvpolicy_tools")
 
 # (file relative to the repository root, the private name): why it stays.
 ALLOWED: dict[tuple[str, str], str] = {

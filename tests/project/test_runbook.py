@@ -39,7 +39,7 @@ pytest.importorskip("deepspeed")
 
 pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "deepspeed.md"
 SCRIPT = ROOT / "examples" / "deepspeed_llama2_13b.py"
 KINDS = {"run-cpu", "gpu", "python-tp1", "output", "not-run"}

@@ -18,7 +18,7 @@ pytest.importorskip("matplotlib")
 from kvpolicy import BUZZ, available_policies, plan_policy  # noqa: E402
 from kvpolicy_tools.cli import _VERBS, main, synthetic_logits  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

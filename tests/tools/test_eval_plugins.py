@@ -180,12 +180,3 @@ def test_results_are_typed_and_a_fixed_seed_repeats_them(model, tmp_path) -> Non
     b = _run(tmp_path / "b", "--tasks", "ppl,needle", "--samples", "ppl=2,needle=1", "--context", "ppl=64",
              "--ppl-tokens", "8", "--needle-lengths", "400", "--needle-depths", "0.5", "--seed", "3", model=model)
     assert strip(a["tasks"]) == strip(b["tasks"])
-
-
-@pytest.mark.parametrize("module", ["kvpolicy_tools.eval.tasks.base", "kvpolicy_tools.eval.results", "kvpolicy.params", "kvpolicy.statistics"])
-def test_docstring_examples(module) -> None:
-    import doctest
-    import importlib
-
-    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
-    assert result.attempted and not result.failed

@@ -19,7 +19,7 @@ pytest.importorskip("matplotlib")
 from kvpolicy_tools.cli import main  # noqa: E402
 from kvpolicy_tools.eval import data as D  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(capsys, *argv: str) -> tuple[int, str]:

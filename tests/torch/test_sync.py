@@ -38,7 +38,7 @@ from kvpolicy.hf import EvictingCache, cache_kwargs  # noqa: E402
 from kvpolicy_tools.models import tiny_llama  # noqa: E402
 from kvpolicy_torch import LayerCache  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = tuple(
     str(p) + "/" for p in (ROOT / "kvpolicy", ROOT / "kvpolicy_numpy", ROOT / "kvpolicy_torch", ROOT / "integrations" / "kvpolicy_integrations")
 )
