@@ -22,12 +22,14 @@ from typing import Any, NamedTuple
 from .metrics import metric_info
 
 __all__ = [
-    "BUZZES", "COLORS", "NAMES", "Panel", "STYLES", "better", "cells", "fmt", "full_cell", "lower_is_better",
+    "COLORS", "NAMES", "Panel", "REFERENCE_KIND", "STYLES", "better", "cells", "fmt", "full_cell", "is_reference_cell", "lower_is_better",
     "md_table", "metric_name", "order", "paired_se", "pct",
     "plot_scale", "policy_name", "pyplot", "row", "shared_legend", "shown_in_percent", "value",
 ]
 
-BUZZES = ("buzz", "buzz_logn")
+#: The ``kind`` of a reference cell: a policy that keeps every token (``evicts = False``, the full
+#: cache), run once per sample instead of per budget or size (``results.json`` writes ``"full"``).
+REFERENCE_KIND = "full"
 NAMES = {
     "full": "Full cache",
     "local": "Local window",
@@ -155,9 +157,14 @@ def better(task: dict[str, Any], a: float, b: float) -> bool:
     return a > b if task["higher_is_better"] else a < b
 
 
+def is_reference_cell(cell: dict[str, Any]) -> bool:
+    """Whether ``cell`` is a reference line (its policy keeps every token), by its kind."""
+    return cell["kind"] == REFERENCE_KIND
+
+
 def full_cell(task: dict[str, Any]) -> dict[str, Any] | None:
     """The task's full-cache cell (the reference line), if it ran one."""
-    return next((c for c in task["cells"] if row(c) == "full"), None)
+    return next((c for c in task["cells"] if is_reference_cell(c)), None)
 
 
 def paired_se(a: dict[str, Any], b: dict[str, Any], metric: str) -> float | None:

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from .display import (
-    BUZZES,
     COLORS,
     STYLES,
     Panel,
@@ -27,6 +26,7 @@ from .display import (
     cells as _cells,
     fmt,
     full_cell,
+    is_reference_cell,
     lower_is_better,
     md_table as _md_table,
     metric_name,
@@ -41,8 +41,10 @@ from .display import (
     shown_in_percent,
     value as _value,
 )
+from kvpolicy.policies import BUZZ
+
 from .results import TaskResult
-from .tasks import Task, task_registry
+from .tasks import Task, log_n_variant_of, policy_class, task_registry
 
 __all__ = ["document", "write_report", "console_summary", "verdicts", "fmt", "metric_name", "paired_se"]
 
@@ -53,9 +55,19 @@ def _task_class(name: str) -> type[Task]:
     return task_registry().get(name, Task)
 
 
+#: The method the verdicts are about (the BUZZ paper's): every row whose policy is a BUZZ, its
+#: presets and T/w variants included, against every other policy of the cell.
+SUBJECT = BUZZ
+
+
 def _buzz_rows(task: dict[str, Any]) -> list[str]:
-    rows = dict.fromkeys(_row(c) for c in task["cells"])
-    return [r for r in _order(list(rows)) if r in BUZZES or r.startswith("buzz_tw")]
+    rows = dict.fromkeys(_row(c) for c in task["cells"] if _is_subject(c["policy"]))
+    return _order(list(rows))
+
+
+def _is_subject(policy: str) -> bool:
+    cls = policy_class(policy)
+    return cls is not None and issubclass(cls, SUBJECT)
 
 
 # =========================================================================== verdicts
@@ -71,7 +83,7 @@ def verdicts(task: dict[str, Any]) -> list[str]:
     for c in task["cells"]:
         if c["kind"] in ("budget", "size"):
             groups.setdefault(c["label"], []).append(c)
-    full = next((c for c in task["cells"] if _row(c) == "full"), None)
+    full = full_cell(task)
     any_se = False
     buzz_rows = set(_buzz_rows(task))
     for buzz in _buzz_rows(task):
@@ -123,17 +135,22 @@ def verdicts(task: dict[str, Any]) -> list[str]:
         if any(se for *_, se in wins + losses):
             head += (f". Beyond 2 s.e.: {sig_w} of the {len(wins)} wins and {sig_l} of the {len(losses)} losses")
         lines.append(head + ".")
-    if "buzz" in {_row(c) for c in task["cells"]} and "buzz_logn" in {_row(c) for c in task["cells"]}:
+    rows = set(_row(c) for c in task["cells"])
+    for scaled in _order(list(rows)):
+        plain = log_n_variant_of(scaled)
+        if plain is None or plain not in rows:
+            continue
+
         def outputs(policy: str) -> dict[str, Any]:
             return {c["label"]: [(e["id"], e["scores"], e.get("text")) for e in c.get("samples", [])]
                     for c in task["cells"] if _row(c) == policy}
 
-        a, b = outputs("buzz"), outputs("buzz_logn")
+        a, b = outputs(plain), outputs(scaled)
         if a and a == b:
             longest = task["prompt_tokens"]["max"] + task["decode_steps_per_sample"]
-            floors = {p["params"].get("log_floor") for c in task["cells"] if _row(c) == "buzz_logn" for p in c["plans"]}
+            floors = {p["params"].get("log_floor") for c in task["cells"] if _row(c) == scaled for p in c["plans"]}
             lines.append(
-                "BUZZ (log n) gives exactly BUZZ's outputs here"
+                f"{_name(scaled)} gives exactly {_name(plain)}'s outputs here"
                 + (f": its logit scale max(log_512 n, 1) is 1 for every query that attends to at most 512 keys, and "
                    f"no query of this task attends to more than {longest}." if longest <= 512 and floors == {1.0} else ".")
             )
@@ -217,7 +234,7 @@ def console_summary(doc: dict[str, Any]) -> str:
         arrow = "higher is better" if task["higher_is_better"] else "lower is better"
         out.append(f"\n== {task['title']} [{task['name']}], {task['n_samples']} samples; "
                    f"{metric_name(metric)}, {arrow}")
-        full = next((c for c in task["cells"] if _row(c) == "full"), None)
+        full = full_cell(task)
         if full is not None:
             out.append(f"full cache: {fmt(metric, _value(full, metric))}")
         for kind, what in (("budget", "cell = value (realised budget); columns = requested budget"),
@@ -244,7 +261,7 @@ def _budget_panel(ax: Any, task: dict[str, Any], metric: str, cells: list[dict[s
         ax.set_xticks(range(len(policies)))
         ax.set_xticklabels([f"{_name(p)}\n{_pct(next(c for c in bud if _row(c) == p)['realised_budget'])}"
                             for p in policies], fontsize=7)
-        full = next((c for c in cells if _row(c) == "full"), None)
+        full = next((c for c in cells if is_reference_cell(c)), None)
         if full is not None and full["metrics"].get(metric) is not None:
             ax.axhline(_scale(metric, full["metrics"][metric]), color="black", linestyle="--", linewidth=1.2,
                        label="Full cache")
@@ -260,7 +277,7 @@ def _budget_panel(ax: Any, task: dict[str, Any], metric: str, cells: list[dict[s
         if pts:
             ax.plot([x for x, _ in pts], [y for _, y in pts], label=_name(p), color=COLORS.get(p),
                     **STYLES.get(p, {"marker": "o", "linewidth": 1.4}))
-    full = next((c for c in cells if _row(c) == "full"), None)
+    full = next((c for c in cells if is_reference_cell(c)), None)
     if full is not None and full["metrics"].get(metric) is not None:
         ax.axhline(_scale(metric, full["metrics"][metric]), color="black", linestyle="--", linewidth=1.2, label="Full cache")
     ax.set_xlabel("realised KV cache budget (%)")
@@ -306,7 +323,7 @@ def plot_sizes(task: dict[str, Any], path: Path, model: str) -> Path | None:
         ys = [_scale(metric, next((c["metrics"].get(metric) for c in cells if _row(c) == p and c["size"] == s), None)) for s in sizes]
         xs = [i + (j - (len(policies) - 1) / 2) * width for i in range(len(sizes))]
         ax.bar(xs, [y or 0 for y in ys], width=width, label=_name(p), color=COLORS.get(p))
-    full = next((c for c in task["cells"] if _row(c) == "full"), None)
+    full = full_cell(task)
     if full is not None:
         ax.axhline(_scale(metric, full["metrics"][metric]), color="black", linestyle="--", label="Full cache")
     ax.set_xticks(range(len(sizes)))
@@ -335,7 +352,8 @@ def plot_heatmap(task: dict[str, Any], path: Path, model: str) -> Path | None:
     lengths = sorted({int(k[0]) for k in keys})
     depths = sorted({float(k[1]) for k in keys})
     policies = _order(list(dict.fromkeys(_row(c) for c in cells)))
-    labels = [lab for lab in dict.fromkeys(c["label"] for c in cells if _row(c) != "full")]
+    labels = [lab for lab in dict.fromkeys(c["label"] for c in cells if not is_reference_cell(c))]
+    references = {_row(c) for c in cells if is_reference_cell(c)}
     nrows, ncols = len(policies), max(len(labels), 1)
     fig, axes = plt.subplots(nrows, ncols, figsize=(2.4 * ncols + 1.4, 1.55 * nrows + 1.0), squeeze=False,
                              layout="constrained")
@@ -343,8 +361,8 @@ def plot_heatmap(task: dict[str, Any], path: Path, model: str) -> Path | None:
     for i, p in enumerate(policies):
         for j in range(ncols):
             ax = axes[i][j]
-            if p == "full":
-                c = next(c for c in cells if _row(c) == "full")
+            if p in references:
+                c = next(c for c in cells if _row(c) == p)
                 if j > 0:
                     ax.axis("off")
                     continue
@@ -364,7 +382,7 @@ def plot_heatmap(task: dict[str, Any], path: Path, model: str) -> Path | None:
             ax.set_xticklabels([str(n) for n in lengths], fontsize=7)
             ax.set_yticks(range(len(depths)))
             ax.set_yticklabels([f"{d:.0%}" for d in depths], fontsize=7)
-            title = _name(p) if p == "full" else f"{_name(p)} {c['label']} ({_pct(c['realised_budget'])})"
+            title = _name(p) if p in references else f"{_name(p)} {c['label']} ({_pct(c['realised_budget'])})"
             ax.set_title(title, fontsize=8)
             if j == 0:
                 ax.set_ylabel("depth", fontsize=8)
@@ -422,9 +440,9 @@ def _task_md(task: dict[str, Any], plots: list[Path], out_dir: Path) -> str:
     fv = _value(full, metric) if full is not None else None
     for c in task["cells"]:
         v = _value(c, metric)
-        delta = "-" if fv is None or v is None or _row(c) == "full" else (
+        delta = "-" if fv is None or v is None or is_reference_cell(c) else (
             f"{100 * (v - fv):+.1f}" if shown_in_percent(metric) else f"{v / fv:.2f}x")
-        req = _pct(c["requested_budget"]) if c["kind"] in ("budget", "full") else (
+        req = _pct(c["requested_budget"]) if c["kind"] == "budget" or is_reference_cell(c) else (
             f"size {c['size']}" if c["kind"] == "size" else f"T/w {c['ratio']:g}")
         cap = c.get("capacity")
         rows.append([_name(_row(c)), req, c.get("equalise") or "mean", _pct(c["realised_budget"]),

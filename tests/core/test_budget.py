@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from fractions import Fraction
 
 import numpy as np
@@ -326,49 +325,6 @@ def test_every_builtin_one_token_policy_declares_its_size_rule() -> None:
         assert policy.size_rule() is not None, name
         assert simulate_sizes(policy, 120, 40).tolist() == _replay_sizes(policy, 120, 40).tolist(), name
     assert {"h2o", "tova", "streaming_llm", "local", "knorm", "keydiff", "pyramid_h2o"} <= set(one_token)
-
-
-def test_no_policy_is_special_cased_by_name_in_the_planner_eval_and_perf() -> None:
-    """What keeps every token is a class flag (evicts = False), not the name 'full'; the planner,
-    the command, compare and the benchmarks (kvpolicy_tools/perf) build every policy through the
-    registry and its from_size, never on a test of its name."""
-    import re
-
-    from kvpolicy import available_policies
-    from kvpolicy.registry import Preset
-
-    def switch(names: list[str]) -> re.Pattern[str]:
-        alt = "|".join(re.escape(n) for n in names)
-        return re.compile(rf"""(==|!=|\bin)\s*[\(\[\{{]?["']({alt})["']|["']({alt})["']\s*(==|!=|in\b)""")
-
-    builtin = sorted(n for n, e in available_policies().items() if (e.cls if isinstance(e, Preset) else e).__module__.startswith("kvpolicy.policies"))
-    assert {"full", "h2o", "buzz", "streaming_llm", "local", "tova"} <= set(builtin)
-    root = Path(__file__).resolve().parents[1] / "kvpolicy"
-    any_name = ["budget.py", "eval/compare.py", "cli.py"] + [str(p.relative_to(root)) for p in sorted((root / "perf").glob("*.py"))]
-    tasks = [str(p.relative_to(root)) for p in sorted((root / "eval" / "tasks").glob("*.py"))]
-    for rel, pattern in [(rel, switch(builtin)) for rel in any_name] + [(rel, switch(["full"])) for rel in tasks]:
-        hits = [line.strip() for line in (root / rel).read_text().splitlines() if pattern.search(line)]
-        assert not hits, (rel, hits)
-
-
-def test_no_task_is_named_in_the_compare_engine_or_the_report() -> None:
-    """What is particular to a task (its commands, captions, verdicts, plots, paper table) comes
-    from its ``Task`` hooks: ``compare.py`` and ``report.py`` hold no string equal to a registered
-    task's name, so adding a task is one file."""
-    import ast
-
-    from kvpolicy_tools.eval.tasks import task_registry
-
-    names = set(task_registry())
-    assert {"ppl", "tw", "stream", "summ", "needle", "ruler", "qa", "kv", "passkey"} <= names
-    root = Path(__file__).resolve().parents[1] / "kvpolicy"
-    for rel in ("eval/compare.py", "eval/report.py"):
-        tree = ast.parse((root / rel).read_text())
-        named = sorted({(node.lineno, node.value) for node in ast.walk(tree)
-                        if isinstance(node, ast.Constant) and isinstance(node.value, str)
-                        and node.value.strip().lower() in names})
-        assert not named, f"{rel} names tasks (line, name): {named}"
-
 
 
 def test_every_builtin_builds_from_a_size_through_the_registry() -> None:

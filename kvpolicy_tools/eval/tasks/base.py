@@ -35,10 +35,11 @@ from kvpolicy.budget import PolicyPlan, plan_capacity, plan_policy, simulate_siz
 from kvpolicy.driver import evict_until_done
 from kvpolicy.policies import BUZZ
 from kvpolicy.policies.buzz import estimate_threshold, window_for_size
-from kvpolicy.registry import get_policy
+from kvpolicy.policy import EvictionPolicy
+from kvpolicy.registry import Preset, get_policy
 
 from .. import data as D
-from ..display import Panel, fmt, metric_name
+from ..display import REFERENCE_KIND, Panel, fmt, metric_name
 
 __all__ = [
     "CacheConfig",
@@ -55,6 +56,9 @@ __all__ = [
     "describe_file",
     "hub_only",
     "is_reference",
+    "log_n_variant_of",
+    "policy_class",
+    "takes_threshold_ratio",
     "make_tasks",
     "parse_floats",
     "parse_ints",
@@ -215,7 +219,7 @@ class CacheConfig:
     @property
     def kind(self) -> str:
         if is_reference(self.policy):
-            return "full"
+            return REFERENCE_KIND
         return "ratio" if self.ratio is not None else "size" if self.size is not None else "budget"
 
     def build(self, prompt_length: int, context_length: int) -> tuple[Any, dict[str, Any]]:
@@ -272,11 +276,56 @@ def is_reference(name: str) -> bool:
         >>> is_reference("full"), is_reference("h2o")
         (True, False)
     """
+    cls = policy_class(name)
+    return cls is not None and not cls.evicts
+
+
+def policy_class(name: str) -> type[EvictionPolicy] | None:
+    """The class behind the registered policy ``name`` (a preset's class); ``None`` when ``name`` is
+    not registered here (a results.json from a run with a third-party policy).
+
+    Example:
+        >>> policy_class("buzz_logn").__name__, policy_class("no such policy")
+        ('BUZZ', None)
+    """
     try:
         entry = get_policy(name)
     except ValueError:  # not registered: planning it reports that
+        return None
+    return entry.cls if isinstance(entry, Preset) else entry
+
+
+def takes_threshold_ratio(name: str) -> bool:
+    """Whether the registered policy ``name`` is planned at a chosen T/w (``threshold_ratio``, see
+    :func:`kvpolicy.plan_policy`): a BUZZ class under its own name; its presets (log n) are variants
+    of their own, not swept.
+
+    Example:
+        >>> takes_threshold_ratio("buzz"), takes_threshold_ratio("buzz_logn"), takes_threshold_ratio("h2o")
+        (True, False, False)
+    """
+    try:
+        entry = get_policy(name)
+    except ValueError:
         return False
-    return not getattr(entry, "cls", entry).evicts
+    return isinstance(entry, type) and issubclass(entry, BUZZ)
+
+
+def log_n_variant_of(name: str) -> str | None:
+    """The registered name whose log-n variant ``name`` is: a preset that switches log n scaling on
+    and fixes nothing else (``buzz_logn`` -> ``buzz``); ``None`` for any other name.
+
+    Example:
+        >>> log_n_variant_of("buzz_logn"), log_n_variant_of("buzz")
+        ('buzz', None)
+    """
+    try:
+        entry = get_policy(name)
+    except ValueError:
+        return None
+    if isinstance(entry, Preset) and entry.fixed == {"log_n": True}:
+        return entry.cls.name
+    return None
 
 
 def simulate_chunked_sizes(policy: Any, prompt_length: int, decode_steps: int, chunk: int) -> np.ndarray:

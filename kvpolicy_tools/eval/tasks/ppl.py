@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from .. import data as D
 from .. import metrics as M
-from ..display import Panel, row
+from ..display import Panel, policy_name, row
 from .base import CacheConfig, Sample, Task, TokenizerAdapter, describe_file, hub_only, is_reference, parse_ints, register_task, sample_order
 
 
@@ -67,11 +67,23 @@ class PerplexityTask(Task):
 
     @classmethod
     def budget_panels(cls, task: dict[str, Any]) -> list[Any]:
-        """Every policy on a log axis, and a linear zoom without the local window (whose
-        perplexity at small budgets dwarfs the others')."""
+        """Every policy on a log axis, and a linear zoom without the policy whose perplexity
+        dwarfs the others' (its worst more than twice the next policy's worst: the local window at
+        small budgets), chosen from the values, not by name."""
         metric = task["metric"]
-        return [Panel(metric, task["cells"], "all policies (log scale)"),
-                Panel(metric, [c for c in task["cells"] if row(c) != "local"], "zoom: local window left out", linear=True)]
+        worst: dict[str, float] = {}
+        for c in task["cells"]:
+            v = c["metrics"].get(metric)
+            if v is not None:
+                worst[row(c)] = max(worst.get(row(c), v), v)
+        ranked = sorted(worst, key=worst.__getitem__, reverse=True)
+        panels = [Panel(metric, task["cells"], "all policies (log scale)")]
+        if len(ranked) > 2 and worst[ranked[0]] > 2 * worst[ranked[1]]:
+            panels.append(Panel(metric, [c for c in task["cells"] if row(c) != ranked[0]],
+                                f"zoom: {policy_name(ranked[0])} left out", linear=True))
+        else:
+            panels.append(Panel(metric, task["cells"], "all policies (linear scale)", linear=True))
+        return panels
 
     def run_flags(self, cache_sizes: Sequence[int] | None) -> list[str]:
         """``--context`` always (the tokens prefilled before scoring), no ``--max-new-tokens``."""

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from ..display import COLORS, STYLES, full_cell, metric_name, order, policy_name, pyplot, row, shared_legend
 from .ppl import PerplexityTask
-from .base import CacheConfig, Sample, TokenizerAdapter, is_reference, parse_floats, parse_ints, register_task, replace_flag
+from .base import CacheConfig, Sample, TokenizerAdapter, is_reference, parse_floats, parse_ints, register_task, replace_flag, takes_threshold_ratio
 
 
 #: The short stream task of the default ``kvpolicy compare`` run (the full protocol is
@@ -122,8 +122,8 @@ class StreamTask(PerplexityTask):
             if is_reference(p):
                 continue
             rows.append((p, None))
-            if p == "buzz":
-                rows += [("buzz", float(r)) for r in self.ratios]
+            if takes_threshold_ratio(p):
+                rows += [(p, float(r)) for r in self.ratios]
         out = [CacheConfig(p) for p in policies if is_reference(p)]
         for target in targets:
             for eq in self.equalisations:

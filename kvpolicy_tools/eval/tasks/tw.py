@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from kvpolicy.policies.buzz import threshold_ratio
+from kvpolicy.policies.buzz import BUZZ, threshold_ratio
 
 from ..display import cells as cells_of, fmt, full_cell, metric_name, paired_se, pyplot, value
 from .base import CacheConfig, Sample, TaskOptions, TokenizerAdapter, is_reference, parse_floats, register_task, replace_flag
@@ -155,7 +155,7 @@ class TwSweepTask(SummarizationTask):
     def configs(self, policies: Sequence[str], budgets: Sequence[float]) -> list[CacheConfig]:
         chunk = self.options.tw_chunk or None
         out = [CacheConfig(p, chunk=chunk) for p in policies if is_reference(p)]
-        out += [CacheConfig("buzz", size=self.options.tw_cache_size, ratio=float(r), stride=self.options.tw_stride, chunk=chunk)
+        out += [CacheConfig(BUZZ.name, size=self.options.tw_cache_size, ratio=float(r), stride=self.options.tw_stride, chunk=chunk)
                 for r in self.options.tw_ratios]
         return out
 
