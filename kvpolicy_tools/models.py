@@ -39,6 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 from transformers.utils import is_accelerate_available, logging as hf_logging
 
 from kvpolicy._validation import check_bool
+from kvpolicy_integrations.capabilities import geometry, text_config
 
 __all__ = [
     "check_device",
@@ -524,24 +525,21 @@ def describe(model: PreTrainedModel) -> dict[str, Any]:
         >>> (d["layers"], d["heads"], d["kv_heads"], d["head_dim"])
         (2, 4, 2, 16)
     """
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    g = geometry(model)  # the one reader of a model's shape (capabilities)
     first = next(iter(model.parameters()), None)
     return {
-        "model_type": getattr(config, "model_type", None),
-        "layers": int(config.num_hidden_layers),
-        "heads": heads,
-        "kv_heads": kv_heads,
-        "head_dim": int(head_dim),
-        "hidden_size": int(config.hidden_size),
-        "max_positions": getattr(config, "max_position_embeddings", None),
-        "vocab_size": getattr(config, "vocab_size", None),
+        "model_type": g.model_type,
+        "layers": g.layers,
+        "heads": g.heads,
+        "kv_heads": g.kv_heads,
+        "head_dim": g.head_dim,
+        "hidden_size": g.hidden_size,
+        "max_positions": g.max_positions,
+        "vocab_size": g.vocab_size,
         "parameters": sum(p.numel() for p in model.parameters()),
         "dtype": str(first.dtype).removeprefix("torch.") if first is not None else None,
         "device": str(first.device) if first is not None else None,
-        "attn_implementation": getattr(config, "_attn_implementation", None),
+        "attn_implementation": getattr(text_config(model), "_attn_implementation", None),
     }
 
 

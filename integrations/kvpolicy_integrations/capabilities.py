@@ -34,8 +34,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from kvpolicy_torch import rope_rotate
 
-__all__ = ["LayerAttention", "ModelCapabilities", "RopeLayout", "cache_kwargs", "detect", "query_rotations", "rope_layouts",
-           "text_config"]
+__all__ = ["Geometry", "LayerAttention", "ModelCapabilities", "RopeLayout", "cache_kwargs", "detect", "geometry",
+           "query_rotations", "rope_layouts", "text_config"]
 
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     """The keyword that hands ``cache`` to ``model``'s forward and ``generate``: ``cache`` where the
@@ -94,11 +94,37 @@ class LayerAttention:
 
 
 @dataclass(frozen=True)
+class Geometry:
+    """A decoder's shape, read from its text config by :func:`geometry` (the one reader of it:
+    the cache through :func:`detect`, the DeepSpeed engine, the model loaders' ``describe``).
+    ``vocab_size``, ``intermediate_size`` and ``max_positions`` are ``None`` where the config has
+    none."""
+
+    model_type: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int | None
+    intermediate_size: int | None
+    max_positions: int | None
+    tie_word_embeddings: bool
+
+    @property
+    def groups(self) -> int:
+        """Query heads per KV head."""
+        return self.heads // self.kv_heads
+
+
+@dataclass(frozen=True)
 class ModelCapabilities:
-    """What :func:`detect` found. ``layers``: one :class:`LayerAttention` per decoder layer."""
+    """What :func:`detect` found. ``layers``: one :class:`LayerAttention` per decoder layer;
+    ``geometry``: the decoder's shape (:func:`geometry`)."""
 
     model_type: str
     layers: tuple[LayerAttention, ...]
+    geometry: Geometry
 
     @property
     def has_local_layers(self) -> bool:
@@ -116,6 +142,58 @@ def text_config(model_or_config: Any) -> Any:
         return get(decoder=True)
     except TypeError:
         return get()
+
+
+def _positive(name: str, value: Any) -> int:
+    if value is None:
+        raise ValueError(f"model config has no {name!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
+    return value
+
+
+def geometry(
+    model_or_config: Any,
+    *,
+    heads_attr: str = "num_attention_heads",
+    kv_heads_attr: str = "num_key_value_heads",
+    head_dim_attr: str = "head_dim",
+) -> Geometry:
+    """The shape of a decoder (a model or its config; a multimodal wrapper's text config), read
+    under the config's attribute names (a family that names its head counts otherwise passes its
+    own); ``ValueError`` naming the attribute when a count is missing, not positive, or the heads
+    are not a multiple of the KV heads.
+
+    Example:
+        >>> from kvpolicy_tools.models import tiny_llama
+        >>> g = geometry(tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16))
+        >>> g.layers, g.heads, g.kv_heads, g.head_dim, g.groups
+        (2, 4, 2, 16, 2)
+    """
+    config = text_config(model_or_config)
+    heads = _positive(heads_attr, getattr(config, heads_attr, None))
+    kv_heads = _positive(kv_heads_attr, getattr(config, kv_heads_attr, None) or heads)
+    hidden = _positive("hidden_size", getattr(config, "hidden_size", None))
+    head_dim = _positive(head_dim_attr, getattr(config, head_dim_attr, None) or hidden // heads)
+    if heads % kv_heads:
+        raise ValueError(f"model config: {heads_attr}={heads} is not a multiple of {kv_heads_attr}={kv_heads}")
+
+    def optional(name: str) -> int | None:
+        value = getattr(config, name, None)
+        return None if value is None else int(value)
+
+    return Geometry(
+        model_type=str(getattr(config, "model_type", None)),
+        layers=_positive("num_hidden_layers", getattr(config, "num_hidden_layers", None)),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=int(head_dim),
+        hidden_size=hidden,
+        vocab_size=optional("vocab_size"),
+        intermediate_size=optional("intermediate_size"),
+        max_positions=optional("max_position_embeddings"),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )
 
 
 def _what_works(model_type: str) -> str:
@@ -211,7 +289,11 @@ def detect(model_or_config: Any) -> ModelCapabilities:
     )
     if len(layers) != config.num_hidden_layers:
         raise ValueError(f"{_what_works(model_type)}: {len(layers)} layer types for {config.num_hidden_layers} layers")
-    return ModelCapabilities(model_type=model_type, layers=layers)
+    try:
+        shape = geometry(model_or_config)
+    except ValueError as exc:
+        raise ValueError(f"{_what_works(model_type)}: {exc}") from exc
+    return ModelCapabilities(model_type=model_type, layers=layers, geometry=shape)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ from kvpolicy.budget import make_policy
 from kvpolicy.policy import EvictionPolicy
 from kvpolicy.registry import get_policy
 
-from .capabilities import cache_kwargs, detect
+from .capabilities import cache_kwargs, detect, geometry
 from .hf import EvictingCache, PositionsMode
 
 __all__ = [
@@ -149,11 +149,6 @@ def _check_layout(model: Any, spec: AttentionSpec, model_type: str) -> None:
         )
 
 
-def _text_config(model_or_config: Any) -> Any:
-    config = getattr(model_or_config, "config", model_or_config)
-    return getattr(config, "get_text_config", lambda **_: config)()
-
-
 @dataclass(frozen=True)
 class ModelGeometry:
     """The attention geometry of a decoder, read from its config through its :class:`AttentionSpec`."""
@@ -172,31 +167,28 @@ class ModelGeometry:
 
     @classmethod
     def from_config(cls, model_or_config: Any) -> "ModelGeometry":
-        """Read and check the geometry (``ValueError`` for unsupported or inconsistent configs)."""
-        config = _text_config(model_or_config)
+        """Read and check the geometry (``ValueError`` for unsupported or inconsistent configs):
+        :func:`kvpolicy_integrations.capabilities.geometry` under the family's :class:`AttentionSpec`
+        names, which must also give the MLP width and the vocabulary (the memory arithmetic)."""
         model_type = detect(model_or_config).model_type  # the same capability check as EvictingCache
         spec = ATTENTION_SPECS.get(model_type, AttentionSpec())
         if isinstance(model_or_config, torch.nn.Module):
             _check_layout(model_or_config, spec, model_type)
-        heads = _positive_attr(config, spec.heads_attr)
-        kv_heads = getattr(config, spec.kv_heads_attr, None) or heads
-        kv_heads = _positive(spec.kv_heads_attr, kv_heads)
-        hidden = _positive_attr(config, "hidden_size")
-        head_dim = getattr(config, spec.head_dim_attr, None) or hidden // heads
-        head_dim = _positive(spec.head_dim_attr, head_dim)
-        if heads % kv_heads:
-            raise ValueError(f"{spec.heads_attr}={heads} is not a multiple of {spec.kv_heads_attr}={kv_heads}")
+        g = geometry(model_or_config, heads_attr=spec.heads_attr, kv_heads_attr=spec.kv_heads_attr, head_dim_attr=spec.head_dim_attr)
+        for name in ("intermediate_size", "vocab_size"):
+            if getattr(g, name) is None:
+                raise ValueError(f"model config has no {name!r}")
         return cls(
-            model_type=model_type,  # type: ignore[arg-type]
-            layers=_positive_attr(config, "num_hidden_layers"),
-            heads=heads,
-            kv_heads=kv_heads,
-            head_dim=head_dim,
-            hidden_size=hidden,
-            intermediate_size=_positive_attr(config, "intermediate_size"),
-            vocab_size=_positive_attr(config, "vocab_size"),
-            max_positions=getattr(config, "max_position_embeddings", None),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            model_type=model_type,
+            layers=g.layers,
+            heads=g.heads,
+            kv_heads=g.kv_heads,
+            head_dim=g.head_dim,
+            hidden_size=g.hidden_size,
+            intermediate_size=_positive("intermediate_size", g.intermediate_size),
+            vocab_size=_positive("vocab_size", g.vocab_size),
+            max_positions=g.max_positions,
+            tie_word_embeddings=g.tie_word_embeddings,
             spec=spec,
         )
 
@@ -210,12 +202,6 @@ def _positive(name: str, value: Any, where: str = "model config: ") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{where}{name} must be a positive integer, got {value!r}")
     return value
-
-
-def _positive_attr(config: Any, name: str) -> int:
-    if not hasattr(config, name):
-        raise ValueError(f"model config has no {name!r}")
-    return _positive(name, getattr(config, name))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import kvpolicy_integrations.hf as hf
 from kvpolicy import H2O, FullCache, plan_policy
 from kvpolicy._validation import check_bool
 from kvpolicy.registry import get_policy
-from kvpolicy_integrations.capabilities import cache_kwargs
+from kvpolicy_integrations.capabilities import cache_kwargs, text_config
 from kvpolicy_integrations.hf import ATTENTION_NAME, EvictingCache
 from kvpolicy_torch import LayerCache
 
@@ -179,7 +179,7 @@ def prefill(model: Any, context: int, *, batch: int = 1, seed: int = 0, chunk: i
     """Prefill ``context`` random tokens with ``DynamicCache``; ``chunk`` bounds each forward."""
 
     device = _device_of(model)
-    vocab = int(model.config.get_text_config().vocab_size)
+    vocab = int(text_config(model).vocab_size)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(min(3, vocab - 1), vocab, (batch, context), generator=g).to(device)
     cache = DynamicCache(config=model.config)
@@ -344,7 +344,7 @@ def measure_decode(
     bar hook).
     """
     device = _device_of(model)
-    vocab = int(model.config.get_text_config().vocab_size)
+    vocab = int(text_config(model).vocab_size)
     g = torch.Generator().manual_seed(seed)
     total = warmup + rounds * steps
     ids = torch.randint(min(3, vocab - 1), vocab, (pre.batch, total), generator=g).to(device)
@@ -512,7 +512,7 @@ def breakdown(
     token by token like :func:`measure_decode`; the table averages all ``rounds * steps`` steps.
     """
     device = _device_of(model)
-    vocab = int(model.config.get_text_config().vocab_size)
+    vocab = int(text_config(model).vocab_size)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(min(3, vocab - 1), vocab, (pre.batch, warmup + rounds * steps), generator=g).to(device)
     caches = [build_cache(model, c, pre) for c in candidates]

@@ -29,7 +29,7 @@ from transformers import DynamicCache  # noqa: E402
 from families import tiny_model  # noqa: E402
 from kvpolicy import FullCache, LocalWindow, StreamingLLM, make_policy  # noqa: E402
 from kvpolicy.registry import available_policies  # noqa: E402
-from kvpolicy_integrations.capabilities import LayerAttention, detect, rope_layouts  # noqa: E402
+from kvpolicy_integrations.capabilities import LayerAttention, detect, rope_layouts, text_config  # noqa: E402
 from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
 from kvpolicy_torch import rope_matrix, rope_rotate  # noqa: E402
 
@@ -64,7 +64,7 @@ def _model(model_type: str) -> torch.nn.Module:
 
 
 def _prompt(model: torch.nn.Module) -> torch.Tensor:
-    vocab = model.config.get_text_config().vocab_size
+    vocab = text_config(model).vocab_size
     return torch.randint(3, min(vocab, 256), (1, PROMPT), generator=torch.Generator().manual_seed(0))
 
 
