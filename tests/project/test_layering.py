@@ -8,7 +8,8 @@ From the bottom up (docs/design.md, "Layout"):
 3. ``integrations``: ``kvpolicy_integrations`` (transformers, DeepSpeed) and its public paths
    ``kvpolicy.hf`` and ``kvpolicy.deepspeed`` (re-exports).
 4. ``tools``: ``kvpolicy_tools`` (the command, eval, perf, model loading), the conformance kit
-   ``kvpolicy.testing`` and ``python -m kvpolicy``.
+   ``kvpolicy.testing``, ``python -m kvpolicy`` and the old paths ``kvpolicy.cli`` and
+   ``kvpolicy.models`` (re-exports).
 
 A module imports its own layer or the ones below, never above; the module graph has no cycle; an
 import inside a function is an optional heavy dependency (torch where a path is optional,
@@ -47,6 +48,8 @@ LAYER_OF = {
     "kvpolicy_tools": 3,
     "kvpolicy.testing": 3,
     "kvpolicy.__main__": 3,
+    "kvpolicy.cli": 3,
+    "kvpolicy.models": 3,
 }
 LAYER_NAMES = ("core", "backends", "integrations", "tools")
 
