@@ -76,22 +76,18 @@ class Engine:
     """Runs samples through evicting caches; the model is any Llama-family transformers model."""
 
     def __init__(self, model: Any, tok: TokenizerAdapter) -> None:
-        self.torch = torch
         self.model = model
         self.tok = tok
         self.device = next(model.parameters()).device
         self.eos = sorted(tok.eos_ids(model))
-        self.n_layers = int(getattr(model.config, "num_hidden_layers"))
-        self._cache_kwargs = cache_kwargs
 
     def forward(self, ids: Any, cache: Any, **kwargs: Any) -> Any:
         """The model on ``ids`` ``[batch, q]`` with ``cache``, handed over under the name the
         installed transformers takes (``kvpolicy.hf.cache_kwargs``)."""
-        return self.model(ids, **self._cache_kwargs(self.model, cache), use_cache=True, **kwargs)
+        return self.model(ids, **cache_kwargs(self.model, cache), use_cache=True, **kwargs)
 
     def prefill(self, ids: Any, prompt_length: int, log_n: Any, rows: int | None = None,
                 history: int | None = None) -> tuple[Any, Any]:
-        torch = self.torch
         rec = EvictingCache(_Recorder.make(log_n, rows, history), self.model)
         with torch.no_grad():
             out = self.forward(ids[:, :prompt_length], rec, logits_to_keep=1)
@@ -99,7 +95,6 @@ class Engine:
 
     def prefill_chunked(self, ids: Any, prompt_length: int, policy: Any, chunk: int) -> tuple[Any, Any]:
         """A cache for ``policy`` after prefilling in chunks (the policy evicts after every chunk)."""
-        torch = self.torch
         cache = EvictingCache(policy, self.model)
         with torch.no_grad():
             for start in range(0, prompt_length, chunk):
@@ -111,7 +106,7 @@ class Engine:
         one at a time through ``cache``, as decode steps: the policy evicts as at any decode step.
         Returns the last step's logits and each step's cache size and full-cache size."""
         sizes, fulls = [], []
-        with self.torch.no_grad():
+        with torch.no_grad():
             for t in range(start, stop):
                 sizes.append(self._length(cache) + 1)
                 fulls.append(t + 1)
@@ -142,7 +137,6 @@ class Engine:
         """Feed tokens ``prompt_length .. prompt_length + n_score - 1`` one at a time through
         ``cache``; each step's prediction of the next token is scored (summed NLL per row).
         ``on_step(i)`` is called every 64 steps (progress)."""
-        torch = self.torch
         b = ids.shape[0]
         nll = torch.zeros(b, dtype=torch.float64)
         sizes, fulls = [], []
@@ -160,7 +154,6 @@ class Engine:
         return {"nll": nll.tolist(), "tokens": [n_score] * b, "sizes": sizes, "fulls": fulls}
 
     def run_gen(self, ids: Any, first_logits: Any, max_new: int, cache: Any) -> dict[str, Any]:
-        torch = self.torch
         b, n = ids.shape
         eos = torch.tensor(self.eos, dtype=torch.long, device=self.device) if self.eos else None
         cur = first_logits.argmax(-1).to(self.device)
