@@ -30,9 +30,6 @@ from typing import Any
 
 import pytest
 
-from kvpolicy.testing import check_policy
-from kvpolicy.testing.timing import policy_workload
-
 #: The contract properties (kept equal to ``kvpolicy.testing.contract.PROPERTIES`` by a test;
 #: spelled out so that loading the plugin does not import hypothesis).
 PROPERTIES = ("replay", "sizes", "full_cache", "backends", "stateful")
@@ -49,6 +46,10 @@ def kvpolicy_contract(request: pytest.FixtureRequest) -> Any:
     prop = getattr(request, "param", None)
 
     def check(policy_factory: Any = None, params: Any = None, **kwargs: Any) -> Any:
+        # here: the plugin loads in every pytest session where kvpolicy is installed; hypothesis (the
+        # testing extra) only when a test uses the fixture
+        from kvpolicy.testing.contract import check_policy
+
         if prop is not None:
             wanted = kwargs.pop("checks", None)
             if wanted is not None and prop not in wanted:
@@ -72,6 +73,8 @@ def kvpolicy_benchmark(request: pytest.FixtureRequest) -> Any:
         rounds: int = 5,
         **workload_kwargs: Any,
     ) -> Any:
+        from kvpolicy.testing.timing import policy_workload  # here: as check_policy above
+
         benchmark = request.getfixturevalue("benchmark")  # pytest-benchmark
         w = policy_workload(policy_factory, size, backend, **workload_kwargs)
         if measure == "one_eviction":
