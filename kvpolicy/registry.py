@@ -144,7 +144,6 @@ def register_policy(
         True
     """
 
-
     replace = bool(check_bool("replace", replace))
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise ValueError(f"name must be a non-empty string (or None for the class's own name), got {name!r}")

@@ -257,8 +257,6 @@ def _add_trace(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-
-
     check_output_file(args.out, "--out")
     if args.logits is not None:
         try:

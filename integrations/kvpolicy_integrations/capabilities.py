@@ -346,7 +346,6 @@ def query_rotations(model: torch.nn.Module) -> list[RopeLayout | None]:
 
 
 def _measure_rope(model: torch.nn.Module) -> list[RopeLayout | None]:
-
     config = text_config(model)
     model_type = getattr(config, "model_type", None)
     freqs = [

@@ -164,7 +164,6 @@ class ComplexityResult:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # optional: the plot extra
 
-
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         for ax, (key, name) in zip(axes, (("one_eviction", "one eviction"), ("per_token", "amortised per decoded token"))):
             for backend, style in (("torch", "-o"), ("numpy", "--s")):

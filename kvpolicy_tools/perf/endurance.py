@@ -202,7 +202,6 @@ def run_endurance(
     """
     import psutil  # optional: resident memory where installed
 
-
     policy = check_eviction_policy("policy", policy)
     tokens = check_int("tokens", tokens, minimum=2)
     samples = min(200, tokens) if samples is None else check_int("samples", samples, minimum=2, maximum=tokens)
@@ -219,7 +218,6 @@ def run_endurance(
     g = torch.Generator().manual_seed(seed)
     h, d = shape.kv_heads, shape.head_dim
     kv_pool = torch.randn(pool, 1, h, 1, d, generator=g, dtype=dtype).to(dev)
-
 
     def received_of(width: int) -> torch.Tensor:
         # received attention of a decode query over the slots it attends: random, scaled like a
