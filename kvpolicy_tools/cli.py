@@ -300,6 +300,22 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 
 # ============================================================================ compare
+def _add_compare(p: argparse.ArgumentParser) -> None:
+    compare.add_arguments(p)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    return compare.run(args)
+
+
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    bench.add_arguments(p)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    return bench.run(args)
+
+
 # ============================================================================ the parser
 @dataclass(frozen=True)
 class _Verb:
@@ -314,8 +330,8 @@ _VERBS: list[_Verb] = [
     _Verb("policies", "list the registered policies with their parameters", _add_policies, _cmd_policies),
     _Verb("plan", "resolve a policy's parameters from a cache budget", _add_plan, _cmd_plan),
     _Verb("trace", "replay a policy and draw the kept positions over time (PNG)", _add_trace, _cmd_trace),
-    _Verb("compare", "compare the policies on real text with a real model and write a report", compare.add_arguments, compare.run),
-    _Verb("bench", "CPU benchmarks: eviction cost vs cache size, decode speed and memory, step breakdown", bench.add_arguments, bench.run),
+    _Verb("compare", "compare the policies on real text with a real model and write a report", _add_compare, _cmd_compare),
+    _Verb("bench", "CPU benchmarks: eviction cost vs cache size, decode speed and memory, step breakdown", _add_bench, _cmd_bench),
 ]
 
 
