@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
 import torch
@@ -54,7 +54,7 @@ from kvpolicy.budget import make_policy
 from kvpolicy.policy import EvictionPolicy
 from kvpolicy.registry import get_policy
 
-from .capabilities import cache_kwargs, detect, geometry
+from .capabilities import Geometry, cache_kwargs, detect, geometry
 from .hf import EvictingCache, PositionsMode
 
 __all__ = [
@@ -150,26 +150,18 @@ def _check_layout(model: Any, spec: AttentionSpec, model_type: str) -> None:
 
 
 @dataclass(frozen=True)
-class ModelGeometry:
-    """The attention geometry of a decoder, read from its config through its :class:`AttentionSpec`."""
+class ModelGeometry(Geometry):
+    """A decoder's :class:`~kvpolicy_integrations.capabilities.Geometry`, read through its
+    :class:`AttentionSpec` (whose ``spec`` it carries); ``intermediate_size`` and ``vocab_size``
+    are always given (the memory arithmetic needs them)."""
 
-    model_type: str
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    hidden_size: int
-    intermediate_size: int
-    vocab_size: int
-    max_positions: int | None
-    tie_word_embeddings: bool
-    spec: AttentionSpec
+    spec: AttentionSpec = AttentionSpec()
 
     @classmethod
     def from_config(cls, model_or_config: Any) -> "ModelGeometry":
         """Read and check the geometry (``ValueError`` for unsupported or inconsistent configs):
         :func:`kvpolicy_integrations.capabilities.geometry` under the family's :class:`AttentionSpec`
-        names, which must also give the MLP width and the vocabulary (the memory arithmetic)."""
+        names, which must also give the MLP width and the vocabulary."""
         model_type = detect(model_or_config).model_type  # the same capability check as EvictingCache
         spec = ATTENTION_SPECS.get(model_type, AttentionSpec())
         if isinstance(model_or_config, torch.nn.Module):
@@ -178,24 +170,8 @@ class ModelGeometry:
         for name in ("intermediate_size", "vocab_size"):
             if getattr(g, name) is None:
                 raise ValueError(f"model config has no {name!r}")
-        return cls(
-            model_type=model_type,
-            layers=g.layers,
-            heads=g.heads,
-            kv_heads=g.kv_heads,
-            head_dim=g.head_dim,
-            hidden_size=g.hidden_size,
-            intermediate_size=_positive("intermediate_size", g.intermediate_size),
-            vocab_size=_positive("vocab_size", g.vocab_size),
-            max_positions=g.max_positions,
-            tie_word_embeddings=g.tie_word_embeddings,
-            spec=spec,
-        )
-
-    @property
-    def groups(self) -> int:
-        """Query heads per KV head."""
-        return self.heads // self.kv_heads
+            _positive(name, getattr(g, name))
+        return cls(**{f.name: getattr(g, f.name) for f in fields(Geometry)}, spec=spec)
 
 
 def _positive(name: str, value: Any, where: str = "model config: ") -> int:

@@ -9,33 +9,11 @@ import doctest
 import importlib
 import io
 import warnings
-from pathlib import Path
-
 import pytest
 from hypothesis.errors import NonInteractiveExampleWarning
+from packages import module_files
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {
-    "kvpolicy": ROOT / "kvpolicy",
-    "kvpolicy_numpy": ROOT / "kvpolicy_numpy",
-    "kvpolicy_torch": ROOT / "kvpolicy_torch",
-    "kvpolicy_integrations": ROOT / "integrations" / "kvpolicy_integrations",
-    "kvpolicy_tools": ROOT / "kvpolicy_tools",
-}
-
-
-def every_module() -> list[str]:
-    names = []
-    for package, folder in PACKAGES.items():
-        for path in sorted(folder.rglob("*.py")):
-            parts = list(path.relative_to(folder).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            names.append(".".join([package, *parts]))
-    return names
-
-
-MODULES = every_module()
+MODULES = sorted(module_files())
 
 
 def run_examples(name: str) -> doctest.TestResults:

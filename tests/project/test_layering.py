@@ -22,20 +22,9 @@ from __future__ import annotations
 import ast
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-#: Where each top-level package's modules live.
-PACKAGES = {
-    "kvpolicy": ROOT / "kvpolicy",
-    "kvpolicy_numpy": ROOT / "kvpolicy_numpy",
-    "kvpolicy_torch": ROOT / "kvpolicy_torch",
-    "kvpolicy_integrations": ROOT / "integrations" / "kvpolicy_integrations",
-    "kvpolicy_tools": ROOT / "kvpolicy_tools",
-}
+from packages import PACKAGES, module_files
 
 #: Layer of a module: the longest prefix listed here (a module, or a package and what is under it).
 LAYER_OF = {
@@ -84,13 +73,6 @@ class Edge:
     line: int
     in_function: bool
     commented: bool
-
-
-def module_name(package: str, path: Path) -> str:
-    parts = list(path.relative_to(PACKAGES[package]).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts = parts[:-1]
-    return ".".join([package, *parts])
 
 
 def layer(module: str) -> int | None:
@@ -149,11 +131,7 @@ def imports(module: str, source: str, is_package: bool, known: set[str]) -> list
 
 def read_modules() -> dict[str, tuple[str, bool]]:
     """Every first-party module: name -> (source, is a package)."""
-    out = {}
-    for package, folder in PACKAGES.items():
-        for path in sorted(folder.rglob("*.py")):
-            out[module_name(package, path)] = (path.read_text(encoding="utf-8"), path.name == "__init__.py")
-    return out
+    return {name: (path.read_text(encoding="utf-8"), path.name == "__init__.py") for name, path in module_files().items()}
 
 
 def violations(modules: dict[str, tuple[str, bool]]) -> list[str]:
