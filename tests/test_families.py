@@ -378,7 +378,7 @@ def test_every_auto_mapping_type_works_or_is_refused_by_name(model_type):
      "kvpolicy_torch.scores", "kvpolicy_torch.replay", "kvpolicy_torch.group", "kvpolicy_torch.static",
      "kvpolicy_torch.storage", "kvpolicy_torch.rows", "kvpolicy_torch.update", "kvpolicy_torch.victims",
      "kvpolicy_torch.compaction", "kvpolicy_torch.posshift", "kvpolicy_torch.checks", "kvpolicy_torch.headwise",
-     "kvpolicy_torch.queries",
+     "kvpolicy_torch.queries", "kvpolicy_torch.layout", "kvpolicy_torch.general", "kvpolicy_torch.step", "kvpolicy_torch.reads",
      "kvpolicy_integrations.hf"],
 )
 def test_docstring_examples(module):
