@@ -409,7 +409,7 @@ class LayerCache(LayerReads):
         KeyDiff: :data:`kvpolicy.KEY_STATISTICS`) ``received`` is checked and ignored: :meth:`evict`
         computes the scores from the keys held."""
         layout = self.synced()
-        scores = layout.returned().scores
+        scores = layout.returned_scores()
         check_received(received, scores.shape)
         add_received(layout, self.policy, scores, received)
 
@@ -653,7 +653,7 @@ class LayerCache(LayerReads):
         layout = self._layout
         if q == 1 and layout.chunk is None:
             return torch.tensor([s - 1 for s in layout.rows.seen], device=layout.storage().keys.device).view(-1, 1)
-        return layout.returned().positions[:, 0, -q:]
+        return layout.returned_positions()[:, 0, -q:]
 
     # ------------------------------------------------------------------ snapshots, batch ops
     def snapshot(self) -> LayerSnapshot:

@@ -112,10 +112,22 @@ class SlotLayout:
         self.search.forget()
         self.tail_clean = False
 
-    def returned(self) -> Storage:
-        """The slots the last append returned (what attention saw; ``received`` aligns with them)."""
+    # what the last append returned (what attention saw; ``received`` aligns with these), one
+    # tensor each: read in every decode step of some policies, so no Storage is built for them
+    def returned_positions(self) -> torch.Tensor:
+        """Positions ``[batch, kv_heads, n]`` of the slots the last append returned (``-1``: a hole or pad)."""
         lo, hi = self.range
-        return self.extra if self.extra is not None else self.storage().narrow(lo, hi)
+        return self.extra.positions if self.extra is not None else self.storage().positions[:, :, lo:hi]
+
+    def returned_scores(self) -> torch.Tensor:
+        """Scores ``[batch, kv_heads, n]`` of the slots the last append returned."""
+        lo, hi = self.range
+        return self.extra.scores if self.extra is not None else self.storage().scores[:, :, lo:hi]
+
+    def returned_bias(self) -> torch.Tensor:
+        """Attention bias ``[batch, kv_heads, n]`` of the slots the last append returned."""
+        lo, hi = self.range
+        return self.extra.bias if self.extra is not None else self.storage().bias[:, :, lo:hi]
 
     def needs_bias(self, always: bool) -> bool:
         """Whether a slot in the returned range is a hole for some row (host ints only);
@@ -196,7 +208,7 @@ class SlotLayout:
     def to_slots(self, ordered: torch.Tensor, count: int) -> torch.Tensor:
         """Per-token values in position order ``[batch, kv_heads, count]`` placed at the returned
         slots ``[batch, kv_heads, n]`` (0 at holes)."""
-        pos = self.returned().positions
+        pos = self.returned_positions()
         out = torch.zeros(pos.shape, dtype=ordered.dtype, device=pos.device)
         if self.dense() and self.range[0] == 0:
             out[:, :, :count] = ordered

@@ -148,14 +148,14 @@ class LayerReads:
     def slot_positions(self) -> torch.Tensor:
         """Original positions of the slots the last ``append`` returned ``[batch, kv_heads, n]``
         (``-1`` at a hole or pad): ``received`` in ``accumulate`` is aligned with these."""
-        return self.synced().returned().positions
+        return self.synced().returned_positions()
 
     @property
     def bias(self) -> torch.Tensor | None:
         """Additive attention bias ``[batch, kv_heads, n]`` (``0`` or ``-inf``) of the slots the last
         decode ``append`` returned, or ``None`` when none of them is a hole."""
         layout = self.synced()
-        return layout.returned().bias if layout.bias_needed else None
+        return layout.returned_bias() if layout.bias_needed else None
 
     @property
     def query_valid(self) -> torch.Tensor | None:
@@ -171,7 +171,7 @@ class LayerReads:
         if layout.chunk is None:
             raise ValueError("chunk_mask() follows an append of more than one token")
         start, q, valid = layout.chunk
-        pos = layout.returned().positions
+        pos = layout.returned_positions()
         if self.policy.ragged_heads and bool(((pos >= 0) != (pos[:, :1] >= 0)).any()):
             raise NotImplementedError(
                 f"{self.policy!r}: a prompt chunk after a head-wise eviction (heads holding different tokens) needs a "
@@ -196,7 +196,7 @@ class LayerReads:
         if self.rule is not None and self.rule.victim == "oldest" and layout.extra is None and layout.chunk is None:
             return PrefixShift(self.rule.sink, layout.rows.shift())
         # slots before the range are holes, so ranks count from its start
-        return slot_shifts(layout.returned().positions, layout.rows.shift())
+        return slot_shifts(layout.returned_positions(), layout.rows.shift())
 
     # ------------------------------------------------------------------ diagnostics
     @property

@@ -54,7 +54,7 @@ def add_received(layout: SlotLayout, policy: EvictionPolicy, scores: torch.Tenso
     if layout.chunk is not None and statistic == "low_history":
         _, q, valid = layout.chunk
         rows = q if valid is None else valid.sum(dim=-1).view(-1, 1, 1)
-    fold_received(scores, layout.returned().positions, received, statistic, history=policy.score_history, rows=rows)
+    fold_received(scores, layout.returned_positions(), received, statistic, history=policy.score_history, rows=rows)
 
 
 def query_record(layout: SlotLayout, policy: EvictionPolicy, received: torch.Tensor, group: int) -> torch.Tensor:
@@ -63,7 +63,7 @@ def query_record(layout: SlotLayout, policy: EvictionPolicy, received: torch.Ten
     else ``received`` itself."""
     if policy.score_statistic != "low_history":
         return received
-    return low_attention(received, group, kept=layout.returned().positions >= 0).to(torch.float64)
+    return low_attention(received, group, kept=layout.returned_positions() >= 0).to(torch.float64)
 
 
 def attend_slots(
