@@ -579,8 +579,9 @@ class EvictingLayer(DynamicLayer):
         log_n = self.policy.log_n
         uses_scores = self.policy.captures_attention  # (scores from keys: no capture, the store computes them)
         if q_len == 1:
-            window = self.window_bias()
-            prefix = self.take_prefix(query)
+            # (two host checks first: most layers have no window and no shifted prefix)
+            window = None if self.attention_kind.kind == "full" else self.window_bias()
+            prefix = None if self._prefix is None else self.take_prefix(query)
             # log n: n = the keys the query attends to (paper, section 3.5): the row's kept tokens
             scales = [log_n.scale(n) for n in store.lengths] if log_n is not None else None
             # (the fused path never needs `plain`: store.bias, a slice, is read only when SDPA may serve)
