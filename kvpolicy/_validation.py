@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import numbers
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from .policy import EvictionPolicy
-
-__all__ = ["check_int", "check_float", "check_choice", "check_bool", "check_eviction_policy"]
+__all__ = ["check_int", "check_float", "check_choice", "check_bool"]
 
 
 def check_int(name: str, value: object, *, minimum: int = 1, maximum: int | None = None) -> int:
@@ -65,11 +60,3 @@ def check_bool(name: str, value: object, *, allow_none: bool = False) -> bool | 
         return bool(value)
     allowed = "True, False or None" if allow_none else "True or False"
     raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-def check_eviction_policy(name: str, value: object) -> "EvictionPolicy":
-    """:func:`kvpolicy.policy.check_eviction_policy`, kept here for ``kvpolicy_torch.replay`` until it
-    imports it from there (this import is the one upward edge the layering test allows)."""
-    from .policy import check_eviction_policy as check  # here: kvpolicy.policy imports this module
-
-    return check(name, value)
