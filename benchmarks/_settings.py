@@ -45,4 +45,4 @@ ENDURANCE_TIME_TOL = float(os.environ.get("KVPOLICY_BENCH_ENDURANCE_TIME_TOL", "
 #: Measurements collected during a session (the conftest fits slopes and prints the summary).
 RECORDS: list[dict] = []
 DECODE: list[dict] = []
-ENDURANCE: list = []  # kvpolicy.perf.endurance.EnduranceResult
+ENDURANCE: list = []  # kvpolicy_tools.perf.endurance.EnduranceResult

@@ -19,9 +19,9 @@ import json
 import torch
 
 from kvpolicy import AdaKV, make_policy
-from kvpolicy.eval.data import load_wikitext
+from kvpolicy_tools.eval.data import load_wikitext
 from kvpolicy.hf import EvictingCache, cache_kwargs
-from kvpolicy.models import load
+from kvpolicy_tools.models import load
 
 
 def measure(model, ids: torch.Tensor, policy, new: int) -> dict:

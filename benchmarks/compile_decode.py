@@ -1,6 +1,6 @@
 """Compiled decode steps against the compiled limit, in one process (issue 25).
 
-For each context, a prompt of random tokens is prefilled once (``kvpolicy.perf.decode.prefill``);
+For each context, a prompt of random tokens is prefilled once (``kvpolicy_tools.perf.decode.prefill``);
 every candidate cache is built from those keys and values (``build_cache``) and then decodes
 greedy tokens one step at a time. Candidates:
 
@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvpolicy import plan_policy
     from kvpolicy.hf import EvictingCache, cache_kwargs, compile_decode_step
-    from kvpolicy.models import load, tiny_llama
-    from kvpolicy.perf.decode import Candidate, build_cache, prefill
+    from kvpolicy_tools.models import load, tiny_llama
+    from kvpolicy_tools.perf.decode import Candidate, build_cache, prefill
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="'smollm2-135m' (the embedded model) or 'tiny'")

@@ -50,7 +50,7 @@ def record():
 
 
 def _slope_rows() -> list[tuple[str, str, int, int, str, float, int]]:
-    from kvpolicy.perf.report import slopes
+    from kvpolicy_tools.perf.report import slopes
 
     out = []
     for measure in ("one_eviction", "per_token"):
@@ -79,7 +79,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
                 f"  kv {r['kv_bytes'] / 2**20:8.2f} MiB"
             )
     if _settings.ENDURANCE:
-        from kvpolicy.perf.endurance import markdown, summary_line
+        from kvpolicy_tools.perf.endurance import markdown, summary_line
 
         tr.write_sep("=", "endurance: last / first decile after the warm-up (1.0 = flat)")
         for result in _settings.ENDURANCE:

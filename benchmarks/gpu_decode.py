@@ -16,7 +16,7 @@ planned bytes against the free memory after ``empty_cache()``)::
     python benchmarks/gpu_decode.py --batches 1 --contexts 2048,32768 --steps 16
 
 and paste ``gpu-results/report.md`` into ``docs/performance.md``. ``--tiny --device cpu`` runs
-every code path on a 2-layer model with small contexts (tests/test_gpu_decode.py does).
+every code path on a 2-layer model with small contexts (tests/tools/test_gpu_decode.py does).
 
 How a run goes, per candidate: the model is built on the meta device, materialised on the device
 in the target dtype, and its rotary embedding rebuilt by transformers' own constructor (the meta
@@ -73,7 +73,7 @@ def build_model(shape: dict[str, Any], device: str, dtype: Any, seed: int = 0) -
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvpolicy.models import rebuild_rotary
+    from kvpolicy_tools.models import rebuild_rotary
 
     config = LlamaConfig(**shape, attn_implementation="sdpa", pad_token_id=0, bos_token_id=1, eos_token_id=2)
     with torch.device("meta"):
@@ -292,7 +292,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch
 
-    from kvpolicy.perf.report import machine, machine_line, markdown_table
+    from kvpolicy_tools.perf.report import machine, machine_line, markdown_table
 
     device = args.device
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]

@@ -87,7 +87,7 @@ def gather(args: argparse.Namespace) -> None:
 
 
 def compaction(args: argparse.Namespace) -> None:
-    from kvpolicy.perf.eviction import workload
+    from kvpolicy_tools.perf.eviction import workload
     from kvpolicy_torch import LayerCache
 
     default = LayerCache.compaction_chunk_bytes

@@ -26,7 +26,7 @@ from transformers import DynamicCache
 
 from kvpolicy import H2O, FullCache
 from kvpolicy.hf import EvictingCache, cache_kwargs
-from kvpolicy.models import tiny_llama
+from kvpolicy_tools.models import tiny_llama
 
 
 def smollm2_shaped(layers: int) -> torch.nn.Module:

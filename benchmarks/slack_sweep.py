@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from kvpolicy import models
-from kvpolicy.perf.decode import build_cache, decode, prefill, standard_candidates
+from kvpolicy_tools import models
+from kvpolicy_tools.perf.decode import build_cache, decode, prefill, standard_candidates
 from kvpolicy_torch import LayerCache
 
 

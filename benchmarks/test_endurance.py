@@ -1,5 +1,5 @@
 """Endurance: 100,000 tokens streamed one at a time through SmolLM2-135M's cache shape (30 layers,
-3 KV heads, head_dim 64, float32) with BUZZ, H2O and StreamingLLM (:mod:`kvpolicy.perf.endurance`).
+3 KV heads, head_dim 64, float32) with BUZZ, H2O and StreamingLLM (:mod:`kvpolicy_tools.perf.endurance`).
 
 Allocated bytes, RSS and per-token time are sampled along the way; the last decile after the
 warm-up is compared with the first. Quick mode (CI) streams 1,200 tokens. The run's table is
@@ -18,7 +18,7 @@ pytest.importorskip("psutil")
 
 import _settings  # noqa: E402
 
-from kvpolicy.perf.endurance import SMOLLM2_135M, endurance_policy, run_endurance  # noqa: E402
+from kvpolicy_tools.perf.endurance import SMOLLM2_135M, endurance_policy, run_endurance  # noqa: E402
 
 #: RSS and allocated bytes must be flat within this (the issue's 5%); time: ENDURANCE_TIME_TOL.
 MEMORY_TOL = 0.05

@@ -1,6 +1,6 @@
 """Eviction cost against the cache size, every policy, torch and NumPy backends.
 
-Two benchmarks per point (see :mod:`kvpolicy.perf.eviction`): one eviction from a cache of
+Two benchmarks per point (see :mod:`kvpolicy_tools.perf.eviction`): one eviction from a cache of
 ``size`` tokens, and the amortised cost per decoded token of ``append`` + ``evict`` over one
 eviction cycle. The session summary fits the log-log slope of each series (conftest.py).
 """
@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 
 import _settings  # noqa: E402
 
-from kvpolicy.perf.eviction import POLICIES, fits, workload  # noqa: E402
+from kvpolicy_tools.perf.eviction import POLICIES, fits, workload  # noqa: E402
 
 POINTS = [
     pytest.param(backend, policy, batch, heads, size, id=f"{backend}-{policy}-b{batch}-h{heads}-{size}")

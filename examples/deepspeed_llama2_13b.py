@@ -356,7 +356,7 @@ def build_engine(args: argparse.Namespace, dtype: Any, device: str, tp: int, ran
 
     from kvpolicy import FullCache
     from kvpolicy.deepspeed import init_inference, materialize_shards
-    from kvpolicy.models import rebuild_rotary
+    from kvpolicy_tools.models import rebuild_rotary
 
     if args.random_weights:
         config = llama2_13b_config(**_shape_overrides(args), eos_token_id=None)

@@ -1,6 +1,6 @@
-"""``python -m kvpolicy``: the ``kvpolicy`` command line."""
+"""``python -m kvpolicy``: the ``kvpolicy`` command line (:mod:`kvpolicy_tools.cli`)."""
 
-from .cli import main
+from kvpolicy_tools.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import numbers
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from .policy import EvictionPolicy
-
-__all__ = ["check_int", "check_float", "check_choice", "check_bool", "check_eviction_policy"]
+__all__ = ["check_int", "check_float", "check_choice", "check_bool"]
 
 
 def check_int(name: str, value: object, *, minimum: int = 1, maximum: int | None = None) -> int:
@@ -65,18 +60,3 @@ def check_bool(name: str, value: object, *, allow_none: bool = False) -> bool | 
         return bool(value)
     allowed = "True, False or None" if allow_none else "True or False"
     raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-def check_eviction_policy(name: str, value: object) -> "EvictionPolicy":
-    """Return ``value`` if it is an :class:`~kvpolicy.EvictionPolicy` instance, else raise
-    ``ValueError`` naming ``name`` (and saying how to build one from a registered name)."""
-    from .policy import EvictionPolicy  # here: kvpolicy.policy itself imports this module
-
-    if isinstance(value, EvictionPolicy):
-        return value
-    hint = ""
-    if isinstance(value, str):
-        hint = f"; build one by name with kvpolicy.create_policy({value!r}, ...) or kvpolicy.make_policy({value!r}, budget, ...)"
-    elif isinstance(value, type) and issubclass(value, EvictionPolicy):
-        hint = f"; instantiate the class first, e.g. {value.__name__}(...)"
-    raise ValueError(f"{name} must be an EvictionPolicy instance (e.g. kvpolicy.BUZZ()), got {value!r}{hint}")

@@ -18,6 +18,7 @@ import numpy as np
 
 from ._validation import check_float, check_int
 from .driver import evict_until_done
+from .policies.buzz import BUZZ, check_ratio
 from .policy import EvictionPolicy
 from .registry import Preset, get_policy
 
@@ -151,7 +152,6 @@ def _ratio_overrides(entry: Any, threshold_ratio: float | None, overrides: dict[
     """``overrides`` plus a validated ``threshold_ratio`` (BUZZ only)."""
     if threshold_ratio is None:
         return dict(overrides)
-    from .policies.buzz import BUZZ, check_ratio
 
     cls = entry.cls if isinstance(entry, Preset) else entry
     if not (isinstance(cls, type) and issubclass(cls, BUZZ)):
@@ -254,8 +254,6 @@ def _blocking_overrides(
 ) -> list[str]:
     """The fixed parameters of ``overrides`` without which ``budget`` becomes reachable (each left
     out alone, then all together): what an unreachable budget is to be blamed on."""
-    from .policies.buzz import BUZZ  # threshold_ratio is planning input, not a parameter to blame
-
     def reachable(kept: dict[str, Any]) -> bool:
         try:
             smallest = entry.from_size(entry.min_size, **kept)
@@ -307,7 +305,7 @@ def fit_capacity(name: str | type[EvictionPolicy] | Preset, capacity: int, **ove
     """The largest policy of a kind whose :attr:`~kvpolicy.EvictionPolicy.capacity` is at most
     ``capacity``: ``from_size(size, **overrides)`` of the largest such ``size`` (a registry name,
     a policy class or a preset; any policy with a size knob, none named). What
-    :func:`plan_capacity` plans and the eviction benchmarks measure (:mod:`kvpolicy.perf.eviction`).
+    :func:`plan_capacity` plans and the eviction benchmarks measure (:mod:`kvpolicy_tools.perf.eviction`).
 
     Example:
         >>> fit_capacity("h2o", 65), fit_capacity("streaming_llm", 50).capacity

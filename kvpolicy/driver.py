@@ -3,7 +3,7 @@
 Every place that runs a policy on dense NumPy ``[batch, heads, n]`` positions and scores — the
 reference (:func:`kvpolicy_numpy.replay`), the budget planner (:func:`kvpolicy.simulate_sizes`),
 eval's chunked-prefill sizes, the steady-state finder and eviction workloads of
-:mod:`kvpolicy.perf.eviction`, and the conformance kit — asks the policy through
+:mod:`kvpolicy_tools.perf.eviction`, and the conformance kit — asks the policy through
 :func:`evict_until_done`: ask ``policy.evict``, gather what it keeps, ask again, until it returns
 ``None``. The torch backend (``kvpolicy_torch.LayerCache``) runs the same loop (:func:`kept_slots`) on
 torch views of its dense rows and applies all rounds in one compaction.
@@ -15,10 +15,10 @@ The loop holds every policy to the contract on every backend (:func:`check_keep`
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import numpy as np
-
 from array_api_compat import device
 
 from .policy import CacheView, EvictionPolicy, array_namespace
@@ -88,7 +88,6 @@ def warn_nonfinite(policy: EvictionPolicy, where: list[tuple[int, int]]) -> None
     """
     if not where:
         return
-    import warnings
 
     step, head = where[0]
     scaled = " times the log-n scale" if policy.log_n is not None else ""

@@ -34,7 +34,10 @@ from typing import Any, Literal
 
 from ._validation import check_bool, check_choice, check_float, check_int
 
-__all__ = ["Param", "REQUIRED", "declared_params"]
+__all__ = ["Param", "REQUIRED", "Selection", "declared_params"]
+
+#: How a policy selects (its ``selection`` parameter): one choice per KV head, or one shared by the heads.
+Selection = Literal["per_head", "shared"]
 
 
 class _Required:
@@ -169,11 +172,11 @@ def declared_params(cls: type) -> tuple[Param, ...]:
     return tuple(found.values())
 
 
-def make_init(cls: type, params: tuple[Param, ...]) -> Callable[..., None]:
+def make_init(cls: type, params: tuple[Param, ...], base_init: Callable[..., None]) -> Callable[..., None]:
     """The constructor of a class declaring ``params``: binds, validates (static bounds first, then
     bounds computed from other parameters, in declaration order), stores, then calls the class's
-    ``__post_init__`` hook if it has one."""
-    from .policy import EvictionPolicy, Selection
+    ``__post_init__`` hook if it has one. ``base_init``: :class:`~kvpolicy.EvictionPolicy`'s own
+    constructor (called with ``selection``; passed in, as this module sits below ``kvpolicy.policy``)."""
 
     def __init__(self: Any, *args: Any, selection: Selection | None = None, **kwargs: Any) -> None:
         positional = [p for p in params if not p.keyword_only]
@@ -193,7 +196,7 @@ def make_init(cls: type, params: tuple[Param, ...]) -> Callable[..., None]:
         for p in params:
             if p.keyword not in given and p.default is REQUIRED:
                 raise ValueError(f"{cls.__name__} needs parameter {p.keyword!r}")
-        EvictionPolicy.__init__(self, selection=cls.default_selection if selection is None else selection)
+        base_init(self, selection=cls.default_selection if selection is None else selection)
         values = {p.attribute: given.get(p.keyword, p.default) for p in params}  # type: ignore[arg-type]
         for p in params:  # raw first: dynamic bounds may read any parameter
             self.__dict__[p.attribute] = values[p.attribute]

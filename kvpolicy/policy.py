@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, ClassVar, Literal, NamedTuple
 
+from array_api_compat import array_namespace as _ns, device
+
 from ._validation import check_choice, check_float, check_int
-from .params import Param, declared_params, make_init
+from .params import Param, Selection, declared_params, make_init
 
 __all__ = [
     "KEY_STATISTICS",
@@ -40,12 +42,12 @@ __all__ = [
     "ScoreStatistic",
     "Selection",
     "WrappingPolicy",
+    "check_eviction_policy",
     "check_inherited_rules",
     "keep_at_most",
 ]
 
 Array = Any  # a NumPy ndarray or a torch.Tensor; anything array-api-compat understands
-Selection = Literal["per_head", "shared"]
 #: How a token's score is computed (:attr:`EvictionPolicy.score_statistic`): from the attention it
 #: received (``"accumulate"``, ``"latest"``, ``"low_history"``) or from the cached keys
 #: (``"key_norm"``, ``"key_diff"``, ``"expected_attention"``, see :data:`KEY_STATISTICS`).
@@ -59,8 +61,6 @@ KEY_STATISTICS: tuple[str, ...] = ("key_norm", "key_diff", "expected_attention")
 
 def array_namespace(x: Array) -> Any:
     """The array-api-compat namespace of ``x`` (NumPy or Torch)."""
-    from array_api_compat import array_namespace as _ns
-
     return _ns(x)
 
 
@@ -145,8 +145,6 @@ class CacheView:
 
     def arange(self, start: int, stop: int | None = None, step: int = 1) -> Array:
         """A 1-D int64 slot range on the view's device."""
-        from array_api_compat import device
-
         xp = self.xp
         if stop is None:
             start, stop = 0, start
@@ -513,7 +511,7 @@ class EvictionPolicy(ABC):
         super().__init_subclass__(**kwargs)
         cls.parameters = declared_params(cls)
         if cls.parameters and "__init__" not in cls.__dict__:
-            cls.__init__ = make_init(cls, cls.parameters)  # type: ignore[method-assign]
+            cls.__init__ = make_init(cls, cls.parameters, EvictionPolicy.__init__)  # type: ignore[method-assign]
         if cls.__dict__.get("size_rule", EvictionPolicy.size_rule) is None:  # `size_rule = None`: none, explicitly
             cls.size_rule = EvictionPolicy.size_rule  # type: ignore[method-assign]
         check_inherited_rules(cls)
@@ -824,3 +822,16 @@ class WrappingPolicy(EvictionPolicy):
     @property
     def capacity(self) -> int | None:
         return self.wrapped.capacity
+
+
+def check_eviction_policy(name: str, value: object) -> EvictionPolicy:
+    """Return ``value`` if it is an :class:`~kvpolicy.EvictionPolicy` instance, else raise
+    ``ValueError`` naming ``name`` (and saying how to build one from a registered name)."""
+    if isinstance(value, EvictionPolicy):
+        return value
+    hint = ""
+    if isinstance(value, str):
+        hint = f"; build one by name with kvpolicy.create_policy({value!r}, ...) or kvpolicy.make_policy({value!r}, budget, ...)"
+    elif isinstance(value, type) and issubclass(value, EvictionPolicy):
+        hint = f"; instantiate the class first, e.g. {value.__name__}(...)"
+    raise ValueError(f"{name} must be an EvictionPolicy instance (e.g. kvpolicy.BUZZ()), got {value!r}{hint}")

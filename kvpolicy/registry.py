@@ -14,10 +14,10 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-if TYPE_CHECKING:
-    from .policy import EvictionPolicy
+from ._validation import check_bool
+from .policy import EvictionPolicy
 
 __all__ = ["register_policy", "mark_builtin_policies", "is_builtin_policy", "get_policy", "create_policy", "available_policies", "Preset", "ENTRY_POINT_GROUP"]
 
@@ -98,8 +98,6 @@ def is_builtin_policy(policy: object) -> bool:
         >>> is_builtin_policy(H2O(heavy=2, recent=2)), is_builtin_policy(compose(prefill=SnapKV(size=40), decode=H2O(heavy=2, recent=2)))
         (True, True)
     """
-    from .policy import EvictionPolicy
-
     if type(policy) not in _BUILTIN_CLASSES:
         return False
     inner = [v for v in policy.params().values() if isinstance(v, EvictionPolicy)]  # type: ignore[attr-defined]
@@ -146,15 +144,11 @@ def register_policy(
         True
     """
 
-    from ._validation import check_bool
-
     replace = bool(check_bool("replace", replace))
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise ValueError(f"name must be a non-empty string (or None for the class's own name), got {name!r}")
 
     def decorate(c: P) -> P:
-        from .policy import EvictionPolicy
-
         if not (inspect.isclass(c) and issubclass(c, EvictionPolicy)):
             raise ValueError(f"register_policy expects an EvictionPolicy subclass, got {c!r}")
         spelled = _spelling(name or c.name or c.__name__)
@@ -190,7 +184,6 @@ def _load_entry_points() -> None:
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
-    from .policy import EvictionPolicy
 
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         key = normalize_name(ep.name)

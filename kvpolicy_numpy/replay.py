@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvpolicy._validation import check_eviction_policy, check_int
+from kvpolicy._validation import check_int
+from kvpolicy.budget import realised_budget
 from kvpolicy.driver import evict_until_done, log_n_scales, nonfinite_rows, softmax, warn_nonfinite
-from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
+from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy, check_eviction_policy
 from kvpolicy.statistics import Rotary, cache_scores, history_record, low_attention, query_moments, shift_history
 
 __all__ = ["Trace", "replay", "softmax", "validate_keys", "validate_logits", "validate_queries", "validate_values"]
@@ -55,8 +56,6 @@ class Trace:
         Defined over decode steps: a trace whose prompt is every token (``prompt_len ==
         steps``) has none, and raises ``ValueError``.
         """
-        from kvpolicy.budget import realised_budget
-
         if self.prompt_len >= self._steps:
             raise ValueError(
                 f"realised_budget needs at least one decode step: prompt_len must be < steps, "

@@ -10,10 +10,13 @@ its score (:meth:`LayerCache.accumulate` when the caller computes attention itse
 step); a prompt chunk and a policy's general ``select`` run on the host in both.
 
 * :class:`LayerCache`: one layer's evicting KV store, preallocated to the policy's capacity; its
-  parts are modules of their own: ``storage`` (the slots), ``rows`` (per-row bookkeeping),
-  ``update`` (where new tokens go), ``scores`` (received attention and how it becomes a score),
-  ``victims`` (the one-token victim search), ``compaction``, ``posshift``, ``group``, ``static``
-  and ``checks`` (docs/design.md, "The parts of LayerCache").
+  parts are modules of their own: ``reads`` (every read of its state), ``layout`` (the eager
+  layout: storage, rows, compaction), ``storage`` (the slots, and how many), ``rows`` (per-row
+  bookkeeping), ``update`` (where new tokens go), ``step`` (the eager decode attention),
+  ``scores`` (received attention and how it becomes a score), ``victims`` (the one-token victim
+  search), ``general`` (a policy's own ``select``), ``compaction``, ``posshift``, ``group``,
+  ``static`` (the device layout), ``queries``, ``headwise`` and ``checks`` (docs/design.md, "The
+  parts of LayerCache").
 * :class:`LayerGroup`: the layers of one cache, whose one-token evictions are searched together.
 * :func:`received_attention`: the attention each cached token receives, summed per KV head.
 * :func:`decode_attention`: a decode step's attention over a cache's slots and its scores in one pass.

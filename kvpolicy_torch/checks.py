@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -20,6 +20,7 @@ from kvpolicy.policy import EvictionPolicy
 
 __all__ = [
     "available_bytes", "check_append", "check_batch_index", "check_capacity", "check_kv", "check_like", "check_memory",
+    "check_step_kv", "checked_valid",
     "check_query", "check_received",
 ]
 
@@ -145,6 +146,45 @@ def check_append(layer: Any, keys: Any, values: Any) -> None:
     if cap is not None and reserve is not None and max(keys.shape[2], reserve) + 1 < cap:
         tokens, what = max(keys.shape[2], reserve) + 1, "reserve"  # what the layer allocates for a run of `reserve` tokens
     check_memory(layer.policy, tokens, keys, values, what)
+
+
+def check_step_kv(keys: torch.Tensor, values: torch.Tensor) -> None:
+    """What every :meth:`~kvpolicy_torch.LayerCache.append` checks (cheap: shapes only): keys and
+    values ``[batch, kv_heads, q, head_dim]`` with equal first three dimensions.
+
+    Example:
+        >>> check_step_kv(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 8))
+    """
+    ks, vs = keys.shape, values.shape
+    if len(ks) != 4 or len(vs) != 4 or ks[0] != vs[0] or ks[1] != vs[1] or ks[2] != vs[2]:
+        raise ValueError(
+            "keys and values must be [batch, kv_heads, q, head_dim] with equal first three dims, "
+            f"got {tuple(keys.shape)} and {tuple(values.shape)}"
+        )
+    if ks[2] == 0:
+        raise ValueError("keys must hold at least one token (q >= 1)")
+
+
+def checked_valid(valid: Any, real: Sequence[int] | None, keys: torch.Tensor) -> tuple[torch.Tensor | None, list[int] | None]:
+    """An append's pad mask ``valid`` ``[batch, q]`` for ``keys`` ``[batch, kv_heads, q, head_dim]``,
+    as bool on the keys' device, with ``real`` (its True per row; read once per chunk when not
+    given); ``(None, real)`` when every token is real. A pad in a decode token (``q == 1``) is a
+    ``ValueError``: pads belong to prompts.
+
+    Example:
+        >>> checked_valid(torch.tensor([[0, 1, 1]]), None, torch.zeros(1, 2, 3, 4))
+        (tensor([[False,  True,  True]]), [2])
+    """
+    b, _, q, _ = keys.shape
+    if not isinstance(valid, torch.Tensor) or tuple(valid.shape) != (b, q):
+        raise ValueError(f"valid must have shape [batch, q] = [{b}, {q}], got {tuple(getattr(valid, 'shape', ()))}")
+    valid = valid.to(device=keys.device, dtype=torch.bool)
+    real = valid.sum(dim=-1).tolist() if real is None else list(real)
+    if real == [q] * b:
+        return None, real
+    if q == 1:
+        raise ValueError("a padded decode token: pads are supported in prompts (chunks of q > 1) only")
+    return valid, real
 
 
 def check_query(query: Any, keys: torch.Tensor | None) -> None:

@@ -11,16 +11,17 @@ widest head's count times the heads (docs/design.md, "Head-wise budgets"). Two o
 one pass over ``[batch, kv_heads, slots]`` bookkeeping:
 
 * :func:`mark_dropped`: after a compaction, the slots a keep array filled with ``-1`` become holes;
-* :func:`held_tokens`: the tokens a layer holds (one host read).
+* :func:`held_tokens`: the tokens a layer holds (one host read);
+* :func:`fitted_slots`: the storage follows the widest head, without reallocating at every step.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .storage import HOLE, Storage
+from .storage import HOLE, Storage, grown_slots
 
-__all__ = ["held_tokens", "mark_dropped"]
+__all__ = ["fitted_slots", "held_tokens", "mark_dropped"]
 
 
 def mark_dropped(storage: Storage, rows: torch.Tensor | None, keep: torch.Tensor) -> None:
@@ -58,3 +59,18 @@ def held_tokens(pos: torch.Tensor) -> int:
         5
     """
     return int((pos >= 0).sum())
+
+
+def fitted_slots(slots: int, widest: int) -> int | None:
+    """After a head-wise eviction: the slots to reallocate a storage of ``slots`` to, whose widest
+    head holds ``widest`` tokens, or ``None`` to keep it. A storage holding more than twice its
+    growth step above the widest head's tokens shrinks to one step above them
+    (:func:`~kvpolicy_torch.storage.grown_slots`), so it neither grows nor shrinks at every step
+    as the heads' shares move.
+
+    Example:
+        >>> fitted_slots(200, 100), fitted_slots(120, 100)
+        (116, None)
+    """
+    fit = grown_slots(widest)
+    return fit if slots > widest + 2 * (fit - widest) and fit < slots else None

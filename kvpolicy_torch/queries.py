@@ -10,11 +10,16 @@ are updated in place (no host read), so a static-shaped decode step stays one gr
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from kvpolicy.statistics import QueryMoments, Rotary, query_moments
+from kvpolicy.policy import EvictionPolicy
+from kvpolicy.statistics import QueryMoments, Rotary, cache_scores, query_moments
 
-__all__ = ["RunningMoments"]
+from .storage import Storage
+
+__all__ = ["RunningMoments", "held_scores"]
 
 
 class RunningMoments:
@@ -74,3 +79,18 @@ class RunningMoments:
     def reset(self) -> None:
         """Forget every query."""
         self.moments = None
+
+
+def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: Storage, seen: Any) -> torch.Tensor:
+    """The scores of a statistic from the cache (Knorm, KeyDiff, Expected Attention) for every
+    token ``slots`` hold (:func:`kvpolicy.statistics.cache_scores`; holes and pads ``+inf``), from
+    the keys, values and, for Expected Attention, the ``running`` moments of the queries seen.
+    ``seen``: tokens seen, an int or a per-row tensor ``[batch, 1, 1]``."""
+    if running is None:
+        return cache_scores(policy, slots.keys, slots.values, slots.positions, seen)
+    if running.moments is None:
+        raise RuntimeError(
+            f"{policy!r} scores from the queries' moments, and no query was observed: call observe_queries() "
+            f"with each step's queries before evict() (the transformers cache does)"
+        )
+    return cache_scores(policy, slots.keys, slots.values, slots.positions, seen, running.moments, running.rotary)

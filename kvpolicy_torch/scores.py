@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import torch
 
 from kvpolicy.policy import KEY_STATISTICS
-from kvpolicy.statistics import shift_history
+from kvpolicy.statistics import low_attention, shift_history
 
 __all__ = ["DEFAULT_WORKSPACE_BYTES", "fold_received", "group_query_heads", "prefill_block_rows", "received_attention"]
 
@@ -255,8 +255,6 @@ def _history_record(
 ) -> torch.Tensor:
     """:func:`received_attention`'s ``history`` case: ``[batch, kv_heads, n]`` float64 records of
     the last ``history`` queries (a decode step's is its one query's bit), row by row in float64."""
-    from kvpolicy.statistics import low_attention
-
     if isinstance(history, bool) or not isinstance(history, int) or history < 1:
         raise ValueError(f"history must be an int >= 1 or None, got {history!r}")
     b, hq, q, d = query.shape

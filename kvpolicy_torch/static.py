@@ -39,6 +39,9 @@ from kvpolicy.policy import DecodeEviction
 from kvpolicy.statistics import low_attention
 
 from .attention import rope_rotate
+from .compaction import sort_by_position
+from .layout import SlotLayout
+from .rows import Rows
 from .scores import fold_received
 from .storage import Storage
 
@@ -95,9 +98,17 @@ class DecodeState:
         #: ``[]``: columns appended (pads included) minus row 0's ``seen``, fixed between loads (a
         #: decode step adds one to both): see :meth:`sequence_length`
         self.column_offset = torch.zeros((), dtype=torch.int64, device=device)
+        self._mark_static()
+
+    def _mark_static(self) -> None:
         if not torch.compiler.is_compiling():
             for t in (self.seen, self.count, self.free, self.overflow, self.column_offset):
                 torch._dynamo.mark_static_address(t)
+
+    def __setstate__(self, state: dict[str, torch.Tensor]) -> None:
+        # a copy (deepcopy, pickle) holds new tensors: a compiled step must find them static too
+        self.__dict__.update(state)
+        self._mark_static()
 
     def load(self, seen: list[int], count: list[int], columns: int = 0) -> None:
         """From the host, after a compaction (kept tokens at ``[0, count)`` in every row)."""
@@ -107,6 +118,37 @@ class DecodeState:
         self.free.copy_(self.count[:, None].expand_as(self.free))
         self.overflow.fill_(False)
         self.column_offset.fill_(columns - seen[0])
+
+    def to_host(self, layout: SlotLayout, *, scattered: bool, settled: bool, what: str) -> None:
+        """Hand the decode steps the device ran to the host (one read): ``layout``'s rows take the
+        device's counts and each row's kept tokens are put back at ``[0, count)`` in position order
+        (``scattered``: one-token evictions wrote into their victims' slots), holes masked, so host
+        code sees the layout it expects; the device state is reloaded from them. ``settled``: the
+        host must have settled after every step (a general eviction may be due at each); ``what``
+        names the policy in errors."""
+        store = layout.storage()
+        seen, count, columns, overflow = self.read()
+        if overflow:
+            raise RuntimeError(
+                f"{what} ran out of its {store.slots} slots in a compiled decode step: a general eviction was "
+                f"due and did not run. Call settle() (EvictingCache.settle) between compiled decode steps when "
+                f"needs_settle is True (kvpolicy.hf.generate does)"
+            )
+        if settled and seen[0] - layout.rows.seen[0] > 1:
+            raise RuntimeError(
+                f"{what}: {seen[0] - layout.rows.seen[0]} compiled decode steps ran since the host last settled: "
+                f"call settle() (EvictingCache.settle) after every compiled decode step while needs_settle is True "
+                f"(kvpolicy.hf.greedy_decode does)"
+            )
+        if scattered:
+            sort_by_position(store)
+        store.bias.copy_(torch.where(store.positions >= 0, 0.0, -math.inf).to(store.bias.dtype))
+        states = layout.rows.states
+        layout.rows = Rows(seen, count, list(count), states, [None] * len(count), [[] for _ in count], columns)
+        layout.range = (0, store.slots)
+        layout.bias_needed = True
+        layout.moved()
+        self.load(seen, count, columns)
 
     def sequence_length(self) -> torch.Tensor:
         """``[]``: columns appended so far, pads included (transformers' sequence length)."""

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["HOLE", "Storage", "grown_slots"]
+__all__ = ["HOLE", "SlotPlan", "Storage", "grown_slots"]
 
 _MIN_GROWTH = 16  # slots an unbounded store grows by at least
 _MAX_GROWTH = 4096  # and at most (bounded chunks: a long run never doubles its allocation at once)
@@ -37,6 +37,74 @@ def grown_slots(slots: int, need: int = 0) -> int:
         (1063, 2000, 104096)
     """
     return max(need, slots + min(_MAX_GROWTH, max(_MIN_GROWTH, math.ceil(slots / 16))))
+
+
+@dataclass
+class SlotPlan:
+    """How many slots a layer allocates: the policy's ``capacity`` plus spare slots for a one-token
+    eviction by lowest score (``slack``), or what ``reserve`` says the run needs; an unbounded
+    policy (``capacity`` None) grows in bounded chunks (:func:`grown_slots`).
+
+    Attributes:
+        capacity: the policy's capacity (``None``: unbounded).
+        reserve: the most tokens the run will append, if known.
+        slack: whether holes accumulate below the frontier (a one-token ``"lowest"`` eviction in
+            the eager layout), so spare slots save compactions.
+        planned: the slots the layer may grow to (set by :meth:`first`).
+
+    Example:
+        >>> plan = SlotPlan(capacity=1000, reserve=None, slack=True)
+        >>> plan.first(tokens=10, per_slot=768, min_slack=64, chunk_bytes=8 << 20), plan.planned
+        (1125, 1125)
+        >>> SlotPlan(capacity=1000, reserve=100, slack=True).first(10, 768, 64, 8 << 20)
+        101
+    """
+
+    capacity: int | None
+    reserve: int | None
+    slack: bool
+    planned: int = 0
+
+    def spare(self, per_slot: int, min_slack: int, chunk_bytes: int) -> int:
+        """Spare slots over the capacity (``per_slot``: bytes of one slot over the heads)."""
+        if not self.slack or self.capacity is None:
+            return 0
+        # A compaction costs a fixed setup (~0.1 ms on a CPU) plus a move per kept slot, once per
+        # `slack` steps, while attention reads `slack / 2` extra (masked) slots on average:
+        # capacity / 8 keeps the moves at 8 a step whatever the size, and at least `min_slack`
+        # (half of a tiny capacity) keeps small caches from paying the setup every few steps
+        # (128 slots: a floor of 0 / 32 / 64 ran H2O at 95.1 / 96.2 / 96.7% of the limit on
+        # SmolLM2-135M, benchmarks/slack_sweep.py). One compaction chunk bounds it: allocated
+        # bytes stay within capacity plus one chunk.
+        slack = max(self.capacity // 8, min(self.capacity // 2, min_slack))
+        return max(1, min(slack, chunk_bytes // max(per_slot, 1)))
+
+    def first(self, tokens: int, per_slot: int, min_slack: int, chunk_bytes: int, widest: int = 0) -> int:
+        """The slots of the first allocation, for a first append of ``tokens``; sets
+        :attr:`planned` (at least ``widest``: one head's most tokens under head-wise budgets)."""
+        if self.capacity is None:
+            slots = max(tokens, self.reserve or 0)
+            self.planned = slots
+            return slots
+        self.planned = max(self.capacity + self.spare(per_slot, min_slack, chunk_bytes), widest)
+        slots = self.capacity + self.spare(per_slot, min_slack, chunk_bytes)
+        if self.reserve is not None and max(tokens, self.reserve) + 1 < slots:
+            # the run needs at most `reserve` tokens (generate(): the prompt plus the new tokens):
+            # allocate those (and one spare a step appends into), growing only if more come
+            slots = max(tokens, self.reserve) + 1
+        return slots
+
+    def can_grow(self, slots: int) -> bool:
+        """Whether a store of ``slots`` may grow (unbounded, or fewer than planned)."""
+        return self.capacity is None or slots < self.planned
+
+    def grown(self, slots: int, need: int = 0) -> int:
+        """The slots after one growth step of a store of ``slots`` that must hold ``need``: an
+        unbounded policy's at least ``reserve``, a bounded one's at most :attr:`planned`."""
+        grown = grown_slots(slots, need)
+        if self.capacity is None:
+            return max(grown, self.reserve or 0)
+        return min(grown, self.planned)
 
 
 #: What a hole holds in the bookkeeping tensors (positions, scores, bias).

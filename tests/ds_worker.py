@@ -1,4 +1,4 @@
-"""Worker for tests/test_deepspeed_multi.py: run under the DeepSpeed launcher, one process per rank.
+"""Worker for tests/integrations/test_deepspeed_multi.py: run under the DeepSpeed launcher, one process per rank.
 
     deepspeed --num_gpus 2 tests/ds_worker.py --out DIR --tp 2
 
@@ -28,7 +28,7 @@ import torch
 from kvpolicy import FullCache, make_policy
 from kvpolicy.deepspeed import init_inference, local_heads, weight_numel_per_rank
 from kvpolicy.hf import EvictingCache, cache_kwargs
-from kvpolicy.models import load, tiny_llama
+from kvpolicy_tools.models import load, tiny_llama
 
 PROMPT = (
     "Read the notes and answer. "

@@ -1,5 +1,5 @@
 """Tiny random-weight decoders of every causal-LM model type transformers ships (for the family
-matrix, tests/test_families.py): built from the config alone, no download."""
+matrix, tests/integrations/test_families.py): built from the config alone, no download."""
 
 from __future__ import annotations
 

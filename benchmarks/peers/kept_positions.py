@@ -1,7 +1,7 @@
 """Do kvpolicy and NVIDIA kvpress keep the same tokens? Kept positions per layer and KV head after
 one prefill, on identical weights and prompt.
 
-This driver (main ``.venv``) loads the embedded SmolLM2-135M (float32; ``kvpolicy.models.load``
+This driver (main ``.venv``) loads the embedded SmolLM2-135M (float32; ``kvpolicy_tools.models.load``
 writes the dequantized safetensors that kvpress's side reads), takes the first ``--prompt``
 tokens of wikitext-2 (raw test; ``run_peers.prompt_ids``, seeded random ids without the data),
 runs ``benchmarks/peers/kvpress_kept.py`` in the kvpress venv (``setup_kvpress.sh``) on the same
@@ -105,7 +105,7 @@ def agreement(ours: list[list[list[int]]], theirs: list[list[list[int]]]) -> dic
 def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
-    from kvpolicy import models
+    from kvpolicy_tools import models
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")

@@ -3,7 +3,7 @@
 Runs INSIDE the kvpress virtual environment (``benchmarks/peers/setup_kvpress.sh``: kvpress 0.5.5,
 transformers 5.2, torch 2.13.0). It does not import kvpolicy (not installed there): the model is
 read from a directory (the dequantized SmolLM2-135M float32 safetensors that
-``kvpolicy.models.load("smollm2-135m")`` writes into ``kvpolicy.models.cache_path()``) and the
+``kvpolicy_tools.models.load("smollm2-135m")`` writes into ``kvpolicy_tools.models.cache_path()``) and the
 prompt from a JSON file of token ids, both given by the driver.
 
 Candidates (each on its own copy of the model, so every press stays applied for the whole run,

@@ -3,7 +3,7 @@
 
 Runs INSIDE the kvpress virtual environment (``benchmarks/peers/setup_kvpress.sh``); it does not
 import kvpolicy. The model is read from a directory (the dequantized SmolLM2-135M float32
-safetensors that ``kvpolicy.models.load("smollm2-135m")`` writes), the prompt from a JSON file of
+safetensors that ``kvpolicy_tools.models.load("smollm2-135m")`` writes), the prompt from a JSON file of
 token ids. For every press and compression ratio it prefills the prompt with the press applied
 (``with press(model)``, transformers' ``DynamicCache``) and records, per layer and KV head, which
 prompt positions the compressed cache holds: each kept key is matched to the one prompt key it

@@ -16,7 +16,7 @@ Three steps, two virtual environments (kvpolicy is not installed in kvpress's):
    and per subtask, next to a ``kvpolicy compare`` results.json of the same samples, with paired
    standard errors of the per-sample difference to the full cache.
 
-Example (from the repository root; the model folder is ``kvpolicy.models.cache_path()``)::
+Example (from the repository root; the model folder is ``kvpolicy_tools.models.cache_path()``)::
 
     PYTHONPATH=.:integrations .venv/bin/python benchmarks/peers/ruler_kvpress.py export \
         --out /tmp/ruler-samples.json --samples 2 --max-new-tokens 48 --ruler-length 1024 --data-dir ../shared/data
@@ -40,9 +40,9 @@ PRESSES = ("streaming_llm", "snapkv", "tova")
 
 def export(args: argparse.Namespace) -> int:
     """Step 1: the samples of ``kvpolicy compare --tasks ruler`` with these flags, as JSON."""
-    from kvpolicy.eval import compare
-    from kvpolicy.eval.tasks import DataSources, TaskOptions, TokenizerAdapter, make_tasks, task_registry
-    from kvpolicy.models import load
+    from kvpolicy_tools.eval import compare
+    from kvpolicy_tools.eval.tasks import DataSources, TaskOptions, TokenizerAdapter, make_tasks, task_registry
+    from kvpolicy_tools.models import load
 
     parser = compare.build_parser()
     cargs = parser.parse_args(["--tasks", "ruler", "--samples", str(args.samples), "--max-new-tokens",
@@ -140,7 +140,7 @@ def args_tokenizer_decode(model_dir: str, ids: list[int]) -> str:
 
 def score(args: argparse.Namespace) -> int:
     """Step 3: RULER's string match per press and ratio (and subtask), beside kvpolicy's cells."""
-    from kvpolicy.eval import ruler_data as R
+    from kvpolicy_tools.eval import ruler_data as R
 
     samples = {s["id"]: s for s in json.load(open(args.samples_json, encoding="utf-8"))["samples"]}
     outputs = json.load(open(args.outputs, encoding="utf-8"))["outputs"]

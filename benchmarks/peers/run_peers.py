@@ -2,15 +2,15 @@
 
 For each prompt length ``N`` (``--contexts``) this driver (main ``.venv``, imports kvpolicy):
 
-1. builds the prompt: the first ``N`` tokens of wikitext-2 (raw test, ``kvpolicy.eval.data``)
+1. builds the prompt: the first ``N`` tokens of wikitext-2 (raw test, ``kvpolicy_tools.eval.data``)
    under the model's tokenizer, or seeded random ids (``--prompt random``, or a model without a
    tokenizer such as ``--model tiny``), and writes them to ``prompt-N.json``;
 2. starts ``benchmarks/peers/kvpress_decode.py --serve`` in the kvpress virtual environment
    (``benchmarks/peers/setup_kvpress.sh``) on the same weights (the dequantized float32
-   safetensors of ``kvpolicy.models.load``, read from ``kvpolicy.models.cache_path()``) and the
+   safetensors of ``kvpolicy_tools.models.load``, read from ``kvpolicy_tools.models.cache_path()``) and the
    same ids: kvpress prefills with its presses applied;
 3. prefills our side once with ``DynamicCache`` and loads the prompt's keys and values into every
-   candidate (``kvpolicy.perf.decode.build_cache``: an evicting cache evicts once, with
+   candidate (``kvpolicy_tools.perf.decode.build_cache``: an evicting cache evicts once, with
    placeholder scores for the policies that read scores, so it holds exactly as many tokens as a
    real prefill would leave; decode speed depends on how many tokens are kept, not which);
 4. alternates rounds: ours, theirs, ours, theirs, ... (``--rounds``), so machine load hits both
@@ -21,7 +21,7 @@ For each prompt length ``N`` (``--contexts``) this driver (main ``.venv``, impor
 Our candidates (25% budget by default, ``--budget``; policies planned with
 ``kvpolicy.plan_policy(name, budget, context_length=N + S, prompt_length=N)``, ``S`` the decoded
 tokens): transformers' ``DynamicCache`` (full), **the limit** (a ``DynamicCache`` holding only the
-last ``round(N * budget)`` prompt tokens at their original positions, ``kvpolicy.perf.decode``'s
+last ``round(N * budget)`` prompt tokens at their original positions, ``kvpolicy_tools.perf.decode``'s
 ``Candidate(keep_last=...)``: it attends to as many keys as a policy keeps and does no scoring and
 no eviction), StreamingLLM, H2O, the local window and
 BUZZ through ``EvictingCache``. kvpress's: ``DynamicCache`` (transformers 5.2), and
@@ -84,12 +84,12 @@ def prompt_ids(tokenizer: Any, vocab: int, n: int, source: str, seed: int = 0) -
     ``source="wikitext"``: the first ``n`` tokens of the wikitext-2 raw test articles joined by
     newlines (falls back to random ids, saying so, without a tokenizer or the data file).
     ``source="random"``: ``torch.randint(3, vocab)`` from a seeded generator, as
-    ``kvpolicy.perf.decode.prefill`` draws them.
+    ``kvpolicy_tools.perf.decode.prefill`` draws them.
     """
     import torch
 
     if source == "wikitext" and tokenizer is not None:
-        from kvpolicy.eval.data import load_wikitext
+        from kvpolicy_tools.eval.data import load_wikitext
 
         try:
             docs = load_wikitext()
@@ -133,7 +133,7 @@ class OurSide:
         import torch
 
         from kvpolicy.hf import cache_kwargs
-        from kvpolicy.perf.decode import use_attention_for
+        from kvpolicy_tools.perf.decode import use_attention_for
 
         use_attention_for(self.model, cand.cache)
         pos = torch.tensor([[cand.position]])
@@ -172,7 +172,7 @@ def build_ours(model: Any, prompt: list[int], *, budget: float, decode_tokens: i
 
     from kvpolicy import plan_policy
     from kvpolicy.hf import cache_kwargs
-    from kvpolicy.perf.decode import Candidate, Prefill, build_cache
+    from kvpolicy_tools.perf.decode import Candidate, Prefill, build_cache
 
     n = len(prompt)
     ids = torch.tensor([prompt], dtype=torch.long)
@@ -185,7 +185,7 @@ def build_ours(model: Any, prompt: list[int], *, budget: float, decode_tokens: i
         first = out.logits[:, -1:].argmax(-1)
 
     pre = Prefill([layer.keys for layer in full.layers], [layer.values for layer in full.layers], n, 1, prefill_s)
-    # The limit: kvpolicy.perf.decode's definition (a DynamicCache holding the last round(b x n)
+    # The limit: kvpolicy_tools.perf.decode's definition (a DynamicCache holding the last round(b x n)
     # prompt tokens, at their original positions), as in `kvpolicy bench --what decode`.
     limit = Candidate(f"limit {budget:.0%}", budget=budget, keep_last=max(1, round(budget * n)))
     cands = [Ours("DynamicCache", full, first, n), Ours(limit.label, build_cache(model, limit, pre), first.clone(), n)]
@@ -433,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     import transformers
 
-    import kvpolicy.models as models
+    import kvpolicy_tools.models as models
 
     torch.set_num_threads(args.threads)
     out_dir = Path(args.out)

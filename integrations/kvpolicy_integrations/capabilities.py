@@ -22,14 +22,20 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-__all__ = ["LayerAttention", "ModelCapabilities", "RopeLayout", "cache_kwargs", "detect", "query_rotations", "rope_layouts",
-           "text_config"]
+from kvpolicy_torch import rope_rotate
+
+__all__ = ["Geometry", "LayerAttention", "ModelCapabilities", "RopeLayout", "cache_kwargs", "detect", "geometry",
+           "query_rotations", "rope_layouts", "text_config"]
 
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     """The keyword that hands ``cache`` to ``model``'s forward and ``generate``: ``cache`` where the
@@ -37,7 +43,7 @@ def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     ``past_key_values``.
 
     Example:
-        >>> from kvpolicy.models import tiny_llama
+        >>> from kvpolicy_tools.models import tiny_llama
         >>> list(cache_kwargs(tiny_llama(num_layers=1), None)) in (["cache"], ["past_key_values"])
         True
     """
@@ -88,11 +94,37 @@ class LayerAttention:
 
 
 @dataclass(frozen=True)
+class Geometry:
+    """A decoder's shape, read from its text config by :func:`geometry` (the one reader of it:
+    the cache through :func:`detect`, the DeepSpeed engine, the model loaders' ``describe``).
+    ``vocab_size``, ``intermediate_size`` and ``max_positions`` are ``None`` where the config has
+    none."""
+
+    model_type: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int | None
+    intermediate_size: int | None
+    max_positions: int | None
+    tie_word_embeddings: bool
+
+    @property
+    def groups(self) -> int:
+        """Query heads per KV head."""
+        return self.heads // self.kv_heads
+
+
+@dataclass(frozen=True)
 class ModelCapabilities:
-    """What :func:`detect` found. ``layers``: one :class:`LayerAttention` per decoder layer."""
+    """What :func:`detect` found. ``layers``: one :class:`LayerAttention` per decoder layer;
+    ``geometry``: the decoder's shape (:func:`geometry`)."""
 
     model_type: str
     layers: tuple[LayerAttention, ...]
+    geometry: Geometry
 
     @property
     def has_local_layers(self) -> bool:
@@ -112,6 +144,58 @@ def text_config(model_or_config: Any) -> Any:
         return get()
 
 
+def _positive(name: str, value: Any) -> int:
+    if value is None:
+        raise ValueError(f"model config has no {name!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
+    return value
+
+
+def geometry(
+    model_or_config: Any,
+    *,
+    heads_attr: str = "num_attention_heads",
+    kv_heads_attr: str = "num_key_value_heads",
+    head_dim_attr: str = "head_dim",
+) -> Geometry:
+    """The shape of a decoder (a model or its config; a multimodal wrapper's text config), read
+    under the config's attribute names (a family that names its head counts otherwise passes its
+    own); ``ValueError`` naming the attribute when a count is missing, not positive, or the heads
+    are not a multiple of the KV heads.
+
+    Example:
+        >>> from kvpolicy_tools.models import tiny_llama
+        >>> g = geometry(tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16))
+        >>> g.layers, g.heads, g.kv_heads, g.head_dim, g.groups
+        (2, 4, 2, 16, 2)
+    """
+    config = text_config(model_or_config)
+    heads = _positive(heads_attr, getattr(config, heads_attr, None))
+    kv_heads = _positive(kv_heads_attr, getattr(config, kv_heads_attr, None) or heads)
+    hidden = _positive("hidden_size", getattr(config, "hidden_size", None))
+    head_dim = _positive(head_dim_attr, getattr(config, head_dim_attr, None) or hidden // heads)
+    if heads % kv_heads:
+        raise ValueError(f"model config: {heads_attr}={heads} is not a multiple of {kv_heads_attr}={kv_heads}")
+
+    def optional(name: str) -> int | None:
+        value = getattr(config, name, None)
+        return None if value is None else int(value)
+
+    return Geometry(
+        model_type=str(getattr(config, "model_type", None)),
+        layers=_positive("num_hidden_layers", getattr(config, "num_hidden_layers", None)),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=int(head_dim),
+        hidden_size=hidden,
+        vocab_size=optional("vocab_size"),
+        intermediate_size=optional("intermediate_size"),
+        max_positions=optional("max_position_embeddings"),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )
+
+
 def _what_works(model_type: str) -> str:
     return (
         f"model_type {model_type!r} cannot use EvictingCache; families that work are decoders whose attention goes "
@@ -123,7 +207,6 @@ def _what_works(model_type: str) -> str:
 def _model_class(model_or_config: Any) -> type | None:
     if isinstance(model_or_config, torch.nn.Module):
         return type(model_or_config)
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = getattr(model_or_config, "config", model_or_config)
     for cfg in (config, text_config(config)):
@@ -138,8 +221,6 @@ def _uses_attention_interface(cls: type) -> bool:
     """Whether the model class's attention dispatches through ``ALL_ATTENTION_FUNCTIONS`` (what
     ``set_attn_implementation`` switches): declared by ``is_backend_compatible()``, or its
     modeling module dispatches through it (StableLM does without declaring it)."""
-    import sys
-
     if getattr(cls, "is_backend_compatible", lambda: False)():
         return True
     module = sys.modules.get(cls.__module__)
@@ -151,13 +232,11 @@ def detect(model_or_config: Any) -> ModelCapabilities:
     missing capability and what works when kvpolicy cannot serve it at all.
 
     Example:
-        >>> from kvpolicy.models import tiny_llama
+        >>> from kvpolicy_tools.models import tiny_llama
         >>> caps = detect(tiny_llama())
         >>> caps.model_type, caps.layers[0], caps.has_local_layers
         ('llama', LayerAttention(kind='full', window=None), False)
     """
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
     config = text_config(model_or_config)
     model_type = str(getattr(config, "model_type", None))
     for attr in ("num_hidden_layers", "num_attention_heads"):
@@ -210,7 +289,11 @@ def detect(model_or_config: Any) -> ModelCapabilities:
     )
     if len(layers) != config.num_hidden_layers:
         raise ValueError(f"{_what_works(model_type)}: {len(layers)} layer types for {config.num_hidden_layers} layers")
-    return ModelCapabilities(model_type=model_type, layers=layers)
+    try:
+        shape = geometry(model_or_config)
+    except ValueError as exc:
+        raise ValueError(f"{_what_works(model_type)}: {exc}") from exc
+    return ModelCapabilities(model_type=model_type, layers=layers, geometry=shape)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -229,7 +312,7 @@ def rope_layouts(model: torch.nn.Module) -> list[RopeLayout | None]:
     RoPE layout explains (then pos-shift cannot be done; ``positions="original"`` works).
 
     Example:
-        >>> from kvpolicy.models import tiny_llama
+        >>> from kvpolicy_tools.models import tiny_llama
         >>> [(r.style, r.rotary_dim) for r in rope_layouts(tiny_llama())][:1]
         [('half', 16)]
     """
@@ -247,7 +330,7 @@ def query_rotations(model: torch.nn.Module) -> list[RopeLayout | None]:
     layout explains (e.g. a norm after RoPE): its queries cannot be rotated back.
 
     Example:
-        >>> from kvpolicy.models import tiny_llama
+        >>> from kvpolicy_tools.models import tiny_llama
         >>> [(r.style, r.rotary_dim) for r in query_rotations(tiny_llama())][:1]
         [('half', 16)]
     """
@@ -263,10 +346,6 @@ def query_rotations(model: torch.nn.Module) -> list[RopeLayout | None]:
 
 
 def _measure_rope(model: torch.nn.Module) -> list[RopeLayout | None]:
-    from transformers import DynamicCache
-
-    from kvpolicy_torch import rope_rotate
-
     config = text_config(model)
     model_type = getattr(config, "model_type", None)
     freqs = [

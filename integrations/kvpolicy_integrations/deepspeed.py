@@ -50,15 +50,20 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.distributed as tdist
 
+from kvpolicy import FullCache
+from kvpolicy._validation import check_bool
+from kvpolicy.budget import make_policy
 from kvpolicy.policies import AdaKV, ShardedAdaKV
 from kvpolicy.policy import EvictionPolicy
+from kvpolicy.registry import get_policy
 
-from .capabilities import cache_kwargs, detect
+from .capabilities import Geometry, cache_kwargs, detect, geometry
 from .hf import EvictingCache, PositionsMode
 
 __all__ = [
@@ -154,73 +159,35 @@ def _check_layout(model: Any, spec: AttentionSpec, model_type: str) -> None:
         )
 
 
-def _text_config(model_or_config: Any) -> Any:
-    config = getattr(model_or_config, "config", model_or_config)
-    return getattr(config, "get_text_config", lambda **_: config)()
-
-
 @dataclass(frozen=True)
-class ModelGeometry:
-    """The attention geometry of a decoder, read from its config through its :class:`AttentionSpec`."""
+class ModelGeometry(Geometry):
+    """A decoder's :class:`~kvpolicy_integrations.capabilities.Geometry`, read through its
+    :class:`AttentionSpec` (whose ``spec`` it carries); ``intermediate_size`` and ``vocab_size``
+    are always given (the memory arithmetic needs them)."""
 
-    model_type: str
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    hidden_size: int
-    intermediate_size: int
-    vocab_size: int
-    max_positions: int | None
-    tie_word_embeddings: bool
-    spec: AttentionSpec
+    spec: AttentionSpec = AttentionSpec()
 
     @classmethod
     def from_config(cls, model_or_config: Any) -> "ModelGeometry":
-        """Read and check the geometry (``ValueError`` for unsupported or inconsistent configs)."""
-        config = _text_config(model_or_config)
+        """Read and check the geometry (``ValueError`` for unsupported or inconsistent configs):
+        :func:`kvpolicy_integrations.capabilities.geometry` under the family's :class:`AttentionSpec`
+        names, which must also give the MLP width and the vocabulary."""
         model_type = detect(model_or_config).model_type  # the same capability check as EvictingCache
         spec = ATTENTION_SPECS.get(model_type, AttentionSpec())
         if isinstance(model_or_config, torch.nn.Module):
             _check_layout(model_or_config, spec, model_type)
-        heads = _positive_attr(config, spec.heads_attr)
-        kv_heads = getattr(config, spec.kv_heads_attr, None) or heads
-        kv_heads = _positive(spec.kv_heads_attr, kv_heads)
-        hidden = _positive_attr(config, "hidden_size")
-        head_dim = getattr(config, spec.head_dim_attr, None) or hidden // heads
-        head_dim = _positive(spec.head_dim_attr, head_dim)
-        if heads % kv_heads:
-            raise ValueError(f"{spec.heads_attr}={heads} is not a multiple of {spec.kv_heads_attr}={kv_heads}")
-        return cls(
-            model_type=model_type,  # type: ignore[arg-type]
-            layers=_positive_attr(config, "num_hidden_layers"),
-            heads=heads,
-            kv_heads=kv_heads,
-            head_dim=head_dim,
-            hidden_size=hidden,
-            intermediate_size=_positive_attr(config, "intermediate_size"),
-            vocab_size=_positive_attr(config, "vocab_size"),
-            max_positions=getattr(config, "max_position_embeddings", None),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            spec=spec,
-        )
-
-    @property
-    def groups(self) -> int:
-        """Query heads per KV head."""
-        return self.heads // self.kv_heads
+        g = geometry(model_or_config, heads_attr=spec.heads_attr, kv_heads_attr=spec.kv_heads_attr, head_dim_attr=spec.head_dim_attr)
+        for name in ("intermediate_size", "vocab_size"):
+            if getattr(g, name) is None:
+                raise ValueError(f"model config has no {name!r}")
+            _positive(name, getattr(g, name))
+        return cls(**{f.name: getattr(g, f.name) for f in fields(Geometry)}, spec=spec)
 
 
 def _positive(name: str, value: Any, where: str = "model config: ") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{where}{name} must be a positive integer, got {value!r}")
     return value
-
-
-def _positive_attr(config: Any, name: str) -> int:
-    if not hasattr(config, name):
-        raise ValueError(f"model config has no {name!r}")
-    return _positive(name, getattr(config, name))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -242,8 +209,6 @@ def split_sizes(total: int, tp_size: int, *, kv_heads: int | None, grain: int = 
         >>> split_sizes(13824, 8, kv_heads=40, by_heads=False)  # Llama-2-13B's MLP
         [1728, 1728, 1728, 1728, 1728, 1728, 1728, 1728]
     """
-    from kvpolicy._validation import check_bool
-
     by_heads = check_bool("by_heads", by_heads)
     sizes = []
     for rank in range(tp_size):
@@ -320,7 +285,7 @@ def shard_layout(model_or_config: Any, tp_size: int) -> ShardLayout:
     """The heads AutoTP gives each of ``tp_size`` ranks (no DeepSpeed, no process group needed).
 
     Example:
-        >>> from kvpolicy.models import tiny_llama
+        >>> from kvpolicy_tools.models import tiny_llama
         >>> [(s.n_q_heads, s.n_kv_heads) for s in shard_layout(tiny_llama(heads=9, kv_heads=3), 2).shards]
         [(6, 2), (3, 1)]
     """
@@ -412,7 +377,7 @@ def parameter_shard(
     read or generate exactly its part of a checkpoint without the whole model.
 
     Example:
-        >>> from kvpolicy.models import tiny_llama
+        >>> from kvpolicy_tools.models import tiny_llama
         >>> g = ModelGeometry.from_config(tiny_llama(heads=9, kv_heads=3, head_dim=16))
         >>> parameter_shard("model.layers.0.self_attn.q_proj.weight", (144, 144), g, 2, 1)
         (0, 96, 144)
@@ -489,7 +454,7 @@ def check_launcher_env(environ: Mapping[str, str] | None = None, *, accelerator:
     if world <= 1 or "LOCAL_SIZE" in env:
         return
     if accelerator is None:
-        from deepspeed.accelerator import get_accelerator
+        from deepspeed.accelerator import get_accelerator  # optional: the deepspeed extra
 
         accelerator = get_accelerator().device_name()
     if accelerator != "cpu":
@@ -553,8 +518,6 @@ class TensorParallelHeads:
         to the widest rank's ``n``: ``[batch, kv_heads, widest]``."""
         if self.layout.tp_size == 1:
             return x
-        import torch.distributed as tdist
-
         width = torch.tensor([x.shape[-1]], dtype=torch.int64, device=x.device)
         tdist.all_reduce(width, op=tdist.ReduceOp.MAX, group=self.group)
         m, most = int(width.item()), max(s.n_kv_heads for s in self.layout.shards)
@@ -570,7 +533,7 @@ class TensorParallelHeads:
 
 def tp_all_reduce(group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     """A ``reduce_scores`` hook: all-reduce (SUM) of the head-summed scores over ``group``."""
-    import deepspeed.comm as dist
+    import deepspeed.comm as dist  # optional: the deepspeed extra
 
     def reduce_scores(summed: torch.Tensor) -> torch.Tensor:
         summed = summed.contiguous()
@@ -645,7 +608,6 @@ class ShardedEvictingCache(EvictingCache):
         local = [layer.store.positions.detach().cpu() for layer in self.layers]
         if self.tp_size == 1:
             return local
-        import torch.distributed as tdist
 
         parts: list[Any] = [None] * self.tp_size
         tdist.all_gather_object(parts, local, group=self.group)
@@ -704,8 +666,6 @@ def make_cache(
     module, group = _unwrap(engine_or_model)
     group = group if group is not None else tp_group
     if group is not None:
-        import torch.distributed as tdist
-
         tp_size, rank = tdist.get_world_size(group), tdist.get_rank(group)
         if rank < 0:
             raise ValueError("this process is not a member of the tensor-parallel group")
@@ -774,7 +734,7 @@ def _merged_config(config: str | os.PathLike[str] | Mapping[str, Any] | None, kw
 
 def _parse_ds_config(merged: Mapping[str, Any]) -> Any:
     """Parse with DeepSpeed's own pydantic schema (aliases, types, unknown keys), then apply the refusals."""
-    from deepspeed.inference.config import DeepSpeedInferenceConfig
+    from deepspeed.inference.config import DeepSpeedInferenceConfig  # optional: the deepspeed extra
 
     parsed = DeepSpeedInferenceConfig(**merged)
     for field_name, refused, message in _REFUSED_OPTIONS:
@@ -842,7 +802,6 @@ class EvictingInferenceEngine:
         policy = self.policy if policy is None else policy
         if isinstance(policy, EvictionPolicy):
             return policy
-        from kvpolicy.budget import make_policy
 
         if max_new_tokens is None:
             raise ValueError(f"policy {policy!r} is planned per run: pass max_new_tokens to generate()")
@@ -889,8 +848,6 @@ class EvictingInferenceEngine:
 
 
 def _placeholder_policy() -> EvictionPolicy:
-    from kvpolicy import FullCache
-
     return FullCache()
 
 
@@ -944,8 +901,6 @@ def init_inference(
     merged = _merged_config(config, ds_kwargs)
     parsed = _parse_ds_config(merged)  # refusals first: they hold whatever else is wrong
     if isinstance(policy, str):
-        from kvpolicy.registry import get_policy
-
         get_policy(policy)  # unknown names fail now, not at the first generate()
     geometry = ModelGeometry.from_config(model)
 
@@ -992,7 +947,7 @@ def init_inference(
     for key in ("tensor_parallel", "tp", "mp_size", "dtype", "max_out_tokens", "max_tokens", "replace_with_kernel_inject", "kernel_inject"):
         merged.pop(key, None)
     check_launcher_env()  # last: the configuration errors above say more
-    import deepspeed
+    import deepspeed  # optional: the deepspeed extra
 
     engine = deepspeed.init_inference(
         model,

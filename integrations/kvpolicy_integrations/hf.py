@@ -33,6 +33,7 @@ distances between query and keys are distances between cache slots).
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
@@ -43,8 +44,10 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvpolicy._validation import check_bool
-from kvpolicy.policy import EvictionPolicy
+from kvpolicy._validation import check_bool, check_float, check_int
+from kvpolicy.budget import make_policy
+from kvpolicy.driver import NonFiniteWarning
+from kvpolicy.policy import EvictionPolicy, check_eviction_policy
 from kvpolicy.statistics import Rotary
 from kvpolicy_torch import LayerCache, LayerGroup, PrefixShift, received_attention, rope_matrix, rope_rotate
 from kvpolicy_torch.static import StepOptions, device_flag
@@ -268,7 +271,7 @@ def scope_attention(model: torch.nn.Module) -> None:
 
     Example:
         >>> from kvpolicy import H2O
-        >>> from kvpolicy.models import tiny_llama
+        >>> from kvpolicy_tools.models import tiny_llama
         >>> model = tiny_llama()
         >>> cache = EvictingCache(H2O(4, 4), model)
         >>> _ = model(torch.arange(1, 9)[None], **cache_kwargs(model, cache))
@@ -576,8 +579,9 @@ class EvictingLayer(DynamicLayer):
         log_n = self.policy.log_n
         uses_scores = self.policy.captures_attention  # (scores from keys: no capture, the store computes them)
         if q_len == 1:
-            window = self.window_bias()
-            prefix = self.take_prefix(query)
+            # (two host checks first: most layers have no window and no shifted prefix)
+            window = None if self.attention_kind.kind == "full" else self.window_bias()
+            prefix = None if self._prefix is None else self.take_prefix(query)
             # log n: n = the keys the query attends to (paper, section 3.5): the row's kept tokens
             scales = [log_n.scale(n) for n in store.lengths] if log_n is not None else None
             # (the fused path never needs `plain`: store.bias, a slice, is read only when SDPA may serve)
@@ -789,7 +793,7 @@ class EvictingCache(Cache):
 
     Example:
         >>> from kvpolicy import make_policy
-        >>> from kvpolicy.models import tiny_llama
+        >>> from kvpolicy_tools.models import tiny_llama
         >>> model = tiny_llama()
         >>> cache = EvictingCache(make_policy("buzz", 0.5, context_length=64), model)
         >>> out = model.generate(torch.arange(1, 33)[None], max_new_tokens=8, do_sample=False, **cache_kwargs(model, cache))
@@ -975,7 +979,7 @@ class EvictingCache(Cache):
 
         Example:
             >>> from kvpolicy import BUZZ
-            >>> from kvpolicy.models import tiny_llama
+            >>> from kvpolicy_tools.models import tiny_llama
             >>> model = tiny_llama()
             >>> cache = EvictingCache(BUZZ(sink=2, window=8, stride=3, log_n=True), model)
             >>> _ = greedy_decode(model, torch.arange(1, 17)[None], cache, 4)
@@ -990,10 +994,6 @@ class EvictingCache(Cache):
         bad = [i for i, v in zip(present, values) if v]
         new = [i for i in bad if i not in self._reported]
         if new:
-            import warnings
-
-            from kvpolicy.driver import NonFiniteWarning
-
             self._reported.update(new)
             warnings.warn(
                 f"{self.policy!r}: the attention output of layer(s) {new} of this EvictingCache was not finite: the "
@@ -1091,7 +1091,7 @@ def compile_decode_step(model: torch.nn.Module, *, mode: str | None = None, back
     steps: :meth:`EvictingCache.settle`). Compile once per model and reuse it across caches.
 
     Example:
-        >>> from kvpolicy.models import tiny_llama
+        >>> from kvpolicy_tools.models import tiny_llama
         >>> step = compile_decode_step(tiny_llama(), backend="eager")
         >>> callable(step)
         True
@@ -1125,7 +1125,7 @@ def greedy_decode(
 
     Example:
         >>> from kvpolicy import H2O
-        >>> from kvpolicy.models import tiny_llama
+        >>> from kvpolicy_tools.models import tiny_llama
         >>> model = tiny_llama()
         >>> ids = torch.arange(1, 33)[None]
         >>> new = greedy_decode(model, ids, EvictingCache(H2O(8, 8), model, static_shapes=True), 8)
@@ -1212,7 +1212,7 @@ def generate(
     while, so it pays for long generations) with :func:`greedy_decode`.
 
     Example:
-        >>> from kvpolicy.models import tiny_llama
+        >>> from kvpolicy_tools.models import tiny_llama
         >>> class Tok:  # a stand-in tokenizer for the doctest
         ...     chat_template = None
         ...     def __call__(self, text, return_tensors=None):
@@ -1223,9 +1223,6 @@ def generate(
         >>> len(res.token_ids)
         4
     """
-    from kvpolicy._validation import check_eviction_policy, check_float, check_int
-    from kvpolicy.budget import make_policy
-
     # every argument checked before the tokenizer or the model is touched
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be a string, got {type(prompt).__name__} {prompt!r:.80}")

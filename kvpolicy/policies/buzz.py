@@ -19,9 +19,10 @@ threshold, so a head never holds more than ``sink + window + threshold`` tokens.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-import math
+from array_api_compat import device
 
 from .._validation import check_float, check_int
 from ..params import Param
@@ -265,7 +266,5 @@ def window_for_size(size: float, *, stride: int = 5, sink: int = 4, ratio: float
 
 
 def _device(x: Array) -> Any:
-    from array_api_compat import device
-
     return device(x)
 

@@ -308,9 +308,9 @@ class TorchCache:
     float64; for Expected Attention a token's key is its value and its query too)."""
 
     def __init__(self, policy: EvictionPolicy, batch: int, heads: int) -> None:
-        import torch
+        import torch  # optional: the kit compares with torch where it is installed
 
-        from kvpolicy_torch import LayerCache
+        from kvpolicy_torch import LayerCache  # optional: as torch
 
         self.torch = torch
         self.layer = LayerCache(policy)

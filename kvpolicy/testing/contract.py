@@ -44,20 +44,23 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
-from hypothesis import HealthCheck, given
-from hypothesis.errors import Unsatisfiable
+from hypothesis import HealthCheck, given, settings as Settings, strategies as st
 from hypothesis.database import ExampleDatabase
-from hypothesis import settings as Settings
-from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
 
+import kvpolicy_numpy
 from kvpolicy._validation import check_bool, check_int
 from kvpolicy.driver import PolicyError
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
 
+from .. import FullCache
+from ..budget import simulate_sizes
 from . import _format
 from ._driver import ContractViolation, NumpyCache, check_positions, example_inputs, held_per_head, run_replay, sequence_rows, trim_holes
 from ._util import torch_available
 from .invariants import Invariant, policy_invariants, run_invariants
+from .profiles import selected_settings
+from .stateful import run_machine
 from .strategies import TIE_KINDS, LogitsSpec, gqa_shapes, last_refusal, logits_specs, padded_batches, policies, prompt_lengths
 
 __all__ = [
@@ -99,9 +102,6 @@ def check_replay(
 
     Raises :class:`ContractViolation` describing the first broken rule.
     """
-    import kvpolicy_numpy
-    from kvpolicy.budget import simulate_sizes
-
     logits = np.asarray(logits, dtype=np.float64)
     steps = logits.shape[0]
     invs = policy_invariants(policy, invariants)
@@ -216,9 +216,6 @@ def check_sizes(
 
 def check_full_cache(policy: EvictionPolicy, logits: np.ndarray, prompt_len: int = 0) -> None:
     """While ``capacity`` covers the sequence, ``policy`` keeps exactly what FullCache keeps."""
-    import kvpolicy_numpy
-    from kvpolicy import FullCache
-
     cap = policy.capacity
     if cap is None:
         return
@@ -422,8 +419,6 @@ def check_policy(
         >>> report.passed
         ['replay', 'sizes', 'full_cache', 'backends', 'stateful']
     """
-    from .profiles import selected_settings
-
     chosen = list(PROPERTIES if checks is None else checks)
     unknown = sorted(set(chosen) - set(PROPERTIES))
     if unknown:
@@ -459,8 +454,6 @@ def check_policy(
         elif prop == "backends":
             _run(_backends_property(strategy, invariants, use_torch, max_steps, max_heads, max_batch, max_group), label, prop, base)
         elif prop == "stateful":
-            from .stateful import run_machine
-
             run_machine(strategy, invariants=invariants, torch=use_torch, settings=_prop_settings(base, f"{label}:stateful"), steps=stateful_steps, label=label)
         report.results[prop] = "passed"
     if "backends" in chosen and not use_torch:

@@ -28,6 +28,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from kvpolicy import BUZZ, H2O, TOVA, FullCache, KeyDiff, Knorm, LocalWindow, Scissorhands, SnapKV, StreamingLLM
+
 __all__ = ["Invariant", "builtin_invariants", "follows_builtin_rules", "keeps_everything", "keeps_first", "keeps_last", "policy_invariants", "run_invariants"]
 
 Invariant = Callable[[Any, np.ndarray, int], "bool | None"]
@@ -97,8 +99,6 @@ def builtin_invariants(policy: Any) -> list[Invariant]:
     """What each built-in policy promises: BUZZ and StreamingLLM keep their sink and window, H2O
     and TOVA (and Scissorhands, Knorm, KeyDiff) their recent tokens, SnapKV its observation window, the local window its window, the full cache everything. Matched by exact
     type (a subclass may change the rules); ``[]`` for any other policy."""
-    from kvpolicy import BUZZ, H2O, TOVA, FullCache, KeyDiff, Knorm, LocalWindow, Scissorhands, SnapKV, StreamingLLM
-
     kind = type(policy)
     if kind is SnapKV:
         return [keeps_last("window")]

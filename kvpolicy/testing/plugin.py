@@ -46,7 +46,9 @@ def kvpolicy_contract(request: pytest.FixtureRequest) -> Any:
     prop = getattr(request, "param", None)
 
     def check(policy_factory: Any = None, params: Any = None, **kwargs: Any) -> Any:
-        from kvpolicy.testing import check_policy
+        # here: the plugin loads in every pytest session where kvpolicy is installed; hypothesis (the
+        # testing extra) only when a test uses the fixture
+        from kvpolicy.testing.contract import check_policy
 
         if prop is not None:
             wanted = kwargs.pop("checks", None)
@@ -71,7 +73,7 @@ def kvpolicy_benchmark(request: pytest.FixtureRequest) -> Any:
         rounds: int = 5,
         **workload_kwargs: Any,
     ) -> Any:
-        from kvpolicy.testing.timing import policy_workload
+        from kvpolicy.testing.timing import policy_workload  # here: as check_policy above
 
         benchmark = request.getfixturevalue("benchmark")  # pytest-benchmark
         w = policy_workload(policy_factory, size, backend, **workload_kwargs)

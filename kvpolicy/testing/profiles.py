@@ -25,6 +25,9 @@ import os
 from typing import Mapping
 
 from hypothesis import HealthCheck, settings
+from hypothesis.errors import InvalidArgument
+
+from kvpolicy._validation import check_bool
 
 __all__ = ["ENV_VAR", "PROFILES", "load_profile", "profile_name", "register_profiles", "selected_settings"]
 
@@ -46,8 +49,6 @@ def _profiles() -> dict[str, settings]:
 
 def _registered(name: str) -> bool:
     """Whether hypothesis has a profile called ``name`` (through its public ``get_profile``)."""
-    from hypothesis.errors import InvalidArgument
-
     try:
         settings.get_profile(name)
     except InvalidArgument:
@@ -58,8 +59,6 @@ def _registered(name: str) -> bool:
 def register_profiles(*, plain_names: bool = True) -> None:
     """Register ``kvpolicy-dev`` / ``kvpolicy-ci`` / ``kvpolicy-thorough`` and, unless
     ``plain_names=False``, ``dev`` / ``ci`` / ``thorough`` too (only names not already taken)."""
-    from kvpolicy._validation import check_bool
-
     plain_names = check_bool("plain_names", plain_names)
     existing = {name for name in PROFILES if _registered(name)}
     for name, profile in _profiles().items():

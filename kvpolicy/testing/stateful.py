@@ -23,8 +23,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import numpy as np
-from hypothesis import settings as Settings
-from hypothesis import strategies as st
+from hypothesis import settings as Settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 from kvpolicy._validation import check_bool
@@ -32,6 +31,7 @@ from kvpolicy.policy import EvictionPolicy
 
 from . import _format
 from ._driver import ContractViolation, Lockstep, check_positions, seeded_keys, softmax, step_received
+from ._util import torch_available
 from .invariants import Invariant, policy_invariants, run_invariants
 from .strategies import LOGIT_EXTREMES, LOGIT_LEVELS, policies
 
@@ -177,8 +177,6 @@ def replay_events(
     """Re-run a state-machine history: events ``("append", q, kind, seed)``, ``("evict",)``,
     ``("chunk", q, kind, seed)`` (append + evict) and ``("decode", kind, seed)``. Returns the
     final ``[batch, heads, n]`` positions; raises :class:`ContractViolation` like the machine."""
-    from ._util import torch_available
-
     torch = check_bool("torch", torch, allow_none=True)
     run = _Run(policy, batch, heads, policy_invariants(policy, invariants), torch_available() if torch is None else torch, _as_list(invariants))
     for event in events:
@@ -261,8 +259,6 @@ def policy_machine(
 ) -> type[PolicyMachine]:
     """A :class:`PolicyMachine` subclass for the policies ``policy_factory`` / ``params`` make
     (the same arguments as :func:`~kvpolicy.testing.check_policy`)."""
-    from ._util import torch_available
-
     strategy = policies(policy_factory, params)
     torch = check_bool("torch", torch, allow_none=True)
     use_torch = torch_available() if torch is None else torch

@@ -46,8 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
-from hypothesis import reject
-from hypothesis import strategies as st
+from hypothesis import reject, strategies as st
 
 from kvpolicy import BUZZ, H2O, TOVA, AdaKV, EvictionPolicy, ExpectedAttention, FullCache, KeyDiff, Knorm, LocalWindow, Preset, Scissorhands, SnapKV, StreamingLLM
 

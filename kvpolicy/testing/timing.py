@@ -1,6 +1,6 @@
 """Complexity timing for any policy: :func:`benchmark_policy`.
 
-Two measures per cache size, as :mod:`kvpolicy.perf.eviction` defines them for the built-ins
+Two measures per cache size, as :mod:`kvpolicy_tools.perf.eviction` defines them for the built-ins
 (and with its workloads: the torch one runs :class:`kvpolicy_torch.LayerCache`, keys and values
 included; the NumPy one applies the same decisions to preallocated positions and scores):
 
@@ -13,7 +13,7 @@ included; the NumPy one applies the same decisions to preallocated positions and
 Any policy works: the steady state (cache size when it evicts, size after, period, state) is
 found by running the policy's own ``evict`` on placeholder scores, so nothing about its rules
 needs to be known. The log-log slope of cost against the cache size is fitted with
-:func:`kvpolicy.perf.report.fit_slope` (``~0`` constant, ``~1`` linear in the cache).
+:func:`kvpolicy_tools.perf.report.fit_slope` (``~0`` constant, ``~1`` linear in the cache).
 
 Example:
     >>> from kvpolicy import LocalWindow
@@ -27,8 +27,10 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -37,28 +39,28 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from kvpolicy.perf.eviction import Steady, steady_state
+from kvpolicy._validation import check_bool
 from kvpolicy.policy import EvictionPolicy
+from kvpolicy.registry import Preset
+from kvpolicy.testing._util import torch_available
+from kvpolicy_tools.perf.eviction import POLICIES, NumpyWorkload, Steady, TorchWorkload, policy_at_size, steady_state
+from kvpolicy_tools.perf.report import fit_slope, format_cost_axes, markdown_table, save_figure
 
 __all__ = ["ComplexityResult", "Steady", "benchmark_policy", "policy_workload", "size_factory", "steady_state"]
 
 def size_factory(policy_factory: Any) -> Callable[[int], EvictionPolicy]:
     """``size -> policy`` from a factory: a built-in class gets its benchmark policy of capacity
-    ``size`` (:func:`kvpolicy.perf.eviction.policy_at_size`); any other class or registry preset
+    ``size`` (:func:`kvpolicy_tools.perf.eviction.policy_at_size`); any other class or registry preset
     its ``from_size(size)``; a function taking one argument is called with the size.
 
     Raises ``ValueError`` for anything else (e.g. a policy instance, or a class without
     ``from_size``)."""
-    from kvpolicy.registry import Preset
-
     if isinstance(policy_factory, EvictionPolicy):
         raise ValueError(f"{policy_factory!r} is one policy; timing across sizes needs a factory: size -> policy")
     if isinstance(policy_factory, Preset) or inspect.isclass(policy_factory):
         cls = policy_factory.cls if isinstance(policy_factory, Preset) else policy_factory
         if not (inspect.isclass(cls) and issubclass(cls, EvictionPolicy)):
             raise ValueError(f"{policy_factory!r} is not an EvictionPolicy class")
-        from kvpolicy.perf.eviction import POLICIES, policy_at_size
-
         if cls.name in POLICIES and cls.__module__.startswith("kvpolicy.policies") and not isinstance(policy_factory, Preset):
             return lambda size, _n=cls.name: policy_at_size(_n, size)
         if cls.from_size.__func__ is EvictionPolicy.from_size.__func__:  # type: ignore[attr-defined]
@@ -76,8 +78,6 @@ def size_factory(policy_factory: Any) -> Callable[[int], EvictionPolicy]:
 
 
 def _label(policy_factory: Any) -> str:
-    from kvpolicy.registry import Preset
-
     if isinstance(policy_factory, Preset):
         return policy_factory.name
     name = getattr(policy_factory, "__name__", None)
@@ -99,8 +99,6 @@ def policy_workload(
     ``one_eviction()``; ``reset_after_eviction()`` then ``decode_round()`` (``period`` decoded
     tokens); the pair pytest-benchmark's ``benchmark.pedantic(fn, setup=...)`` takes.
     ``steady`` (a :class:`Steady`) and ``policy`` are attributes."""
-    from kvpolicy.perf.eviction import NumpyWorkload, TorchWorkload
-
     policy = size_factory(policy_factory)(size)
     steady = steady_state(policy, size)
     cls = {"torch": TorchWorkload, "numpy": NumpyWorkload}.get(backend)
@@ -126,8 +124,6 @@ class ComplexityResult:
 
     def slope(self, measure: str = "per_token", backend: str = "numpy") -> float:
         """Fitted ``k`` of ``cost ~ cache_size^k`` (``nan`` with fewer than 2 sizes)."""
-        from kvpolicy.perf.report import fit_slope
-
         key = measure if measure.endswith("_s") else f"{measure}_s"
         pts = sorted((r["cache_size"], r[key]) for r in self.rows if r["backend"] == backend)
         return fit_slope([p[0] for p in pts], [p[1] for p in pts])
@@ -142,8 +138,6 @@ class ComplexityResult:
 
     def table(self) -> str:
         """A Markdown table of the timings (microseconds) and one of the slopes."""
-        from kvpolicy.perf.report import markdown_table
-
         def us(x: float) -> str:
             v = x * 1e6
             return f"{v:,.0f}" if v >= 100 else f"{v:.2f}"
@@ -165,12 +159,10 @@ class ComplexityResult:
 
     def plot(self, path: str | Path, *, title: str | None = None) -> Path:
         """Two log-log panels (one eviction; per decoded token), one line per backend."""
-        import matplotlib
+        import matplotlib  # optional: the plot extra
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        from kvpolicy.perf.report import format_cost_axes, save_figure
+        import matplotlib.pyplot as plt  # optional: the plot extra
 
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         for ax, (key, name) in zip(axes, (("one_eviction", "one eviction"), ("per_token", "amortised per decoded token"))):
@@ -230,15 +222,13 @@ def benchmark_policy(
         rounds, target_s: each round repeats a measurement for about ``target_s`` (at most 25
             times) and keeps its fastest; rounds are interleaved over the sizes (so slow phases
             of a shared machine hit all sizes alike) and the fastest round is reported, as in
-            :func:`kvpolicy.perf.eviction.measure_complexity`.
+            :func:`kvpolicy_tools.perf.eviction.measure_complexity`.
         on_progress: called with a label after each workload is built and after each round.
 
     Returns:
         A :class:`ComplexityResult` (``.rows``, ``.slope(measure, backend)``, ``.table()``,
         ``.plot(path)``).
     """
-    from ._util import torch_available
-
     if backends is None:
         backends = ("numpy", "torch") if torch_available() else ("numpy",)
     label = label or _label(policy_factory)
@@ -287,8 +277,6 @@ def progress_steps(sizes: Sequence[int], backends: Sequence[str], rounds: int) -
 # ---------------------------------------------------------------------------------- kvpolicy bench
 def load_factory(spec: str) -> Any:
     """The object ``package.module:Attr`` names (``Attr`` may be dotted)."""
-    import importlib
-
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"expected package.module:Factory, got {spec!r}")
@@ -304,8 +292,6 @@ def load_factory(spec: str) -> Any:
 
 
 def _slug(text: str) -> str:
-    import re
-
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "policy"
 
 
@@ -347,8 +333,6 @@ def bench_specs(
 def bench_report(entries: Sequence[dict[str, Any]], out: str | Path, plots: bool = True) -> list[str]:
     """Markdown lines (tables, slopes, PNG links) for :func:`bench_specs`' entries; writes one
     ``complexity_<policy>.png`` per timed policy when ``plots``."""
-    from kvpolicy._validation import check_bool
-
     plots = check_bool("plots", plots)
     lines: list[str] = []
     for e in entries:

@@ -1,0 +1,360 @@
+"""The ``kvpolicy`` command line.
+
+Verbs (each one a ``_cmd_<verb>(args)`` function, registered once in :data:`_VERBS`):
+
+* ``kvpolicy policies``: the registered policies, their parameters and defaults;
+* ``kvpolicy plan NAME --budget 0.3 --context 4096``: the parameters a budget resolves to, the
+  capacity and the expected average cache size;
+* ``kvpolicy trace NAME --budget 0.3 --steps 200 --out trace.png``: replay the policy on
+  synthetic (or given) attention logits and draw which positions are kept at every step.
+
+Errors in the arguments (a ``ValueError`` from the library) print ``kvpolicy: error: ...`` and
+exit with status 2, like argparse's own usage errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from kvpolicy import __version__
+from kvpolicy.budget import make_policy, plan_policy
+from kvpolicy.policy import EvictionPolicy
+from kvpolicy.registry import Preset, available_policies, create_policy, get_policy, signature_of
+from kvpolicy_numpy import replay
+
+from .command import CLIError, check_output_file, describe_os_error, run_command
+from .eval import compare
+from .perf import bench
+
+__all__ = ["main", "build_parser", "synthetic_logits", "draw_trace"]
+
+
+# ============================================================================ helpers
+def _parse_value(text: str) -> Any:
+    """``--set`` values: int, float, true/false, none, else the string itself."""
+    low = text.strip().lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    if low in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _parse_sets(items: Sequence[str] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise CLIError(f"--set expects key=value, got {item!r}")
+        out[key] = _parse_value(value)
+    return out
+
+
+def _entry_params(entry: Any) -> list[tuple[str, Any, bool]]:
+    """``(name, default, required)`` for every constructor parameter of a registry entry."""
+    cls = entry.cls if isinstance(entry, Preset) else entry
+    fixed = entry.fixed if isinstance(entry, Preset) else {}
+    sig = inspect.signature(cls.__init__).parameters
+    out = []
+    for name, default in signature_of(entry):
+        required = sig[name].default is inspect.Parameter.empty and name not in fixed
+        out.append((name, default, required))
+    return out
+
+
+def _check_overrides(name: str, overrides: dict[str, Any]) -> Any:
+    """The registry entry for ``name``, after checking ``overrides`` name its parameters."""
+    entry = get_policy(name)
+    known = [p for p, _, _ in _entry_params(entry)]
+    unknown = sorted(set(overrides) - set(known))
+    if unknown:
+        raise CLIError(
+            f"unknown parameter{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} for policy "
+            f"{name!r}; its parameters: {', '.join(known) or '(none)'}"
+        )
+    return entry
+
+
+def _first_line(text: str | None) -> str:
+    return (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+
+
+# ============================================================================ policies
+def _add_policies(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _cmd_policies(args: argparse.Namespace) -> int:
+    rows = []
+    for name, entry in available_policies().items():
+        cls = entry.cls if isinstance(entry, Preset) else entry
+        doc = (entry.doc if isinstance(entry, Preset) and entry.doc else "") or _first_line(cls.__doc__)
+        rows.append(
+            {
+                "name": name,
+                "class": f"{cls.__module__}.{cls.__qualname__}",
+                "doc": doc,
+                "params": [
+                    {"name": n, "default": d, "required": r} for n, d, r in _entry_params(entry)
+                ],
+                # the full cache plans (budget 1.0) without a size knob
+                "budgets": not cls.evicts or cls.from_size.__func__ is not _base_from_size(),
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, indent=2, default=repr))
+        return 0
+    width = max(len(r["name"]) for r in rows) + 2
+    for r in rows:
+        params = ", ".join(
+            p["name"] if p["required"] else f"{p['name']}={p['default']!r}" for p in r["params"]
+        )
+        print(f"{r['name']:<{width}}{r['doc']}")
+        print(f"{'':<{width}}parameters: {params or '(none)'}")
+        if not r["budgets"]:
+            print(f"{'':<{width}}(no budget planning: set its parameters explicitly)")
+    return 0
+
+
+def _base_from_size() -> Any:
+    return EvictionPolicy.from_size.__func__
+
+
+# ============================================================================ plan
+def _add_plan(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="registered policy name (see `kvpolicy policies`)")
+    p.add_argument("--budget", type=float, default=0.4, help="average cache size over the full cache's (default 0.4)")
+    p.add_argument("--context", type=int, required=True, help="tokens in the run (prompt included)")
+    p.add_argument("--prompt", type=int, default=0, help="tokens prefilled at once (default 0)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="fix a parameter, e.g. --set stride=4")
+    p.add_argument("--threshold-ratio", type=float, default=None, metavar="T/W",
+                   help="BUZZ only: threshold / window ratio (> 0; default: the theorem's, 4.33 for stride 5; "
+                   "the paper authors' code uses 2.5)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    overrides = _parse_sets(args.set)
+    entry = _check_overrides(args.name, overrides)
+    plan = plan_policy(entry, args.budget, context_length=args.context, prompt_length=args.prompt,
+                       threshold_ratio=args.threshold_ratio, **overrides)
+    if args.json:
+        print(json.dumps(plan.as_dict(), indent=2))
+    else:
+        print(plan)
+        print(f"policy object     {plan.policy!r}")
+    return 0
+
+
+# ============================================================================ trace
+def synthetic_logits(steps: int, heads: int = 1, seed: int = 0) -> "Any":
+    """Attention logits ``[steps, heads, steps]`` that look a little like a language model's:
+    a strong first token (the attention sink), a few heavy-hitter columns per head, a recency
+    bias and occasional "sentence boundary" tokens, over Gaussian noise."""
+    rng = np.random.default_rng(seed)
+    q = np.arange(steps)[:, None]
+    k = np.arange(steps)[None, :]
+    out = np.empty((steps, heads, steps))
+    for h in range(heads):
+        logits = rng.normal(0.0, 1.0, size=(steps, steps))
+        logits += 2.0 * np.exp(-np.maximum(q - k, 0) / rng.uniform(4.0, 16.0))  # recency
+        logits[:, 0] += 4.0  # attention sink
+        n_heavy = max(1, steps // 40)
+        heavy = rng.choice(steps, size=min(steps, n_heavy), replace=False)
+        logits[:, heavy] += rng.uniform(2.0, 4.0, size=heavy.shape[0])
+        period = int(rng.integers(9, 17))
+        logits[:, period - 1 :: period] += 1.0  # boundaries
+        out[:, h, :] = logits
+    return out
+
+
+def draw_trace(trace: Any, policy: Any, out: str | Path, *, title: str | None = None) -> Path:
+    """Draw ``trace`` like the BUZZ paper's Figure 1: x the decode step, y the position, a dark
+    pixel where the position is kept after that step (light: evicted; white: not yet seen)."""
+    import matplotlib  # optional: the plot extra
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt  # optional: the plot extra
+    from matplotlib.colors import ListedColormap  # optional: the plot extra
+    from matplotlib.patches import Patch  # optional: the plot extra
+
+    steps = len(trace.kept)
+    heads = next(k for k in trace.kept if k is not None).shape[0]
+    grid = np.zeros((heads, steps, steps), dtype=np.int8)  # [head, position, step]
+    for t, kept in enumerate(trace.kept):
+        if kept is None:
+            continue
+        grid[:, : t + 1, t] = 1  # seen
+        for h in range(heads):
+            grid[h, kept[h][kept[h] >= 0], t] = 2  # (-1: a hole, a head keeping fewer under head-wise budgets)
+    cmap = ListedColormap(["#ffffff", "#dfe4ea", "#1f4e79"])
+    rows = heads
+    fig, axes = plt.subplots(rows, 1, figsize=(8.0, 1.2 + 3.6 * rows), squeeze=False, dpi=110)
+    first = trace.prompt_len - 1 if trace.prompt_len else 0
+    for h in range(heads):
+        ax = axes[h, 0]
+        ax.imshow(
+            grid[h], origin="lower", aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=2,
+            extent=(-0.5, steps - 0.5, -0.5, steps - 0.5),
+        )
+        if trace.prompt_len:
+            ax.axvline(first, color="#c0392b", lw=1, ls="--")
+            ax.text(first, steps * 0.98, " end of prefill", color="#c0392b", fontsize=8, va="top")
+        ax.set_ylabel("position" + (f" (head {h})" if heads > 1 else ""))
+        ax.set_xlim(-0.5, steps - 0.5)
+        ax.set_ylim(-0.5, steps - 0.5)
+    axes[-1, 0].set_xlabel("step (token processed)")
+    axes[0, 0].legend(
+        handles=[
+            Patch(color="#1f4e79", label="kept"),
+            Patch(color="#dfe4ea", label="evicted"),
+            Patch(color="#ffffff", ec="#999999", label="not yet seen"),
+        ],
+        loc="upper left",
+        fontsize=8,
+        framealpha=0.9,
+    )
+    cap = "unbounded" if policy.capacity is None else policy.capacity
+    fig.suptitle(title or repr(policy), fontsize=10)
+    axes[0, 0].set_title(
+        f"{steps} tokens, prompt {trace.prompt_len}, capacity {cap}, "
+        f"realised budget {trace.realised_budget:.1%}" if len(trace.sizes) else f"{steps} tokens",
+        fontsize=8,
+    )
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def _add_trace(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="registered policy name (see `kvpolicy policies`)")
+    p.add_argument("--budget", type=float, default=None, help="plan the parameters from a budget (default 0.3 unless --set is given)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="set a parameter, e.g. --set window=16")
+    p.add_argument("--steps", type=int, default=200, help="tokens to replay (default 200)")
+    p.add_argument("--heads", type=int, default=1, help="KV heads, one panel each (default 1)")
+    p.add_argument("--prompt", type=int, default=0, help="tokens prefilled at once (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic logits")
+    p.add_argument("--logits", type=Path, default=None, help=".npy logits [steps, heads, steps] (or [steps, steps]) instead of synthetic ones")
+    p.add_argument("--out", type=Path, default=Path("trace.png"), help="PNG to write (default trace.png)")
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    check_output_file(args.out, "--out")
+    if args.logits is not None:
+        try:
+            logits = np.load(args.logits)
+        except (OSError, ValueError) as e:
+            raise CLIError(f"cannot read logits from {str(args.logits)!r}: {e}") from None
+        loaded = tuple(np.shape(logits))
+        if logits.ndim == 2:
+            logits = logits[:, None, :]
+        if logits.ndim != 3 or logits.shape[0] != logits.shape[2] or logits.shape[0] == 0:
+            raise CLIError(
+                f"{str(args.logits)!r}: logits must have shape [steps, heads, steps] (or [steps, steps]) with steps >= 1, "
+                f"got {loaded}"
+            )
+    else:
+        if args.steps < 1:
+            raise CLIError(f"steps must be >= 1, got {args.steps}")
+        if args.heads < 1:
+            raise CLIError(f"heads must be >= 1, got {args.heads}")
+        logits = synthetic_logits(args.steps, args.heads, args.seed)
+    steps = int(logits.shape[0]) if logits.ndim >= 1 else 0
+
+    overrides = _parse_sets(args.set)
+    entry = _check_overrides(args.name, overrides)
+    budget = args.budget if args.budget is not None or overrides else 0.3
+    if budget is not None:
+        if not 0 <= args.prompt < max(steps, 1):
+            raise CLIError(f"prompt must be >= 0 and < steps ({steps}), got {args.prompt}")
+        policy = make_policy(entry, budget, context_length=steps, prompt_length=args.prompt, **overrides)
+    else:
+        policy = create_policy(args.name, **overrides)
+    trace = replay(policy, logits, args.prompt)
+    try:
+        out = draw_trace(trace, policy, args.out)
+    except OSError as e:
+        raise CLIError(f"--out {args.out}: cannot write the PNG: {describe_os_error(e)}") from None
+    budget_text = f", realised budget {trace.realised_budget:.1%}" if len(trace.sizes) else ""
+    print(f"{policy!r}: {len(trace.evictions)} evictions{budget_text}")
+    print(f"wrote {out}")
+    return 0
+
+
+# ============================================================================ compare
+def _add_compare(p: argparse.ArgumentParser) -> None:
+    compare.add_arguments(p)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    return compare.run(args)
+
+
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    bench.add_arguments(p)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    return bench.run(args)
+
+
+# ============================================================================ the parser
+@dataclass(frozen=True)
+class _Verb:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+#: Every verb, in the order `kvpolicy --help` lists them. A new verb is one entry here.
+_VERBS: list[_Verb] = [
+    _Verb("policies", "list the registered policies with their parameters", _add_policies, _cmd_policies),
+    _Verb("plan", "resolve a policy's parameters from a cache budget", _add_plan, _cmd_plan),
+    _Verb("trace", "replay a policy and draw the kept positions over time (PNG)", _add_trace, _cmd_trace),
+    _Verb("compare", "compare the policies on real text with a real model and write a report", _add_compare, _cmd_compare),
+    _Verb("bench", "CPU benchmarks: eviction cost vs cache size, decode speed and memory, step breakdown", _add_bench, _cmd_bench),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpolicy",
+        description="KV-cache eviction policies (BUZZ, H2O, StreamingLLM, local window): list, plan, trace.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvpolicy {__version__}")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+    for verb in _VERBS:
+        p = sub.add_parser(verb.name, help=verb.help, description=verb.help)
+        verb.add_arguments(p)
+        p.set_defaults(run_verb=verb.run)  # the verb's function, read by main()
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvpolicy`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return run_command(parser.prog, args.run_verb, args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,467 @@
+"""``kvpolicy bench``: the CPU benchmarks, with a progress bar, written as Markdown and PNG plots.
+
+Three parts (``--what``, default all):
+
+* ``complexity``: the cost of one eviction and the amortised eviction cost per decoded token,
+  against the cache size, every built-in policy, torch and NumPy backends
+  (:mod:`kvpolicy_tools.perf.eviction`); log-log slopes are fitted per series.
+* ``decode``: tokens/s and cache bytes of the model (default: the embedded SmolLM2-135M) for
+  transformers' ``DynamicCache``, kvpolicy's ``FullCache``, a capture-only cache and the
+  policies at each budget, measured interleaved; ratios to ``DynamicCache`` are taken within a
+  round (:mod:`kvpolicy_tools.perf.decode`).
+* ``breakdown``: where a decode step's time goes (attention, score product, accumulation,
+  eviction, cache update, the rest of the model).
+
+Output (``--out``, default ``bench-results``): ``report.md`` (tables, slopes, machine, command),
+``results.json`` (every number) and PNG plots.
+
+Policies (``--policy``, repeatable) are registry names, or ``package.module:Factory`` for a
+third-party policy: an :class:`~kvpolicy.EvictionPolicy` subclass (or registry preset) with
+``from_size`` is planned per budget like the built-ins; a policy *instance* is measured as is; any
+other callable is called as ``Factory(budget=..., context_length=..., prompt_length=...)`` and
+must return a policy. Third-party policies take part in ``decode`` and ``breakdown``; in
+``complexity`` the built-ins are measured as always, and each ``package.module:Factory`` that is
+a size factory (a class or preset with ``from_size``, or a function of the cache size) is timed
+by :func:`kvpolicy.testing.benchmark_policy` (its own table and ``complexity_<name>.png``).
+
+This module imports only the standard library at import time (the CLI stays light).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from kvpolicy.budget import plan_policy
+from kvpolicy.policy import EvictionPolicy
+from kvpolicy.registry import Preset
+from kvpolicy.testing.timing import bench_report, bench_specs, bench_steps
+from kvpolicy_tools.command import run_command
+from kvpolicy_tools.perf.eviction import POLICIES, measure_complexity
+from kvpolicy_tools.perf.report import machine, machine_line, markdown_table, plot_breakdown, plot_complexity, plot_decode, slopes
+
+__all__ = ["add_arguments", "resolve_policy", "run"]
+
+QUICK = {
+    "sizes": "256,1024,4096",
+    "configs": "1x8",
+    "rounds": 3,
+    "contexts": "512,1024",
+    "budgets": "0.25",
+    "steps": 4,
+    "decode_rounds": 3,
+}
+FULL = {
+    "sizes": ",".join(str(2**k) for k in range(8, 17)),
+    "configs": "1x8,1x32,8x8,8x32",
+    "rounds": 5,
+    "contexts": "512,1024,2048,4096,8192",
+    "budgets": "0.1,0.25,0.5",
+    "steps": 8,
+    "decode_rounds": 3,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``kvpolicy bench``."""
+    parser.add_argument("--quick", action="store_true", help="small sizes, few rounds, short contexts (minutes)")
+    parser.add_argument("--what", default="complexity,decode,breakdown", help="comma-separated parts to run (default: all three)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default bench-results)")
+    g = parser.add_argument_group("eviction complexity")
+    g.add_argument("--sizes", default=None, help=f"cache sizes (default {FULL['sizes']}; quick {QUICK['sizes']})")
+    g.add_argument("--configs", default=None, help=f"BATCHxHEADS list (default {FULL['configs']}; quick {QUICK['configs']})")
+    g.add_argument("--rounds", type=int, default=None, help="timed rounds per point (default 5; quick 3)")
+    g.add_argument("--backends", default="torch,numpy", help="torch,numpy (default both)")
+    g.add_argument("--max-token-heads", type=int, default=2**21, help="skip torch points above batch*heads*size (default 2**21)")
+    g = parser.add_argument_group("decode and breakdown")
+    g.add_argument("--model", default="smollm2-135m", help="model for kvpolicy_tools.models.load (default the embedded smollm2-135m; tiny-llama: a 2-layer random model)")
+    g.add_argument("--contexts", default=None, help=f"prompt lengths (default {FULL['contexts']}; quick {QUICK['contexts']})")
+    g.add_argument("--budgets", default=None, help=f"budgets (default {FULL['budgets']}; quick {QUICK['budgets']})")
+    g.add_argument(
+        "--policy",
+        action="append",
+        default=None,
+        metavar="NAME|MODULE:FACTORY",
+        help="policy to measure (repeatable; default streaming_llm, h2o, buzz); MODULE:FACTORY loads a third-party policy",
+    )
+    g.add_argument("--steps", type=int, default=None, help="decode steps per candidate per round (default 8; quick 4)")
+    g.add_argument("--decode-rounds", type=int, default=None, help="interleaved rounds (default 3)")
+    g.add_argument("--breakdown-contexts", default=None, help="contexts of the breakdown (default: the smallest and largest)")
+    g.add_argument("--no-unfused", action="store_true", help="do not add the fused_decode=False variants (the before/after of the fused path)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; use 1 on a shared machine)")
+    parser.add_argument("--shared", choices=("yes", "no", "auto"), default="auto", help="record the machine as shared with other jobs (default: from the load average)")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+# ----------------------------------------------------------------------------------- helpers
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _configs(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        b, sep, h = item.strip().lower().partition("x")
+        if not sep or not b.isdigit() or not h.isdigit():
+            raise ValueError(f"configs are BATCHxHEADS, e.g. 1x8,8x32; got {item!r}")
+        out.append((int(b), int(h)))
+    return out
+
+
+def resolve_policy(spec: str) -> Any:
+    """A :class:`kvpolicy_tools.perf.decode.PolicySpec` for a registry name or ``module:Factory``."""
+    from .decode import PolicySpec  # here: decode needs torch and transformers (the hf extra); every verb's parser imports this module
+
+    if ":" not in spec:
+        return PolicySpec.named(spec)
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import {module_name!r} for --policy {spec!r}: {e}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{module_name!r} has no attribute {attr!r} (--policy {spec!r})")
+        obj = getattr(obj, part)
+    label = getattr(obj, "__name__", None) or type(obj).__name__
+    if isinstance(obj, EvictionPolicy):
+        return PolicySpec(repr(obj), lambda b, L, P, _p=obj: _p, budgeted=False)
+    if isinstance(obj, Preset) or (isinstance(obj, type) and issubclass(obj, EvictionPolicy)):
+        def planner(b: float | None, L: int, P: int, _e: Any = obj) -> Any:
+            return plan_policy(_e, b, context_length=L, prompt_length=P).policy
+
+        return PolicySpec(label, planner)
+    if callable(obj):
+
+        def call(b: float | None, L: int, P: int, _f: Any = obj) -> Any:
+            policy = _f(budget=b, context_length=L, prompt_length=P)
+            if not isinstance(policy, EvictionPolicy):
+                raise ValueError(f"--policy {spec!r} returned {policy!r}, not an EvictionPolicy")
+            return policy
+
+        return PolicySpec(label, call)
+    raise ValueError(f"--policy {spec!r} is neither an EvictionPolicy (class or instance) nor a factory")
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm.auto import tqdm  # optional: the eval extra (a progress bar)
+
+                self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+            except ImportError:  # pragma: no cover - tqdm is in the hf extra
+                self.bar = None
+
+    def __call__(self, label: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(label[:40], refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _fmt_us(seconds: float | None) -> str:
+    if seconds is None or math.isnan(seconds):
+        return "-"
+    us = seconds * 1e6
+    return f"{us:,.0f}" if us >= 100 else f"{us:.1f}"
+
+
+def _fmt_slope(x: float) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{x:.2f}"
+
+
+# ----------------------------------------------------------------------------------- parts
+def _complexity(args: argparse.Namespace, progress: _Progress, sizes: list[int], configs: list[tuple[int, int]], rounds: int) -> dict[str, Any]:
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    rows = measure_complexity(
+        sizes, configs, backends=backends, rounds=rounds, max_token_heads=args.max_token_heads, on_progress=progress
+    )
+    return {"rows": rows, "sizes": sizes, "configs": configs, "rounds": rounds, "backends": backends}
+
+
+def _complexity_report(data: dict[str, Any], out: Path, plots: bool) -> list[str]:
+    rows = data["rows"]
+    big = [r for r in rows if r["size"] >= 4096]
+    s_one, s_tok = slopes(rows, "one_eviction_s"), slopes(rows, "per_token_s")
+    b_one, b_tok = slopes(big, "one_eviction_s"), slopes(big, "per_token_s")
+    lines = ["### Log-log slopes (cost ~ size^k)", ""]
+    table = []
+    for key in s_one:
+        backend, policy, batch, heads = key
+        table.append(
+            [backend, policy, batch, heads, _fmt_slope(s_one[key][0]), _fmt_slope(b_one.get(key, (math.nan, 0))[0]),
+             _fmt_slope(s_tok.get(key, (math.nan, 0))[0]), _fmt_slope(b_tok.get(key, (math.nan, 0))[0]),
+             f"{min(r['size'] for r in rows if (r['backend'], r['policy'], r['batch'], r['heads']) == key)}-"
+             f"{max(r['size'] for r in rows if (r['backend'], r['policy'], r['batch'], r['heads']) == key)}"]
+        )
+    lines.append(markdown_table(
+        ["backend", "policy", "batch", "KV heads", "one eviction k", "k (sizes >= 4096)", "per token k", "k (sizes >= 4096)", "sizes"],
+        table, "lllrrrrrl"))
+    lines.append("")
+    for batch, heads in data["configs"]:
+        sub = [r for r in rows if r["batch"] == batch and r["heads"] == heads]
+        if not sub:
+            continue
+        lines += [f"### Microseconds, batch {batch}, {heads} KV heads, head_dim 64, float32", ""]
+        sizes = sorted({r["size"] for r in sub})
+        table = []
+        for backend in data["backends"]:
+            for policy in POLICIES:  # every measured policy, in kvpolicy_tools.perf.eviction's order
+                for measure, name in (("one_eviction_s", "one eviction"), ("per_token_s", "per token")):
+                    vals = {r["size"]: r[measure] for r in sub if r["backend"] == backend and r["policy"] == policy}
+                    if vals:
+                        table.append([backend, policy, name] + [_fmt_us(vals.get(s)) for s in sizes])
+        lines.append(markdown_table(["backend", "policy", "measure"] + [f"{s:,}" for s in sizes], table, "lll" + "r" * len(sizes)))
+        lines.append("")
+        if plots:
+            path = plot_complexity(rows, out / f"complexity_b{batch}_h{heads}.png", batch=batch, heads=heads)
+            lines += [f"![eviction cost, batch {batch}, {heads} heads]({path.name})", ""]
+    return lines
+
+
+def _decode(
+    args: argparse.Namespace,
+    progress: _Progress,
+    contexts: list[int],
+    budgets: list[float],
+    specs: list[Any],
+    steps: int,
+    rounds: int,
+    breakdown_contexts: list[int],
+    what: set[str],
+) -> dict[str, Any]:
+    # here: decode needs torch and transformers (the hf extra); every verb's parser imports this module
+    import torch
+
+    from ..models import describe, load
+    from .decode import Candidate, breakdown, measure_decode, prefill, standard_candidates
+
+    if args.model == "tiny-llama":  # a 2-layer random model: exercises the pipeline in seconds
+        from ..models import tiny_llama  # here: as above
+
+        model = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, max_position_embeddings=8192)
+    else:
+        model, _ = load(args.model, progress=False)
+    info = describe(model)
+    results: list[dict[str, Any]] = []
+    overheads: list[dict[str, Any]] = []
+    breakdowns: dict[int, dict[str, dict[str, float]]] = {}
+    prefills: dict[int, float] = {}
+    warmup = 2
+    for ctx in contexts:
+        tokens = warmup + rounds * steps + warmup + 2 * steps  # decode + breakdown tokens
+        cands = standard_candidates(ctx, tokens, policies=specs, budgets=budgets)
+        if not args.no_unfused:
+            unfused = [c for c in cands if c.label == "capture only" or (c.label.startswith("BUZZ ") and c.budget == 0.25)]
+            cands += [Candidate(f"{c.label} (unfused)", c.policy, c.budget, {"fused_decode": False}) for c in unfused]
+        pre = prefill(model, ctx)
+        prefills[ctx] = pre.seconds
+        progress(f"prefill {ctx}")
+        if "decode" in what:
+            res = measure_decode(model, pre, cands, rounds=rounds, steps=steps, warmup=warmup, on_step=progress)
+            by = {r.label: r for r in res}
+            for r in res:
+                results.append(r.as_dict())
+            if "FullCache" in by and "capture only" in by:
+                full, cap = by["FullCache"], by["capture only"]
+                per_round = [c / f for c, f in zip(cap.seconds_per_step, full.seconds_per_step)]
+                row = {"context": ctx, "capture_over_full": statistics.median(per_round), "rounds": per_round}
+                if "capture only (unfused)" in by:
+                    un = by["capture only (unfused)"]
+                    row["unfused_capture_over_full"] = statistics.median(
+                        [c / f for c, f in zip(un.seconds_per_step, full.seconds_per_step)]
+                    )
+                overheads.append(row)
+        if "breakdown" in what and ctx in breakdown_contexts:
+            keep = {"DynamicCache", "FullCache", "capture only", "capture only (unfused)", "StreamingLLM 25%", "H2O 25%", "BUZZ 25%", "BUZZ 25% (unfused)"}
+            sub = [c for c in cands if c.label in keep or (c.budget == 0.25 and c.label.split(" ")[0] not in ("StreamingLLM", "H2O", "BUZZ"))]
+            breakdowns[ctx] = breakdown(model, pre, sub, steps=steps, rounds=2, warmup=warmup, on_step=progress)
+        del pre
+    return {
+        "model": args.model,
+        "model_info": info,
+        "threads": torch.get_num_threads(),
+        "results": results,
+        "capture_overhead": overheads,
+        "breakdown": {str(k): v for k, v in breakdowns.items()},
+        "prefill_seconds": prefills,
+        "steps": steps,
+        "rounds": rounds,
+        "budgets": budgets,
+    }
+
+
+def _decode_report(data: dict[str, Any], out: Path, plots: bool) -> list[str]:
+    from .decode import BREAKDOWN_ORDER  # here: decode needs torch and transformers (the hf extra); every verb's parser imports this module
+
+    lines: list[str] = []
+    rows = data.get("results", [])
+    if rows:
+        info = data["model_info"]
+        lines += [
+            f"Model `{data['model']}` ({info['layers']} layers, {info['heads']} query / {info['kv_heads']} KV heads, "
+            f"head_dim {info['head_dim']}, {info['dtype']}), batch 1, {data['rounds']} interleaved rounds of "
+            f"{data['steps']} decode steps per candidate; ratio = median over rounds of DynamicCache s/step over the "
+            "candidate's (> 1: faster); share of limit = median over rounds of the limit's s/step over the "
+            "candidate's (the limit of a budget: a DynamicCache holding only that share of the prompt).",
+            "",
+        ]
+        for ctx in sorted({r["context"] for r in rows}):
+            sub = [r for r in rows if r["context"] == ctx]
+            lines += [f"### Context {ctx:,} (prefill {data['prefill_seconds'].get(ctx, data['prefill_seconds'].get(str(ctx), 0)):.0f} s, shared)", ""]
+            table = []
+            for r in sub:
+                share = r.get("share_of_limit")
+                table.append([
+                    r["label"], f"{r['tokens_per_s']:.2f}", f"{r['ratio_vs_dynamic']:.2f}",
+                    f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}", "-" if share is None else f"{share:.0%}",
+                    f"{r['kv_bytes'] / 2**20:.1f}",
+                    f"{r['allocated_bytes'] / 2**20:.1f}", f"{r['memory_ratio']:.2f}", f"{r['kept']:.0f}",
+                    "-" if r["capacity"] is None else r["capacity"], r["evictions"],
+                ])
+            lines.append(markdown_table(
+                ["cache", "tokens/s", "x DynamicCache", "range", "share of limit", "KV MiB held", "MiB allocated",
+                 "KV vs Dynamic", "kept/layer", "capacity", "evictions"],
+                table, "l" + "r" * 10))
+            lines.append("")
+        if plots:
+            path = plot_decode(rows, out / "decode.png", title=f"Decode on {data['model']} (CPU): speed relative to DynamicCache, and KV memory")
+            lines += [f"![decode speed and memory]({path.name})", ""]
+    overheads = data.get("capture_overhead", [])
+    if overheads:
+        lines += ["### Score-capture overhead (capture-only cache over FullCache, same rounds)", ""]
+        table = [[o["context"], f"{(o['capture_over_full'] - 1) * 100:+.1f}%",
+                  f"{(o['unfused_capture_over_full'] - 1) * 100:+.1f}%" if "unfused_capture_over_full" in o else "-"] for o in overheads]
+        lines.append(markdown_table(["context", "fused (default)", "unfused (before)"], table, "lrr"))
+        lines.append("")
+    for ctx, table in data.get("breakdown", {}).items():
+        lines += [f"### Breakdown of a decode step, context {int(ctx):,} (ms per step)", ""]
+        cats = [c for c in BREAKDOWN_ORDER if any(row.get(c) for row in table.values())]
+        body = [[label] + [f"{row.get(c, 0.0):.2f}" for c in cats] + [f"{row['step']:.2f}"] for label, row in table.items()]
+        lines.append(markdown_table(["cache"] + cats + ["step"], body, "l" + "r" * (len(cats) + 1)))
+        lines.append("")
+        if plots:
+            path = plot_breakdown(table, out / f"breakdown_{ctx}.png", order=BREAKDOWN_ORDER, title=f"Decode step breakdown, context {int(ctx):,}")
+            lines += [f"![breakdown at {ctx}]({path.name})", ""]
+    return lines
+
+
+# ----------------------------------------------------------------------------------- run
+def run(args: argparse.Namespace) -> int:
+    """Run ``kvpolicy bench``; returns the exit status."""
+    defaults = QUICK if args.quick else FULL
+    what = {w.strip() for w in args.what.split(",") if w.strip()}
+    unknown = what - {"complexity", "decode", "breakdown"}
+    if unknown:
+        raise ValueError(f"--what takes complexity, decode, breakdown; got {', '.join(sorted(unknown))}")
+    sizes = _ints(args.sizes or defaults["sizes"])
+    configs = _configs(args.configs or defaults["configs"])
+    rounds = args.rounds or defaults["rounds"]
+    contexts = _ints(args.contexts or defaults["contexts"])
+    budgets = _floats(args.budgets or defaults["budgets"])
+    steps = args.steps or defaults["steps"]
+    decode_rounds = args.decode_rounds or defaults["decode_rounds"]
+    breakdown_contexts = _ints(args.breakdown_contexts) if args.breakdown_contexts else sorted({min(contexts), max(contexts)})
+    if any(s < 16 for s in sizes):
+        raise ValueError("--sizes must all be >= 16")
+    if any(not 0 < b < 1 for b in budgets):
+        raise ValueError("--budgets must be in (0, 1)")
+    if steps < 1 or decode_rounds < 1 or rounds < 1:
+        raise ValueError("--steps, --rounds and --decode-rounds must be >= 1")
+    specs = [resolve_policy(p) for p in (args.policy or ["streaming_llm", "h2o", "buzz"])]
+
+    if args.threads:
+        import torch  # here: only when --threads is given
+
+        torch.set_num_threads(args.threads)
+    shared = None if args.shared == "auto" else args.shared == "yes"
+    host = machine(shared=shared)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+
+    n_series = 0
+    # Third-party policies (package.module:Factory) are timed too, through kvpolicy.testing.timing.
+    third_party = [p for p in (args.policy or []) if ":" in p]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if "complexity" in what:
+        n_series = len(POLICIES) * len(configs) * len(backends) + bench_steps(third_party, sizes, backends, rounds)
+    n_cands = 3 + len(budgets) * sum(1 for s in specs if s.budgeted) + sum(1 for s in specs if not s.budgeted) + (0 if args.no_unfused else 2)
+    total = n_series
+    if what & {"decode", "breakdown"}:
+        total += len(contexts)
+        if "decode" in what:
+            total += len(contexts) * n_cands * decode_rounds
+        if "breakdown" in what:
+            total += len([c for c in breakdown_contexts if c in contexts]) * 8 * 2
+    progress = _Progress(total, not args.no_progress)
+    started = time.time()
+    data: dict[str, Any] = {"machine": host, "command": "kvpolicy bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "bench" else "kvpolicy bench"}
+    try:
+        if "complexity" in what:
+            data["complexity"] = _complexity(args, progress, sizes, configs, rounds)
+            if third_party:
+                data["policy_complexity"] = bench_specs(
+                    third_party, sizes=sizes, backends=backends, batch=configs[0][0], heads=configs[0][1], rounds=rounds, on_progress=progress
+                )
+        if what & {"decode", "breakdown"}:
+            data["decode"] = _decode(args, progress, contexts, budgets, specs, steps, decode_rounds, breakdown_contexts, what)
+    finally:
+        progress.close()
+    data["seconds"] = time.time() - started
+    (out / "results.json").write_text(json.dumps(data, indent=1, default=str))
+
+    plots = not args.no_plots
+    lines = [
+        "# kvpolicy bench",
+        "",
+        f"Command: `{data['command']}`" + (" (quick mode)" if args.quick else ""),
+        "",
+        f"Machine: {machine_line(host)}. Took {data['seconds'] / 60:.1f} min.",
+        "",
+    ]
+    if "complexity" in data:
+        lines += ["## Eviction cost against cache size", ""] + _complexity_report(data["complexity"], out, plots)
+    if data.get("policy_complexity"):
+        lines += ["## Eviction cost of the --policy package.module:Factory policies", ""] + bench_report(data["policy_complexity"], out, plots)
+    if "decode" in data:
+        lines += ["## Decode speed, memory and breakdown", ""] + _decode_report(data["decode"], out, plots)
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out / 'report.md'} and {out / 'results.json'}" + ("" if args.no_plots else " (+ PNG plots)"))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvpolicy_tools.perf.bench`` (the same as ``kvpolicy bench``)."""
+    parser = argparse.ArgumentParser(prog="kvpolicy bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+
+    return run_command("kvpolicy bench", run, parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,282 @@
+"""The eager slot layout of a layer: its storage and the host integers that describe it.
+
+A layer's tokens live in slots that stay put (:class:`~kvpolicy_torch.storage.Storage`). In the
+eager layout, *where* they are is told by host integers (:class:`~kvpolicy_torch.rows.Rows`: per
+row the tokens seen and kept, the frontier new tokens go to, a ring pointer), so an eager step
+decides what to do without reading a tensor. :class:`SlotLayout` holds the storage, those rows,
+what the last append returned, and the reads and moves that depend on nothing else: the kept
+tokens in position order (inspection), compaction (kept tokens moved to ``[0, count)``), the
+transient working set of a prompt chunk that does not fit, and the sinks' pos-shifted keys.
+
+Whatever moves slots makes the layout :meth:`~SlotLayout.moved`: the victim search's candidates
+and the one-row "clean tail" (scores and bias 0 from the frontier on) no longer hold.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .compaction import keep_slots, slot_order, unwrap_ring
+from .headwise import mark_dropped
+from .posshift import SinkShift
+from .rows import Rows
+from .storage import Storage
+from .update import chunk_tokens, clear_tail, write_token
+from .victims import CandidateSearch
+
+__all__ = ["SlotLayout", "uniform"]
+
+
+def uniform(values: Sequence[Any], what: str) -> Any:
+    """The one value every row has (``0`` for no rows); a ``ValueError`` naming ``what`` when
+    rows differ (a left-padded batch: read the per-row list instead).
+
+    Example:
+        >>> uniform([3, 3], "kept tokens")
+        3
+    """
+    if not values:
+        return 0
+    first = values[0]
+    if any(v != first for v in values[1:]):
+        raise ValueError(f"rows differ in {what} (a left-padded batch): read the per-row list instead")
+    return first
+
+
+class SlotLayout:
+    """A layer's slots and their host bookkeeping (the eager layout).
+
+    Attributes:
+        store: the storage (``None`` before the first append).
+        extra: the transient working set while a prompt chunk overflows the storage (the kept
+            tokens and the chunk, concatenated), else ``None``.
+        rows: per-row host bookkeeping.
+        range: slots ``[lo, hi)`` the last append returned.
+        chunk: ``(start, q, valid [batch, q] | None)`` of the prompt chunk the last append added,
+            or ``None`` after a decode token.
+        phase: ``"prefill"`` after a chunk, ``"decode"`` after one token.
+        bias_needed: whether a slot of the returned range is a hole for some row.
+        tail_clean: one row, shapes not static: scores and bias are 0 from the frontier on.
+        search: the victim search's candidates (forgotten whenever slots move).
+        sink_shift: StreamingLLM's sinks held at their shifted positions, or ``None``.
+
+    Example:
+        >>> layout = SlotLayout(CandidateSearch(), None)
+        >>> layout.store = Storage.allocate(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), 4, torch.float32)
+        >>> layout.rows = Rows([2], [2], [2], [{}], [None], [[]])
+        >>> layout.store.positions[0, 0, :2] = torch.tensor([0, 1])
+        >>> layout.dense(), layout.in_order(layout.working().positions, 2).tolist()
+        (True, [[[0, 1]]])
+    """
+
+    def __init__(self, search: CandidateSearch, sink_shift: SinkShift | None) -> None:
+        self.store: Storage | None = None
+        self.extra: Storage | None = None
+        self.rows = Rows()
+        self.range = (0, 0)
+        self.chunk: tuple[int, int, torch.Tensor | None] | None = None
+        self.phase = "decode"
+        self.bias_needed = False
+        self.tail_clean = False
+        self.search = search
+        self.sink_shift = sink_shift
+        if sink_shift is not None:
+            sink_shift.undo(None)
+
+    # ------------------------------------------------------------------ the slots
+    def storage(self) -> Storage:
+        """The storage (after the first append)."""
+        if self.store is None:
+            raise ValueError("nothing was appended to this LayerCache yet: call append() first")
+        return self.store
+
+    def full(self) -> Storage:
+        """The whole (contiguous) tensors compaction works in: the transient set, else the storage."""
+        return self.extra if self.extra is not None else self.storage()
+
+    def working(self) -> Storage:
+        """Every slot that may hold a token: the transient set while a chunk overflows, else the
+        storage up to the furthest frontier."""
+        if self.extra is not None:
+            return self.extra
+        return self.storage().narrow(0, max(self.rows.front))
+
+    def dense(self) -> bool:
+        """Whether every row holds its kept tokens at slots ``[0, count)`` in position order."""
+        return self.extra is None and self.rows.dense()
+
+    def moved(self) -> None:
+        """Slots moved (or new ones came): the candidates and the clean tail no longer hold."""
+        self.search.forget()
+        self.tail_clean = False
+
+    # what the last append returned (what attention saw; ``received`` aligns with these), one
+    # tensor each: read in every decode step of some policies, so no Storage is built for them
+    def returned_positions(self) -> torch.Tensor:
+        """Positions ``[batch, kv_heads, n]`` of the slots the last append returned (``-1``: a hole or pad)."""
+        lo, hi = self.range
+        return self.extra.positions if self.extra is not None else self.storage().positions[:, :, lo:hi]
+
+    def returned_scores(self) -> torch.Tensor:
+        """Scores ``[batch, kv_heads, n]`` of the slots the last append returned."""
+        lo, hi = self.range
+        return self.extra.scores if self.extra is not None else self.storage().scores[:, :, lo:hi]
+
+    def returned_bias(self) -> torch.Tensor:
+        """Attention bias ``[batch, kv_heads, n]`` of the slots the last append returned."""
+        lo, hi = self.range
+        return self.extra.bias if self.extra is not None else self.storage().bias[:, :, lo:hi]
+
+    def needs_bias(self, always: bool) -> bool:
+        """Whether a slot in the returned range is a hole for some row (host ints only);
+        ``always``: the layout cannot tell (static shapes, head-wise budgets)."""
+        if always or self.extra is not None:
+            return True
+        lo, hi = self.range
+        rows = self.rows
+        if lo == 0 and rows.count == rows.front and all(f == hi for f in rows.front):
+            return False  # the common case, decided without a loop
+        return any(f != hi or f != c for f, c in zip(rows.front, rows.count))
+
+    # ------------------------------------------------------------------ writes
+    def rows_at_end(self) -> list[int]:
+        """Rows whose next token has no slot: the frontier at the end of the storage and no freed
+        slot (the caller makes room: growth or compaction)."""
+        front, free, slots = self.rows.front, self.rows.free, self.storage().slots
+        if len(front) == 1:
+            return [] if front[0] < slots or free[0] else [0]
+        return [r for r, f in enumerate(front) if f >= slots and not free[r]]
+
+    def write_one(self, keys: torch.Tensor, values: torch.Tensor, *, static: bool, always_bias: bool) -> None:
+        """Write one decode token per row ``[batch, kv_heads, 1, head_dim]`` (every row has room:
+        :meth:`rows_at_end` is empty); the range returned is the slots up to the furthest frontier
+        (every slot when ``static``)."""
+        store, rows = self.storage(), self.rows
+        one = rows.batch == 1 and not static
+        if one and not rows.free[0] and not self.tail_clean:
+            # a frontier slot of one row: nothing reads past the frontier here, so the slots from it
+            # on can hold score and bias 0 ahead of time (two writes fewer a step)
+            clear_tail(store, rows.front[0])
+            self.tail_clean = True
+        write_token(store, rows, keys, values, scores_clear=one and self.tail_clean)
+        self.chunk = None
+        self.range = (0, store.slots if static else max(rows.front))
+        self.bias_needed = self.needs_bias(always_bias)
+
+    def write_chunk(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, real: list[int], *,
+                    always_bias: bool) -> None:
+        """Write a prompt chunk ``[batch, kv_heads, q, head_dim]`` after the furthest frontier of
+        dense rows (``valid`` ``[batch, q]``: False at pads; ``real``: per row, its real tokens),
+        into the storage if it fits, else into the transient set (the storage and the chunk)."""
+        rows, store = self.rows, self.storage()
+        q = keys.shape[2]
+        start = max(rows.front)
+        chunk = chunk_tokens(keys, values, valid, rows.seen, store.scores.dtype)
+        if start + q <= store.slots:
+            store.write(start, chunk)
+        else:  # the prompt exceeds the storage: attention needs all of it for this step
+            self.extra = store.concat(chunk, start)
+        self.range = (0, start + q)  # a chunk ends the range (received_attention reads its keys as the last q)
+        for r in range(rows.batch):
+            rows.seen[r] += real[r]
+            rows.count[r] += real[r]
+            rows.front[r] = start + q
+        rows.columns += q
+        self.chunk = (start, q, valid)
+        self.bias_needed = self.needs_bias(always_bias)
+
+    # ------------------------------------------------------------------ ordered views (inspection)
+    def in_order(self, t: torch.Tensor, count: int) -> torch.Tensor:
+        """``t`` (a tensor of :meth:`working`) at the ``count`` kept tokens of every row, in
+        position order."""
+        if self.dense():
+            return t[:, :, :count]
+        order = slot_order(self.working().positions, count, self.rows.ring())
+        if t.ndim == 4:
+            return torch.gather(t, 2, order[..., None].expand(*order.shape, t.shape[-1]))
+        return torch.gather(t, 2, order)
+
+    def kept(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions, scores)`` ``[kv_heads, n_row]`` of one row, in position order."""
+        working = self.working()
+        pos = working.positions[row : row + 1]
+        order = slot_order(pos, self.rows.count[row], self.rows.ring())
+        return torch.gather(pos, 2, order)[0], torch.gather(working.scores[row : row + 1], 2, order)[0]
+
+    def to_slots(self, ordered: torch.Tensor, count: int) -> torch.Tensor:
+        """Per-token values in position order ``[batch, kv_heads, count]`` placed at the returned
+        slots ``[batch, kv_heads, n]`` (0 at holes)."""
+        pos = self.returned_positions()
+        out = torch.zeros(pos.shape, dtype=ordered.dtype, device=pos.device)
+        if self.dense() and self.range[0] == 0:
+            out[:, :, :count] = ordered
+            return out
+        return out.scatter_(2, slot_order(pos, count, self.rows.ring()), ordered)
+
+    # ------------------------------------------------------------------ pos-shift of the sinks
+    def shift_sinks(self) -> None:
+        """After a decode append: hold the sinks' keys rotated by each row's shift."""
+        sinks = self.sink_shift
+        if sinks is None:
+            return
+        if sinks.originals is None and (
+            not any(self.rows.shift()) or min(self.rows.front) < sinks.sink or self.extra is not None
+        ):
+            return  # nothing shifted yet (or a row without its sinks: attention rotates the query)
+        sinks.apply(self.storage(), self.rows.shift())
+
+    def unshift(self) -> None:
+        """The sinks' original keys back in their slots (before anything but a decode step reads or
+        moves keys)."""
+        if self.sink_shift is not None:
+            self.sink_shift.undo(self.store)
+
+    # ------------------------------------------------------------------ compaction
+    def compact(self, rows: list[int], *, sink: int, chunk_bytes: int, ragged: bool) -> None:
+        """Move the kept tokens of ``rows`` to ``[0, count)`` in position order (holes removed;
+        a ring of an ``"oldest"`` eviction with ``sink`` sinks unwrapped first)."""
+        book = self.rows
+        if self.extra is None:
+            rows = [r for r in rows if book.count[r] != book.front[r] or book.fifo[r] is not None]
+        if not rows:
+            return
+        self.unshift()
+        for r in rows:  # rare (a prompt chunk or a general eviction after decode steps): a loop over rows is fine
+            fifo = book.fifo[r]
+            if fifo is not None:
+                unwrap_ring(self.storage(), r, sink, fifo, book.front[r], chunk_bytes)
+        book.densified(rows)
+        for count, group in book.by_count(rows).items():
+            pos = self.working().positions
+            if len(group) < book.batch:
+                pos = pos.index_select(0, torch.tensor(group, device=pos.device))
+            self.keep(group, slot_order(pos, count, book.ring()), chunk_bytes=chunk_bytes, ragged=ragged)
+
+    def keep(self, rows: list[int], keep: torch.Tensor, *, chunk_bytes: int, ragged: bool) -> None:
+        """Keep slots ``keep`` ``[len(rows), heads, k]`` (ascending) of ``rows`` at ``[0, k)``
+        (:func:`~kvpolicy_torch.compaction.keep_slots`: in place, each kept token moves once).
+        ``ragged`` (head-wise budgets): ``-1`` in ``keep`` is a hole, a head keeping fewer."""
+        self.moved()
+        old_front = max(self.rows.front[r] for r in rows)
+        if ragged:  # -1: a hole, copied from slot 0, then marked
+            keep_slots(self.full(), rows, keep.clamp(min=0), old_front, chunk_bytes)
+            whole = len(rows) == self.rows.batch
+            mark_dropped(self.full(), None if whole else torch.tensor(rows, device=keep.device), keep)
+        else:
+            keep_slots(self.full(), rows, keep, old_front, chunk_bytes)
+        self.rows.kept(rows, keep.shape[2])
+
+    def put_back(self, always_bias: bool) -> None:
+        """Move the transient working set back into the storage once it fits."""
+        extra, self.extra = self.extra, None
+        if extra is None:
+            return
+        self.moved()
+        n = max(self.rows.front)
+        store = self.storage()
+        store.copy_prefix(extra, n)
+        store.clear_from(n)
+        self.range = (0, n)
+        self.bias_needed = self.needs_bias(always_bias)

@@ -1,0 +1,215 @@
+"""What can be read from a layer between steps: counts per row, the kept tokens in position
+order, and the slots the last append returned (what attention saw).
+
+:class:`LayerReads` is the read side of :class:`~kvpolicy_torch.LayerCache`, written against one
+method, :meth:`LayerReads.synced`, which brings the layer's :class:`~kvpolicy_torch.layout.SlotLayout`
+up to date (a group's deferred victims freed, decode steps the device ran handed to the host).
+A read never changes what the layer holds; inside a decode step, the reads that attention needs
+(:attr:`~LayerReads.bias`, :meth:`~LayerReads.shift`, :meth:`~LayerReads.chunk_mask`) are cheap.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpolicy.policy import DecodeEviction, EvictionPolicy
+
+from .headwise import held_tokens
+from .layout import SlotLayout, uniform
+from .posshift import PrefixShift, slot_shifts
+
+__all__ = ["LayerReads"]
+
+
+class LayerReads:
+    """Reads of a layer's state (the base of :class:`~kvpolicy_torch.LayerCache`).
+
+    A subclass sets :attr:`policy` and :attr:`rule` and implements :meth:`synced`. (What the
+    shapes alone tell, such as ``is_initialized``, ``slots`` and ``nbytes``, the subclass answers
+    without syncing: a static-shaped layer reads them inside a compiled step.)
+
+    Example:
+        >>> from kvpolicy import H2O
+        >>> from kvpolicy_torch import LayerCache
+        >>> layer = LayerCache(H2O(heavy=1, recent=1))
+        >>> for t in range(3):
+        ...     K, V = layer.append(torch.full((1, 1, 1, 2), float(t)), torch.zeros(1, 1, 1, 2))
+        ...     layer.accumulate(torch.tensor([[[1.0] * K.shape[2]]]))
+        ...     rounds = layer.evict()
+        >>> layer.length, layer.seen, layer.positions.tolist(), layer.keys[0, 0, :, 0].tolist()
+        (2, [3], [[[0, 2]]], [0.0, 2.0])
+    """
+
+    policy: EvictionPolicy
+    rule: DecodeEviction | None
+
+    def synced(self, storage: bool = True) -> SlotLayout:
+        """The layer's slot layout, every deferred or device-side step applied; with ``storage``,
+        after the first append only (a ``ValueError`` before)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ counts
+    @property
+    def columns(self) -> int:
+        """Columns appended per row so far, pads included (read on the host)."""
+        return self.synced(storage=False).rows.columns
+
+    @property
+    def length(self) -> int:
+        """Kept tokens per head (every row); see :attr:`lengths` for rows that differ."""
+        return uniform(self.synced(storage=False).rows.count, "kept tokens (use .lengths)")
+
+    @property
+    def lengths(self) -> list[int]:
+        """Kept tokens per head, per row."""
+        return list(self.synced(storage=False).rows.count)
+
+    @property
+    def mean_length(self) -> float:
+        """Kept tokens per KV head on average over the heads and rows: :attr:`length`, except
+        under head-wise budgets (``policy.ragged_heads``), where ``length`` is the widest head's
+        count of slots and the heads hold fewer on average (one host read)."""
+        layout = self.synced(storage=False)
+        if not self.policy.ragged_heads or layout.store is None:
+            return float(self.length)
+        pos = layout.working().positions
+        return held_tokens(pos) / (pos.shape[0] * pos.shape[1])
+
+    @property
+    def n_seen(self) -> int:
+        """Real tokens appended so far (every row); see :attr:`seen` for rows that differ."""
+        return uniform(self.synced(storage=False).rows.seen, "tokens seen (use .seen)")
+
+    @property
+    def seen(self) -> list[int]:
+        """Real (non-pad) tokens appended so far, per row."""
+        return list(self.synced(storage=False).rows.seen)
+
+    @property
+    def state(self) -> dict[str, int]:
+        """The policy's state (every row); see :attr:`states`."""
+        return uniform(self.synced(storage=False).rows.states, "policy state (use .states)")
+
+    @property
+    def states(self) -> list[dict[str, int]]:
+        """The policy's state, per row."""
+        return [dict(s) for s in self.synced(storage=False).rows.states]
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the keys and values actually kept (pads and holes excluded)."""
+        layout = self.synced(storage=False)
+        if layout.store is None:
+            return 0
+        k, v = layout.store.keys, layout.store.values
+        per_head = k.shape[3] * k.element_size() + v.shape[3] * v.element_size()
+        if self.policy.ragged_heads:  # heads hold different numbers: count them (one host read)
+            return per_head * held_tokens(layout.working().positions)
+        return per_head * k.shape[1] * sum(layout.rows.count)
+
+    # ------------------------------------------------------------------ kept tokens in position order
+    @property
+    def keys(self) -> torch.Tensor:
+        """Kept keys in position order ``[batch, kv_heads, length, head_dim]`` (a view when dense)."""
+        layout = self.synced()
+        layout.unshift()  # reads see original keys (the next decode append shifts them again)
+        return layout.in_order(layout.working().keys, self.length)
+
+    @property
+    def values(self) -> torch.Tensor:
+        """Kept values in position order ``[batch, kv_heads, length, head_dim]``."""
+        layout = self.synced()
+        return layout.in_order(layout.working().values, self.length)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Original positions of the kept tokens, ascending ``[batch, kv_heads, length]``."""
+        layout = self.synced()
+        return layout.in_order(layout.working().positions, self.length)
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """Accumulated attention of the kept tokens, in position order ``[batch, kv_heads, length]``."""
+        layout = self.synced()
+        return layout.in_order(layout.working().scores, self.length)
+
+    def kept(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions, scores)`` ``[kv_heads, n_row]`` of one row, in position order (rows may differ)."""
+        return self.synced().kept(row)
+
+    def to_slots(self, ordered: torch.Tensor) -> torch.Tensor:
+        """Place per-token values given in position order ``[batch, kv_heads, length]`` at the slots
+        the last ``append`` returned ``[batch, kv_heads, n]`` (0 at holes): for callers that
+        compute received attention over :attr:`positions` rather than :attr:`slot_positions`."""
+        return self.synced().to_slots(ordered, self.length)
+
+    # ------------------------------------------------------------------ what attention sees
+    @property
+    def slot_positions(self) -> torch.Tensor:
+        """Original positions of the slots the last ``append`` returned ``[batch, kv_heads, n]``
+        (``-1`` at a hole or pad): ``received`` in ``accumulate`` is aligned with these."""
+        return self.synced().returned_positions()
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """Additive attention bias ``[batch, kv_heads, n]`` (``0`` or ``-inf``) of the slots the last
+        decode ``append`` returned, or ``None`` when none of them is a hole."""
+        layout = self.synced()
+        return layout.returned_bias() if layout.bias_needed else None
+
+    @property
+    def query_valid(self) -> torch.Tensor | None:
+        """``[batch, q]`` bool: which queries of the last chunk are real (``None``: all)."""
+        chunk = self.synced(storage=False).chunk
+        return chunk[2] if chunk is not None else None
+
+    def chunk_mask(self) -> torch.Tensor:
+        """Boolean mask ``[batch | 1, 1, q, n]`` (True: attend) for the chunk the last ``append``
+        added: every kept token before the chunk, causal inside it, pads attended by nobody (a pad
+        query sees only itself, so its row stays finite)."""
+        layout = self.synced()
+        if layout.chunk is None:
+            raise ValueError("chunk_mask() follows an append of more than one token")
+        start, q, valid = layout.chunk
+        pos = layout.returned_positions()
+        if self.policy.ragged_heads and bool(((pos >= 0) != (pos[:, :1] >= 0)).any()):
+            raise NotImplementedError(
+                f"{self.policy!r}: a prompt chunk after a head-wise eviction (heads holding different tokens) needs a "
+                "mask per KV head, which this backend does not build yet; append the whole prompt at once"
+            )
+        rows = torch.arange(q, device=pos.device)[:, None]
+        cols = torch.arange(pos.shape[-1], device=pos.device)[None, :]
+        causal = cols <= start + rows  # [q, n]
+        if valid is None and all(c == start + q for c in layout.rows.count):  # no pads, no holes before the chunk
+            return causal[None, None]
+        mask = causal[None] & (pos[:, 0, :] >= 0)[:, None, :]  # [b, q, n]: rows are compacted, so head 0 speaks for all
+        if valid is not None:
+            mask = mask | ((cols == start + rows)[None] & ~valid[:, :, None])
+        return mask[:, None]
+
+    def shift(self) -> PrefixShift | torch.Tensor:
+        """How far each returned slot sits from its original position under StreamingLLM's
+        pos-shift (:mod:`kvpolicy_torch.posshift`): a :class:`PrefixShift` for a policy whose
+        decode eviction is ``"oldest"`` (only the sinks move), else the per-slot shifts
+        ``[batch, kv_heads, n]`` (0 at holes)."""
+        layout = self.synced()
+        if self.rule is not None and self.rule.victim == "oldest" and layout.extra is None and layout.chunk is None:
+            return PrefixShift(self.rule.sink, layout.rows.shift())
+        # slots before the range are holes, so ranks count from its start
+        return slot_shifts(layout.returned_positions(), layout.rows.shift())
+
+    # ------------------------------------------------------------------ diagnostics
+    @property
+    def candidate_searches(self) -> int:
+        """Full searches of H2O-like victims made so far on the candidate path (see
+        ``LayerCache.candidate_min_scores``): a diagnostic for benchmarks and tests."""
+        return self.synced(storage=False).search.searches
+
+    @property
+    def compaction_period(self) -> int | None:
+        """Decode steps between two compactions while a :class:`~kvpolicy.DecodeEviction` evicts
+        one token per step (``None``: the policy has none, or nothing is allocated yet)."""
+        capacity, store = self.policy.capacity, self.synced(storage=False).store
+        if self.rule is None or self.rule.victim == "oldest" or store is None or capacity is None:
+            return None  # ("oldest": a ring, never compacted while decoding)
+        return store.slots - capacity + 1

@@ -1,0 +1,110 @@
+"""The eager decode step's *attend* and *accumulate*: attention over the returned slots, holes
+masked, and what each slot received folded into its score, in one pass over the keys.
+
+The common step (H2O, BUZZ: scores accumulate, no window, no log n, no pos-shift) runs on the
+storage's grouped 3-D views (:func:`~kvpolicy_torch.attention.grouped_decode`); every other one
+through :func:`~kvpolicy_torch.attention.decode_attention`. Received attention is folded by the
+policy's statistic (:func:`~kvpolicy_torch.scores.fold_received`, the rule the static step uses
+too); an accumulated score that may go down voids the victim search's candidates, whose bound
+assumes scores only grow.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from kvpolicy.policy import EvictionPolicy
+from kvpolicy.statistics import low_attention
+
+from .attention import decode_attention, grouped_decode
+from .layout import SlotLayout
+from .scores import fold_received
+
+__all__ = ["add_received", "attend_slots", "query_record"]
+
+
+def add_received(layout: SlotLayout, policy: EvictionPolicy, scores: torch.Tensor, received: torch.Tensor) -> None:
+    """Fold ``received`` ``[batch, kv_heads, n]`` into ``scores`` (the returned slots' scores, or
+    a prefix of the storage's) by ``policy.score_statistic``. A ``"low_history"`` record of a
+    chunk is shifted in by each row's real queries (a left-padded row has fewer), a decode
+    query's by one.
+
+    Example:
+        >>> from kvpolicy import H2O
+        >>> from kvpolicy_torch.victims import CandidateSearch
+        >>> scores = torch.zeros(1, 1, 3)
+        >>> add_received(SlotLayout(CandidateSearch(), None), H2O(heavy=2, recent=1), scores,
+        ...              torch.tensor([[[0.5, float("nan"), 0.25]]]))
+        >>> scores.tolist()  # (a NaN counts as -inf: evicted first, never kept by a NaN)
+        [[[0.5, -inf, 0.25]]]
+    """
+    statistic = policy.score_statistic
+    if statistic == "accumulate":
+        if layout.search.active:
+            low, high = torch.aminmax(received)
+            if not bool((low >= 0) & (high < math.inf)):
+                # a score may go down (negative, NaN, or -inf + inf): the candidates' bound no longer holds
+                layout.search.forget()
+        fold_received(scores, None, received, statistic)
+        return
+    rows: Any = 1
+    if layout.chunk is not None and statistic == "low_history":
+        _, q, valid = layout.chunk
+        rows = q if valid is None else valid.sum(dim=-1).view(-1, 1, 1)
+    fold_received(scores, layout.returned_positions(), received, statistic, history=policy.score_history, rows=rows)
+
+
+def query_record(layout: SlotLayout, policy: EvictionPolicy, received: torch.Tensor, group: int) -> torch.Tensor:
+    """What a decode query gave each returned slot, as the policy folds it: for ``"low_history"``
+    (Scissorhands) that query's record of low attention (:func:`kvpolicy.statistics.low_attention`),
+    else ``received`` itself."""
+    if policy.score_statistic != "low_history":
+        return received
+    return low_attention(received, group, kept=layout.returned_positions() >= 0).to(torch.float64)
+
+
+def attend_slots(
+    layout: SlotLayout,
+    policy: EvictionPolicy,
+    query: torch.Tensor,
+    scaling: float,
+    *,
+    extra_bias: torch.Tensor | None,
+    row_scale: torch.Tensor | None,
+    prefix: tuple[int, torch.Tensor] | None,
+) -> torch.Tensor:
+    """A decode query ``[batch, q_heads, 1, head_dim]`` over the slots the last append returned
+    (they start at slot 0), holes masked; what each slot received is folded into its score when
+    the policy captures attention. Returns ``[batch, 1, q_heads, head_dim]``."""
+    store = layout.storage()
+    hi = layout.range[1]
+    if (
+        extra_bias is None and row_scale is None and prefix is None and not layout.search.active
+        and query.dtype == store.scores.dtype == store.keys.dtype
+        and policy.score_statistic == "accumulate" and policy.uses_scores
+    ):
+        # the common step (H2O, BUZZ) on the storage's grouped views: grouped_decode, then the
+        # probabilities summed per KV head into the scores
+        b, hq, _, d = query.shape
+        k3, v3, bias3 = store.grouped(hi)
+        bh = k3.shape[0]
+        r = hq * b // bh
+        out3, probs3 = grouped_decode(query.reshape(bh, r, d), k3.transpose(1, 2), v3, scaling,
+                                      bias3 if layout.bias_needed else None)
+        # add_received's "accumulate" rule inlined (no candidates to void, dtypes equal, the sum a
+        # fresh tensor: NaN made -inf in place): the hot path of every H2O and BUZZ decode step
+        received = probs3.view(b, bh // b, r, hi).sum(dim=2)
+        store.scores.narrow(2, 0, hi).add_(received.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf))
+        return out3.view(b, 1, hq, -1)
+    key, value = store.keys.narrow(2, 0, hi), store.values.narrow(2, 0, hi)
+    bias = store.bias.narrow(2, 0, hi) if layout.bias_needed else None
+    if extra_bias is not None:
+        bias = extra_bias if bias is None else bias + extra_bias
+    out, received = decode_attention(query, key, value, scaling, bias=bias, row_scale=row_scale, prefix=prefix)
+    if policy.captures_attention:  # received comes from a softmax: its shape is right and it is real
+        record = query_record(layout, policy, received, query.shape[1] // key.shape[1])
+        add_received(layout, policy, store.scores.narrow(2, 0, hi), record)
+    return out

@@ -1,0 +1,348 @@
+"""Budgets and BUZZ's parameter-estimation theorem."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpolicy import (
+    BUZZ,
+    H2O,
+    EvictionPolicy,
+    FullCache,
+    LocalWindow,
+    PolicyPlan,
+    StreamingLLM,
+    estimate_threshold,
+    fixed_point_middle,
+    make_policy,
+    plan_policy,
+    realised_budget,
+    simulate_sizes,
+    threshold_ratio,
+)
+from kvpolicy.policies import small_stride
+from kvpolicy.testing import example_inputs
+from kvpolicy_numpy import replay
+from strategies import any_policy
+
+BUDGETED = ["buzz", "buzz_logn", "h2o", "streaming_llm", "local"]
+BUDGETS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+
+
+# ============================================================================ the theorem
+def test_threshold_ratio_stride_5_is_the_papers_4_33() -> None:
+    assert threshold_ratio(5) == pytest.approx(13 / 3, rel=1e-15)
+    assert round(threshold_ratio(5), 2) == 4.33
+
+
+@pytest.mark.parametrize("s", range(3, 52))
+def test_threshold_ratio_matches_the_theorem_statement(s) -> None:
+    """T/w = (s^2+1)/(s+1) for odd s, s-1 for even s (the statement; the paper's proof swaps
+    the two cases)."""
+    want = Fraction(s * s + 1, s + 1) if s % 2 else Fraction(s - 1)
+    assert threshold_ratio(s) == pytest.approx(float(want), rel=1e-14)
+    # and the proof's swapped assignment is wrong for every stride
+    swapped = Fraction(s - 1) if s % 2 else Fraction(s * s + 1, s + 1)
+    assert threshold_ratio(s) != pytest.approx(float(swapped), rel=1e-9)
+
+
+@pytest.mark.parametrize("s", range(3, 30))
+def test_small_stride(s) -> None:
+    assert small_stride(s) == math.floor((s + 1) / 2)
+
+
+@given(st.integers(3, 64), st.integers(1, 500))
+def test_ratio_is_the_fixed_point_of_the_recurrence(s, threshold) -> None:
+    """Iterating a -> a/s_hat + (T-a)/s (exact rationals) converges to T / ratio(s)."""
+    s_hat = (s + 1) // 2
+    a = Fraction(0)
+    T = Fraction(threshold)
+    for _ in range(200):
+        a = a / s_hat + (T - a) / s
+    assert float(a) == pytest.approx(threshold / threshold_ratio(s), rel=1e-12)
+    assert fixed_point_middle(s, threshold) == pytest.approx(float(a), rel=1e-12)
+    # a* is a fixed point exactly: f(a*) = a*
+    a_star = T / (s - Fraction(s, s_hat) + 1)
+    assert a_star / s_hat + (T - a_star) / s == a_star
+
+
+@given(st.integers(3, 40), st.integers(1, 400))
+def test_estimate_threshold(s, w) -> None:
+    t = estimate_threshold(s, w)
+    assert t == max(3, round(threshold_ratio(s) * w))
+    assert BUZZ(sink=1, window=w, stride=s).threshold == t  # the default threshold
+
+
+def test_estimate_threshold_examples() -> None:
+    assert estimate_threshold(5, 30) == 130
+    assert estimate_threshold(4, 10) == 30  # even: s - 1
+    assert estimate_threshold(3, 1) == 3  # clamped to the smallest threshold that shrinks
+
+
+# ============================================================================ size simulation
+@given(any_policy(), st.integers(1, 80), st.data())
+def test_simulate_sizes_equals_replay_sizes(policy, steps, data) -> None:
+    """Sizes depend on counts only: the planner's simulation is the replay's, on any scores."""
+    prompt_len = data.draw(st.integers(0, steps))
+    logits = np.random.default_rng(steps).normal(size=(steps, 1, steps))
+    trace = replay(policy, logits, prompt_len, **example_inputs(policy, logits))  # keys (values, queries): Knorm, KeyDiff, Expected Attention
+    assert simulate_sizes(policy, steps, prompt_len).tolist() == trace.sizes.tolist()
+
+
+def test_simulate_sizes_examples() -> None:
+    assert simulate_sizes(FullCache(), 5).tolist() == [1, 2, 3, 4, 5]
+    assert simulate_sizes(LocalWindow(2), 5).tolist() == [1, 2, 3, 3, 3]
+    assert simulate_sizes(StreamingLLM(1, 2), 6, prompt_length=2).tolist() == [3, 4, 4, 4]
+    assert simulate_sizes(H2O(1, 1), 4).tolist() == [1, 2, 3, 3]
+
+
+def test_realised_budget_definition() -> None:
+    """Average size over the full cache's average on the same decode steps."""
+    sizes = np.asarray([1, 2, 3, 3, 3])
+    assert realised_budget(sizes, 5) == pytest.approx(12 / 5 / 3)
+    assert realised_budget(np.asarray([3, 3]), 5, prompt_length=3) == pytest.approx(3 / 4.5)
+
+
+# ============================================================================ budget realisation
+@pytest.mark.parametrize("name", BUDGETED)
+@pytest.mark.parametrize("context", [256, 1024, 4096])
+def test_budget_realised_within_5_points(name, context) -> None:
+    for budget in BUDGETS:
+        plan = plan_policy(name, budget, context_length=context)
+        sizes = simulate_sizes(plan.policy, context)
+        realised = float(np.mean(sizes)) / float(np.mean(np.arange(1, context + 1)))
+        assert abs(realised - budget) <= 0.05, (name, context, budget, realised, plan.policy)
+        assert realised == pytest.approx(plan.realised_budget)
+        assert plan.average_size == pytest.approx(float(np.mean(sizes)))
+
+
+@pytest.mark.parametrize("name", BUDGETED)
+@pytest.mark.parametrize("context, prompt", [(1024, 512), (4096, 3900)])
+def test_budget_realised_with_a_prompt(name, context, prompt) -> None:
+    for budget in [0.1, 0.3, 0.5, 0.9]:
+        plan = plan_policy(name, budget, context_length=context, prompt_length=prompt)
+        realised = realised_budget(simulate_sizes(plan.policy, context, prompt), context, prompt)
+        assert abs(realised - budget) <= 0.05, (name, budget, realised, plan.policy)
+
+
+@pytest.mark.parametrize("name", BUDGETED)
+@pytest.mark.parametrize("context, prompt", [(300, 0), (512, 100)])
+def test_budget_realised_by_a_real_replay(name, context, prompt) -> None:
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=(context, 1, context))
+    logits[:, :, ::17] += 2.0  # a few heavy hitters
+    for budget in [0.1, 0.3, 0.6, 0.9]:
+        policy = make_policy(name, budget, context_length=context, prompt_length=prompt)
+        trace = replay(policy, logits, prompt)
+        assert abs(trace.realised_budget - budget) <= 0.05, (name, budget, trace.realised_budget, policy)
+
+
+def test_make_policy_buzz_uses_the_theorem() -> None:
+    p = make_policy("buzz", 0.3, context_length=4096)
+    assert isinstance(p, BUZZ)
+    assert p.threshold == estimate_threshold(p.stride, p.window)
+    q = make_policy("buzz", 0.3, context_length=4096, stride=4, sink=1)
+    assert (q.stride, q.sink) == (4, 1)
+    assert q.threshold == estimate_threshold(4, q.window)
+    r = make_policy("buzz", 0.3, context_length=4096, threshold=50)
+    assert r.threshold == 50
+
+
+def test_make_policy_examples() -> None:
+    assert make_policy("h2o", 0.25, context_length=1024) == H2O(heavy=68, recent=68)
+    p = make_policy("buzz_logn", 0.4, context_length=2048)
+    assert isinstance(p, BUZZ) and p.log_n is not None and p.log_n.base == 512.0
+    assert make_policy("full", 1.0, context_length=100) == FullCache()
+
+
+def test_budget_is_monotone_in_the_request() -> None:
+    sizes = [plan_policy("buzz", b, context_length=2048).average_size for b in BUDGETS]
+    assert sizes == sorted(sizes)
+
+
+def test_policy_plan_is_printable() -> None:
+    plan = plan_policy("buzz", 0.3, context_length=4096, prompt_length=1000)
+    assert isinstance(plan, PolicyPlan)
+    text = str(plan)
+    for needle in ["buzz", "threshold=", "capacity", "30.0%", "4096 tokens", "1000 prefilled"]:
+        assert needle in text, needle
+    d = plan.as_dict()
+    assert d["policy"] == "buzz" and d["capacity"] == plan.policy.capacity
+    assert d["params"] == plan.policy.params()
+    assert plan.capacity == plan.policy.sink + plan.policy.window + plan.policy.threshold
+
+
+# ---------------------------------------------------------------------------- T/w as a parameter
+@given(st.floats(1.0, 8.0), st.floats(0.1, 0.6), st.sampled_from([3, 4, 5, 7]))
+def test_threshold_ratio_round_trips_through_plan_policy(ratio, budget, stride) -> None:
+    from kvpolicy import plan_capacity
+
+    plan = plan_policy("buzz", budget, context_length=1056, prompt_length=32, threshold_ratio=ratio, stride=stride)
+    p = plan.policy
+    assert p.threshold == max(3, round(ratio * p.window))  # the ratio asked for (smallest legal T enforced)
+    assert plan.threshold_ratio == ratio and plan.as_dict()["threshold_ratio"] == ratio
+    # planning again with the same ratio at the realised budget gives back the same policy
+    again = plan_policy("buzz", plan.realised_budget, context_length=1056, prompt_length=32, threshold_ratio=ratio,
+                        stride=stride)
+    assert again.policy == p
+    assert make_policy("buzz", budget, context_length=1056, prompt_length=32, threshold_ratio=ratio, stride=stride) == p
+    assert BUZZ.from_size(p.window * 3, threshold_ratio=ratio, stride=stride).threshold == max(
+        3, round(ratio * BUZZ.from_size(p.window * 3, threshold_ratio=ratio, stride=stride).window))
+    cap = plan_capacity("buzz", 80, context_length=1056, prompt_length=32, threshold_ratio=ratio, stride=stride)
+    assert cap.capacity <= 80 and cap.policy.threshold == max(3, round(ratio * cap.policy.window))
+
+
+def test_threshold_ratio_default_is_the_theorem() -> None:
+    for budget in (0.1, 0.3, 0.5):
+        a = plan_policy("buzz", budget, context_length=2048)
+        b = plan_policy("buzz", budget, context_length=2048, threshold_ratio=None)
+        assert a.policy == b.policy
+        assert a.policy.threshold == estimate_threshold(5, a.policy.window)
+    assert BUZZ.from_size(100) == BUZZ.from_size(100, threshold_ratio=None)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: plan_policy("buzz", 0.3, context_length=512, threshold_ratio=0), "threshold_ratio must be in"),
+        (lambda: plan_policy("buzz", 0.3, context_length=512, threshold_ratio=-2.5), "threshold_ratio must be in"),
+        (lambda: plan_policy("buzz", 0.3, context_length=512, threshold_ratio=float("inf")), "threshold_ratio must be in"),
+        (lambda: plan_policy("buzz", 0.3, context_length=512, threshold_ratio="2.5"), "threshold_ratio must be a number"),
+        (lambda: plan_policy("h2o", 0.3, context_length=512, threshold_ratio=2.5), "applies to BUZZ"),
+        (lambda: make_policy("buzz", 0.3, context_length=512, threshold_ratio=2.5, threshold=40), "not both"),
+        (lambda: BUZZ.from_size(100, threshold_ratio=2.5, threshold=40), "not both"),
+        (lambda: BUZZ.from_size(100, threshold_ratio=0.0), "threshold_ratio must be in"),
+    ],
+)
+def test_threshold_ratio_is_validated(call, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_smallest_legal_threshold_still_enforced() -> None:
+    p = BUZZ.from_size(12, threshold_ratio=0.1)
+    assert p.threshold == 3
+    assert plan_policy("buzz_logn", 0.2, context_length=400, threshold_ratio=0.05).policy.threshold == 3
+
+
+# ---------------------------------------------------------------------------- equal capacity
+@given(st.sampled_from(["local", "streaming_llm", "h2o", "buzz", "buzz_logn"]), st.integers(20, 400))
+def test_plan_capacity_is_the_largest_policy_within_the_capacity(name, capacity) -> None:
+    from kvpolicy import plan_capacity
+    from kvpolicy.registry import get_policy
+
+    plan = plan_capacity(name, capacity, context_length=1056, prompt_length=32)
+    assert plan.capacity <= capacity and plan.requested_capacity == capacity
+    entry = get_policy(name)
+    fitting = [entry.from_size(s).capacity for s in range(entry.min_size, 2 * capacity)]
+    assert plan.capacity == max(c for c in fitting if c <= capacity)  # no policy of this kind fits better
+    sizes = simulate_sizes(plan.policy, 1056, 32)
+    assert plan.average_size == pytest.approx(float(np.mean(sizes)))
+    assert max(sizes) <= capacity
+
+
+def test_plan_capacity_errors() -> None:
+    from kvpolicy import plan_capacity
+
+    with pytest.raises(ValueError, match="no capacity limit"):
+        plan_capacity("full", 50, context_length=100)
+    with pytest.raises(ValueError, match="capacity 3 is below the smallest"):
+        plan_capacity("buzz", 3, context_length=100)
+    with pytest.raises(ValueError, match="capacity must be"):
+        plan_capacity("h2o", 0, context_length=100)
+
+
+# ------------------------------------------------------- policies own their size rules (issue 12)
+def test_the_planner_uses_a_third_party_size_rule_and_it_must_agree() -> None:
+    """A policy outside the package declares its size rule; simulate_sizes calls it (not the
+    replay), and a subclass that redefines select goes without it when it says so."""
+    from kvpolicy import EvictionPolicy, LocalWindow
+    from kvpolicy.budget import _replay_sizes
+
+    calls = []
+
+    class Halving(EvictionPolicy):
+        name = "halving_test"
+        capacity = None
+
+        def __init__(self, limit: int) -> None:
+            super().__init__()
+            self.limit = limit
+
+        def select(self, view):
+            n = view.n_cached
+            return None if n <= self.limit else view.keep(view.arange(n - n // 2, n))
+
+        def size_rule(self):
+            def rule(n, state):  # select keeps the newest n // 2, until at most limit
+                calls.append(n)
+                while n > self.limit:
+                    n //= 2
+                return n
+
+            return rule
+
+    p = Halving(6)
+    assert simulate_sizes(p, 40, 3).tolist() == _replay_sizes(p, 40, 3).tolist()
+    assert calls, "the declared rule was not used"
+
+    class Odd(LocalWindow):
+        decode_eviction = size_rule = None  # its own select: no inherited rule
+
+        def select(self, view):
+            n = view.n_cached
+            return None if n <= self.window else view.keep(view.arange(0, n, 2))
+
+    assert Odd(window=4).size_rule() is None and LocalWindow(window=4).size_rule() is not None
+    assert simulate_sizes(Odd(window=4), 30).tolist() == _replay_sizes(Odd(window=4), 30).tolist()
+
+
+def test_every_builtin_one_token_policy_declares_its_size_rule() -> None:
+    """A built-in that evicts one token a decode step (it declares a DecodeEviction) declares its
+    size rule too, so the planner never replays it, and the rule gives the replay's sizes. The
+    one exception is a composition: its prompt is the prefill policy's, which a rule of counts
+    cannot tell from a decode step (it is replayed, exactly)."""
+    from kvpolicy import Composed, available_policies
+    from kvpolicy.budget import _replay_sizes
+    from kvpolicy.registry import Preset
+
+    one_token = []
+    for name, entry in available_policies().items():
+        cls = entry.cls if isinstance(entry, Preset) else entry
+        if not cls.__module__.startswith("kvpolicy.policies") or not cls.evicts:
+            continue
+        needs = {"compose": {"decode": "h2o"}, "pyramid": {"base": "h2o"}, "adakv": {"scorer": "h2o"}}.get(name, {})  # planned from another's name
+        policy = entry.from_size(max(entry.min_size, 24), **needs)
+        if policy.decode_eviction is None or isinstance(policy, Composed):
+            continue
+        one_token.append(name)
+        assert policy.size_rule() is not None, name
+        assert simulate_sizes(policy, 120, 40).tolist() == _replay_sizes(policy, 120, 40).tolist(), name
+    assert {"h2o", "tova", "streaming_llm", "local", "knorm", "keydiff", "pyramid_h2o"} <= set(one_token)
+
+
+def test_every_builtin_builds_from_a_size_through_the_registry() -> None:
+    """Each built-in that evicts is built from a size by its registry entry alone (from_size, no
+    switch on its name), at its smallest size and above, and fits a capacity the same way."""
+    from kvpolicy import available_policies
+    from kvpolicy.budget import fit_capacity
+    from kvpolicy.registry import Preset
+
+    for name, entry in available_policies().items():
+        cls = entry.cls if isinstance(entry, Preset) else entry
+        if not cls.__module__.startswith("kvpolicy.policies") or not cls.evicts:
+            continue
+        if cls.from_size.__func__ is EvictionPolicy.from_size.__func__:  # no size knob: none today
+            pytest.fail(f"{name} has no from_size")
+        needs = {"compose": {"decode": "h2o"}, "pyramid": {"base": "h2o"}, "adakv": {"scorer": "h2o"}}.get(name, {})  # a class planned from another's name
+        for size in (entry.min_size, entry.min_size + 1, 64, 300):
+            policy = entry.from_size(size, **needs)
+            assert isinstance(policy, cls) and policy == entry.from_size(size, **needs), (name, size)
+        if policy.capacity is not None:
+            assert fit_capacity(entry, policy.capacity, **needs).capacity == policy.capacity, name
