@@ -240,8 +240,7 @@ class LayerCache(LayerReads):
     @property
     def slots(self) -> int:
         """Allocated slots per row and head."""
-        store = self._layout.store
-        return 0 if store is None else store.slots
+        return 0 if self._layout.store is None else self._layout.store.slots
 
     @property
     def keys_shifted(self) -> bool:

@@ -76,14 +76,14 @@ class LayerReads:
         return held_tokens(pos) / (pos.shape[0] * pos.shape[1])
 
     @property
-    def n_seen(self) -> int:
-        """Real tokens appended so far (every row); see :attr:`seen` for rows that differ."""
-        return uniform(self.synced(storage=False).rows.seen, "tokens seen (use .seen)")
-
-    @property
     def seen(self) -> list[int]:
         """Real (non-pad) tokens appended so far, per row."""
         return list(self.synced(storage=False).rows.seen)
+
+    @property
+    def n_seen(self) -> int:
+        """Real tokens appended so far (every row); see :attr:`seen` for rows that differ."""
+        return uniform(self.synced(storage=False).rows.seen, "tokens seen (use .seen)")
 
     @property
     def state(self) -> dict[str, int]:
