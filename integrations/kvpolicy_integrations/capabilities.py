@@ -152,6 +152,19 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
+def _global(config: Any, name: str) -> Any:
+    """``config.name`` (``None`` when absent); a ``ValueError`` naming it when the config holds it
+    per layer and refuses a global read (transformers' heterogeneous configs, e.g. Gemma 4's
+    ``head_dim``): kvpolicy reads one shape for every layer."""
+    try:
+        return getattr(config, name, None)
+    except Exception as exc:  # noqa: BLE001 - transformers' error class lives in a private-looking module
+        raise ValueError(
+            f"model config: per-layer (heterogeneous) attention geometry is not supported: {name} "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
+
+
 def geometry(
     model_or_config: Any,
     *,
@@ -171,10 +184,10 @@ def geometry(
         (2, 4, 2, 16, 2)
     """
     config = text_config(model_or_config)
-    heads = _positive(heads_attr, getattr(config, heads_attr, None))
-    kv_heads = _positive(kv_heads_attr, getattr(config, kv_heads_attr, None) or heads)
-    hidden = _positive("hidden_size", getattr(config, "hidden_size", None))
-    head_dim = _positive(head_dim_attr, getattr(config, head_dim_attr, None) or hidden // heads)
+    heads = _positive(heads_attr, _global(config, heads_attr))
+    kv_heads = _positive(kv_heads_attr, _global(config, kv_heads_attr) or heads)
+    hidden = _positive("hidden_size", _global(config, "hidden_size"))
+    head_dim = _positive(head_dim_attr, _global(config, head_dim_attr) or hidden // heads)
     if heads % kv_heads:
         raise ValueError(f"model config: {heads_attr}={heads} is not a multiple of {kv_heads_attr}={kv_heads}")
 
