@@ -28,7 +28,6 @@ def select_rounds(
     *,
     sink: int,
     chunk_bytes: int,
-    ragged: bool,
 ) -> list[tuple[int, int]]:
     """Ask ``policy`` on ``layout``'s rows, group by group, and compact what it keeps; return the
     ``(size_before, size_after)`` rounds. The transient working set (an overflowing chunk) is
@@ -46,7 +45,7 @@ def select_rounds(
     layout.unshift()
     rows = layout.rows
     if not layout.dense():
-        layout.compact(list(range(rows.batch)), sink=sink, chunk_bytes=chunk_bytes, ragged=ragged)
+        layout.compact(list(range(rows.batch)), sink=sink, chunk_bytes=chunk_bytes)
     rounds: list[tuple[int, int]] = []
     for group in rows.groups():
         r0 = group[0]
@@ -61,7 +60,7 @@ def select_rounds(
                                 decide=lambda view: policy.evict(view, reduce_scores))
         if keep is None:
             continue
-        layout.keep(group, keep, chunk_bytes=chunk_bytes, ragged=ragged)
+        layout.keep(group, keep, chunk_bytes=chunk_bytes)
         for r in group:
             rows.states[r] = dict(state)
         rounds += done

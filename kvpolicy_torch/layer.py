@@ -48,7 +48,7 @@ from .reads import LayerReads
 from .rows import LayerSnapshot, Rows
 from .static import DecodeState, StepOptions
 from .step import add_received, attend_slots, query_record
-from .storage import SlotPlan, Storage
+from .storage import SlotPlan, Storage, token_bytes
 from .victims import CandidateSearch, OneTokenEviction
 
 __all__ = ["LayerCache", "LayerSnapshot", "PrefixShift"]
@@ -166,7 +166,8 @@ class LayerCache(LayerReads):
             if self._key_shift is not None and rule is not None and rule.victim == "oldest" and rule.sink > 0
             and not self.static_shapes else None
         )
-        self._layout = SlotLayout(CandidateSearch() if self._victims is None else self._victims.search, sinks)
+        self._layout = SlotLayout(CandidateSearch() if self._victims is None else self._victims.search, sinks,
+                                  static=self.static_shapes, ragged=self._ragged)
         self._plan = SlotPlan(policy.capacity, self.reserve,
                               slack=rule is not None and rule.victim != "oldest" and not self.static_shapes)
         # static shapes: a decode step's bookkeeping in device tensors (kvpolicy_torch.static);
@@ -262,8 +263,7 @@ class LayerCache(LayerReads):
         store = self._layout.store
         if store is None:
             return 0
-        k, v = store.keys, store.values
-        return k.shape[1] * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())
+        return token_bytes(store.keys, store.values)
 
     # ------------------------------------------------------------------ update
     def append(
@@ -328,7 +328,7 @@ class LayerCache(LayerReads):
 
     def _start(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         b, h, q, d = keys.shape
-        per_slot = h * (d * keys.element_size() + values.shape[3] * values.element_size())
+        per_slot = token_bytes(keys, values)
         # head-wise budgets: one head may hold more than the mean (up to the layer's budget less
         # the others' floors): allocated for the mean, grown to the widest head's need (kvpolicy.AdaKV)
         widest = self.policy.head_capacity(h) if self._ragged and self.policy.capacity is not None else 0  # type: ignore[attr-defined]
@@ -367,7 +367,7 @@ class LayerCache(LayerReads):
 
     def _compact(self, rows: list[int]) -> None:
         self._layout.compact(rows, sink=self.rule.sink if self.rule is not None else 0,
-                             chunk_bytes=self.compaction_chunk_bytes, ragged=self._ragged)
+                             chunk_bytes=self.compaction_chunk_bytes)
 
     def _append_one(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         layout = self._layout
@@ -382,7 +382,7 @@ class LayerCache(LayerReads):
                     raise RuntimeError(
                         f"{self.policy!r} holds {max(rows.count)} tokens, more than its capacity {self.policy.capacity}"
                     )
-        layout.write_one(keys, values, static=self.static_shapes, always_bias=self.static_shapes or self._ragged)
+        layout.write_one(keys, values)
 
     def _append_chunk(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, real: list[int]) -> None:
         layout = self._layout
@@ -392,7 +392,7 @@ class LayerCache(LayerReads):
         need = max(layout.rows.front) + keys.shape[2]
         if self._plan.can_grow(self.slots) and need > self.slots:
             self._grow(need)  # (unbounded, or more than `reserve` came)
-        layout.write_chunk(keys, values, valid, real, always_bias=self.static_shapes or self._ragged)
+        layout.write_chunk(keys, values, valid, real)
 
     # ------------------------------------------------------------------ attend and accumulate
     def accumulate(self, received: torch.Tensor) -> None:
@@ -601,7 +601,7 @@ class LayerCache(LayerReads):
         widest head."""
         layout = self._layout
         rounds = select_rounds(layout, self.policy, self.reduce_scores, sink=self.rule.sink if self.rule is not None else 0,
-                               chunk_bytes=self.compaction_chunk_bytes, ragged=self._ragged)
+                               chunk_bytes=self.compaction_chunk_bytes)
         if layout.extra is not None:
             widest = max(layout.rows.count)
             if self._ragged and self.slots < widest <= self._plan.planned:
@@ -609,7 +609,7 @@ class LayerCache(LayerReads):
                 self._allocate(layout.extra.keys[:, :, :1], layout.extra.values[:, :, :1], self._plan.grown(self.slots, widest + 1))
             if widest > self.slots:
                 raise RuntimeError(f"{self.policy!r} left {widest} tokens but declared capacity {self.policy.capacity}")
-            layout.put_back(self.static_shapes or self._ragged)
+            layout.put_back()
         fit = fitted_slots(self.slots, max(layout.rows.front)) if self._ragged and rounds else None
         if fit is not None:  # the storage follows the widest head (kvpolicy_torch.headwise)
             store = layout.storage()
@@ -673,7 +673,7 @@ class LayerCache(LayerReads):
         layout.extra, layout.chunk = None, None
         snap.write(store, layout.rows.front)
         layout.range = (0, max(layout.rows.front))
-        layout.bias_needed = layout.needs_bias(self.static_shapes or self._ragged)
+        layout.bias_needed = layout.needs_bias()
         layout.phase = "decode"
         self._reload()
 

@@ -71,7 +71,12 @@ class SlotLayout:
         (True, [[[0, 1]]])
     """
 
-    def __init__(self, search: CandidateSearch, sink_shift: SinkShift | None) -> None:
+    def __init__(self, search: CandidateSearch, sink_shift: SinkShift | None, *, static: bool = False,
+                 ragged: bool = False) -> None:
+        #: static shapes (attention over every slot) and head-wise budgets (heads with holes of
+        #: their own): fixed for the layer's life; with either, the host cannot tell that the
+        #: returned range has no hole, so the bias is always read
+        self.static, self.ragged = static, ragged
         self.store: Storage | None = None
         self.extra: Storage | None = None
         self.rows = Rows()
@@ -129,10 +134,10 @@ class SlotLayout:
         lo, hi = self.range
         return self.extra.bias if self.extra is not None else self.storage().bias[:, :, lo:hi]
 
-    def needs_bias(self, always: bool) -> bool:
-        """Whether a slot in the returned range is a hole for some row (host ints only);
-        ``always``: the layout cannot tell (static shapes, head-wise budgets)."""
-        if always or self.extra is not None:
+    def needs_bias(self) -> bool:
+        """Whether a slot in the returned range is a hole for some row (host ints only; always
+        under static shapes or head-wise budgets, where the host cannot tell)."""
+        if self.static or self.ragged or self.extra is not None:
             return True
         lo, hi = self.range
         rows = self.rows
@@ -149,12 +154,12 @@ class SlotLayout:
             return [] if front[0] < slots or free[0] else [0]
         return [r for r, f in enumerate(front) if f >= slots and not free[r]]
 
-    def write_one(self, keys: torch.Tensor, values: torch.Tensor, *, static: bool, always_bias: bool) -> None:
+    def write_one(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write one decode token per row ``[batch, kv_heads, 1, head_dim]`` (every row has room:
         :meth:`rows_at_end` is empty); the range returned is the slots up to the furthest frontier
-        (every slot when ``static``)."""
+        (every slot under static shapes)."""
         store, rows = self.storage(), self.rows
-        one = rows.batch == 1 and not static
+        one = rows.batch == 1 and not self.static
         if one and not rows.free[0] and not self.tail_clean:
             # a frontier slot of one row: nothing reads past the frontier here, so the slots from it
             # on can hold score and bias 0 ahead of time (two writes fewer a step)
@@ -162,11 +167,10 @@ class SlotLayout:
             self.tail_clean = True
         write_token(store, rows, keys, values, scores_clear=one and self.tail_clean)
         self.chunk = None
-        self.range = (0, store.slots if static else max(rows.front))
-        self.bias_needed = self.needs_bias(always_bias)
+        self.range = (0, store.slots if self.static else max(rows.front))
+        self.bias_needed = self.needs_bias()
 
-    def write_chunk(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, real: list[int], *,
-                    always_bias: bool) -> None:
+    def write_chunk(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, real: list[int]) -> None:
         """Write a prompt chunk ``[batch, kv_heads, q, head_dim]`` after the furthest frontier of
         dense rows (``valid`` ``[batch, q]``: False at pads; ``real``: per row, its real tokens),
         into the storage if it fits, else into the transient set (the storage and the chunk)."""
@@ -185,7 +189,7 @@ class SlotLayout:
             rows.front[r] = start + q
         rows.columns += q
         self.chunk = (start, q, valid)
-        self.bias_needed = self.needs_bias(always_bias)
+        self.bias_needed = self.needs_bias()
 
     # ------------------------------------------------------------------ ordered views (inspection)
     def in_order(self, t: torch.Tensor, count: int) -> torch.Tensor:
@@ -234,7 +238,7 @@ class SlotLayout:
             self.sink_shift.undo(self.store)
 
     # ------------------------------------------------------------------ compaction
-    def compact(self, rows: list[int], *, sink: int, chunk_bytes: int, ragged: bool) -> None:
+    def compact(self, rows: list[int], *, sink: int, chunk_bytes: int) -> None:
         """Move the kept tokens of ``rows`` to ``[0, count)`` in position order (holes removed;
         a ring of an ``"oldest"`` eviction with ``sink`` sinks unwrapped first)."""
         book = self.rows
@@ -252,15 +256,15 @@ class SlotLayout:
             pos = self.working().positions
             if len(group) < book.batch:
                 pos = pos.index_select(0, torch.tensor(group, device=pos.device))
-            self.keep(group, slot_order(pos, count, book.ring()), chunk_bytes=chunk_bytes, ragged=ragged)
+            self.keep(group, slot_order(pos, count, book.ring()), chunk_bytes=chunk_bytes)
 
-    def keep(self, rows: list[int], keep: torch.Tensor, *, chunk_bytes: int, ragged: bool) -> None:
+    def keep(self, rows: list[int], keep: torch.Tensor, *, chunk_bytes: int) -> None:
         """Keep slots ``keep`` ``[len(rows), heads, k]`` (ascending) of ``rows`` at ``[0, k)``
         (:func:`~kvpolicy_torch.compaction.keep_slots`: in place, each kept token moves once).
-        ``ragged`` (head-wise budgets): ``-1`` in ``keep`` is a hole, a head keeping fewer."""
+        Under head-wise budgets ``-1`` in ``keep`` is a hole, a head keeping fewer."""
         self.moved()
         old_front = max(self.rows.front[r] for r in rows)
-        if ragged:  # -1: a hole, copied from slot 0, then marked
+        if self.ragged:  # -1: a hole, copied from slot 0, then marked
             keep_slots(self.full(), rows, keep.clamp(min=0), old_front, chunk_bytes)
             whole = len(rows) == self.rows.batch
             mark_dropped(self.full(), None if whole else torch.tensor(rows, device=keep.device), keep)
@@ -268,7 +272,7 @@ class SlotLayout:
             keep_slots(self.full(), rows, keep, old_front, chunk_bytes)
         self.rows.kept(rows, keep.shape[2])
 
-    def put_back(self, always_bias: bool) -> None:
+    def put_back(self) -> None:
         """Move the transient working set back into the storage once it fits."""
         extra, self.extra = self.extra, None
         if extra is None:
@@ -279,4 +283,4 @@ class SlotLayout:
         store.copy_prefix(extra, n)
         store.clear_from(n)
         self.range = (0, n)
-        self.bias_needed = self.needs_bias(always_bias)
+        self.bias_needed = self.needs_bias()

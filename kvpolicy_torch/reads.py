@@ -17,6 +17,7 @@ from kvpolicy.policy import DecodeEviction, EvictionPolicy
 from .headwise import held_tokens
 from .layout import SlotLayout, uniform
 from .posshift import PrefixShift, slot_shifts
+from .storage import token_bytes
 
 __all__ = ["LayerReads"]
 
@@ -101,11 +102,10 @@ class LayerReads:
         layout = self.synced(storage=False)
         if layout.store is None:
             return 0
-        k, v = layout.store.keys, layout.store.values
-        per_head = k.shape[3] * k.element_size() + v.shape[3] * v.element_size()
+        per_token = token_bytes(layout.store.keys, layout.store.values)
         if self.policy.ragged_heads:  # heads hold different numbers: count them (one host read)
-            return per_head * held_tokens(layout.working().positions)
-        return per_head * k.shape[1] * sum(layout.rows.count)
+            return per_token // layout.store.keys.shape[1] * held_tokens(layout.working().positions)
+        return per_token * sum(layout.rows.count)
 
     # ------------------------------------------------------------------ kept tokens in position order
     @property

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["HOLE", "SlotPlan", "Storage", "grown_slots"]
+__all__ = ["HOLE", "SlotPlan", "Storage", "grown_slots", "token_bytes"]
 
 _MIN_GROWTH = 16  # slots an unbounded store grows by at least
 _MAX_GROWTH = 4096  # and at most (bounded chunks: a long run never doubles its allocation at once)
@@ -37,6 +37,17 @@ def grown_slots(slots: int, need: int = 0) -> int:
         (1063, 2000, 104096)
     """
     return max(need, slots + min(_MAX_GROWTH, max(_MIN_GROWTH, math.ceil(slots / 16))))
+
+
+def token_bytes(keys: torch.Tensor, values: torch.Tensor) -> int:
+    """Bytes of one token's key and value over the KV heads, for keys ``[batch, kv_heads, n,
+    head_dim]`` and values ``[batch, kv_heads, n, v_dim]`` (any ``n``).
+
+    Example:
+        >>> token_bytes(torch.zeros(1, 3, 5, 64), torch.zeros(1, 3, 5, 64))
+        1536
+    """
+    return keys.shape[1] * (keys.shape[3] * keys.element_size() + values.shape[3] * values.element_size())
 
 
 @dataclass
