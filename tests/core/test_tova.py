@@ -11,6 +11,7 @@ from hypothesis import example, given
 
 import kvpolicy_numpy
 from kvpolicy import H2O, TOVA, get_policy, make_policy, plan_policy, simulate_sizes
+from kvpolicy.testing import make_logits
 from oracle import oracle
 from strategies import replay_cases, tova_policies
 
@@ -26,16 +27,81 @@ def _assert_same_kept(a, b) -> None:
             np.testing.assert_array_equal(x, y, err_msg=f"step {t}")
 
 
+def _latest_scores(policy: TOVA, logits: np.ndarray, t: int, candidates: np.ndarray) -> dict[int, np.ndarray]:
+    """TOVA's score of each candidate position at step ``t``, per head: query ``t``'s attention
+    probabilities over the candidates (``[heads, n]`` positions), summed over the heads for a
+    shared selection. Returned as ``{head: scores in candidates' order}``."""
+    probs = []
+    for h in range(logits.shape[1]):
+        row = logits[t, h, candidates[h]]
+        e = np.exp(row - row.max())
+        probs.append(e / e.sum())
+    if policy.selection == "shared":
+        summed = np.sum(probs, axis=0)
+        return {h: summed for h in range(logits.shape[1])}
+    return dict(enumerate(probs))
+
+
+def _assert_same_kept_up_to_near_ties(policy: TOVA, logits: np.ndarray, prompt_len: int, ref, got,
+                                      rtol: float = 1e-9) -> None:
+    """The torch replay keeps what the reference keeps, step by step, except where the two part
+    at a *near-tie*: two candidates whose scores agree to ``rtol`` (relative), which float64
+    cannot order the same way under two summation orders (e.g. ``e^-30/Z1`` against
+    ``e^-30/Z2 + e^-60/Z1``: relative 1e-26 apart). From such a step on the histories differ
+    legitimately and comparing stops; a divergence between candidates that float64 *can* tell
+    apart still fails."""
+    previous = None
+    for t, (x, y) in enumerate(zip(ref.kept, got.kept)):
+        assert (x is None) == (y is None), t
+        if x is None:
+            continue
+        if not np.array_equal(x, y):
+            if previous is None:  # the prompt's selection: every prompt token a candidate
+                candidates = np.broadcast_to(np.arange(t + 1), (logits.shape[1], t + 1))
+            else:
+                candidates = np.array([np.append(p[p >= 0], t) for p in previous])
+            scores = _latest_scores(policy, logits, t, candidates)
+            for h in range(x.shape[0]):
+                parted = sorted(set(x[h].tolist()) ^ set(y[h].tolist()))
+                if not parted:
+                    continue
+                by_position = dict(zip(candidates[h].tolist(), scores[h].tolist()))
+                values = np.array([by_position[p] for p in parted])
+                assert values.max() - values.min() <= rtol * values.max(), (
+                    f"step {t}, head {h}: reference kept {x[h].tolist()}, torch {y[h].tolist()}; the "
+                    f"parted candidates {parted} score {values.tolist()}: not a near-tie"
+                )
+            return
+        previous = x
+
+
 @given(replay_cases(tova_policies()))
 @example((TOVA(size=3), np.zeros((14, 2, 14)), 6))
+# a float64 near-tie at step 26 (two heads' probabilities e^-30/Z apart by ~e^-90): the backends
+# may order it either way; the comparison accepts either, and only there
+@example((TOVA(size=4, recent=0, selection="shared"), make_logits(44, 3, kind="extremes", seed=2), 0))
 def test_tova_torch_replay_equals_reference(case) -> None:
     """Differential: LayerCache (slot layout, the O(1) `lowest` eviction, score replacement)
     keeps what the NumPy reference keeps, step by step."""
     policy, logits, prompt_len = case
     ref = kvpolicy_numpy.replay(policy, logits, prompt_len)
     got = kvpolicy_torch.replay(policy, logits, prompt_len)
-    _assert_same_kept(ref, got)
+    _assert_same_kept_up_to_near_ties(policy, logits, prompt_len, ref, got)
     assert ref.evictions == got.evictions
+
+
+def test_near_tie_comparison_still_catches_a_real_divergence() -> None:
+    """Negative control for the comparison above: a TOVA that ranks accumulated scores parts from
+    the reference at a step whose candidates float64 orders plainly, and the comparison fails;
+    the reference against itself passes."""
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(30, 2, 30)) * 3
+    policy = TOVA(size=4)
+    ref = kvpolicy_numpy.replay(policy, logits, 5)
+    _assert_same_kept_up_to_near_ties(policy, logits, 5, ref, ref)
+    bad = kvpolicy_numpy.replay(_Accumulating(size=4), logits, 5)
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        _assert_same_kept_up_to_near_ties(policy, logits, 5, ref, bad)
 
 
 def test_tova_is_the_latest_query_not_the_sum() -> None:
