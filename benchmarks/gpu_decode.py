@@ -16,7 +16,7 @@ planned bytes against the free memory after ``empty_cache()``)::
     python benchmarks/gpu_decode.py --batches 1 --contexts 2048,32768 --steps 16
 
 and paste ``gpu-results/report.md`` into ``docs/performance.md``. ``--tiny --device cpu`` runs
-every code path on a 2-layer model with small contexts (tests/tools/test_gpu_decode.py does).
+every code path on a 2-layer model with small contexts (tests/benchmarks/test_gpu_decode.py does).
 
 How a run goes, per candidate: the model is built on the meta device, materialised on the device
 in the target dtype, and its rotary embedding rebuilt by transformers' own constructor (the meta

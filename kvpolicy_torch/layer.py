@@ -46,7 +46,7 @@ from .posshift import KeyShift, PrefixShift, SinkShift
 from .queries import RunningMoments, held_scores
 from .reads import LayerReads
 from .rows import LayerSnapshot, Rows
-from .static import DecodeState, StepOptions
+from .static import StaticSteps, StepOptions
 from .step import add_received, attend_slots, query_record
 from .storage import SlotPlan, Storage, token_bytes
 from .victims import CandidateSearch, OneTokenEviction
@@ -170,10 +170,8 @@ class LayerCache(LayerReads):
                                   static=self.static_shapes, ragged=self._ragged)
         self._plan = SlotPlan(policy.capacity, self.reserve,
                               slack=rule is not None and rule.victim != "oldest" and not self.static_shapes)
-        # static shapes: a decode step's bookkeeping in device tensors (kvpolicy_torch.static);
-        # `_device_newer` says the device holds steps the host rows have not seen yet
-        self._decode: DecodeState | None = None
-        self._device_newer = False
+        # static shapes: a decode step's bookkeeping in device tensors (kvpolicy_torch.static)
+        self._static = StaticSteps(policy, self.reduce_scores) if self.static_shapes else None
         #: Expected Attention: the running moments of the queries seen (:meth:`observe_queries`)
         self.running_queries = RunningMoments(policy.statistic_policy.sink) if policy.observes_queries else None  # type: ignore[attr-defined]
 
@@ -204,27 +202,26 @@ class LayerCache(LayerReads):
             self._layout.storage()
             if self._victims is not None and self._victims.deferred and self.group is not None:
                 self.group.flush()
-        if self._device_newer and self._decode is not None:
-            self._device_newer = False
-            self._decode.to_host(self._layout, scattered=self.rule is not None, settled=self.needs_settle,
-                                 what=repr(self.policy))
+        if self._static is not None:
+            self._static.to_host(self._layout)
         return self._layout
 
     @property
     def on_device(self) -> bool:
         """Whether the newest decode steps ran on the device (``static_shapes``) and the host rows
         have not read them back yet; any read of the layer's state reads them back first."""
-        return self._device_newer
+        return self._static is not None and self._static.newer
 
     @property
     def sequence_length(self) -> int | torch.Tensor:
         """Columns appended so far, pads included (transformers' sequence length). Inside
         ``torch.compile`` a static-shaped layer answers with a ``[]`` device tensor (no host read,
         as transformers' ``StaticCache``); elsewhere an int."""
-        if self._decode is not None and torch.compiler.is_compiling():
-            return self._decode.sequence_length()  # (kept current by every reload: valid whoever ran last)
-        if self._decode is not None and self._device_newer:
-            return int(self._decode.sequence_length())
+        state = None if self._static is None else self._static.state
+        if state is not None and torch.compiler.is_compiling():
+            return state.sequence_length()  # (kept current by every reload: valid whoever ran last)
+        if state is not None and self._static.newer:  # type: ignore[union-attr]
+            return int(state.sequence_length())
         return self._layout.rows.columns
 
     # (what the shapes tell, read without syncing: a compiled static step reads them)
@@ -297,17 +294,15 @@ class LayerCache(LayerReads):
         store = layout.store
         if store is not None and (b, h, d, values.shape[3], keys.dtype, values.dtype, keys.device) != self._like:
             check_like(store, keys, values)
-        if self._decode is not None and store is not None and q == 1 and valid is None:
+        static = self._static
+        if static is not None and static.takes(store, q, valid):
             # static shapes: the step's bookkeeping in device tensors (kvpolicy_torch.static), no
-            # host read and no branch on data, so a compiled step is one graph. (A one-token
-            # eviction keeps every row at or below limit + 1 tokens: no overflow while the storage
-            # holds more than the limit.)
-            self._decode.append(store, keys, values, may_overflow=self.rule is None or store.slots <= self.rule.limit)
-            self._device_newer = True
+            # host read and no branch on data, so a compiled step is one graph
+            static.append(store, keys, values)  # type: ignore[arg-type]
             layout.phase, layout.chunk = "decode", None
-            return store.keys, store.values
-        if self._device_newer:
-            self.synced(storage=False)
+            return store.keys, store.values  # type: ignore[union-attr]
+        if static is not None:
+            static.to_host(layout)
         if store is None:
             self._start(keys, values)
         if valid is not None:
@@ -358,8 +353,8 @@ class LayerCache(LayerReads):
             grown.copy_prefix(layout.store, min(max(layout.rows.front), layout.store.slots))
         layout.store = grown
         layout.moved()
-        if self.static_shapes and (self._decode is None or self._decode.free.shape != (b, h)):
-            self._decode = DecodeState(b, h, dev)
+        if self._static is not None:
+            self._static.fit(b, h, dev)
 
     def _grow(self, need: int = 0) -> None:
         store = self._layout.storage()
@@ -470,20 +465,15 @@ class LayerCache(LayerReads):
         """
         store = self._layout.store
         check_query(query, None if store is None else store.keys)
-        policy = self.policy
-        if self._device_newer and self._decode is not None and store is not None:
+        if self._static is not None and self._static.newer and store is not None:
             # a static-shaped decode step: everything on the device
             if extra_bias is not None or row_scale is not None or prefix is not None:
                 raise ValueError("with static_shapes, pass the window, log n and pos-shift as options=StepOptions(...)")
-            out, received = self._decode.attend(store, query, scaling, options or StepOptions())
-            if policy.captures_attention:
-                history = policy.score_history if policy.score_statistic == "low_history" else None
-                DecodeState.accumulate(store, received, policy.score_statistic, query.shape[1] // store.keys.shape[1], history)
-            return out
+            return self._static.attend(store, query, scaling, options or StepOptions())
         layout = self.synced()
         if layout.phase != "decode" or layout.extra is not None:
             raise ValueError("attend() serves a decode step (one token appended per row); a prompt chunk takes chunk_mask() and accumulate()")
-        return attend_slots(layout, policy, query, scaling, extra_bias=extra_bias, row_scale=row_scale, prefix=prefix)
+        return attend_slots(layout, self.policy, query, scaling, extra_bias=extra_bias, row_scale=row_scale, prefix=prefix)
 
     # ------------------------------------------------------------------ evict
     def evict(self) -> list[tuple[int, int]]:
@@ -494,12 +484,9 @@ class LayerCache(LayerReads):
         device (no rounds are reported: whether a row evicted is not read back); a general
         eviction (BUZZ, Scissorhands) runs here in eager code, and is left to :meth:`settle`
         inside ``torch.compile``."""
-        store = self._layout.store
-        if self._device_newer and self._decode is not None and store is not None:
-            if self.rule is not None:
-                if self.policy.score_statistic in KEY_STATISTICS:  # scores from the cache (Knorm, KeyDiff, Expected Attention)
-                    store.scores.copy_(held_scores(self.policy, self.running_queries, store, self._decode.seen.view(-1, 1, 1)))
-                self._decode.evict(store, self.rule, self.policy.selection == "shared", self.reduce_scores)
+        store, static = self._layout.store, self._static
+        if static is not None and static.newer and store is not None:
+            if static.evict(store, self.running_queries):
                 return []
             if torch.compiler.is_compiling():
                 return []  # announced by needs_settle: the caller runs settle() between compiled steps
@@ -530,8 +517,7 @@ class LayerCache(LayerReads):
         """After an eviction on the host: count it, and (static shapes) hand the layer to the device."""
         self._layout.chunk = None
         self.evictions += len(rounds)
-        if self._decode is not None:
-            self._reload()
+        self._reload()
         return rounds
 
     @property
@@ -539,7 +525,7 @@ class LayerCache(LayerReads):
         """Whether a compiled (static-shaped) decode step may leave work to :meth:`settle`: a
         bounded policy without a one-token decode eviction (BUZZ, Scissorhands) evicts on the
         host, between steps."""
-        return self.static_shapes and self.rule is None and self.policy.capacity is not None
+        return self._static is not None and self._static.needs_settle
 
     def settle(self) -> list[tuple[int, int]]:
         """Between compiled decode steps (static shapes): run the general eviction the last
@@ -556,17 +542,13 @@ class LayerCache(LayerReads):
             >>> layer.evict() == layer.settle() == []  # (eager code: evict() settled it)
             True
         """
-        if not self._device_newer or not self.needs_settle:
+        static, layout = self._static, self._layout
+        if static is None or not static.newer or not static.needs_settle:
             return []
         # A decode step appends one real token per row and evicts nothing on the device, so the
         # host rows follow without reading the device (settle() comes after every compiled step;
         # DecodeState.to_host checks it); the device is read only when the size rule says "evict".
-        layout = self._layout
-        rows = layout.rows
-        rows.seen = [s + 1 for s in rows.seen]
-        rows.count = [c + 1 for c in rows.count]
-        rows.columns += 1
-        layout.phase = "decode"
+        static.follow(layout)
         if declines(layout, self._size_rule):
             return []
         self.synced(storage=False)
@@ -576,7 +558,8 @@ class LayerCache(LayerReads):
         """Static shapes, after host code changed the layer: compact it and hand the counts to the
         device, so the next decode step runs there."""
         layout = self._layout
-        if self._decode is None or layout.extra is not None or layout.store is None:
+        state = None if self._static is None else self._static.state
+        if state is None or layout.extra is not None or layout.store is None:
             return
         if not layout.dense():
             self._compact(list(range(self.batch)))
@@ -584,7 +567,7 @@ class LayerCache(LayerReads):
             # a store without room for the next token grows here, between steps (an unbounded policy;
             # a bounded one sized for `reserve` tokens that is given more)
             self._grow()
-        self._decode.load(layout.rows.seen, layout.rows.count, layout.rows.columns)
+        state.load(layout.rows.seen, layout.rows.count, layout.rows.columns)
 
     def _score_keys(self) -> None:
         """A statistic from the cache (Knorm, KeyDiff, Expected Attention): every held token's
@@ -647,8 +630,8 @@ class LayerCache(LayerReads):
     def query_positions(self, q: int) -> torch.Tensor:
         """Int64 ``[batch, q]``: the original positions of the ``q`` tokens the last :meth:`append`
         added (``-1`` at pads); on the device for a static-shaped decode step (no host read)."""
-        if self._device_newer and self._decode is not None:
-            return self._decode.seen.view(-1, 1) - 1
+        if self._static is not None and self._static.newer and self._static.state is not None:
+            return self._static.state.seen.view(-1, 1) - 1
         layout = self._layout
         if q == 1 and layout.chunk is None:
             return torch.tensor([s - 1 for s in layout.rows.seen], device=layout.storage().keys.device).view(-1, 1)
@@ -665,16 +648,7 @@ class LayerCache(LayerReads):
     def restore(self, snap: LayerSnapshot) -> None:
         """Put the bookkeeping of ``snap`` back (keys and values stay as they are). Slots at or
         beyond a row's ``front`` become holes."""
-        layout = self.synced()
-        store = layout.storage()
-        layout.rows = snap.rows(store, self.batch)  # (checks that it fits before anything changes)
-        layout.unshift()
-        layout.moved()
-        layout.extra, layout.chunk = None, None
-        snap.write(store, layout.rows.front)
-        layout.range = (0, max(layout.rows.front))
-        layout.bias_needed = layout.needs_bias()
-        layout.phase = "decode"
+        self.synced().restore(snap)
         self._reload()
 
     def select_batch(self, index: torch.Tensor) -> None:
@@ -685,19 +659,15 @@ class LayerCache(LayerReads):
         check_batch_index(index, self.batch)
         if layout.extra is not None:
             raise RuntimeError("select_batch() between append() and evict()")
-        store = self.synced().storage()
+        self.synced()
         if self.group is not None:
             self.group.leave(self._group_index)  # rows change: tensors of its own
-        layout.unshift()
-        layout.moved()
-        n = int(index.shape[0])
-        # rows alike: no need to read the index
-        layout.rows = layout.rows.take(None if layout.rows.alike() else index.tolist(), n)
-        layout.store = store.index_select(index)
+        layout.take_rows(index)
         if self.running_queries is not None:
             self.running_queries.select(index)
-        if self.static_shapes:
-            self._decode = DecodeState(n, layout.store.keys.shape[1], layout.store.keys.device)
+        if self._static is not None:
+            store = layout.storage()
+            self._static.fit(store.keys.shape[0], store.keys.shape[1], store.keys.device, fresh=True)
             self._reload()
 
     def reset(self) -> None:

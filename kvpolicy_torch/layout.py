@@ -21,7 +21,7 @@ import torch
 from .compaction import keep_slots, slot_order, unwrap_ring
 from .headwise import mark_dropped
 from .posshift import SinkShift
-from .rows import Rows
+from .rows import LayerSnapshot, Rows
 from .storage import Storage
 from .update import chunk_tokens, clear_tail, write_token
 from .victims import CandidateSearch
@@ -284,3 +284,27 @@ class SlotLayout:
         store.clear_from(n)
         self.range = (0, n)
         self.bias_needed = self.needs_bias()
+
+    # ------------------------------------------------------------------ whole-layer changes between steps
+    def restore(self, snap: LayerSnapshot) -> None:
+        """Put ``snap``'s bookkeeping back (keys and values stay): its rows, dense at
+        ``[0, count)``; slots at or beyond a row's frontier become holes."""
+        store = self.storage()
+        self.rows = snap.rows(store, self.rows.batch)  # (checks that it fits before anything changes)
+        self.unshift()
+        self.moved()
+        self.extra, self.chunk = None, None
+        snap.write(store, self.rows.front)
+        self.range = (0, max(self.rows.front))
+        self.bias_needed = self.needs_bias()
+        self.phase = "decode"
+
+    def take_rows(self, index: torch.Tensor) -> None:
+        """Keep (or repeat) batch rows by ``index`` ``[n]`` (beam search): the storage's rows and
+        their bookkeeping (the index is read only when rows differ)."""
+        store = self.storage()
+        self.unshift()
+        self.moved()
+        n = int(index.shape[0])
+        self.rows = self.rows.take(None if self.rows.alike() else index.tolist(), n)
+        self.store = store.index_select(index)

@@ -35,17 +35,18 @@ import math
 
 import torch
 
-from kvpolicy.policy import DecodeEviction
+from kvpolicy.policy import KEY_STATISTICS, DecodeEviction, EvictionPolicy
 from kvpolicy.statistics import low_attention
 
 from .attention import rope_rotate
 from .compaction import sort_by_position
 from .layout import SlotLayout
+from .queries import RunningMoments, held_scores
 from .rows import Rows
 from .scores import fold_received
 from .storage import Storage
 
-__all__ = ["DecodeState", "StepOptions", "device_flag"]
+__all__ = ["DecodeState", "StaticSteps", "StepOptions", "device_flag"]
 
 #: Larger than any position: where(mask, positions, _FAR).argmin() is "the smallest position where mask".
 _FAR = torch.iinfo(torch.int64).max
@@ -262,6 +263,100 @@ class DecodeState:
         scores.scatter_(2, at, torch.where(over[..., None], math.inf, scores.gather(2, at)))
         self.count -= over[:, 0].to(torch.int64)
         self.free.copy_(torch.where(over, victim, self.free))
+
+
+class StaticSteps:
+    """The decode steps of one static-shaped layer: its :class:`DecodeState` (``None`` before the
+    storage is allocated) and whether the device holds steps the host rows have not read yet.
+
+    :class:`~kvpolicy_torch.LayerCache` hands it every decode step (one real token per row) while it
+    holds a state: :meth:`append`, :meth:`attend` (with the scores' update) and :meth:`evict` run on
+    the device, with no host read. Everything else runs on the host layout, after :meth:`to_host`
+    handed the device's steps over; :meth:`DecodeState.load` hands the layout back.
+
+    Args:
+        policy: the layer's policy (its decode eviction, statistic and selection).
+        reduce_scores: applied to head-summed scores of a shared selection (tensor parallelism).
+
+    Example:
+        >>> from kvpolicy import StreamingLLM
+        >>> from kvpolicy_torch import LayerCache
+        >>> layer = LayerCache(StreamingLLM(sink=1, window=2), static_shapes=True)
+        >>> K, V = layer.append(torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4))
+        >>> layer.accumulate(torch.rand(1, 1, 3)); rounds = layer.evict()
+        >>> K, V = layer.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))  # on the device
+        >>> out = layer.attend(torch.randn(1, 1, 1, 4), 0.5); rounds = layer.evict()
+        >>> layer.on_device, layer.positions.tolist(), layer.on_device  # a read hands the steps over
+        (True, [[[0, 2, 3]]], False)
+    """
+
+    def __init__(self, policy: EvictionPolicy, reduce_scores=None) -> None:  # type: ignore[no-untyped-def]
+        self.policy = policy
+        self.rule = policy.decode_eviction
+        self.reduce_scores = reduce_scores
+        self.state: DecodeState | None = None
+        #: the device ran decode steps the host layout has not seen yet
+        self.newer = False
+
+    @property
+    def needs_settle(self) -> bool:
+        """A bounded policy without a one-token decode eviction (BUZZ, Scissorhands) evicts on the
+        host, between compiled steps."""
+        return self.rule is None and self.policy.capacity is not None
+
+    def fit(self, batch: int, kv_heads: int, device: torch.device, *, fresh: bool = False) -> None:
+        """A state for ``batch`` rows of ``kv_heads`` heads: the one held while its shape fits (a
+        compiled step keeps reading the same tensors), else (or ``fresh``) a new one."""
+        if fresh or self.state is None or self.state.free.shape != (batch, kv_heads):
+            self.state = DecodeState(batch, kv_heads, device)
+
+    def takes(self, store: Storage | None, q: int, valid: torch.Tensor | None) -> bool:
+        """Whether an append of ``q`` tokens runs on the device: a decode token, no pads, a state."""
+        return self.state is not None and store is not None and q == 1 and valid is None
+
+    def append(self, store: Storage, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A decode token written at each row's free slot (:meth:`DecodeState.append`)."""
+        # a one-token eviction keeps every row at or below limit + 1 tokens: no overflow while the
+        # storage holds more than the limit
+        self.state.append(store, keys, values, may_overflow=self.rule is None or store.slots <= self.rule.limit)  # type: ignore[union-attr]
+        self.newer = True
+
+    def attend(self, store: Storage, query: torch.Tensor, scaling: float, options: StepOptions) -> torch.Tensor:
+        """The step's attention over every slot, what each slot received folded into the scores
+        when the policy uses them; returns ``[batch, 1, q_heads, head_dim]``."""
+        policy = self.policy
+        out, received = self.state.attend(store, query, scaling, options)  # type: ignore[union-attr]
+        if policy.captures_attention:
+            history = policy.score_history if policy.score_statistic == "low_history" else None  # type: ignore[attr-defined]
+            DecodeState.accumulate(store, received, policy.score_statistic, query.shape[1] // store.keys.shape[1], history)
+        return out
+
+    def evict(self, store: Storage, running: RunningMoments | None) -> bool:
+        """The one-token eviction as a masked write (scores from the cache recomputed first for a
+        key statistic); ``False`` when the policy has none (its eviction is the host's: settle)."""
+        if self.rule is None:
+            return False
+        policy = self.policy
+        if policy.score_statistic in KEY_STATISTICS:  # scores from the cache (Knorm, KeyDiff, Expected Attention)
+            store.scores.copy_(held_scores(policy, running, store, self.state.seen.view(-1, 1, 1)))  # type: ignore[union-attr]
+        self.state.evict(store, self.rule, policy.selection == "shared", self.reduce_scores)  # type: ignore[union-attr]
+        return True
+
+    def to_host(self, layout: SlotLayout) -> None:
+        """Hand the steps the device ran to ``layout`` (:meth:`DecodeState.to_host`), if any."""
+        if self.newer and self.state is not None:
+            self.newer = False
+            self.state.to_host(layout, scattered=self.rule is not None, settled=self.needs_settle, what=repr(self.policy))
+
+    @staticmethod
+    def follow(layout: SlotLayout) -> None:
+        """The host rows after one compiled step that evicted nothing on the device (a policy that
+        needs settling): one real token more in every row, without reading the device."""
+        rows = layout.rows
+        rows.seen = [s + 1 for s in rows.seen]
+        rows.count = [c + 1 for c in rows.count]
+        rows.columns += 1
+        layout.phase = "decode"
 
 
 def device_flag(device: torch.device) -> torch.Tensor:

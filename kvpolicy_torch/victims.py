@@ -3,7 +3,7 @@
 A row's victim is its lowest score outside the newest ``recent`` tokens, the earliest position of
 a tie (holes hold ``+inf`` and are never picked). :func:`lowest_victims` is the plain scan; above a
 size (:class:`CandidateSearch`) a CPU layer finds it among a candidate set instead, which reads
-``O(candidates)`` scores a step rather than all of them (``tests/torch/test_candidates.py`` holds it to
+``O(candidates)`` scores a step rather than all of them (``tests/torch/test_victims.py`` holds it to
 the plain scan, ``kvpolicy bench --what complexity`` measures it).
 """
 
