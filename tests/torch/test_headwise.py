@@ -5,7 +5,7 @@ holes included; a LayerCache's kept bytes are the layer's budget while its stora
 head's slots; attention never reads a hole; layer 0 of an evicting greedy generation on a tiny
 random-weight Llama (float64) keeps what the reference keeps on that layer's logits and keys. Fast
 (tiny shapes and models); left-padded batches are in tests/integrations/test_ragged.py, the kit in
-tests/core/test_adakv.py, the embedded model in the slow test at the end.
+tests/core/policies/test_adakv.py, the embedded model in the slow test at the end.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_torch_keeps_what_the_reference_keeps(scorer, alpha, heads, steps, data)
     prompt = data.draw(st.integers(0, steps - 1))
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
     # continuous logits: two heads' softmax rows round differently in NumPy and torch, so a tie
-    # across heads (equal in exact arithmetic) may go either way; the kit (tests/core/test_adakv.py)
+    # across heads (equal in exact arithmetic) may go either way; the kit (tests/core/policies/test_adakv.py)
     # holds exact ties with bit-equal scores on both sides
     logits = rng.normal(size=(steps, heads, steps))
     keys = rng.integers(-2, 3, size=(steps, heads, 4)).astype(np.float64)  # (keys: computed alike, ties kept)

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DRIVER = ROOT / "benchmarks" / "peers" / "kept_positions.py"
 
 

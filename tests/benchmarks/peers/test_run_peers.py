@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DRIVER = ROOT / "benchmarks" / "peers" / "run_peers.py"
 
 

@@ -11,8 +11,8 @@
   rotated back to before RoPE, make the same statistics; no score capture in attention;
 * docs/policies.md's worked example.
 
-The kit's ``check_policy`` runs it in tests/tools/test_contract.py, left-padded batches in
-tests/integrations/test_ragged.py, the compiled step in tests/torch/test_compile.py, DeepSpeed's two ranks in
+The kit's ``check_policy`` runs it in tests/core/testing/test_contract.py, left-padded batches in
+tests/integrations/test_ragged.py, the compiled step in tests/torch/test_static.py, DeepSpeed's two ranks in
 tests/integrations/test_deepspeed_multi.py.
 """
 

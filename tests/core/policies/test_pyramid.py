@@ -120,7 +120,7 @@ def test_doc_worked_example() -> None:
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / "policies.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "policies.md").read_text()
     found = re.findall(r"`pyramid_sizes\((\d+), (\d+), beta=(\d+), floor=(\d+)\)` = `\[([\d, ]+)\]`", text)
     assert found, "docs/policies.md lost its PyramidKV worked example"
     for size, layers, beta, floor, sizes in found:

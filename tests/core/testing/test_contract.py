@@ -45,7 +45,7 @@ from kvpolicy.testing.strategies import (
     replay_cases,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 #: Broken policies are searched deterministically, with a fixed budget (whatever the profile).
 FIXED = settings(max_examples=30, derandomize=True, database=None, deadline=None)
@@ -484,7 +484,7 @@ def test_plugin_fixture_runs_each_property_as_a_test(tmp_path) -> None:
 def test_kit_without_torch() -> None:
     """kvpolicy.testing imports and runs with torch blocked; loading the plugin imports neither
     torch nor hypothesis."""
-    from test_import_light import run_blocked
+    from blocked import run_blocked
 
     res = run_blocked(
         """

@@ -10,7 +10,6 @@ from __future__ import annotations
 import gzip
 import json
 import random
-import string
 
 import pytest
 
@@ -25,48 +24,10 @@ from kvpolicy_tools.eval import data as D  # noqa: E402
 from kvpolicy_tools.eval.engine import Engine, prefill_key, recorded_history  # noqa: E402
 from kvpolicy_tools.eval.tasks import DataSources, TokenizerAdapter, tw_window  # noqa: E402
 from kvpolicy_tools.models import tiny_llama  # noqa: E402
+from tiny_eval import CharTokenizer, tiny_sources, words  # noqa: E402
 
-ALPHA = string.ascii_lowercase + string.digits + " .,?!:\n-\"'{}()[]#"
 POLICIES = ["full", "local", "streaming_llm", "h2o", "buzz", "buzz_logn"]
 BUDGETS = [0.2, 0.3]
-
-
-class CharTokenizer:
-    """Character-level stand-in for a Hugging Face tokenizer (ids 3..; no chat template, no EOS)."""
-
-    chat_template = None
-    eos_token_id = None
-
-    def encode(self, text, add_special_tokens=False):
-        return [3 + ALPHA.index(c) if c in ALPHA else 3 + ALPHA.index("?") for c in text.lower()]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(ALPHA[i - 3] if 3 <= i < 3 + len(ALPHA) else "" for i in ids)
-
-
-_WORDS = "the cat sat on a mat while dogs bark and birds sing over green hills near old towns".split()
-
-
-def _text(rng, n):
-    return " ".join(rng.choice(_WORDS) for _ in range(n)) + "."
-
-
-def _sources():
-    rng = random.Random(0)
-    docs = [D.TextDoc(id=f"d{i}", text=" ".join(_text(rng, 8) for _ in range(40)), title=f"doc {i}") for i in range(3)]
-    summ = [D.SummaryExample(id=f"s{i}", prompt_or_article="\n\n".join(_text(rng, 10) for _ in range(30)),
-                             reference=_text(rng, 12)) for i in range(2)]
-    qa = []
-    for q in range(2):
-        distract = [D.Passage(title="t", text=_text(rng, 6)) for _ in range(9)]
-        for g in (0, 4, 9):
-            d = list(distract)
-            d.insert(g, D.Passage(title="t", text="the answer is zebra " + _text(rng, 3), is_gold=True))
-            qa.append(D.QAExample(id=f"nq-{q}-gold{g}", question="what is it?", answers=("zebra",), documents=tuple(d),
-                                  gold_index=g, meta={"row": q, "short_answer": False}))
-    kv = [D.RetrievalExample(id=f"kv-{i}", context=D.format_kv_records([(f"k{j}", f"v{j}") for j in range(6)]),
-                             question="k2", answer="v2") for i in range(2)]
-    return DataSources(ppl_docs=docs, summaries=summ, haystack=docs, qa=qa, kv=kv)
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +48,13 @@ def _args(out, *extra):
 def report(model, tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
     args = _args(out, "--tasks", "ppl,summ,needle,passkey,qa,kv,tw", "--cache-sizes", "24")
-    assert compare.run(args, model=model, tokenizer=CharTokenizer(), sources=_sources()) == 0
-    return out, json.loads((out / "results.json").read_text())
+    assert compare.run(args, model=model, tokenizer=CharTokenizer(), sources=tiny_sources()) == 0
+    return out, json.loads((out / "results.json").readwords())
 
 
 def test_report_files_exist(report):
     out, res = report
-    text = (out / "report.md").read_text()
+    text = (out / "report.md").readwords()
     for name in ("ppl_budget", "ppl_sizes", "summ_budget", "needle_budget", "needle_heatmap", "passkey_heatmap",
                  "qa_budget", "kv_budget", "tw_tw"):
         png = out / f"{name}.png"
@@ -169,23 +130,23 @@ def test_paper_data_files(model, tmp_path):
     rng = random.Random(1)
     d = tmp_path / "data"
     d.mkdir()
-    arts = "".join(f" = Article {i} = \r\n \r\n {' '.join(_text(rng, 9) for _ in range(30))} \r\n" for i in range(3))
+    arts = "".join(f" = Article {i} = \r\n \r\n {' '.join(words(rng, 9) for _ in range(30))} \r\n" for i in range(3))
     (d / "wikitext-2-raw-test.txt").write_bytes(arts.encode())
     with open(d / "xsum_0shot.jsonl", "w") as fh:
         for i in range(3):
-            art = " ".join(_text(rng, 9) for _ in range(12 + 10 * i))
+            art = " ".join(words(rng, 9) for _ in range(12 + 10 * i))
             fh.write(json.dumps({"article": f"###\nArticle: {art}\n\nSummarize the above article in 1 sentence.\n",
-                                 "summary_gt": _text(rng, 10), "max_tokens": 64}) + "\n")
+                                 "summary_gt": words(rng, 10), "max_tokens": 64}) + "\n")
     with gzip.open(d / "nq-open-oracle.jsonl.gz", "wt") as fh:
         for i in range(3):
             fh.write(json.dumps({"question": f"who owns zebra {i}?", "answers": ["Alice Smith"],
-                                 "ctxs": [{"title": "Z", "text": "Alice Smith owns the zebra. " + _text(rng, 5), "isgold": True}]}) + "\n")
+                                 "ctxs": [{"title": "Z", "text": "Alice Smith owns the zebra. " + words(rng, 5), "isgold": True}]}) + "\n")
     with gzip.open(d / "kv-retrieval-75_keys.jsonl.gz", "wt") as fh:
         for i in range(2):
             recs = [[f"key{i}{j}", f"val{i}{j}"] for j in range(12)]
             fh.write(json.dumps({"ordered_kv_records": recs, "key": recs[7][0], "value": recs[7][1]}) + "\n")
     pool = tmp_path / "leads.json"
-    pool.write_text(json.dumps({f"T{j}": {"title": f"T{j}", "extract": _text(rng, 12)} for j in range(30)}))
+    pool.writewords(json.dumps({f"T{j}": {"title": f"T{j}", "extract": words(rng, 12)} for j in range(30)}))
     out = tmp_path / "out"
     args = compare.build_parser().parse_args([
         "--model", "tiny-llama", "--tasks", "ppl,summ,qa,kv", "--policies", "full,h2o,buzz", "--budgets", "0.3",
@@ -193,7 +154,7 @@ def test_paper_data_files(model, tmp_path):
         "--kv-pairs", "6", "--data-dir", str(d), "--qa-distractors", str(pool), "--out", str(out), "--no-progress",
     ])
     assert compare.run(args, model=model, tokenizer=CharTokenizer()) == 0
-    res = json.loads((out / "results.json").read_text())
+    res = json.loads((out / "results.json").readwords())
     assert "wikitext-2-raw-test.txt" in res["tasks"]["ppl"]["data"]
     assert "xsum_0shot.jsonl" in res["tasks"]["summ"]["data"]
     assert "differ" in res["tasks"]["qa"]["data"]  # the distractors are said to differ from the paper's
@@ -291,7 +252,7 @@ def test_real_model_handful_of_samples(tmp_path):
         "--out", str(out), "--no-progress",
     ])
     assert compare.run(args) == 0
-    res = json.loads((out / "results.json").read_text())
+    res = json.loads((out / "results.json").readwords())
     ppl = {c["policy"]: c for c in res["tasks"]["ppl"]["cells"] if c["label"] in ("full", "20%")}
     assert 1.0 < ppl["full"]["metrics"]["ppl"] < 200  # real text, real model
     assert ppl["h2o"]["metrics"]["ppl"] >= ppl["full"]["metrics"]["ppl"] * 0.9
@@ -311,8 +272,8 @@ def test_policy_scored_from_queries_prefills_its_own_cache(model, tmp_path):
     from kvpolicy import ExpectedAttention, Knorm
 
     args = _args(tmp_path, "--tasks", "kv", "--policies", "full,expected_attention,knorm", "--budgets", "0.5")
-    assert compare.run(args, model=model, tokenizer=CharTokenizer(), sources=_sources()) == 0
-    res = json.loads((tmp_path / "results.json").read_text())
+    assert compare.run(args, model=model, tokenizer=CharTokenizer(), sources=tiny_sources()) == 0
+    res = json.loads((tmp_path / "results.json").readwords())
     rows = {c["policy"] for c in res["tasks"]["kv"]["cells"]}
     assert {"expected_attention", "knorm"} <= rows
     engine = Engine(model, TokenizerAdapter(CharTokenizer()))

@@ -149,7 +149,7 @@ def test_perplexity_basic_and_errors() -> None:
 
 
 def test_eval_modules_do_not_import_torch() -> None:
-    root = Path(__file__).resolve().parents[2] / "kvpolicy_tools" / "eval"
+    root = Path(__file__).resolve().parents[3] / "kvpolicy_tools" / "eval"
     names = ["__init__.py", "metrics.py", "display.py"] + [f"data/{p.name}" for p in sorted((root / "data").glob("*.py"))]
     assert "data/common.py" in names
     for name in names:

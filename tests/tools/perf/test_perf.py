@@ -4,7 +4,7 @@ Fast paths (issue 7): the exact host-integer size simulation of the built-in pol
 one-token eviction by argmin, ``CacheView.keep``'s broadcast keep arrays and the index_select
 gather they allow, ``received_attention``'s decode path, and the fused decode attention of the
 transformers integration. The benchmark side: eviction workloads, the prefill loaded into a
-cache, slope fits and ``kvpolicy bench`` on tiny sizes (``benchmarks/gpu_decode.py``: tests/tools/test_gpu_decode.py).
+cache, slope fits and ``kvpolicy bench`` on tiny sizes (``benchmarks/gpu_decode.py``: tests/benchmarks/test_gpu_decode.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvpolicy.policy import CacheView
 from kvpolicy_tools.perf.report import fit_slope, markdown_table, slopes
 from strategies import any_policy
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 # ============================================================================ core (no torch)

@@ -17,7 +17,7 @@ from kvpolicy import create_policy  # noqa: E402
 from kvpolicy_tools.eval import compare  # noqa: E402
 from kvpolicy_tools.eval.tasks import StreamTask, TaskOptions  # noqa: E402
 from kvpolicy_tools.models import tiny_llama  # noqa: E402
-from test_compare import CharTokenizer, _sources  # noqa: E402
+from tiny_eval import CharTokenizer, tiny_sources  # noqa: E402
 
 POLICIES = ["full", "local", "streaming_llm", "h2o", "buzz", "buzz_logn"]
 TOKENS, PREFILL, SIZE, BUDGET = 96, 32, 24, 0.3
@@ -37,7 +37,7 @@ def stream(model, tmp_path_factory):
         "--cache-sizes", str(SIZE), "--samples", "2", "--stream-tokens", str(TOKENS), "--out", str(out),
         "--no-progress",
     ])
-    assert compare.run(args, model=model, tokenizer=CharTokenizer(), sources=_sources()) == 0
+    assert compare.run(args, model=model, tokenizer=CharTokenizer(), sources=tiny_sources()) == 0
     return out, json.loads((out / "results.json").read_text())
 
 
@@ -65,7 +65,7 @@ def test_stream_perplexity_equals_a_hand_loop(model, stream):
     _, res = stream
     task = res["tasks"]["stream"]
     tok = TokenizerAdapter(CharTokenizer())
-    docs = {d.id: d for d in _sources().ppl_docs}
+    docs = {d.id: d for d in tiny_sources().ppl_docs}
     checked = 0
     for cell in task["cells"]:
         params = cell["plans"][0]["params"]
@@ -150,4 +150,4 @@ def test_stream_argument_errors(model, tmp_path):
         args = compare.build_parser().parse_args(["--model", "tiny-llama", "--tasks", "stream", "--samples", "1",
                                                   "--out", str(tmp_path), "--no-progress", *extra])
         with pytest.raises(ValueError, match=message):
-            compare.run(args, model=model, tokenizer=CharTokenizer(), sources=_sources())
+            compare.run(args, model=model, tokenizer=CharTokenizer(), sources=tiny_sources())

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 from kvpolicy_tools.eval import compare  # noqa: E402
 from kvpolicy_tools.eval.results import CellResult, TaskResult  # noqa: E402
 from kvpolicy_tools.eval.tasks import Sample, Task, TaskOptions, register_task, task_registry, unregister_task  # noqa: E402
-from test_compare import CharTokenizer, _sources  # noqa: E402
+from tiny_eval import CharTokenizer, tiny_sources  # noqa: E402
 
 
 class WordCountTask(Task):
@@ -63,7 +63,7 @@ def registered():
 def _run(tmp_path, *extra, model) -> dict[str, Any]:
     args = compare.build_parser().parse_args(["--model", "tiny-llama", "--policies", "full,h2o", "--budgets", "0.5",
                                               "--out", str(tmp_path), "--no-progress", *extra])
-    assert compare.run(args, model=model, tokenizer=CharTokenizer(), sources=_sources()) == 0
+    assert compare.run(args, model=model, tokenizer=CharTokenizer(), sources=tiny_sources()) == 0
     return json.loads((tmp_path / "results.json").read_text())
 
 
@@ -139,7 +139,7 @@ def test_task_specific_checks_and_flags_live_in_the_task(tmp_path) -> None:
     args = compare.build_parser().parse_args(["--tasks", "ppl", "--policies", "h2o", "--budgets", "none",
                                               "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="ppl: nothing to run: give --budgets or --cache-sizes"):
-        compare.run(args, model=object(), tokenizer=CharTokenizer(), sources=_sources())
+        compare.run(args, model=object(), tokenizer=CharTokenizer(), sources=tiny_sources())
     args = compare.build_parser().parse_args(["--tasks", "qa", "--qa-distractors", "my pool.json"])
     options = QATask.options_from_args(args)
     assert options.distractors == "my pool.json"
@@ -166,7 +166,7 @@ def test_results_are_typed_and_a_fixed_seed_repeats_them(model, tmp_path) -> Non
     from kvpolicy_tools.eval.engine import evaluate
     from kvpolicy_tools.eval.tasks import TokenizerAdapter, make_tasks
 
-    tasks = make_tasks(["ppl"], TaskOptions(samples=1, context=48), _sources())
+    tasks = make_tasks(["ppl"], TaskOptions(samples=1, context=48), tiny_sources())
     out = evaluate(model, TokenizerAdapter(CharTokenizer()), tasks, ["full", "h2o"], [0.5], progress=False)
     assert isinstance(out["ppl"], TaskResult) and all(isinstance(c, CellResult) for c in out["ppl"].cells)
 
