@@ -465,3 +465,95 @@ def test_shared_selection_sums_scores_over_heads(selection) -> None:
     else:
         assert keep[0].tolist() == [[0, 1, 5], [0, 2, 5]]
     assert view.state["n_old"] == 1
+
+
+# ---------------------------------------------------------------------------- the NaN rule of the policies
+# What reaches a policy's ``select`` anyway (a hand-built view, an overflow upstream): a NaN
+# score counts as -inf (CacheView.ranking_scores). Tested on NumPy and torch views, which must agree.
+SPECIAL = [np.nan, -np.inf, np.inf, 0.0, 0.25, 0.5, 1.0]
+
+
+def _decide(policy, scores: np.ndarray, state: dict, backend: str) -> np.ndarray | None:
+    b, h, n = scores.shape
+    positions = np.broadcast_to(np.arange(n, dtype=np.int64), (b, h, n)).copy()
+    if backend == "torch":
+        torch = pytest.importorskip("torch")
+        view = CacheView(torch.as_tensor(positions), torch.as_tensor(scores, dtype=torch.float32), n, dict(state))
+    else:
+        view = CacheView(positions, scores.copy(), n, dict(state))
+    keep = policy.evict(view)
+    return None if keep is None else np.asarray(keep.cpu() if backend == "torch" else keep)
+
+
+@st.composite
+def _views(draw, cases):
+    policy, n, state = draw(cases)
+    batch, heads = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    values = draw(st.lists(st.sampled_from(SPECIAL), min_size=batch * heads * n, max_size=batch * heads * n))
+    return policy, np.asarray(values, dtype=np.float64).reshape(batch, heads, n), state
+
+
+@st.composite
+def _h2o_cases(draw):
+    heavy, recent = draw(st.integers(1, 5)), draw(st.integers(1, 3))
+    n = heavy + recent + draw(st.integers(1, 4))  # one surplus token: the argmin path; more: the sort
+    selection = draw(st.sampled_from(["per_head", "shared"]))
+    return H2O(heavy=heavy, recent=recent, selection=selection), n, {}
+
+
+@st.composite
+def _buzz_cases(draw):
+    stride, sink, window = draw(st.integers(3, 5)), draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    threshold = draw(st.integers(3, 12))
+    n_old = draw(st.integers(0, threshold - 1))
+    selection = draw(st.sampled_from(["per_head", "shared"]))
+    policy = BUZZ(sink=sink, window=window, stride=stride, threshold=threshold, selection=selection)
+    return policy, sink + window + threshold, {"n_old": n_old}
+
+
+# shared selection sums +inf and -inf of two heads to NaN (numpy says so); the rule then applies
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("cases", [_h2o_cases(), _buzz_cases()], ids=["h2o", "buzz"])
+@given(data=st.data())
+def test_nan_counts_as_minus_inf_on_both_backends(cases, data) -> None:
+    pytest.importorskip("torch")
+    policy, scores, state = data.draw(_views(cases))
+    as_minus_inf = np.where(np.isnan(scores), -np.inf, scores)
+    numpy_keep = _decide(policy, scores, state, "numpy")
+    assert numpy_keep is not None
+    np.testing.assert_array_equal(numpy_keep, _decide(policy, scores, state, "torch"))
+    np.testing.assert_array_equal(numpy_keep, _decide(policy, as_minus_inf, state, "numpy"))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_h2o_evicts_a_nan_score_first(backend) -> None:
+    h2o = H2O(heavy=3, recent=1)
+    # one surplus token (argmin path) and two (sort path): NaN goes before the lowest finite score
+    for scores, kept in [
+        ([0.1, np.nan, 0.0, 0.3, 9.0], [0, 2, 3, 4]),
+        ([0.1, np.nan, 0.0, np.nan, 0.3, 9.0], [0, 2, 4, 5]),
+        # NaN and -inf are equal: the earliest goes first
+        ([0.5, -np.inf, 0.2, np.nan, 9.0], [0, 2, 3, 4]),
+        ([0.5, np.nan, 0.2, -np.inf, 9.0], [0, 2, 3, 4]),
+        # +inf is the highest score
+        ([np.inf, 0.0, 0.2, 0.1, 9.0], [0, 2, 3, 4]),
+    ]:
+        keep = _decide(h2o, np.asarray([[scores]]), {}, backend)
+        assert keep[0, 0].tolist() == kept, scores
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_buzz_nan_never_wins_a_segment_unless_all_are_nan(backend) -> None:
+    buzz = BUZZ(sink=1, window=1, stride=3, threshold=6)  # the middle is slots 1..6: two new segments
+    scores = [0.0, np.nan, 0.1, 0.0, np.nan, np.nan, np.nan, 0.0]
+    keep = _decide(buzz, np.asarray([[scores]]), {"n_old": 0}, backend)
+    # segment [1, 2, 3]: 0.1 at slot 2 beats NaN; segment [4, 5, 6] is all NaN: the earliest wins
+    assert keep[0, 0].tolist() == [0, 2, 4, 7]
+
+
+def test_ranking_scores_leave_finite_and_infinite_scores_alone() -> None:
+    scores = np.asarray([[[np.nan, -np.inf, np.inf, 0.5]]])
+    view = CacheView(np.arange(4)[None, None], scores, 4)
+    assert view.ranking_scores.tolist() == [[[-np.inf, -np.inf, np.inf, 0.5]]]
+    assert np.isnan(view.scores[0, 0, 0])  # the view itself is not modified
+    assert FullCache().evict(view) is None

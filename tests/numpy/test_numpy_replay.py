@@ -134,3 +134,113 @@ def test_equivalence_check_catches_mutants(mutant) -> None:
     assert policy.name == "buzz"  # the oracle reads it as plain BUZZ
     with pytest.raises(AssertionError):
         assert_same_as_oracle(policy, logits, 0)
+
+
+# ---------------------------------------------------------------------------- validation: bad input raises a ValueError naming the parameter
+from kvpolicy import LocalWindow  # noqa: E402
+import warnings  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(5, 5), (5, 1, 4), (4, 1, 5), (0, 1, 0), (5,), (2, 5, 1, 5)],
+)
+def test_logits_of_the_wrong_shape(shape) -> None:
+    with pytest.raises(ValueError, match=r"logits must have shape \[steps, heads, steps\]"):
+        replay(BUZZ(sink=1, window=2, stride=3, threshold=3), np.zeros(shape))
+
+
+def test_prompt_len_out_of_range() -> None:
+    with pytest.raises(ValueError, match="prompt_len must be >= 0 and <= 5, got 6"):
+        replay(LocalWindow(2), np.zeros((5, 1, 5)), prompt_len=6)
+    with pytest.raises(ValueError, match="prompt_len must be >= 0"):
+        replay(LocalWindow(2), np.zeros((5, 1, 5)), prompt_len=-1)
+
+
+def test_values_of_the_wrong_shape() -> None:
+    with pytest.raises(ValueError, match=r"values must have shape \[steps, heads, d\]"):
+        replay(LocalWindow(2), np.zeros((5, 2, 5)), values=np.zeros((5, 1, 3)))
+
+
+def test_output_error_needs_values() -> None:
+    with pytest.raises(ValueError, match="values were not given"):
+        replay(LocalWindow(2), np.zeros((5, 1, 5))).output_error()
+
+
+def _replays():
+    """Both replay backends (torch when installed): they must refuse the same inputs."""
+    out = [pytest.param(replay, id="numpy")]
+    try:
+        import kvpolicy_torch
+
+        out.append(pytest.param(kvpolicy_torch.replay, id="torch"))
+    except ImportError:  # pragma: no cover - torch is a test dependency
+        pass
+    return out
+
+
+REPLAYS = _replays()
+
+
+@pytest.mark.parametrize("run", REPLAYS)
+@pytest.mark.parametrize("bad", ["buzz", BUZZ, None, 3])
+def test_replay_needs_a_policy_instance(run, bad) -> None:
+    with pytest.raises(ValueError, match=r"^policy must be an EvictionPolicy instance .*, got") as info:
+        run(bad, np.zeros((4, 1, 4)))
+    if bad == "buzz":
+        assert "kvpolicy.create_policy('buzz', ...)" in str(info.value)
+    if bad is BUZZ:
+        assert "instantiate the class first, e.g. BUZZ(...)" in str(info.value)
+
+
+def _torch_or_numpy(kind: str, x: np.ndarray):
+    if kind == "torch-tensor":
+        torch = pytest.importorskip("torch")
+        return torch.as_tensor(x)
+    return x
+
+
+@pytest.mark.parametrize("run", REPLAYS)
+@pytest.mark.parametrize("kind", ["ndarray", "torch-tensor"])
+def test_complex_logits_and_values(run, kind) -> None:
+    logits = np.zeros((4, 1, 4), dtype=np.complex128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused before numpy's ComplexWarning could be issued
+        with pytest.raises(ValueError, match=r"^logits must be real numbers, got a complex array"):
+            run(BUZZ(), _torch_or_numpy(kind, logits))
+        with pytest.raises(ValueError, match=r"^values must be real numbers, got a complex array"):
+            run(BUZZ(), np.zeros((4, 1, 4)), values=_torch_or_numpy(kind, np.zeros((4, 1, 2), dtype=np.complex64)))
+
+
+@pytest.mark.parametrize("run", REPLAYS)
+def test_non_numeric_logits(run) -> None:
+    with pytest.raises(ValueError, match=r"^logits must be a real numeric array, got dtype"):
+        run(BUZZ(), np.full((2, 1, 2), "x"))
+
+
+@pytest.mark.parametrize("run", REPLAYS)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("prompt_len", [0, 5])
+@pytest.mark.parametrize("where", [(0, 0, 0), (3, 1, 2), (7, 2, 7), (4, 0, 1)])
+def test_non_finite_logits_raise_with_step_and_head(run, bad, prompt_len, where) -> None:
+    """The reference never lets a NaN or infinite logit decide: it names the step and head."""
+    t, h, j = where
+    logits = np.random.default_rng(0).normal(size=(8, 3, 8))
+    logits[t, h, j] = bad
+    if t < 7:
+        logits[7, 0, 6] = bad  # a later one: the first (in step order) is reported
+    with pytest.raises(ValueError, match=rf"logits must be finite .* logits\[{t}, {h}, {j}\] is {bad} \(step {t}, head {h}\)$"):
+        run(H2O(heavy=2, recent=2), logits, prompt_len=prompt_len)
+
+
+@pytest.mark.parametrize("run", REPLAYS)
+def test_logits_above_the_diagonal_are_never_read(run) -> None:
+    """Only ``j <= t`` is read, so padding above the diagonal may be anything."""
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(10, 2, 10))
+    padded = logits.copy()
+    upper = np.triu(np.ones((10, 10), dtype=bool), k=1)[:, None, :].repeat(2, axis=1)
+    padded[upper] = np.nan
+    policy = BUZZ(sink=1, window=2, stride=3, threshold=3)
+    a, b = run(policy, logits, prompt_len=3), run(policy, padded, prompt_len=3)
+    assert all((x is None and y is None) or np.array_equal(x, y) for x, y in zip(a.kept, b.kept))

@@ -1,4 +1,5 @@
-"""The ring of "oldest" evictions (StreamingLLM, the local window) in kvpolicy_torch.LayerCache.
+"""kvpolicy_torch.LayerCache (kvpolicy_torch/layer.py): what it refuses, its NaN rule, and the ring of
+"oldest" evictions (StreamingLLM, the local window).
 
 A decode step's append refills the slot the previous step's eviction freed, so the tokens after
 the sinks go round the storage and nothing is compacted while decoding. Slot order is then a
@@ -177,3 +178,52 @@ def test_shift_matrices_batch_serves_the_layers_of_a_step_from_one_rotation(monk
             shifts.rotate(layer, sinks[layer], [step], freq, "half", 4)
     # the first step gathers the layers as they arrive; every later step is one rotation of all 30
     assert calls[-3:] == [torch.Size([30, 1, 2, 4, 4])] * 3 and shifts.batched
+
+
+# ---------------------------------------------------------------------------- validation: bad input raises a ValueError naming the parameter
+
+def test_layer_cache_refuses_steps_out_of_order_and_changed_inputs() -> None:
+    """LayerCache: evict()/accumulate() before any append, and keys whose head_dim, dtype or
+    batch/heads differ from the first append, get a ValueError saying what is wrong (no raw
+    TypeError, no silent cast)."""
+    torch = pytest.importorskip("torch")
+    from kvpolicy import H2O
+    from kvpolicy_torch import LayerCache
+
+    layer = LayerCache(H2O(2, 2))
+    with pytest.raises(ValueError, match="append\\(\\) first"):
+        layer.evict()
+    with pytest.raises(ValueError, match="append\\(\\) first"):
+        layer.accumulate(torch.zeros(1, 2, 1))
+    k = torch.zeros(1, 2, 1, 4)
+    layer.append(k, k)
+    layer.accumulate(torch.zeros(1, 2, 1))
+    layer.evict()
+    with pytest.raises(ValueError, match="head_dim changed"):
+        layer.append(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))
+    with pytest.raises(ValueError, match="dtype changed"):
+        layer.append(k.double(), k.double())
+    with pytest.raises(ValueError, match="batch and kv_heads changed"):
+        layer.append(torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4))
+    with pytest.raises(ValueError, match="must be real"):
+        layer.append(k, k)
+        layer.accumulate(torch.zeros(1, 2, 2, dtype=torch.complex64))
+
+
+def test_layer_cache_nan_scores_count_as_minus_inf() -> None:
+    """A NaN received score (an fp16 overflow upstream) is accumulated as -inf: H2O's one-token
+    eviction takes that token first, as the NumPy rule (CacheView.ranking_scores) does."""
+    torch = pytest.importorskip("torch")
+    from kvpolicy import H2O
+    from kvpolicy_torch import LayerCache
+
+    layer = LayerCache(H2O(2, 1))
+    for t in range(4):
+        k = torch.zeros(1, 1, 1, 2)
+        layer.append(k, k)
+        received = torch.ones(1, 1, layer.slot_positions.shape[-1])
+        if t == 1:
+            received[..., 1] = float("nan")  # token 1 gets a NaN
+        layer.accumulate(received * (layer.slot_positions >= 0))
+        layer.evict()
+    assert 1 not in layer.positions[0, 0].tolist() and layer.length == 3

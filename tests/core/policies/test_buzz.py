@@ -151,3 +151,78 @@ def test_transformers_path_agrees_with_reference_above_and_below_512():
     assert trace.evictions and min(trace.sizes) < 512 < max(trace.sizes)
     np.testing.assert_array_equal(cache.layers[0].store.positions[0].numpy(), trace.kept[-1])
     np.testing.assert_allclose(got, trace.outputs, rtol=1e-8, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------- validation: bad input raises a ValueError naming the parameter
+from kvpolicy import estimate_threshold  # noqa: E402
+from kvpolicy import make_policy  # noqa: E402
+from kvpolicy import threshold_ratio  # noqa: E402
+import re  # noqa: E402
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_buzz_stride_below_3(stride) -> None:
+    with pytest.raises(ValueError, match=rf"stride must be >= 3, got {stride}"):
+        BUZZ(sink=1, window=4, stride=stride, threshold=6)
+    with pytest.raises(ValueError, match="stride must be >= 3"):
+        threshold_ratio(stride)
+    with pytest.raises(ValueError, match="stride must be >= 3"):
+        estimate_threshold(stride, 10)
+
+
+@pytest.mark.parametrize("stride", [3, 4, 5, 8, 17])
+@pytest.mark.parametrize("threshold", [1, 2])
+def test_buzz_threshold_too_small(stride, threshold) -> None:
+    with pytest.raises(ValueError, match=rf"threshold must be >= 3, got {threshold}"):
+        BUZZ(sink=1, window=4, stride=stride, threshold=threshold)
+    assert BUZZ(sink=1, window=4, stride=stride, threshold=3).threshold == 3
+
+
+@pytest.mark.parametrize("stride", range(3, 30))
+def test_smallest_allowed_threshold_shrinks_the_middle(stride) -> None:
+    """With T = 3 every eviction leaves fewer than T middle tokens (so the capacity holds),
+    and T = 2 would not: 2 old tokens thinned by s_hat >= 2 keep 1, plus 1 new one."""
+    s_hat = (stride + 1) // 2
+    for a in range(3):
+        assert math.ceil(a / s_hat) + math.ceil((3 - a) / stride) < 3
+    assert math.ceil(1 / s_hat) + math.ceil(1 / stride) == 2  # T = 2, a = 1: no shrink
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(log_n=True, log_base=1.0), "log_base"),
+        (dict(log_n=True, log_base=0.5), "log_base"),
+        (dict(log_n=True, log_floor=-0.1), "log_floor"),
+        (dict(interval_keep="middle"), "interval_keep"),
+        (dict(selection="per_layer"), "selection"),
+    ],
+)
+def test_buzz_choice_parameters(kwargs, param) -> None:
+    with pytest.raises(ValueError, match=rf"^{param} must be"):
+        BUZZ(sink=1, window=2, stride=3, threshold=3, **kwargs)
+
+
+NOT_BOOLS = ["yes", "no", "False", 1, 0, 1.0, None, np.int64(1), [True]]
+
+
+@pytest.mark.parametrize("bad", NOT_BOOLS, ids=repr)
+def test_buzz_log_n_accepts_only_bools(bad) -> None:
+    with pytest.raises(ValueError, match=rf"^log_n must be True or False, got {re.escape(repr(bad))}$"):
+        BUZZ(sink=1, window=2, stride=3, threshold=3, log_n=bad)
+    with pytest.raises(ValueError, match="^log_n must be True or False"):
+        make_policy("buzz", 0.3, context_length=100, log_n=bad)
+
+
+@pytest.mark.parametrize("good, expected", [(True, True), (False, False), (np.True_, True), (np.False_, False)])
+def test_buzz_log_n_bools(good, expected) -> None:
+    p = BUZZ(sink=1, window=2, stride=3, threshold=3, log_n=good)
+    assert (p.log_n is not None) is expected
+    assert p.params().get("log_n", False) is expected
+
+
+def test_buzz_log_parameters_checked_even_without_log_n() -> None:
+    with pytest.raises(ValueError, match="^log_base must be"):
+        BUZZ(log_base="512")
+    with pytest.raises(ValueError, match="^log_floor must be"):
+        BUZZ(log_floor=-1.0)
