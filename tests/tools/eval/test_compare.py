@@ -49,12 +49,12 @@ def report(model, tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
     args = _args(out, "--tasks", "ppl,summ,needle,passkey,qa,kv,tw", "--cache-sizes", "24")
     assert compare.run(args, model=model, tokenizer=CharTokenizer(), sources=tiny_sources()) == 0
-    return out, json.loads((out / "results.json").readwords())
+    return out, json.loads((out / "results.json").read_text())
 
 
 def test_report_files_exist(report):
     out, res = report
-    text = (out / "report.md").readwords()
+    text = (out / "report.md").read_text()
     for name in ("ppl_budget", "ppl_sizes", "summ_budget", "needle_budget", "needle_heatmap", "passkey_heatmap",
                  "qa_budget", "kv_budget", "tw_tw"):
         png = out / f"{name}.png"
@@ -146,7 +146,7 @@ def test_paper_data_files(model, tmp_path):
             recs = [[f"key{i}{j}", f"val{i}{j}"] for j in range(12)]
             fh.write(json.dumps({"ordered_kv_records": recs, "key": recs[7][0], "value": recs[7][1]}) + "\n")
     pool = tmp_path / "leads.json"
-    pool.writewords(json.dumps({f"T{j}": {"title": f"T{j}", "extract": words(rng, 12)} for j in range(30)}))
+    pool.write_text(json.dumps({f"T{j}": {"title": f"T{j}", "extract": words(rng, 12)} for j in range(30)}))
     out = tmp_path / "out"
     args = compare.build_parser().parse_args([
         "--model", "tiny-llama", "--tasks", "ppl,summ,qa,kv", "--policies", "full,h2o,buzz", "--budgets", "0.3",
@@ -154,7 +154,7 @@ def test_paper_data_files(model, tmp_path):
         "--kv-pairs", "6", "--data-dir", str(d), "--qa-distractors", str(pool), "--out", str(out), "--no-progress",
     ])
     assert compare.run(args, model=model, tokenizer=CharTokenizer()) == 0
-    res = json.loads((out / "results.json").readwords())
+    res = json.loads((out / "results.json").read_text())
     assert "wikitext-2-raw-test.txt" in res["tasks"]["ppl"]["data"]
     assert "xsum_0shot.jsonl" in res["tasks"]["summ"]["data"]
     assert "differ" in res["tasks"]["qa"]["data"]  # the distractors are said to differ from the paper's
@@ -252,7 +252,7 @@ def test_real_model_handful_of_samples(tmp_path):
         "--out", str(out), "--no-progress",
     ])
     assert compare.run(args) == 0
-    res = json.loads((out / "results.json").readwords())
+    res = json.loads((out / "results.json").read_text())
     ppl = {c["policy"]: c for c in res["tasks"]["ppl"]["cells"] if c["label"] in ("full", "20%")}
     assert 1.0 < ppl["full"]["metrics"]["ppl"] < 200  # real text, real model
     assert ppl["h2o"]["metrics"]["ppl"] >= ppl["full"]["metrics"]["ppl"] * 0.9
@@ -273,7 +273,7 @@ def test_policy_scored_from_queries_prefills_its_own_cache(model, tmp_path):
 
     args = _args(tmp_path, "--tasks", "kv", "--policies", "full,expected_attention,knorm", "--budgets", "0.5")
     assert compare.run(args, model=model, tokenizer=CharTokenizer(), sources=tiny_sources()) == 0
-    res = json.loads((tmp_path / "results.json").readwords())
+    res = json.loads((tmp_path / "results.json").read_text())
     rows = {c["policy"] for c in res["tasks"]["kv"]["cells"]}
     assert {"expected_attention", "knorm"} <= rows
     engine = Engine(model, TokenizerAdapter(CharTokenizer()))
