@@ -416,3 +416,28 @@ def test_realised_budget_without_decode_steps() -> None:
 def test_realised_budget_sizes_must_match_the_run(n) -> None:
     with pytest.raises(ValueError, match=rf"^sizes must hold one size per decode step, shape \(3,\), got \({n},\)$"):
         realised_budget(np.ones(n), 5, prompt_length=2)
+
+
+# ---------------------------------------------------------------------------- the exact size simulation of the built-in policies (issue 7's fast path)
+from kvpolicy.budget import _replay_sizes  # noqa: E402
+
+
+@given(any_policy(), st.integers(1, 160), st.data())
+def test_size_rule_equals_replaying_the_policy(policy, context, data) -> None:
+    prompt = data.draw(st.integers(0, context))
+    np.testing.assert_array_equal(simulate_sizes(policy, context, prompt), _replay_sizes(policy, context, prompt))
+
+
+def test_subclasses_are_replayed_not_simulated() -> None:
+    class EveryOther(StreamingLLM):  # a subclass may change select: the size rule must not apply
+        decode_eviction = size_rule = None  # its own select: no inherited rule
+
+        def select(self, view):
+            n = view.n_cached
+            if n <= self.sink + self.window:
+                return None
+            return view.keep(view.arange(0, n, 2))
+
+    p = EveryOther(sink=1, window=3)
+    np.testing.assert_array_equal(simulate_sizes(p, 40, 5), _replay_sizes(p, 40, 5))
+    assert simulate_sizes(p, 40, 5).tolist() != simulate_sizes(StreamingLLM(sink=1, window=3), 40, 5).tolist()

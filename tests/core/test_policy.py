@@ -557,3 +557,12 @@ def test_ranking_scores_leave_finite_and_infinite_scores_alone() -> None:
     assert view.ranking_scores.tolist() == [[[-np.inf, -np.inf, np.inf, 0.5]]]
     assert np.isnan(view.scores[0, 0, 0])  # the view itself is not modified
     assert FullCache().evict(view) is None
+
+
+# ---------------------------------------------------------------------------- CacheView.keep's broadcast keep arrays
+
+def test_keep_of_shared_slots_is_a_broadcast_view() -> None:
+    view = CacheView(np.zeros((2, 3, 10), dtype=np.int64), np.zeros((2, 3, 10)), 10)
+    keep = view.keep(view.arange(2), view.arange(6, 10))
+    assert keep.shape == (2, 3, 6) and keep.strides[:2] == (0, 0)
+    assert keep.tolist() == [[[0, 1, 6, 7, 8, 9]] * 3] * 2

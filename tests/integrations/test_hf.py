@@ -270,3 +270,44 @@ def test_full_cache_grows_in_bounded_chunks():
     for layer in cache.layers:
         assert layer.store.length == 1008
         assert layer.store.nbytes <= 1.1 * layer.store.kv_bytes, layer.store.slots
+
+
+# ---------------------------------------------------------------------------- the fused decode attention (issue 7's fast path)
+
+
+@pytest.mark.parametrize("policy", [BUZZ(2, 6, 3, 10), BUZZ(2, 6, 4, 12, log_n=True, log_base=8.0), H2O(8, 8)], ids=repr)
+def test_fused_and_unfused_decode_agree(policy) -> None:
+    model = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=0)
+    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(4))
+    outs, caches = [], []
+    for fused in (True, False):
+        cache = EvictingCache(policy, model, fused_decode=fused)
+        with torch.no_grad():
+            outs.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, **cache_kwargs(model, cache)))
+        caches.append(cache)
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.store.positions, b.store.positions)
+        torch.testing.assert_close(a.store.scores, b.store.scores, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_path_is_taken_in_decode_only(monkeypatch) -> None:
+    from kvpolicy_torch import LayerCache
+
+    model = tiny_llama(num_layers=1, seed=2)
+    calls = []
+    original = LayerCache.attend
+
+    def spy(self, query, *a, **k):
+        calls.append(query.shape[2])
+        return original(self, query, *a, **k)
+
+    monkeypatch.setattr(LayerCache, "attend", spy)
+    # prefill goes through SDPA; so does a decode step that needs neither scores nor a mask:
+    # StreamingLLM's sink shift is done in the storage (its sinks' keys rotated), so it takes SDPA
+    for policy, expected in ((H2O(6, 6), [1, 1, 1]), (StreamingLLM(2, 8), []), (LocalWindow(8), []), (FullCache(), [])):
+        calls.clear()
+        cache = EvictingCache(policy, model)
+        with torch.no_grad():
+            model.generate(torch.arange(3, 23)[None], max_new_tokens=4, do_sample=False, **cache_kwargs(model, cache))
+        assert calls == expected, policy

@@ -227,3 +227,29 @@ def test_layer_cache_nan_scores_count_as_minus_inf() -> None:
         layer.accumulate(received * (layer.slot_positions >= 0))
         layer.evict()
     assert 1 not in layer.positions[0, 0].tolist() and layer.length == 3
+
+
+# ---------------------------------------------------------------------------- the index_select gather of broadcast keep arrays
+from kvpolicy import BUZZ, H2O  # noqa: E402
+
+
+def test_layer_cache_index_select_path_keeps_the_same_tokens() -> None:
+    """Shared keeps (StreamingLLM's broadcast arrays; shared selection) take index_select;
+    per-head keeps (BUZZ) take gather: both against the NumPy reference."""
+    import kvpolicy_numpy
+
+    for policy in (StreamingLLM(sink=2, window=5), LocalWindow(6), H2O(3, 3, selection="shared"), BUZZ(1, 3, 3, 6)):
+        rng = np.random.default_rng(1)
+        logits = rng.normal(size=(30, 1, 30))
+        trace = kvpolicy_numpy.replay(policy, logits)
+        layer = LayerCache(policy)
+        vals = torch.arange(30, dtype=torch.float64)
+        for t in range(30):
+            k = v = torch.full((1, 1, 1, 2), float(t), dtype=torch.float64)
+            layer.append(k, v)
+            cached = layer.slot_positions[0]  # slot order, -1 at holes
+            rows = torch.as_tensor(logits[t, 0])[cached.clamp(min=0)].masked_fill(cached < 0, float("-inf"))
+            layer.accumulate(torch.softmax(rows, dim=-1)[None])
+            layer.evict()
+            assert layer.positions[0].tolist() == trace.kept[t].tolist(), (policy, t)
+            assert layer.keys[0, 0, :, 0].tolist() == vals[layer.positions[0, 0]].tolist()  # K/V moved with positions
