@@ -1,5 +1,5 @@
-"""RULER (``kvpolicy compare --tasks ruler``): the generators, the metric, the options and a tiny
-end-to-end run.
+"""RULER (``kvpolicy compare --tasks ruler``, kvpolicy_tools/eval/tasks/ruler.py): the options and a tiny
+end-to-end run (the generators and the metric: tests/tools/eval/test_ruler_data.py).
 
 The end-to-end run uses the tiny random-weight Llama (``kvpolicy_tools.models.tiny_llama``) with a
 character-level stand-in tokenizer and an in-memory haystack, at 1,000 tokens (characters): it checks the
@@ -10,145 +10,14 @@ fit and are left to the generator tests. The real-model numbers are in docs/resu
 
 from __future__ import annotations
 
-import collections
 import json
-import random
 import re
 import string
 
 import pytest
 
-from kvpolicy_tools.eval import ruler_data as R
 from kvpolicy_tools.eval.data import QAExample, Passage, TextDoc
-
-# one pseudo-word vocabulary big enough for every generator (cwe draws hundreds of distinct words)
-_RNG = random.Random(7)
-_VOCAB = sorted({"".join(_RNG.choices(string.ascii_lowercase, k=_RNG.randint(4, 8))) for _ in range(1500)})
-_TEXTS = [" ".join(_RNG.choice(_VOCAB) + ("." if _RNG.random() < 0.1 else "") for _ in range(3000)) for _ in range(2)]
-_QA_ROWS = [{"question": f"what is item {i}?", "answers": [f"answer{i}x"], "title": f"Item {i}",
-             "text": f"Item {i} is known as answer{i}x. " + " ".join(_RNG.choice(_VOCAB) for _ in range(60))}
-            for i in range(40)]
-RES = R.RulerResources(words=R.essay_words(_TEXTS), vocab=R.vocabulary(_TEXTS), qa_rows=_QA_ROWS)
-
-
-def words(e: R.RulerExample) -> int:
-    """A stand-in token count: whitespace-separated pieces plus one per line."""
-    return len(e.text.split()) + e.text.count("\n")
-
-
-def make(subtask: str, index: int = 0, *, length: int = 1500, seed: int = 0) -> R.RulerExample:
-    return R.make_example(subtask, index, length=length, count_tokens=words, seed=seed, resources=RES)
-
-
-@pytest.mark.parametrize("subtask", list(R.SUBTASKS))
-def test_generators_are_deterministic_and_seeded(subtask):
-    a, b = make(subtask, 1), make(subtask, 1)
-    assert a == b and a.text == b.text
-    assert make(subtask, 2).text != a.text  # another index, another example
-    assert make(subtask, 1, seed=5).text != a.text  # another seed too
-
-
-@pytest.mark.parametrize("subtask", list(R.SUBTASKS))
-def test_prompt_fits_the_length_and_is_the_largest_that_does(subtask):
-    for length in (900, 1500):
-        ex = make(subtask, 0, length=length)
-        assert words(ex) + ex.tokens_to_generate <= length
-        # RULER's rule: the haystack is the largest that fits (to within one bisection step: one
-        # noise line, 25 essay words, 10 coded words, one document)
-        margin = 200 if R.SUBTASKS[subtask].family == "qa" else 100
-        assert words(ex) + ex.tokens_to_generate > length - margin, (subtask, words(ex))
-    assert make(subtask, 0, length=1500).size > make(subtask, 0, length=900).size
-
-
-@pytest.mark.parametrize("subtask", [s for s, v in R.SUBTASKS.items() if v.family == "niah"])
-def test_needles_are_in_the_context_and_asked_for(subtask):
-    spec = R.SUBTASKS[subtask]
-    for i in range(3):
-        ex = make(subtask, i)
-        assert len(ex.answers) == spec.n_values * spec.n_queries
-        found = []
-        for key in ex.meta["keys"]:
-            assert key in ex.question and key in ex.answer_prefix
-            found += re.findall(rf"A special magic \w+ for {re.escape(key)} is: (\S+)\.(?:\s|$)", ex.context)
-        assert sorted(found) == sorted(ex.answers)  # every value of every asked key, nothing else
-        for a in ex.answers:
-            assert a in ex.context and a not in ex.question
-        assert ex.metric == "all" and ex.tokens_to_generate == 128
-        if spec.value == "uuids":
-            assert all(re.fullmatch(r"[0-9a-f-]{36}", a) for a in ex.answers)
-        else:
-            assert all(re.fullmatch(r"\d{7}", a) for a in ex.answers)
-
-
-def test_variable_tracking_chain_resolves_to_the_answers():
-    for i in range(3):
-        ex = make("vt", i)
-        task = ex.context[ex.context.rindex("Track the chains"):]  # after the solved example
-        value = ex.meta["value"]
-        assigned = dict(re.findall(r"VAR (\w+) = (VAR \w+|\d+)", task))
-        resolved = set()
-        for var in assigned:
-            v = assigned[var]
-            while v.startswith("VAR "):
-                v = assigned[v[4:]]
-            if v == value:
-                resolved.add(var)
-        assert resolved == set(ex.answers) and len(ex.answers) == 5
-        assert value in ex.question and "5 variables" in ex.answer_prefix
-
-
-def test_common_words_are_the_ten_most_frequent():
-    for length, (common, rare) in ((1500, (6, 1)), (4200, (30, 3))):
-        ex = make("cwe", 0, length=length)
-        listed = re.findall(r"\d+\. (\w+)", ex.context[ex.context.rindex("Below is a numbered list"):])
-        counts = collections.Counter(listed)
-        assert {w for w, _ in counts.most_common(10)} == set(ex.answers)
-        assert {counts[w] for w in ex.answers} == {common} and set(counts.values()) == {common, rare}
-
-
-def test_frequent_words_are_the_three_most_frequent_coded_words():
-    ex = make("fwe", 0)
-    body = ex.context.split("most often. ", 1)[1].split()
-    counts = collections.Counter(w for w in body if w != "...")
-    assert [w for w, _ in counts.most_common(3)] == list(ex.answers)
-    assert collections.Counter(body).most_common(1)[0][0] == "..."  # the noise "word" leads, as in RULER
-    assert counts[ex.answers[0]] > counts[ex.answers[1]] > counts[ex.answers[2]]
-
-
-def test_qa_has_the_gold_document_and_part_metric():
-    for i in range(3):
-        ex = make("qa", i)
-        row = _QA_ROWS[i]
-        assert row["question"] in ex.question and row["text"] in ex.context
-        assert ex.metric == "part" and ex.answers == tuple(row["answers"])
-        assert ex.meta["documents"] > 3  # the documents fill the length
-        others = ex.context.replace(row["text"], "")
-        assert not any(a in others for a in ex.answers)  # distractors never hold an answer
-
-
-def test_metric_on_hand_made_outputs():
-    refs = ["1234567", "7654321", "AbCdE", "zzz"]
-    assert R.string_match("The numbers are 1234567 and 7654321.", refs, "all") == 0.5
-    assert R.string_match("abcde 1234567 7654321 ZZZ", refs, "all") == 1.0
-    assert R.string_match("nothing here", refs, "all") == 0.0
-    assert R.string_match("It is zzz.", refs, "part") == 1.0
-    assert R.string_match("none", refs, "part") == 0.0
-    assert R.string_match("123\x004567", ["1234567"], "all") == 1.0  # control characters removed first, as RULER
-    with pytest.raises(ValueError, match="metric must be 'all' or 'part'"):
-        R.string_match("x", refs, "any")
-    with pytest.raises(ValueError, match="references must not be empty"):
-        R.string_match_all("x", [])
-
-
-def test_bad_arguments_name_the_parameter():
-    with pytest.raises(ValueError, match="subtask must be one of"):
-        make("niah_single_9")
-    with pytest.raises(ValueError, match="index must be an integer >= 0"):
-        make("vt", -1)
-    with pytest.raises(ValueError, match="too short for RULER's niah_single_1"):
-        make("niah_single_1", length=140)
-    with pytest.raises(ValueError, match="the qa subtask needs question-answer data"):
-        R.make_example("qa", 0, length=900, count_tokens=words, resources=R.RulerResources(words=RES.words, vocab=RES.vocab))
+from ruler_texts import QA_ROWS, TEXTS
 
 
 def test_options_and_cli_errors(capsys):
@@ -202,8 +71,8 @@ def _run(tiny, out, *extra):
 
     qa = [QAExample(id=f"q{i}", question=r["question"], answers=tuple(r["answers"]),
                     documents=(Passage(title=r["title"], text=r["text"], is_gold=True),), gold_index=0)
-          for i, r in enumerate(_QA_ROWS)]
-    sources = DataSources(haystack=[TextDoc(id=f"t{i}", text=t) for i, t in enumerate(_TEXTS)], qa=qa)
+          for i, r in enumerate(QA_ROWS)]
+    sources = DataSources(haystack=[TextDoc(id=f"t{i}", text=t) for i, t in enumerate(TEXTS)], qa=qa)
     args = compare.build_parser().parse_args([
         "--model", "tiny-llama", "--tasks", "ruler", "--policies", "full,h2o,snapkv", "--compression-ratios", "0.5",
         "--samples", "1", "--ruler-length", "1000", "--max-new-tokens", "4",
@@ -242,7 +111,7 @@ def test_question_after_the_eviction_is_not_seen_by_it(tiny):
 
     tok = TokenizerAdapter(CharTokenizer())
     engine = Engine(tiny, tok)
-    ctx = tok.head_ids(" ".join(_TEXTS[0].split()[:80]))
+    ctx = tok.head_ids(" ".join(TEXTS[0].split()[:80]))
     kept = {}
     for q in ("\nwhat is the first word?", "\nname the last one please?"):
         ids = torch.tensor([ctx + tok.tail_ids(q)])
