@@ -1,4 +1,6 @@
-"""Policy invariants and the BUZZ / H2O rules, checked on replays and on single decisions."""
+"""kvpolicy/policy.py: the invariants every policy keeps on replays, ``CacheView`` (its broadcast keep
+arrays and the NaN rule of ``ranking_scores``), log n scaling and shared selection. The BUZZ and H2O
+rules are in tests/core/policies/test_buzz.py and test_h2o.py."""
 
 from __future__ import annotations
 
@@ -9,30 +11,10 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kvpolicy import (
-    BUZZ,
-    H2O,
-    CacheView,
-    FullCache,
-    LocalWindow,
-    LogNScaling,
-    TOVA,
-    StreamingLLM,
-    fixed_point_middle,
-    simulate_sizes,
-    threshold_ratio,
-)
+from kvpolicy import BUZZ, CacheView, FullCache, H2O, LocalWindow, LogNScaling, StreamingLLM, TOVA, simulate_sizes
 from kvpolicy.testing import example_inputs
-from kvpolicy_numpy import replay, softmax
-from strategies import (
-    LOGIT_LEVELS,
-    any_policy,
-    buzz_policies,
-    h2o_policies,
-    logits_arrays,
-    replay_cases,
-    selections,
-)
+from kvpolicy_numpy import replay
+from strategies import any_policy, logits_arrays, replay_cases, selections
 
 
 # ============================================================================ helpers
@@ -50,30 +32,6 @@ def protected(policy) -> tuple[int, int]:
 def first_index(prompt_len: int) -> int:
     """First step with a kept array."""
     return max(prompt_len - 1, 0)
-
-
-def reconstruct_scores(trace, logits: np.ndarray, policy, t: int) -> list[dict[int, float]]:
-    """Accumulated score of every token in the pre-eviction cache of decode step ``t``, per head,
-    recomputed from the trace alone: at each decode step ``u`` query ``u`` attended to
-    ``kept[u-1] + [u]``. With shared selection, one entry: the sum over heads, as the policy
-    sees it. (Prompt-free traces only; the same float operations as the replay, so ties are
-    exact ties.)"""
-    assert trace.prompt_len == 0
-    heads = logits.shape[1]
-    scores: list[dict[int, float]] = [dict() for _ in range(heads)]
-    for u in range(t + 1):
-        n_keys = 1 if u == 0 else trace.kept[u - 1].shape[-1] + 1  # log n: n = keys attended
-        scale = np.float64(1.0) if policy.log_n is None else policy.log_n.scales(np.asarray([n_keys]))[0]
-        for h in range(heads):
-            attended = ([] if u == 0 else trace.kept[u - 1][h].tolist()) + [u]
-            probs = softmax(logits[u, h, attended] * scale)
-            scores[h] = {j: scores[h].get(j, 0.0) + float(pr) for j, pr in zip(attended, probs)}
-    if policy.selection == "shared":
-        summed = dict(scores[0])
-        for h in range(1, heads):
-            summed = {j: summed[j] + scores[h][j] for j in summed}
-        return [summed] * heads
-    return scores
 
 
 # ============================================================================ every policy
@@ -179,248 +137,8 @@ def test_score_free_policies_keep_fixed_positions(policy, kept) -> None:
 
 
 # ============================================================================ BUZZ, one decision
-@st.composite
-def buzz_views(draw):
-    """A BUZZ policy and a cache view at an eviction: ``n_old`` old, the rest new."""
-    policy = draw(buzz_policies())
-    t = policy.threshold
-    n_old = draw(st.integers(0, t - 1))
-    middle = draw(st.integers(t, t + 3 * policy.stride))  # > T happens after a prefill
-    n = policy.sink + middle + policy.window
-    heads = draw(st.integers(1, 3))
-    levels = draw(st.sampled_from([(0.0, 1.0), LOGIT_LEVELS, tuple(np.linspace(0, 1, 97))]))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    scores = rng.choice(np.asarray(levels, dtype=np.float64), size=(1, heads, n))
-    positions = np.broadcast_to(np.sort(rng.choice(10 * n, size=n, replace=False)), (1, heads, n)).copy()
-    return policy, n_old, CacheView(positions, scores, int(positions.max()) + 1, {"n_old": n_old})
-
-
-@given(buzz_views())
-def test_buzz_single_eviction_rules(case) -> None:
-    """Old tokens: first (or last) of each group of s_hat. New tokens: exactly one survivor per
-    stride segment (the partial last one included), its highest score, the earliest on ties."""
-    policy, n_old, view = case
-    n = view.n_cached
-    sink, window, s = policy.sink, policy.window, policy.stride
-    s_hat = (s + 1) // 2
-    scores = view.scores.copy()
-    keep = policy.select(view)  # per-head decision (the shared path is tested by the oracle)
-    assert keep is not None
-    new_start, new_stop = sink + n_old, n - window
-    n_new = new_stop - new_start
-    for h in range(view.heads):
-        slots = keep[0, h].tolist()
-        assert slots[:sink] == list(range(sink)), "sink changed"
-        assert slots[len(slots) - window :] == list(range(n - window, n)), "window changed"
-        middle = slots[sink : len(slots) - window]
-        old_kept = [i for i in middle if i < new_start]
-        new_kept = [i for i in middle if i >= new_start]
-        groups = [list(range(sink + g, min(sink + g + s_hat, new_start))) for g in range(0, n_old, s_hat)]
-        pick = 0 if policy.interval_keep == "first" else -1
-        assert old_kept == [g[pick] for g in groups], f"old tokens {old_kept} break the interval rule"
-        segments = [list(range(a, min(a + s, new_stop))) for a in range(new_start, new_stop, s)]
-        assert len(new_kept) == len(segments) == math.ceil(n_new / s)
-        for seg, won in zip(segments, new_kept):
-            assert won in seg, f"survivor {won} outside its segment {seg}"
-            best = max(scores[0, h, i] for i in seg)
-            assert scores[0, h, won] == best, "survivor is not the segment's argmax"
-            assert won == next(i for i in seg if scores[0, h, i] == best), "tie not broken to earliest"
-    assert view.state["n_old"] == len(old_kept) + len(new_kept)
-
-
-def test_buzz_segment_rule_worked_by_hand() -> None:
-    """sink 1, window 1, stride 3, 2 old + 7 new: old -> keep slot 1 (s_hat=2); new segments
-    [3,4,5] [6,7,8] [9] -> argmax 4, first of tie 6, 9."""
-    p = BUZZ(sink=1, window=1, stride=3, threshold=9)
-    scores = np.asarray([[[9, 5, 5, 0, 2, 1, 3, 3, 1, 0, 7]]], dtype=np.float64)
-    view = CacheView(np.arange(11)[None, None, :], scores, 11, {"n_old": 2})
-    assert p.select(view)[0, 0].tolist() == [0, 1, 4, 6, 9, 10]
-    assert view.state == {"n_old": 4}
-    p_last = BUZZ(sink=1, window=1, stride=3, threshold=9, interval_keep="last")
-    view = CacheView(np.arange(11)[None, None, :], scores, 11, {"n_old": 2})
-    assert p_last.select(view)[0, 0].tolist() == [0, 2, 4, 6, 9, 10]
-
-
-def test_buzz_does_not_evict_below_threshold() -> None:
-    p = BUZZ(sink=2, window=3, stride=4, threshold=6)
-    for middle in range(-5, 6):
-        n = max(0, 5 + middle)
-        view = CacheView(np.arange(n)[None, None, :], np.ones((1, 1, n)), n, {"n_old": 0})
-        assert p.select(view) is None
-    view = CacheView(np.arange(11)[None, None, :], np.ones((1, 1, 11)), 11, {"n_old": 0})
-    assert p.select(view) is not None
-
-
 # ============================================================================ BUZZ, on replays
-@given(buzz_policies(), logits_arrays(min_steps=10, max_steps=60))
-def test_buzz_replay_follows_the_rule_at_every_eviction(policy, logits) -> None:
-    """From the trace alone: at every eviction, the old tokens (the middle after the previous
-    eviction) are interval-sampled and each stride segment of the new ones keeps its argmax."""
-    steps, heads, _ = logits.shape
-    trace = replay(policy, logits, 0)
-    sink, window, s = policy.sink, policy.window, policy.stride
-    s_hat = (s + 1) // 2
-    pick = 0 if policy.interval_keep == "first" else -1
-    old: list[list[int]] = [[] for _ in range(heads)]  # per head: the old middle tokens
-    for t, _, _ in trace.evictions:
-        scores = reconstruct_scores(trace, logits, policy, t)
-        for h in range(heads):
-            cache = (trace.kept[t - 1][h].tolist() if t else []) + [t]
-            middle = cache[sink : len(cache) - window]
-            assert len(middle) == policy.threshold, "an eviction ran before the middle reached T"
-            n_old = len(old[h])
-            assert middle[:n_old] == old[h], "old tokens are not the previous survivors"
-            new = middle[n_old:]
-            want = [old[h][i : i + s_hat][pick] for i in range(0, n_old, s_hat)]
-            for a in range(0, len(new), s):
-                seg = new[a : a + s]
-                best = max(scores[h][j] for j in seg)
-                want.append(next(j for j in seg if scores[h][j] == best))
-            assert trace.kept[t][h].tolist() == cache[:sink] + want + cache[len(cache) - window :]
-            old[h] = want
-
-
-def independent_buzz_evictions(sink, window, stride, threshold, steps, prompt_len):
-    """``(t, before, after)`` of every BUZZ eviction, from token counts only."""
-    s_hat = (stride + 1) // 2
-    out = []
-    n_old = 0
-    size = 0
-
-    def rounds(t):
-        nonlocal size, n_old
-        while size - sink - window >= threshold:
-            middle = size - sink - window
-            kept = -(-n_old // s_hat) + -(-(middle - n_old) // stride)
-            out.append((t, size, sink + kept + window))
-            size, n_old = sink + kept + window, kept
-
-    if prompt_len:
-        size = prompt_len
-        rounds(prompt_len - 1)
-    for t in range(prompt_len, steps):
-        size += 1
-        rounds(t)
-    return out
-
-
-@given(buzz_policies(), st.integers(1, 200), st.data())
-@example(BUZZ(sink=1, window=2, stride=3, threshold=4), 40, None)
-def test_buzz_evicts_exactly_when_the_middle_reaches_the_threshold(policy, steps, data) -> None:
-    prompt_len = 0 if data is None else data.draw(st.integers(0, steps))
-    logits = np.zeros((steps, 1, steps))
-    trace = replay(policy, logits, prompt_len)
-    want = independent_buzz_evictions(
-        policy.sink, policy.window, policy.stride, policy.threshold, steps, prompt_len
-    )
-    assert trace.evictions == want
-    for t, before, after in trace.evictions:
-        if t >= prompt_len:  # decode: the middle grows by one, so it is exactly T, and one
-            # eviction brings it below T
-            assert before - policy.sink - policy.window == policy.threshold
-            assert after - policy.sink - policy.window < policy.threshold
-    # prefill: the rule repeated until it holds
-    if prompt_len:
-        assert len(trace.kept[prompt_len - 1][0]) - policy.sink - policy.window < policy.threshold
-
-
-@given(
-    st.integers(3, 12),
-    st.integers(1, 4),
-    st.integers(3, 40),
-    st.sampled_from(["first", "last"]),
-)
-def test_buzz_long_run_middle_matches_the_fixed_point(stride, sink, window, keep) -> None:
-    """Post-eviction middle sizes a_n satisfy a_n = ceil(a/s_hat) + ceil((T-a)/s) with
-    f(a) <= a_n < f(a) + 2 for f(a) = a/s_hat + (T-a)/s of slope lam; so, once the transient has
-    died, a* <= a_n < a* + 2/(1-lam) where a* = T/ratio is f's fixed point."""
-    threshold = max(3, round(threshold_ratio(stride) * window))
-    policy = BUZZ(sink=sink, window=window, stride=stride, threshold=threshold, interval_keep=keep)
-    s_hat = (stride + 1) // 2
-    lam = 1 / s_hat - 1 / stride
-    a_star = fixed_point_middle(stride, threshold)
-    steps = sink + window + threshold + 42 * math.ceil(threshold - a_star)  # ~42 evictions
-    sizes = simulate_sizes(policy, steps)
-    # a decode step whose size dropped vs the previous one followed an eviction
-    post = [int(sizes[i] - 1 - sink - window) for i in range(1, len(sizes)) if sizes[i] <= sizes[i - 1]]
-    assert len(post) >= 40
-    assert math.isclose(a_star, threshold / threshold_ratio(stride))
-    for a in post[20:]:
-        assert a_star - 1e-9 <= a < a_star + 2 / (1 - lam), (a, a_star)
-    # and with the theorem's threshold the long-run middle is about the window
-    assert abs(np.mean(post[20:]) - window) <= 2 / (1 - lam) + 0.5
-
-
-def test_buzz_fixed_point_bound_can_fail() -> None:
-    """The bound above rejects a policy that thins old tokens with s instead of s_hat."""
-
-    class NoHalfStride(BUZZ):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            self.s_hat = self.stride
-
-    stride, sink, window = 5, 1, 30
-    threshold = round(threshold_ratio(stride) * window)
-    sizes = simulate_sizes(NoHalfStride(sink, window, stride, threshold), 40 * threshold)
-    post = [int(sizes[i] - 1 - sink - window) for i in range(1, len(sizes)) if sizes[i] <= sizes[i - 1]]
-    a_star = fixed_point_middle(stride, threshold)
-    lam = 1 / 3 - 1 / 5
-    assert not all(a_star - 1e-9 <= a < a_star + 2 / (1 - lam) for a in post[20:])
-
-
-def test_buzz_prefill_repeats_until_the_middle_fits() -> None:
-    p = BUZZ(sink=1, window=2, stride=3, threshold=4)
-    trace = replay(p, np.zeros((100, 1, 100)), prompt_len=100)
-    # 97 middle -> 33 (new, stride 3) -> 17 -> 9 -> 5 -> 3 (old, s_hat 2)
-    assert [after - 3 for _, _, after in trace.evictions] == [33, 17, 9, 5, 3]
-    assert all(t == 99 for t, _, _ in trace.evictions)
-    # zero logits: earlier prompt tokens have larger summed scores, so each segment keeps its
-    # first token; then every other one: 1,4,..,97 -> 1,7,.. -> 1,13,.. -> 1,25,.. -> 1,49,97
-    assert trace.kept[99].tolist() == [[0, 1, 49, 97, 98, 99]]
-
-
 # ============================================================================ H2O
-@st.composite
-def h2o_views(draw):
-    policy = draw(h2o_policies())
-    n = draw(st.integers(policy.heavy + policy.recent + 1, policy.heavy + policy.recent + 12))
-    heads = draw(st.integers(1, 3))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    levels = np.asarray(draw(st.sampled_from([(0.0, 1.0), LOGIT_LEVELS])))
-    scores = rng.choice(levels, size=(1, heads, n))
-    return policy, CacheView(np.arange(n)[None, None, :].repeat(heads, 1), scores, n)
-
-
-@given(h2o_views())
-def test_h2o_evicts_the_lowest_scores_outside_recent(case) -> None:
-    policy, view = case
-    n = view.n_cached
-    keep = policy.select(view)
-    for h in range(view.heads):
-        row = keep[0, h].tolist()
-        assert len(row) == policy.heavy + policy.recent
-        evicted = sorted(set(range(n)) - set(row))
-        candidates = list(range(n - policy.recent))
-        # one at a time: lowest score, earliest position among equals
-        order = sorted(candidates, key=lambda i: (view.scores[0, h, i], i))
-        assert evicted == sorted(order[: len(evicted)])
-
-
-@given(h2o_policies(), logits_arrays(min_steps=5, max_steps=40))
-def test_h2o_replay_evicts_lowest_score_each_step(policy, logits) -> None:
-    trace = replay(policy, logits, 0)
-    steps, heads, _ = logits.shape
-    for t, before, after in trace.evictions:
-        assert before == after + 1 == policy.heavy + policy.recent + 1
-        scores = reconstruct_scores(trace, logits, policy, t)
-        for h in range(heads):
-            cache = (trace.kept[t - 1][h].tolist() if t else []) + [t]
-            (victim,) = set(cache) - set(trace.kept[t][h].tolist())
-            outside = cache[: len(cache) - policy.recent]
-            low = min(scores[h][j] for j in outside)
-            assert victim == next(j for j in outside if scores[h][j] == low)
-
-
 # ============================================================================ log n
 @pytest.mark.parametrize("base", [2.0, 8.0, 512.0])
 @pytest.mark.parametrize("floor", [0.0, 0.5, 1.0])
@@ -432,21 +150,6 @@ def test_log_n_scale(base, floor) -> None:
     assert math.isclose(s.scale(int(base)), 1.0)  # n = base: ordinary attention
     if floor == 0.0 and base > 2:
         assert s.scale(2) < 1.0  # the literal formula softens attention below the base
-
-
-def test_log_n_changes_attention_in_replay() -> None:
-    """Query t's softmax uses logits times max(log_base(t+1), floor)."""
-    rng = np.random.default_rng(3)
-    logits = rng.normal(size=(12, 1, 12))
-    values = rng.normal(size=(12, 1, 3))
-    p = BUZZ(sink=1, window=20, stride=3, threshold=3, log_n=True, log_base=2.0, log_floor=0.0)
-    trace = replay(p, logits, values=values)
-    t = 9
-    probs = softmax(logits[t, 0, : t + 1] * (math.log(t + 1) / math.log(2.0)))
-    np.testing.assert_allclose(trace.outputs[t, 0], probs @ values[: t + 1, 0], rtol=1e-12)
-    plain = replay(BUZZ(sink=1, window=20, stride=3, threshold=3), logits, values=values)
-    assert not np.allclose(trace.outputs[t], plain.outputs[t])
-    np.testing.assert_allclose(plain.outputs, plain.full_outputs, rtol=1e-12, atol=1e-12)
 
 
 @given(selections)
