@@ -22,7 +22,7 @@ from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, Scissorhands, Snap
 from kvpolicy_tools.eval import compare  # noqa: E402
 from kvpolicy_tools.eval import data as D  # noqa: E402
 from kvpolicy_tools.eval.engine import Engine, prefill_key, recorded_history  # noqa: E402
-from kvpolicy_tools.eval.tasks import DataSources, TokenizerAdapter, tw_window  # noqa: E402
+from kvpolicy_tools.eval.tasks import DataSources, TokenizerAdapter  # noqa: E402
 from kvpolicy_tools.models import tiny_llama  # noqa: E402
 from tiny_eval import CharTokenizer, tiny_sources, words  # noqa: E402
 
@@ -195,17 +195,6 @@ def test_fork_of_shared_prefill_equals_own_prefill(model, policy):
             la = model(ids[:, t : t + 1], **cache_kwargs(model, forked)).logits
             lb = model(ids[:, t : t + 1], **cache_kwargs(model, own)).logits
             torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
-
-
-def test_tw_window_gives_the_long_run_cache_size():
-    import numpy as np
-
-    from kvpolicy.budget import simulate_sizes
-
-    for ratio in (1.5, 4.33, 6.5):
-        w = tw_window(ratio, 200)
-        p = BUZZ(sink=4, window=w, stride=5, threshold=max(3, round(ratio * w)))
-        assert abs(np.mean(simulate_sizes(p, 6000, 0)[2000:]) - 200) < 5  # streaming, long after the start
 
 
 def test_argument_errors(model, tmp_path):

@@ -1,4 +1,6 @@
-"""Eval tasks as plug-ins (issue 12): a task defined outside the package, registered with
+"""kvpolicy_tools/eval/tasks/base.py: ``Task``, the registry and ``tw_window``.
+
+Eval tasks as plug-ins (issue 12): a task defined outside the package, registered with
 ``register_task`` or through the ``kvpolicy.tasks`` entry point group, contributes its flags and
 runs through ``kvpolicy compare`` like the built-ins; results are typed; a fixed seed gives the
 same results twice. Uses a tiny random-weight Llama and a character tokenizer (fast)."""
@@ -180,3 +182,19 @@ def test_results_are_typed_and_a_fixed_seed_repeats_them(model, tmp_path) -> Non
     b = _run(tmp_path / "b", "--tasks", "ppl,needle", "--samples", "ppl=2,needle=1", "--context", "ppl=64",
              "--ppl-tokens", "8", "--needle-lengths", "400", "--needle-depths", "0.5", "--seed", "3", model=model)
     assert strip(a["tasks"]) == strip(b["tasks"])
+
+
+# ---------------------------------------------------------------------------- tw_window: the window that holds a cache size in the long run
+from kvpolicy import BUZZ  # noqa: E402
+from kvpolicy_tools.eval.tasks import tw_window  # noqa: E402
+
+
+def test_tw_window_gives_the_long_run_cache_size():
+    import numpy as np
+
+    from kvpolicy.budget import simulate_sizes
+
+    for ratio in (1.5, 4.33, 6.5):
+        w = tw_window(ratio, 200)
+        p = BUZZ(sink=4, window=w, stride=5, threshold=max(3, round(ratio * w)))
+        assert abs(np.mean(simulate_sizes(p, 6000, 0)[2000:]) - 200) < 5  # streaming, long after the start
