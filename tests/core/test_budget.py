@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from fractions import Fraction
 
 import numpy as np
@@ -26,10 +27,12 @@ from kvpolicy import (
     simulate_sizes,
     threshold_ratio,
 )
+from kvpolicy.budget import _replay_sizes
 from kvpolicy.policies import small_stride
 from kvpolicy.testing import example_inputs
 from kvpolicy_numpy import replay
 from strategies import any_policy
+
 
 BUDGETED = ["buzz", "buzz_logn", "h2o", "streaming_llm", "local"]
 BUDGETS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
@@ -349,7 +352,6 @@ def test_every_builtin_builds_from_a_size_through_the_registry() -> None:
 
 
 # ---------------------------------------------------------------------------- validation: bad input raises a ValueError naming the parameter
-import warnings  # noqa: E402
 
 
 def test_window_must_be_positive_for_estimate_threshold() -> None:
@@ -419,7 +421,6 @@ def test_realised_budget_sizes_must_match_the_run(n) -> None:
 
 
 # ---------------------------------------------------------------------------- the exact size simulation of the built-in policies (issue 7's fast path)
-from kvpolicy.budget import _replay_sizes  # noqa: E402
 
 
 @given(any_policy(), st.integers(1, 160), st.data())

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kvpolicy import BUZZ, CacheView, FullCache, H2O, LocalWindow, LogNScaling, StreamingLLM, TOVA, simulate_sizes
+from kvpolicy import BUZZ, H2O, TOVA, CacheView, FullCache, LocalWindow, LogNScaling, StreamingLLM, simulate_sizes
 from kvpolicy.testing import example_inputs
 from kvpolicy_numpy import replay
 from strategies import any_policy, logits_arrays, replay_cases, selections

@@ -3,12 +3,14 @@ every head, with a random prompt length, per-head and shared selection."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kvpolicy import BUZZ, H2O, TOVA, FullCache, SnapKV
+from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, SnapKV
 from kvpolicy.testing.strategies import make_logits
 from kvpolicy_numpy import replay
 from oracle import oracle
@@ -137,8 +139,6 @@ def test_equivalence_check_catches_mutants(mutant) -> None:
 
 
 # ---------------------------------------------------------------------------- validation: bad input raises a ValueError naming the parameter
-from kvpolicy import LocalWindow  # noqa: E402
-import warnings  # noqa: E402
 
 
 @pytest.mark.parametrize(
