@@ -61,11 +61,7 @@ EXCEPTIONS = {
     "kvpolicy.testing._driver": "tests/core/testing/test_contract.py (the kit's drivers)",
     "kvpolicy.testing._format": "tests/core/testing/test_contract.py (the printed reproducers)",
     "kvpolicy.testing._util": "tests/core/testing/test_contract.py",
-    "kvpolicy.testing.invariants": "tests/core/testing/test_contract.py, tests/core/test_policy.py (invariants of every policy)",
-    "kvpolicy.testing.plugin": "tests/core/testing/test_contract.py (the pytest fixtures), tests/project/test_third_party.py",
-    "kvpolicy.testing.profiles": "tests/core/testing/test_contract.py, loaded by tests/conftest.py",
     "kvpolicy.testing.stateful": "tests/core/testing/test_contract.py (the state machine)",
-    "kvpolicy.testing.strategies": "used by every property test (tests/strategies.py); tests/core/testing/test_contract.py",
     "kvpolicy.testing.timing": "tests/core/testing/test_contract.py (benchmark_policy), tests/project/test_third_party.py",
     # kvpolicy: the shared checks behind every ValueError.
     "kvpolicy._validation": "through every module's bad-input tests (tests/core/test_params.py, tests/project/test_bool_parameters.py)",

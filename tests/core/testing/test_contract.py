@@ -1,15 +1,12 @@
-"""kvpolicy.testing, the conformance kit: every built-in policy passes it (through the pytest
-fixture third parties use), its pieces do what they say, and it catches deliberately broken
+"""kvpolicy.testing, the conformance kit (kvpolicy/testing/contract.py, with the drivers and timing behind
+it): every built-in policy passes it (through the pytest fixture third parties use), its pieces do what
+they say, and it catches deliberately broken
 policies, printing code that replays the shrunk example."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -31,19 +28,10 @@ from kvpolicy.testing import (
     check_replay,
     follows_builtin_rules,
     keeps_first,
-    keeps_last,
     make_logits,
     policy_workload,
 )
-from kvpolicy.testing.profiles import load_profile, profile_name, selected_settings
-from kvpolicy.testing.strategies import (
-    LOGIT_KINDS,
-    gqa_shapes,
-    padded_batches,
-    params_strategy,
-    policies,
-    replay_cases,
-)
+from kvpolicy.testing.strategies import replay_cases
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -306,85 +294,6 @@ def test_check_policy_arguments_and_report() -> None:
     assert trace.kept[-1].shape == (2, 4)
 
 
-def test_params_strategy_derives_from_the_signature() -> None:
-    from typing import Literal
-
-    class Knobs(EvictionPolicy):
-        def __init__(self, a: int, flag: bool = False, mode: Literal["x", "y"] = "x", scale: float = 2.5,
-                     *, selection: str = "per_head") -> None:
-            super().__init__(selection=selection)  # type: ignore[arg-type]
-            self.a, self.flag, self.mode, self.scale = a, flag, mode, scale
-
-        capacity = None
-
-        def select(self, view):
-            return None
-
-    seen: dict[str, set] = {"a": set(), "flag": set(), "mode": set(), "scale": set(), "selection": set()}
-
-    @settings(max_examples=60, database=None)
-    @given(params_strategy(Knobs, a=st.integers(5, 6)))
-    def draw(kw) -> None:
-        for k, v in kw.items():
-            seen[k].add(v)
-
-    draw()
-    assert seen["a"] <= {5, 6} and seen["flag"] == {False, True} and seen["mode"] == {"x", "y"}
-    assert seen["scale"] == {2.5} and seen["selection"] == {"per_head", "shared"}
-
-    class Opaque(EvictionPolicy):
-        def __init__(self, thing) -> None:
-            super().__init__()
-
-    with pytest.raises(TypeError, match=r"describe it, e.g. params_strategy\(Opaque, thing="):
-        params_strategy(Opaque)
-    with pytest.raises(TypeError, match="has no parameter"):
-        params_strategy(LocalWindow, windw=st.just(3))
-
-
-def test_policies_from_anything() -> None:
-    @settings(max_examples=20, database=None)
-    @given(
-        policies(get_policy("buzz_logn")),
-        policies(LocalWindow(window=5)),
-        policies(H2O, heavy=st.just(2)),
-        policies(lambda window: LocalWindow(window), {"window": st.integers(1, 3)}),
-    )
-    def draw(logn, fixed, h2o, local) -> None:
-        assert type(logn) is BUZZ and logn.log_n is not None
-        assert fixed == LocalWindow(window=5)
-        assert h2o.heavy == 2
-        assert 1 <= local.window <= 3
-
-    draw()
-
-
-@settings(max_examples=40, database=None)
-@given(st.sampled_from(LOGIT_KINDS), st.integers(1, 12), st.integers(1, 3), st.integers(0, 2**32 - 1))
-def test_make_logits_is_pure_and_onehot_ties(kind, steps, heads, seed) -> None:
-    a = make_logits(steps, heads, kind=kind, seed=seed, n_heavy=2)
-    assert a.shape == (steps, heads, steps) and a.dtype == np.float64
-    assert np.array_equal(a, make_logits(steps, heads, kind=kind, seed=seed, n_heavy=2))
-    if kind == "onehot":  # one key per query, never a future one
-        hot = a == 1.0e4
-        assert (hot.sum(axis=-1) == 1).all()
-        assert (np.argmax(hot, axis=-1) <= np.arange(steps)[:, None]).all()
-
-
-@settings(max_examples=30, database=None)
-@given(gqa_shapes(), st.data())
-def test_gqa_shapes_and_padded_batches(shape, data) -> None:
-    kv, group = shape
-    batch = data.draw(padded_batches(query_heads=kv * group, max_steps=12))
-    logits = batch.logits
-    b, steps, hq, _ = logits.shape
-    assert hq == kv * group and b == len(batch.pads)
-    for row, pad in enumerate(batch.pads):
-        assert (logits[row, pad:, :, :pad] == -1.0e4).all()  # real queries never attend to padding
-    rebuilt = eval(batch.call(), {"kvpolicy": __import__("kvpolicy.testing.strategies")})
-    assert np.array_equal(rebuilt, logits)
-
-
 def test_compare_backends_batch_rows_are_independent() -> None:
     from kvpolicy.testing import compare_backends
 
@@ -409,78 +318,7 @@ def test_compare_backends_batch_rows_are_independent() -> None:
         compare_backends(RowLeak(heavy=2, recent=2), logits, 0, group=2, torch=False)
 
 
-def test_invariant_helpers() -> None:
-    kept = np.array([[0, 1, 7, 8, 9]])
-    assert keeps_first(2)(None, kept, 9) is None and keeps_last(3)(None, kept, 9) is None
-    with pytest.raises(AssertionError, match=r"keeps_last\(4\): position\(s\) \[6\]"):
-        keeps_last(4)(None, kept, 9)
-    with pytest.raises(AssertionError, match="keeps_first"):
-        keeps_first("sink")(StreamingLLM(sink=3, window=2), kept, 9)
-
-
-def test_profiles() -> None:
-    assert profile_name({}) == "dev"
-    assert profile_name({"CI": "true"}) == "ci"
-    assert profile_name({"CI": "true", "KVPOLICY_HYPOTHESIS_PROFILE": "thorough"}) == "thorough"
-    with pytest.raises(ValueError, match="must be one of"):
-        profile_name({"KVPOLICY_HYPOTHESIS_PROFILE": "fast"})
-    ci = selected_settings("ci")
-    assert ci.max_examples >= 200 and ci.deadline is None and ci.derandomize
-    assert selected_settings("dev").max_examples < ci.max_examples < selected_settings("thorough").max_examples
-    # tests/conftest.py loaded the selected profile through the kit
-    assert settings.default.max_examples == selected_settings().max_examples
-    assert load_profile(profile_name()) == profile_name()
-
-
 # ============================================================================ the pytest plugin
-def test_plugin_entry_point_and_properties(request) -> None:
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-
-    from kvpolicy.testing import PROPERTIES
-    from kvpolicy.testing import plugin
-
-    assert plugin.PROPERTIES == PROPERTIES
-    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["pytest11"]
-    assert declared == {"kvpolicy": "kvpolicy.testing.plugin"}
-    # pytest loaded it (from the entry point, or conftest's fallback for an older editable install)
-    pm = request.config.pluginmanager
-    assert pm.has_plugin("kvpolicy") or pm.has_plugin("kvpolicy.testing.plugin")
-    # some installed kvpolicy distribution declares it (pytest scans every distribution)
-    assert any(
-        ep.group == "pytest11" and ep.value == "kvpolicy.testing.plugin"
-        for dist in importlib.metadata.distributions()
-        if (dist.metadata["Name"] or "").lower() == "kvpolicy"
-        for ep in dist.entry_points
-    ), "reinstall kvpolicy (pip install -e .) to register the plugin"
-
-
-def test_plugin_fixture_runs_each_property_as_a_test(tmp_path) -> None:
-    (tmp_path / "test_mine.py").write_text(
-        textwrap.dedent(
-            """
-            from hypothesis import strategies as st
-            from kvpolicy import LocalWindow
-
-            def test_local(kvpolicy_contract):
-                kvpolicy_contract(LocalWindow, {"window": st.integers(1, 3)}, torch=False)
-
-            def test_only_two(kvpolicy_contract):
-                kvpolicy_contract(LocalWindow, checks=["replay", "sizes"], torch=False)
-            """
-        )
-    )
-    env = {**os.environ, "KVPOLICY_HYPOTHESIS_PROFILE": "dev", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rs", "-o", "addopts=", "test_mine.py"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "7 passed, 3 skipped" in res.stdout, res.stdout
-    for prop in ("replay", "sizes", "full_cache", "backends", "stateful"):
-        assert f"test_local[contract-{prop}] PASSED" in res.stdout
-    assert "test_only_two[contract-stateful] SKIPPED" in res.stdout
-
-
 def test_kit_without_torch() -> None:
     """kvpolicy.testing imports and runs with torch blocked; loading the plugin imports neither
     torch nor hypothesis."""
