@@ -1,4 +1,5 @@
-"""Budgets and BUZZ's parameter-estimation theorem."""
+"""kvpolicy/budget.py: budgets, BUZZ's parameter-estimation theorem, the exact size simulation, and the
+budgets, context and prompt lengths it refuses."""
 
 from __future__ import annotations
 

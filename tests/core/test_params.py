@@ -1,4 +1,4 @@
-"""Declared policy parameters (issue 12): ``kvpolicy.Param`` on a class gives its constructor,
+"""kvpolicy/params.py, declared policy parameters (issue 12): ``kvpolicy.Param`` on a class gives its constructor,
 validation, ``params()``, ``repr``, equality and hashing, from one declaration."""
 
 from __future__ import annotations

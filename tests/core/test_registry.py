@@ -1,4 +1,5 @@
-"""Registry: built-ins, presets, name normalisation, entry-point discovery, third-party policies."""
+"""kvpolicy/registry.py: built-ins, presets, name normalisation, entry-point discovery, third-party
+policies, and the names it refuses."""
 
 from __future__ import annotations
 

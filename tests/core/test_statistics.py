@@ -1,11 +1,11 @@
-"""Scores from keys (``score_statistic`` ``"key_norm"`` / ``"key_diff"``): Knorm and KeyDiff on
-every backend. The NumPy reference (``replay(..., keys=)``) against a literal per-head oracle
-written here, the torch replay against the reference, the transformers cache against the
-reference on layer 0's keys (the tiny random-weight model ``kvpolicy_tools.models.tiny_llama``: it
-checks wiring and numerics, not language), no score capture in attention, and docs/policies.md's
-worked example. The kit's ``check_policy`` runs them in tests/core/testing/test_contract.py, left-padded
-batches in tests/integrations/test_ragged.py, DeepSpeed's two ranks in tests/integrations/test_deepspeed_multi.py.
-"""
+"""kvpolicy/statistics.py and the policies scoring from it. Scores from keys (``score_statistic``
+``"key_norm"`` / ``"key_diff"``): Knorm and KeyDiff on every backend. The NumPy reference (``replay(...,
+keys=)``) against a literal per-head oracle written here, the torch replay against the reference, the
+transformers cache against the reference on layer 0's keys (the tiny random-weight model
+``kvpolicy_tools.models.tiny_llama``: it checks wiring and numerics, not language), no score capture in
+attention, and docs/policies.md's worked example. The kit's ``check_policy`` runs them in
+tests/core/testing/test_contract.py, left-padded batches in tests/integrations/test_ragged.py,
+DeepSpeed's two ranks in tests/integrations/test_deepspeed_multi.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The transformers integration on tiny random Llama models (fast, CPU).
+"""The transformers integration (kvpolicy_integrations/hf.py) on tiny random Llama models (fast, CPU).
 
 The tiny models (`kvpolicy_tools.models.tiny_llama`) have random weights: they check wiring and
 numerics, not language quality. The real-model checks are in test_hf_real_model.py.

@@ -1,5 +1,6 @@
-"""The vectorised policies (through kvpolicy_numpy.replay) equal the literal oracle, every step,
-every head, with a random prompt length, per-head and shared selection."""
+"""kvpolicy_numpy/replay.py, the reference: the vectorised policies (through kvpolicy_numpy.replay) equal
+the literal oracle, every step, every head, with a random prompt length, per-head and shared selection;
+and the inputs a replay refuses (held on both replays, NumPy and torch)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""AdaKV head-wise budgets on the torch backend and in the transformers cache.
+"""kvpolicy_torch/headwise.py: AdaKV head-wise budgets on the torch backend and in the transformers cache.
 
 Differential: ``kvpolicy_torch.replay`` (LayerCache) keeps what ``kvpolicy_numpy.replay`` keeps,
 holes included; a LayerCache's kept bytes are the layer's budget while its storage is the widest

@@ -1,7 +1,7 @@
-"""One graph per decode step (issue 25): an ``EvictingCache(..., static_shapes=True)`` decode step
-under ``torch.compile(fullgraph=True, dynamic=False)`` traces for every policy, compiles at most
-two graphs over 300 steps that cross evictions (and, for BUZZ and Scissorhands, host evictions
-between steps), and gives eager's greedy tokens; the model is left as it was found.
+"""kvpolicy_torch/static.py, one graph per decode step (issue 25): an ``EvictingCache(...,
+static_shapes=True)`` decode step under ``torch.compile(fullgraph=True, dynamic=False)`` traces for every
+policy, compiles at most two graphs over 300 steps that cross evictions (and, for BUZZ and Scissorhands,
+host evictions between steps), and gives eager's greedy tokens; the model is left as it was found.
 
 The model is ``kvpolicy_tools.models.tiny_llama``: random weights, 2 layers, GQA (fast; compiling the
 embedded model takes minutes, see benchmarks/compiled_decode.py). Most cases compile with

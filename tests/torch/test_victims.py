@@ -1,4 +1,5 @@
-"""H2O's victim search among candidates (kvpolicy_torch.LayerCache, ``victim="lowest"`` on CPU).
+"""kvpolicy_torch/victims.py: H2O's victim search among candidates (kvpolicy_torch.LayerCache,
+``victim="lowest"`` on CPU).
 
 Above ``candidate_min_scores`` scores per step the store finds the lowest eligible score among a
 candidate set and the slots that became eligible since its last full search, trusting that

@@ -1,5 +1,6 @@
-"""compose(prefill=..., decode=...): the NumPy reference against the literal oracle and the torch
-replay, the conformance kit, planning (the snapkv_* presets), and its refusals."""
+"""kvpolicy/policies/composition.py, compose(prefill=..., decode=...): the NumPy reference against the
+literal oracle and the torch replay, the conformance kit, planning (the snapkv_* presets), and its
+refusals."""
 
 from __future__ import annotations
 
