@@ -1,8 +1,10 @@
-"""Budgets and BUZZ's parameter-estimation theorem."""
+"""kvpolicy/budget.py: budgets, BUZZ's parameter-estimation theorem, the exact size simulation, and the
+budgets, context and prompt lengths it refuses."""
 
 from __future__ import annotations
 
 import math
+import warnings
 from fractions import Fraction
 
 import numpy as np
@@ -26,10 +28,12 @@ from kvpolicy import (
     simulate_sizes,
     threshold_ratio,
 )
+from kvpolicy.budget import _replay_sizes
 from kvpolicy.policies import small_stride
 from kvpolicy.testing import example_inputs
 from kvpolicy_numpy import replay
 from strategies import any_policy
+
 
 BUDGETED = ["buzz", "buzz_logn", "h2o", "streaming_llm", "local"]
 BUDGETS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
@@ -346,3 +350,96 @@ def test_every_builtin_builds_from_a_size_through_the_registry() -> None:
             assert isinstance(policy, cls) and policy == entry.from_size(size, **needs), (name, size)
         if policy.capacity is not None:
             assert fit_capacity(entry, policy.capacity, **needs).capacity == policy.capacity, name
+
+
+# ---------------------------------------------------------------------------- validation: bad input raises a ValueError naming the parameter
+
+
+def test_window_must_be_positive_for_estimate_threshold() -> None:
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        estimate_threshold(5, 0)
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.0001, 1.5, float("nan"), float("inf")])
+def test_budget_outside_0_1(bad) -> None:
+    with pytest.raises(ValueError, match=r"budget must be in \(0\.0, 1\.0\]"):
+        make_policy("buzz", bad, context_length=1024)
+    with pytest.raises(ValueError, match=r"budget must be in \(0\.0, 1\.0\]"):
+        plan_policy("h2o", bad, context_length=1024)
+
+
+def test_budget_1_is_allowed() -> None:
+    plan = plan_policy("streaming_llm", 1.0, context_length=256)
+    assert plan.realised_budget == pytest.approx(1.0, abs=0.05)
+
+
+@pytest.mark.parametrize("budget", [0.1, 0.5, 0.999])
+def test_full_cache_budget_below_1(budget) -> None:
+    with pytest.raises(ValueError, match="budget for the 'full' policy must be 1.0"):
+        make_policy("full", budget, context_length=100)
+
+
+def test_budget_below_what_the_policy_reaches() -> None:
+    with pytest.raises(ValueError, match=r"budget 0.01 is below the smallest buzz reaches .*allowed range"):
+        make_policy("buzz", 0.01, context_length=64)
+
+
+@pytest.mark.parametrize("context", [0, -5])
+def test_context_length(context) -> None:
+    with pytest.raises(ValueError, match="context_length must be >= 1"):
+        make_policy("buzz", 0.3, context_length=context)
+    with pytest.raises(ValueError, match="context_length must be >= 1"):
+        simulate_sizes(LocalWindow(3), context)
+
+
+def test_prompt_length_must_leave_a_decode_step() -> None:
+    with pytest.raises(ValueError, match="prompt_length must be >= 0 and <= 99"):
+        make_policy("buzz", 0.3, context_length=100, prompt_length=100)
+
+
+def test_unknown_parameter_override() -> None:
+    # the declared parameters (kvpolicy.Param) say which names exist: a ValueError listing them
+    with pytest.raises(ValueError, match="unknown parameter windw for H2O; its parameters: heavy, recent, selection"):
+        make_policy("h2o", 0.3, context_length=100, windw=3)
+
+
+def test_realised_budget_without_decode_steps() -> None:
+    trace = replay(LocalWindow(2), np.zeros((5, 1, 5)), prompt_len=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "mean of empty slice" on the way to the error
+        with pytest.raises(ValueError, match=r"realised_budget needs at least one decode step: prompt_len must be < steps, got prompt_len = steps = 5"):
+            trace.realised_budget
+        with pytest.raises(ValueError, match=r"^prompt_length must be >= 0 and <= 4, got 5$"):
+            realised_budget(np.zeros(0), 5, 5)
+    # one decode step is enough
+    assert replay(LocalWindow(2), np.zeros((5, 1, 5)), prompt_len=4).realised_budget == pytest.approx(3 / 5)
+
+
+@pytest.mark.parametrize("n", [0, 2, 4])
+def test_realised_budget_sizes_must_match_the_run(n) -> None:
+    with pytest.raises(ValueError, match=rf"^sizes must hold one size per decode step, shape \(3,\), got \({n},\)$"):
+        realised_budget(np.ones(n), 5, prompt_length=2)
+
+
+# ---------------------------------------------------------------------------- the exact size simulation of the built-in policies (issue 7's fast path)
+
+
+@given(any_policy(), st.integers(1, 160), st.data())
+def test_size_rule_equals_replaying_the_policy(policy, context, data) -> None:
+    prompt = data.draw(st.integers(0, context))
+    np.testing.assert_array_equal(simulate_sizes(policy, context, prompt), _replay_sizes(policy, context, prompt))
+
+
+def test_subclasses_are_replayed_not_simulated() -> None:
+    class EveryOther(StreamingLLM):  # a subclass may change select: the size rule must not apply
+        decode_eviction = size_rule = None  # its own select: no inherited rule
+
+        def select(self, view):
+            n = view.n_cached
+            if n <= self.sink + self.window:
+                return None
+            return view.keep(view.arange(0, n, 2))
+
+    p = EveryOther(sink=1, window=3)
+    np.testing.assert_array_equal(simulate_sizes(p, 40, 5), _replay_sizes(p, 40, 5))
+    assert simulate_sizes(p, 40, 5).tolist() != simulate_sizes(StreamingLLM(sink=1, window=3), 40, 5).tolist()

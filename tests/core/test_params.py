@@ -1,4 +1,4 @@
-"""Declared policy parameters (issue 12): ``kvpolicy.Param`` on a class gives its constructor,
+"""kvpolicy/params.py, declared policy parameters (issue 12): ``kvpolicy.Param`` on a class gives its constructor,
 validation, ``params()``, ``repr``, equality and hashing, from one declaration."""
 
 from __future__ import annotations
@@ -139,3 +139,38 @@ def test_param_declarations_are_checked_up_front() -> None:
         Param(list)
     with pytest.raises(ValueError, match="a str parameter needs its choices"):
         Param(str)
+
+
+# ---------------------------------------------------------------------------- validation: bad input raises a ValueError naming the parameter
+
+GOOD = {
+    BUZZ: dict(sink=1, window=4, stride=3, threshold=6),
+    H2O: dict(heavy=2, recent=2),
+    StreamingLLM: dict(sink=1, window=4),
+    LocalWindow: dict(window=4),
+}
+
+
+SIZE_PARAMS = [(cls, name) for cls, params in GOOD.items() for name in params]
+
+
+@pytest.mark.parametrize("cls, param", SIZE_PARAMS, ids=lambda x: getattr(x, "__name__", x))
+@pytest.mark.parametrize("bad", [0, -1, -100])
+def test_zero_or_negative_sizes(cls, param, bad) -> None:
+    with pytest.raises(ValueError, match=rf"^{param} must be >= \d+, got {bad}$"):
+        cls(**{**GOOD[cls], param: bad})
+
+
+@pytest.mark.parametrize("cls, param", SIZE_PARAMS, ids=lambda x: getattr(x, "__name__", x))
+@pytest.mark.parametrize("bad", [2.5, "4", None, True])
+def test_non_integer_sizes(cls, param, bad) -> None:
+    if (cls, param, bad) == (BUZZ, "threshold", None):
+        return  # None means "from the theorem" (tested in test_budget)
+    with pytest.raises(ValueError, match=rf"^{param} must be an integer >= \d+"):
+        cls(**{**GOOD[cls], param: bad})
+
+
+def test_good_parameters_construct() -> None:
+    """The baseline the error tests vary (so a failure above is about the one bad value)."""
+    for cls, params in GOOD.items():
+        assert cls(**params).params() == params

@@ -1,4 +1,5 @@
-"""Registry: built-ins, presets, name normalisation, entry-point discovery, third-party policies."""
+"""kvpolicy/registry.py: built-ins, presets, name normalisation, entry-point discovery, third-party
+policies, and the names it refuses."""
 
 from __future__ import annotations
 
@@ -274,3 +275,33 @@ def test_package_docstring_names_every_builtin_policy() -> None:
     assert "h2o" in own and "pyramid_h2o" in own
     missing = [name for name in own if f"``{name}``" not in (kvpolicy.__doc__ or "")]
     assert not missing, f"kvpolicy/__init__.py's docstring does not name {missing}"
+
+
+# ---------------------------------------------------------------------------- validation: bad input raises a ValueError naming the parameter
+
+@pytest.mark.parametrize("name", ["nope", "buzzz", "", "h20"])
+def test_unknown_policy_name(name) -> None:
+    for fn in (get_policy, create_policy):
+        with pytest.raises(ValueError, match=r"unknown policy .*; known policies: .*buzz.*h2o"):
+            fn(name)
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy(name, 0.3, context_length=100)
+
+
+@pytest.mark.parametrize("bad", [None, 123, 1.5, BUZZ(), object(), ["buzz"]])
+def test_policy_name_of_the_wrong_type(bad) -> None:
+    with pytest.raises(ValueError, match=r"^name must be a registered policy name .*, an EvictionPolicy subclass or a Preset; got"):
+        make_policy(bad, 0.3, context_length=100)
+    with pytest.raises(ValueError, match=r"^name must be a registered policy name"):
+        plan_policy(bad, 0.3, context_length=100)
+    for fn in (get_policy, create_policy):
+        with pytest.raises(ValueError, match=r"^policy name must be a string \(one of .*buzz.*\), got"):
+            fn(bad)
+
+
+def test_policy_instance_hint() -> None:
+    with pytest.raises(ValueError, match=r"an instance: pass its class"):
+        make_policy(H2O(heavy=2, recent=2), 0.3, context_length=100)
+    # the accepted forms, for contrast
+    assert make_policy(H2O, 0.3, context_length=100) == make_policy("h2o", 0.3, context_length=100)
+    assert make_policy(get_policy("buzz_logn"), 0.3, context_length=100).log_n is not None

@@ -2,42 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-# Installed first in the child: any import of torch or transformers (or a submodule) fails.
-BLOCK = textwrap.dedent(
-    """
-    import sys
-    class _Block:
-        BLOCKED = ("torch", "transformers")
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in self.BLOCKED:
-                raise ImportError(f"{name} is blocked in this test")
-            return None
-    sys.meta_path.insert(0, _Block())
-    """
-)
-
-
-def run_blocked(code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "integrations")])}
-    env.pop("PYTHONSTARTUP", None)
-    return subprocess.run(
-        [sys.executable, "-c", BLOCK + textwrap.dedent(code)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+from blocked import run_blocked
 
 
 def test_the_block_works() -> None:

@@ -178,3 +178,41 @@ def test_attend_is_decode_attention_then_accumulate_query(policy, b, g, r, promp
         assert torch.equal(fast.scores, slow.scores) and torch.equal(fast.positions, slow.positions), t
         fast.evict()
         slow.evict()
+
+
+# ---------------------------------------------------------------------------- the decode path (one query) against the 5-D einsum it replaced
+from kvpolicy_torch.scores import group_query_heads  # noqa: E402
+
+
+def _received_before(query, keys, scaling, *, query_scale=None, block=512):
+    """received_attention before the decode fast path (the 5-D einsum for every q)."""
+    b, hq, q, d = query.shape
+    kv_heads, n = keys.shape[1], keys.shape[2]
+    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    grouped = group_query_heads(query, kv_heads).to(work)
+    k = keys.to(work)
+    out = torch.zeros(b, kv_heads, n, dtype=work)
+    for start in range(0, q, block):
+        stop = min(q, start + block)
+        logits = torch.einsum("bgrqd,bgnd->bgrqn", grouped[:, :, :, start:stop], k) * scaling
+        if query_scale is not None:
+            logits = logits * query_scale[start:stop, None].to(work)
+        if q > 1:
+            rows = torch.arange(start, stop)[:, None]
+            logits = logits.masked_fill(torch.arange(n)[None, :] > n - q + rows, float("-inf"))
+        out += torch.softmax(logits, dim=-1).sum(dim=(2, 3))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("q, hq, kv", [(1, 4, 2), (1, 6, 6), (1, 9, 3), (3, 4, 2)])
+@pytest.mark.parametrize("log_n", [False, True])
+def test_received_attention_decode_path_equals_the_einsum(dtype, q, hq, kv, log_n) -> None:
+    g = torch.Generator().manual_seed(q * 100 + hq)
+    query = torch.randn(2, hq, q, 8, generator=g).to(dtype)
+    keys = torch.randn(2, kv, 40, 8, generator=g).to(dtype)[:, :, :37]  # a view, like the cache's
+    qs = torch.tensor([1.3, 1.1, 0.7][:q]) if log_n else None
+    got = received_attention(query, keys, 0.35, query_scale=qs)
+    want = _received_before(query, keys, 0.35, query_scale=qs)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -1,0 +1,83 @@
+"""benchmarks/peers/kept_positions.py (kept positions against kvpress's presses): skips cleanly
+without the kvpress venv, its pieces on their own, and, with the venv present
+(benchmarks/peers/setup_kvpress.sh), both sides on the tiny random-weight model
+``kvpolicy_tools.models.tiny_llama`` (wiring, not language): the presses whose rule kvpolicy shares keep
+the same positions per layer and KV head."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[3]
+DRIVER = ROOT / "benchmarks" / "peers" / "kept_positions.py"
+
+
+@pytest.fixture(scope="module")
+def kept():
+    sys.path.insert(0, str(DRIVER.parent))
+    spec = importlib.util.spec_from_file_location("kept_positions", DRIVER)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+        sys.path.remove(str(DRIVER.parent))
+
+
+def test_skips_cleanly_without_the_kvpress_venv(kept, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert kept.main(["--venv", str(tmp_path / "no-venv"), "--out", str(out)]) == 0
+    assert "kvpress venv not found" in capsys.readouterr().out
+    assert not out.exists()
+
+
+def test_sizes_policies_and_agreement(kept):
+    assert [kept.n_kept(512, r) for r in (0.5, 0.75, 0.999)] == [256, 128, 1]
+    assert repr(kept.our_policy("streaming_llm", 128)) == "StreamingLLM(sink=4, window=124)"
+    assert kept.our_policy("tova", 128).selection == "shared" and kept.our_policy("snapkv", 128).pooling == "avg"
+    assert kept.our_policy("tova", 9, selection="per_head").selection == "per_head"
+    ours = [[[0, 1, 2], [0, 1, 3]]]
+    theirs = [[[0, 1, 2], [1, 2, 3]]]
+    got = kept.agreement(ours, theirs)
+    assert (got["equal"], got["sets"]) == (1, 2) and got["jaccard"] == pytest.approx((1 + 2 / 4) / 2)
+
+
+# the venv benchmarks/peers/setup_kvpress.sh builds (KVPRESS_VENV: another one, e.g. a worktree's main checkout's)
+VENV = Path(os.environ.get("KVPRESS_VENV", ROOT / ".venv-kvpress"))
+
+
+@pytest.mark.slow
+def test_both_sides_keep_the_same_positions_on_a_tiny_model(kept, tmp_path):
+    python = kept.kvpress_python(VENV)
+    if python is None:
+        pytest.skip("the kvpress venv is missing (benchmarks/peers/setup_kvpress.sh)")
+    from kvpolicy_tools.models import tiny_llama
+
+    model = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, vocab=96, seed=2).eval()
+    model.save_pretrained(tmp_path / "model")
+    ids = torch.randint(3, 96, (1, 80), generator=torch.Generator().manual_seed(0))
+    (tmp_path / "ids.json").write_text(json.dumps(ids[0].tolist()))
+    names = ["streaming_llm", "knorm", "keydiff", "tova", "expected_attention"]
+    subprocess.run([str(python), str(DRIVER.with_name("kvpress_kept.py")), "--model-dir", str(tmp_path / "model"),
+                    "--ids", str(tmp_path / "ids.json"), "--ratios", "0.5", "--presses", ",".join(names),
+                    "--out", str(tmp_path / "kept.json")], check=True, timeout=600)
+    theirs = json.loads((tmp_path / "kept.json").read_text())["kept"]
+    for name in names:
+        # TOVAPress always keeps the newest token (it scores only the others): our recent=1; the
+        # default recent=0 agrees where the newest token draws enough attention (SmolLM2: 90/90)
+        variant = {"recent": 1} if name == "tova" else {}
+        ours = kept.our_kept(model, ids, kept.our_policy(name, kept.n_kept(80, 0.5), **variant))
+        got = kept.agreement(ours, theirs[f"{name}@0.5"])
+        assert got["equal"] == got["sets"] == 4, (name, got)

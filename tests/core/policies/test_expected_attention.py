@@ -1,0 +1,297 @@
+"""Expected Attention (``score_statistic = "expected_attention"``) on every backend.
+
+* the NumPy reference (``replay(..., keys=, values=, queries=, rope=)``) against an oracle that
+  follows kvpress's ``ExpectedAttentionPress`` procedure literally (centred covariance, RoPE's
+  average as a full ``d x d`` matrix from ``cat(freqs, freqs)`` cosines and sines, the group's mean
+  of the softmaxes), re-estimated from every query seen at each eviction;
+* the torch backend (running moments, ``kvpolicy_torch.replay``) against the reference, bit for
+  bit in the kept positions, with GQA groups and every RoPE layout (half, interleaved, partial);
+* the transformers cache against the reference on layer 0 of the tiny random-weight model
+  ``kvpolicy_tools.models.tiny_llama`` (wiring and numerics, not language): the queries the layer sees,
+  rotated back to before RoPE, make the same statistics; no score capture in attention;
+* docs/policies.md's worked example.
+
+The kit's ``check_policy`` runs it in tests/core/testing/test_contract.py, left-padded batches in
+tests/integrations/test_ragged.py, the compiled step in tests/torch/test_static.py, DeepSpeed's two ranks in
+tests/integrations/test_deepspeed_multi.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvpolicy_numpy
+from kvpolicy import ExpectedAttention, compose, make_policy
+from kvpolicy.statistics import QueryMoments, Rotary, average_rotation, expected_attention, query_moments
+from oracle import keep_highest_oracle
+from strategies import expected_attention_policies, logits_arrays, prompt_lengths
+
+torch = pytest.importorskip("torch")
+import kvpolicy_torch  # noqa: E402
+
+
+# ============================================================================ kvpress's procedure, literally
+def _kvpress_rotation(inv_freq: np.ndarray, start: int, future: int) -> np.ndarray:
+    """kvpress's ``apply_avg_rope`` matrix: the mean over the next ``future`` positions of
+    ``cos * I + sin * P`` with transformers' ``cat(freqs, freqs)`` layout (half-split RoPE)."""
+    d = 2 * inv_freq.shape[0]
+    t = np.arange(start, start + future, dtype=np.float32)
+    angles = (t[:, None] * inv_freq.astype(np.float32)[None]).astype(np.float64)
+    cos = np.concatenate([np.cos(angles)] * 2, axis=-1)  # [future, d]
+    sin = np.concatenate([np.sin(angles)] * 2, axis=-1)
+    eye = np.eye(d)
+    p = np.zeros((d, d))
+    p[d // 2 :, : d // 2], p[: d // 2, d // 2 :] = np.eye(d // 2), -np.eye(d // 2)
+    return (cos[:, None, :] * eye + sin[:, None, :] * p).mean(axis=0)
+
+
+def kvpress_scores(policy, keys, values, queries, held: list[int], t: int, inv_freq) -> list[float]:
+    """One head's scores of the ``held`` positions after token ``t``: queries ``[steps, group, d]``
+    of positions ``sink..t``, mean and centred covariance (divided by the count), rotated by RoPE's
+    average, ``z = k mu / sqrt(d) + k cov k / 2d``, softmax over the non-sink held tokens per query
+    head, mean over the group, ``(p + epsilon) * |v|``; sinks ``+inf``."""
+    d = keys.shape[-1]
+    seen = queries[policy.sink : t + 1]  # [c, group, d]
+    if len(seen):
+        mu = seen.mean(axis=0)
+        centred = seen - mu
+        cov = np.einsum("crd,cre->rde", centred, centred) / len(seen)
+    else:
+        mu, cov = np.zeros(queries.shape[1:]), np.zeros((queries.shape[1], d, d))
+    if inv_freq is not None:
+        r = _kvpress_rotation(inv_freq, t + 1, policy.future)
+        mu = mu @ r.T
+        cov = r @ cov @ r.T
+    cand = [p for p in held if p >= policy.sink]
+    k = keys[cand]  # [n, d]
+    z = k @ mu.T / math.sqrt(d)  # [n, group]
+    if policy.covariance:
+        z = z + np.einsum("nd,rde,ne->nr", k, cov, k) / d / 2
+    z = np.exp(z - z.max(axis=0)) if len(cand) else z
+    probs = (z / z.sum(axis=0)).mean(axis=1) if len(cand) else z[:, 0]
+    if policy.value_norm:
+        probs = (probs + policy.epsilon) * np.linalg.norm(values[cand], axis=-1)
+    by_position = dict(zip(cand, probs.tolist()))
+    return [by_position.get(p, math.inf) for p in held]
+
+
+def oracle(policy, keys, values, queries, prompt_len: int, inv_freq=None) -> list[list[list[int]] | None]:
+    """Kept positions per step and head (:func:`oracle.keep_highest_oracle`) with kvpress's scores."""
+    steps, heads, _ = keys.shape
+    return keep_highest_oracle(
+        policy, steps, heads, prompt_len,
+        lambda h, held, t: kvpress_scores(policy, keys[:, h], values[:, h], queries[:, h], held, t, inv_freq),
+    )
+
+
+@st.composite
+def cases(draw, integer_levels: bool = True):
+    """(policy, logits, keys, values, queries [steps, heads, group, d], prompt_len, rope): keys,
+    values and queries of small integer levels (exact ties) or normal draws; RoPE none, half-split,
+    interleaved or partial, with frequencies spanning slow and fast."""
+    policy = draw(expected_attention_policies())
+    logits = draw(logits_arrays(max_steps=20, max_heads=3))
+    steps, heads, _ = logits.shape
+    d = draw(st.sampled_from([2, 4, 6, 8]))
+    group = draw(st.integers(1, 3))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if integer_levels and draw(st.booleans()):
+        def draw_array(*shape):
+            return rng.integers(-2, 3, size=shape).astype(np.float64)
+    else:
+        scale = draw(st.sampled_from([0.3, 1.0, 3.0]))
+
+        def draw_array(*shape):
+            return rng.normal(size=shape) * scale
+    keys, values, queries = draw_array(steps, heads, d), draw_array(steps, heads, 3), draw_array(steps, heads, group, d)
+    kind = draw(st.sampled_from(["none", "half", "interleaved", "partial"]))
+    rope = None
+    if kind != "none":
+        dim = d if kind != "partial" else max(2, d - 2)
+        freq = 1.0 / draw(st.sampled_from([2.0, 100.0, 10000.0])) ** (np.arange(0, dim, 2) / dim)
+        rope = Rotary(freq, "interleaved" if kind == "interleaved" else "half", dim)
+    return policy, logits, keys, values, queries, draw(prompt_lengths(steps)), rope
+
+
+@settings(max_examples=120, deadline=None)
+@given(cases(integer_levels=False))
+def test_reference_equals_kvpress_procedure(case) -> None:
+    """The reference's scores, re-estimated at every eviction from every query seen, keep what
+    kvpress's procedure keeps (normal draws: no exact ties, which the oracle breaks unrounded)."""
+    policy, logits, keys, values, queries, prompt_len, rope = case
+    if rope is not None and (rope.style != "half" or rope.rotary_dim != keys.shape[-1]):
+        rope = Rotary(1.0 / 10000.0 ** (np.arange(0, keys.shape[-1], 2) / keys.shape[-1]))  # kvpress's layout
+    ref = kvpolicy_numpy.replay(policy, logits, prompt_len, values=values, keys=keys, queries=queries, rope=rope)
+    lit = oracle(policy, keys, values, queries, prompt_len, None if rope is None else rope.inv_freq)
+    for t, want in enumerate(lit):
+        assert (ref.kept[t] is None) == (want is None), f"step {t}"
+        if want is not None:
+            assert ref.kept[t].tolist() == want, f"step {t}"
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases())
+def test_torch_running_moments_equal_the_reference(case) -> None:
+    """Differential: the torch backend (running sums of the queries, updated in place at each
+    step) keeps exactly the reference's positions, with GQA groups and every RoPE layout."""
+    policy, logits, keys, values, queries, prompt_len, rope = case
+    ref = kvpolicy_numpy.replay(policy, logits, prompt_len, values=values, keys=keys, queries=queries, rope=rope)
+    fast = kvpolicy_torch.replay(policy, logits, prompt_len, values=values, keys=keys, queries=queries, rope=rope)
+    for t, (a, b) in enumerate(zip(ref.kept, fast.kept)):
+        assert (a is None) == (b is None), f"step {t}"
+        if a is not None:
+            assert a.tolist() == b.tolist(), f"step {t}"
+
+
+def test_statistic_pieces() -> None:
+    """The average of RoPE's rotations is the mean of the rotations' matrices; with no query
+    counted every candidate is equally likely (score = value norm); sinks, holes and pads +inf."""
+    freq = np.array([1.0, 0.1, 0.01])
+    cos, sin = average_rotation(Rotary(freq), 5, 7)
+    np.testing.assert_allclose(_kvpress_rotation(freq, 5, 7)[:3, :3], np.diag(cos), atol=1e-6)
+    np.testing.assert_allclose(_kvpress_rotation(freq, 5, 7)[3:, :3], np.diag(sin), atol=1e-6)
+    keys = np.random.default_rng(0).normal(size=(1, 1, 5, 6))
+    values = np.random.default_rng(1).normal(size=(1, 1, 5, 2))
+    empty = QueryMoments(np.zeros(1), np.zeros((1, 1, 2, 6)), np.zeros((1, 1, 2, 6, 6)))
+    positions = np.array([[[0, 1, -1, 3, 4]]])
+    s = expected_attention(keys, values, positions, 5, empty, sink=1, future=4, rotary=Rotary(freq))
+    want = np.linalg.norm(values[0, 0], axis=-1) / 3
+    assert s[0, 0, 0] == s[0, 0, 2] == math.inf
+    np.testing.assert_allclose(s[0, 0, [1, 3, 4]], want[[1, 3, 4]], rtol=1e-8)
+    m = query_moments(np.ones((2, 1, 1, 3, 2)), np.array([[1, 1, 0], [0, 0, 0]]))
+    assert m.count.tolist() == [2.0, 0.0] and m.total[0, 0, 0].tolist() == [2.0, 2.0]
+
+
+def test_refusals() -> None:
+    p = ExpectedAttention(4, sink=1)
+    z = np.zeros((6, 1, 6))
+    with pytest.raises(ValueError, match="queries are required for ExpectedAttention"):
+        kvpolicy_numpy.replay(p, z, keys=np.ones((6, 1, 2)), values=np.ones((6, 1, 2)))
+    with pytest.raises(ValueError, match="values are required"):
+        kvpolicy_numpy.replay(p, z, keys=np.ones((6, 1, 2)), queries=np.ones((6, 1, 2)))
+    with pytest.raises(ValueError, match=r"queries must have shape"):
+        kvpolicy_numpy.replay(p, z, keys=np.ones((6, 1, 2)), values=np.ones((6, 1, 2)), queries=np.ones((6, 1, 3)))
+    with pytest.raises(ValueError, match="sink must be >= 0 and <= 3, got 4"):
+        ExpectedAttention(4, recent=1, sink=4)
+    with pytest.raises(ValueError, match="Expected Attention cannot be composed"):
+        compose(prefill=ExpectedAttention(8), decode=ExpectedAttention(6))
+    layer = kvpolicy_torch.LayerCache(ExpectedAttention(2, sink=0))
+    for _ in range(3):
+        layer.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
+    with pytest.raises(RuntimeError, match="no query was observed"):
+        layer.evict()
+
+
+def test_planned_from_a_budget_and_listed() -> None:
+    from kvpolicy import available_policies
+
+    assert "expected_attention" in available_policies()
+    p = make_policy("expected_attention", 0.25, context_length=400)
+    assert isinstance(p, ExpectedAttention) and p.captures_attention is False and p.capacity == p.size + 1
+
+
+# ============================================================================ transformers
+transformers = pytest.importorskip("transformers")
+from kvpolicy_tools.models import tiny_llama  # noqa: E402
+from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
+
+
+def _layer0(model, tokens):
+    """Layer 0 in a full forward: pre-softmax logits ``[steps, heads, steps]``, RoPE'd keys
+    ``[steps, kv_heads, d]``, values, and the queries before RoPE ``[steps, kv_heads, group, d]``."""
+    from layer0 import layer0_states
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q, k, v, (cos, sin) = layer0_states(model, tokens)
+    attn = model.model.layers[0].self_attn
+    s, d = q.shape[2], q.shape[3]
+    q_rope, k_rope = apply_rotary_pos_emb(q, k, cos, sin)
+    kv = k.shape[1]
+    group = q.shape[1] // kv
+    logits = torch.einsum("bhqd,bhkd->bqhk", q_rope, k_rope.repeat_interleave(group, dim=1)) * attn.scaling
+    # (the reference's logits are per KV head; Expected Attention reads none of them)
+    logits = logits[0, :, ::group].detach().double().numpy()
+    queries = q[0].view(kv, group, s, d).permute(2, 0, 1, 3).detach().double().numpy()
+    as_steps = lambda x: x[0].transpose(0, 1).detach().double().numpy()  # noqa: E731
+    return logits, as_steps(k_rope), as_steps(v), queries
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [ExpectedAttention(12, sink=2, future=16), ExpectedAttention(10, recent=2, selection="shared"),
+     ExpectedAttention(11, sink=0, epsilon=0.01, covariance=False)],
+    ids=repr,
+)
+def test_evicting_cache_keeps_what_the_reference_keeps_on_layer0(policy, no_score_capture) -> None:
+    """Differential: layer 0 of an evicting greedy generation (prefill of 30, 20 decode steps;
+    GQA, 2 query heads per KV head) keeps, after the prompt and at the end, what
+    kvpolicy_numpy.replay keeps from layer 0's keys, values and queries before RoPE with the
+    model's RoPE; the attention captures nothing (received_attention is never called)."""
+    model = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=8, vocab=96, seed=3).double()
+    ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(5))
+    prefill = EvictingCache(policy, model)
+    with torch.no_grad():
+        model(ids, **cache_kwargs(model, prefill))
+    cache = EvictingCache(policy, model)
+    from layer0 import greedy_tokens
+
+    logits, keys, values, queries = _layer0(model, greedy_tokens(model, cache, ids, 20))
+    rope = Rotary(model.model.rotary_emb.inv_freq.double().numpy())
+    trace = kvpolicy_numpy.replay(policy, logits, 30, values=values, keys=keys, queries=queries, rope=rope)
+    np.testing.assert_array_equal(prefill.layers[0].store.positions[0].numpy(), trace.kept[29])
+    np.testing.assert_array_equal(cache.layers[0].store.positions[0].numpy(), trace.kept[-1])
+    assert all(layer.store.length == policy.size for layer in cache.layers)
+    assert cache.layers[0].store.running_queries.moments.count.tolist() == [50 - policy.sink]
+
+
+def test_evicting_cache_needs_the_model() -> None:
+    model = tiny_llama(num_layers=1)
+    with pytest.raises(ValueError, match="query statistics need the model itself"):
+        EvictingCache(ExpectedAttention(8), model.config)
+
+
+# ============================================================================ the docs' worked example
+def test_docs_worked_example() -> None:
+    """Every cell of docs/policies.md's Expected Attention table, recomputed: the statistics from
+    the queries shown, the logits from the statistics shown (kvpress's formula), the softmax, the
+    scores, and the evictions from the reference replay."""
+    from worked_examples import DOC, floats, ints, setup, table
+
+    text = DOC.read_text(encoding="utf-8")
+    ns = setup(text, "expected-attention-setup")
+    policy, keys, values, queries, logits = ns["policy"], ns["keys"], ns["values"], ns["queries"], ns["logits"]
+    assert policy == ExpectedAttention(size=3, sink=1) and keys.shape == values.shape == queries.shape == (7, 1, 2)
+    inputs = {"keys": keys, "values": values, "queries": queries}
+    trace = kvpolicy_numpy.replay(policy, logits, **inputs)
+    lit = oracle(policy, keys, values, queries[:, :, None], 0)
+    rows = table(text, "expected-attention-decode")
+    assert [int(r[0]) for r in rows] == [t for t, _, _ in trace.evictions]
+    for step, before, mean, cov, z, p, norms, scores, evicted, after in rows:
+        t = int(step)
+        cache = trace.kept[t - 1][0].tolist() + [t]
+        assert ints(before) == cache, f"step {t}: cache before"
+        seen = queries[1 : t + 1, 0]
+        mu, centred = seen.mean(axis=0), seen - seen.mean(axis=0)
+        sigma = centred.T @ centred / len(seen)
+        np.testing.assert_allclose(floats(mean), mu, atol=5e-4, err_msg=f"step {t}: mean")
+        np.testing.assert_allclose(floats(cov), sigma.ravel(), atol=5e-4, err_msg=f"step {t}: covariance")
+        k = keys[cache[1:], 0]
+        want_z = k @ mu / math.sqrt(2) + np.einsum("nd,de,ne->n", k, sigma, k) / 4
+        np.testing.assert_allclose(floats(z), want_z, atol=5e-4, err_msg=f"step {t}: logits")
+        want_p = np.exp(want_z - want_z.max()) / np.exp(want_z - want_z.max()).sum()
+        np.testing.assert_allclose(floats(p), want_p, atol=5e-4, err_msg=f"step {t}: expected attention")
+        np.testing.assert_allclose(floats(norms), np.linalg.norm(values[cache[1:], 0], axis=-1), atol=5e-4)
+        got = expected_attention(keys[cache, 0][None, None], values[cache, 0][None, None], np.asarray(cache)[None, None], t + 1,
+                                 query_moments(queries[: t + 1, 0][None, None, None], (np.arange(t + 1) >= 1)[None]),
+                                 sink=1, future=policy.future)[0, 0]
+        np.testing.assert_allclose(floats(scores), got[1:], atol=5e-4, err_msg=f"step {t}: scores")
+        assert ints(after) == trace.kept[t][0].tolist() == lit[t][0], f"step {t}: kept"
+        assert ints(evicted) == sorted(set(cache) - set(ints(after))), f"step {t}: evicted"
+    prefill = kvpolicy_numpy.replay(policy, logits, prompt_len=4, **inputs)
+    assert "cache holds `" + " ".join(map(str, prefill.kept[3][0].tolist())) + "`" in text.split("### Expected Attention")[1]
+    assert queries[:4, 0].mean(axis=0).tolist() == [2.25, 1.75]  # the mean the text says the sink's query would give

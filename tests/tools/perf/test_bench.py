@@ -1,0 +1,56 @@
+"""kvpolicy_tools/perf/bench.py (``kvpolicy bench``): third-party policies by ``module:name`` and the
+whole command, quick, on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from kvpolicy import LocalWindow, StreamingLLM  # noqa: E402
+from kvpolicy_tools.perf.eviction import POLICIES  # noqa: E402
+
+
+class HalfWindow(StreamingLLM):
+    """A third-party policy for ``kvpolicy bench --policy test_bench:HalfWindow``."""
+
+    name = "half_window_test"
+
+
+def make_local(budget, context_length, prompt_length):
+    return LocalWindow(window=max(1, int(budget * context_length)))
+
+
+def test_bench_resolves_third_party_policies() -> None:
+    from kvpolicy_tools.perf.bench import resolve_policy
+
+    spec = resolve_policy("test_bench:HalfWindow")
+    assert spec.budgeted and isinstance(spec.planner(0.25, 400, 300), HalfWindow)
+    spec = resolve_policy("test_bench:make_local")
+    assert spec.planner(0.25, 400, 300) == LocalWindow(100)
+    with pytest.raises(ValueError, match="no attribute"):
+        resolve_policy("test_bench:Nope")
+    with pytest.raises(ValueError, match="cannot import"):
+        resolve_policy("no_such_module_xyz:Thing")
+
+
+def test_bench_command_quick_on_a_tiny_model(tmp_path) -> None:
+    from kvpolicy_tools.perf.bench import main
+
+    out = tmp_path / "bench"
+    status = main([
+        "--quick", "--out", str(out), "--no-progress", "--sizes", "64,128,256", "--rounds", "1",
+        "--model", "tiny-llama", "--contexts", "48,96", "--steps", "2", "--decode-rounds", "2",
+        "--policy", "buzz", "--policy", "test_bench:make_local",
+    ])
+    assert status == 0
+    report = (out / "report.md").read_text()
+    for needle in ("Log-log slopes", "DynamicCache", "BUZZ 25%", "make_local 25%", "capture only (unfused)", "Breakdown"):
+        assert needle in report, needle
+    data = json.loads((out / "results.json").read_text())
+    assert {r["policy"] for r in data["complexity"]["rows"]} == set(POLICIES)
+    assert {r["context"] for r in data["decode"]["results"]} == {48, 96}
+    assert sorted(p.name for p in out.glob("*.png")) == ["breakdown_48.png", "breakdown_96.png", "complexity_b1_h8.png", "decode.png"]

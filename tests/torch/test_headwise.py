@@ -1,0 +1,223 @@
+"""kvpolicy_torch/headwise.py: AdaKV head-wise budgets on the torch backend and in the transformers cache.
+
+Differential: ``kvpolicy_torch.replay`` (LayerCache) keeps what ``kvpolicy_numpy.replay`` keeps,
+holes included; a LayerCache's kept bytes are the layer's budget while its storage is the widest
+head's slots; attention never reads a hole; layer 0 of an evicting greedy generation on a tiny
+random-weight Llama (float64) keeps what the reference keeps on that layer's logits and keys. Fast
+(tiny shapes and models); left-padded batches are in tests/integrations/test_ragged.py, the kit in
+tests/core/policies/test_adakv.py, the embedded model in the slow test at the end.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvpolicy_numpy
+from kvpolicy import H2O, TOVA, AdaKV, KeyDiff, Knorm, SnapKV
+
+torch = pytest.importorskip("torch")
+import kvpolicy_torch  # noqa: E402
+from kvpolicy_torch import LayerCache  # noqa: E402
+
+SCORERS = st.one_of(
+    st.builds(H2O, heavy=st.integers(1, 6), recent=st.integers(1, 4)),
+    st.builds(TOVA, size=st.integers(1, 8), selection=st.just("per_head")),
+    st.builds(Knorm, size=st.integers(1, 8)),
+    st.builds(KeyDiff, size=st.integers(2, 8), recent=st.integers(0, 1)),
+    st.builds(SnapKV, size=st.integers(3, 10), window=st.integers(1, 2), kernel=st.sampled_from([1, 3, 5])),
+)
+
+
+@given(SCORERS, st.sampled_from([0.0, 0.2, 0.6, 1.0]), st.integers(1, 4), st.integers(2, 26), st.data())
+@settings(max_examples=80, deadline=None)
+def test_torch_keeps_what_the_reference_keeps(scorer, alpha, heads, steps, data) -> None:
+    prompt = data.draw(st.integers(0, steps - 1))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    # continuous logits: two heads' softmax rows round differently in NumPy and torch, so a tie
+    # across heads (equal in exact arithmetic) may go either way; the kit (tests/core/policies/test_adakv.py)
+    # holds exact ties with bit-equal scores on both sides
+    logits = rng.normal(size=(steps, heads, steps))
+    keys = rng.integers(-2, 3, size=(steps, heads, 4)).astype(np.float64)  # (keys: computed alike, ties kept)
+    policy = AdaKV(scorer, alpha)
+    want = kvpolicy_numpy.replay(policy, logits, prompt, keys=keys)
+    got = kvpolicy_torch.replay(policy, logits, prompt, keys=keys)
+    for a, b in zip(want.kept, got.kept):
+        assert (a is None and b is None) or np.array_equal(a, b)
+    assert want.sizes.tolist() == got.sizes.tolist()
+
+
+def _layer(policy, heads=3, prompt=40, decode=25, seed=0):
+    """A LayerCache after a ``prompt``-token prefill and ``decode`` steps of random attention."""
+    g = torch.Generator().manual_seed(seed)
+    layer = LayerCache(policy)
+    k = torch.randn(1, heads, prompt, 8, generator=g, dtype=torch.float64)
+    layer.append(k, k.clone())
+    head_weight = torch.tensor([0.2, 1.0, 5.0][:heads], dtype=torch.float64)[None, :, None]  # sharp to flat
+    layer.accumulate(torch.softmax(torch.randn(1, heads, prompt, generator=g, dtype=torch.float64) * head_weight, -1))
+    layer.evict()
+    for _ in range(decode):
+        k = torch.randn(1, heads, 1, 8, generator=g, dtype=torch.float64)
+        layer.append(k, k.clone())
+        n = layer.slot_positions.shape[-1]
+        received = torch.softmax(torch.randn(1, heads, n, generator=g, dtype=torch.float64) * head_weight, -1)
+        layer.accumulate(received * (layer.slot_positions >= 0))
+        layer.evict()
+    return layer
+
+
+@pytest.mark.parametrize("policy", [AdaKV(H2O(8, 4), 0.2), AdaKV(H2O(8, 4), 0.0), AdaKV(KeyDiff(12), 0.2)], ids=repr)
+def test_kept_bytes_are_the_budget_and_storage_the_widest_head(policy) -> None:
+    heads = 3
+    layer = _layer(policy, heads)
+    per_token = 2 * 8 * 8  # a key and a value of 8 float64
+    b = policy.share
+    assert layer.kv_bytes == heads * b * per_token  # the layer's budget, exactly
+    pos = layer.positions[0]
+    held = (pos >= 0).sum(-1)
+    assert int(held.sum()) == heads * b and int(held.min()) >= policy.floor
+    # the storage: slots for the widest head (allocated for the mean, grown when a head needs
+    # more, never past the most one head can hold)
+    widest = int(held.max())
+    assert layer.length == widest and widest <= policy.head_capacity(heads) - 1
+    assert max(policy.capacity, widest + 1) <= layer.slots <= policy.head_capacity(heads)
+    assert layer.nbytes >= layer.kv_bytes
+    assert layer.mean_length == b  # what eval's realised budgets count (length: the widest head's)
+
+
+def test_attention_never_reads_a_hole() -> None:
+    """A decode step's output equals attention over each head's held tokens alone."""
+    policy = AdaKV(H2O(6, 3), 0.0)
+    layer = _layer(policy, heads=3, decode=10, seed=1)
+    k = torch.randn(1, 3, 1, 8, dtype=torch.float64)
+    K, V = layer.append(k, k.clone())
+    q = torch.randn(1, 3, 1, 8, dtype=torch.float64)
+    out = layer.attend(q, 0.35)
+    pos = layer.slot_positions[0]
+    assert bool((pos < 0).any())  # some head holds holes
+    for h in range(3):
+        held = pos[h] >= 0
+        w = torch.softmax((K[0, h][held] @ q[0, h, 0]) * 0.35, 0)
+        torch.testing.assert_close(out[0, 0, h] if out.ndim == 4 and out.shape[1] == 1 else out[0, h, 0], w @ V[0, h][held])
+
+
+def test_static_shapes_and_chunks_after_a_headwise_eviction_are_refused() -> None:
+    with pytest.raises(ValueError, match="static_shapes"):
+        LayerCache(AdaKV(H2O(4, 2)), static_shapes=True)
+    layer = _layer(AdaKV(H2O(6, 3), 0.0), heads=3, decode=5)
+    k = torch.randn(1, 3, 4, 8, dtype=torch.float64)
+    layer.append(k, k.clone())
+    with pytest.raises(NotImplementedError, match="per KV head"):
+        layer.chunk_mask()
+
+
+# ============================================================================ transformers
+transformers = pytest.importorskip("transformers")
+from kvpolicy_tools.models import tiny_llama  # noqa: E402
+from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
+
+
+def _layer0(model, tokens):
+    from layer0 import layer0_logits_and_keys
+
+    return layer0_logits_and_keys(model, tokens)
+
+
+@pytest.mark.parametrize(
+    "policy", [AdaKV(H2O(6, 4), 0.2), AdaKV(KeyDiff(10, recent=2), 0.0), AdaKV(SnapKV(12, window=4), 0.5)], ids=repr
+)
+def test_evicting_cache_keeps_what_the_reference_keeps_on_layer0(policy) -> None:
+    """Layer 0 of an evicting greedy generation (prefill of 30, 20 decode steps; 4 heads, no GQA)
+    keeps what kvpolicy_numpy.replay keeps on layer 0's logits and keys, holes included; every
+    layer holds the layer budget."""
+    model = tiny_llama(num_layers=2, heads=4, kv_heads=4, head_dim=8, vocab=96, seed=3).double()
+    ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(5))
+    cache = EvictingCache(policy, model)
+    from layer0 import greedy_tokens
+
+    logits, keys = _layer0(model, greedy_tokens(model, cache, ids, 20))
+    trace = kvpolicy_numpy.replay(policy, logits, prompt_len=ids.shape[1], keys=keys)
+    np.testing.assert_array_equal(cache.layers[0].store.positions[0].numpy(), trace.kept[-1])
+    for layer in cache.layers:
+        held = int((layer.store.positions >= 0).sum())
+        assert held == 4 * (policy.share if policy.capacity is not None else trace.sizes[-1])
+
+
+def test_tensor_parallel_ranks_run_adakv_share_and_refuse_what_they_cannot_pair() -> None:
+    """Under tensor parallelism a layer's heads are split over ranks: each rank's layers run AdaKV's
+    share (ShardedAdaKV, which gathers the others' scores; the 2-rank run is in
+    tests/integrations/test_deepspeed_multi.py); AdaKV inside a composition and a batch of several sequences
+    are refused with the reason, before any exchange."""
+    from kvpolicy import compose
+    from kvpolicy.deepspeed import ShardedEvictingCache, TensorParallelHeads, shard_layout
+    from kvpolicy.policies import ShardedAdaKV
+
+    model = tiny_llama(num_layers=1, heads=4, kv_heads=2, head_dim=8)
+    cache = ShardedEvictingCache(AdaKV(H2O(4, 2)), model, layout=shard_layout(model, 2), rank=1)
+    policy = cache.layers[0].store.policy
+    assert isinstance(policy, ShardedAdaKV) and policy.wrapped == AdaKV(H2O(4, 2)) == cache.requested_policy
+    assert isinstance(policy.exchange, TensorParallelHeads) and (policy.exchange.heads, policy.exchange.start) == (2, 1)
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        cache.update(torch.zeros(2, 1, 3, 8), torch.zeros(2, 1, 3, 8), 0)
+    with pytest.raises(ValueError, match="AdaKV itself only"):
+        ShardedEvictingCache(compose(prefill=SnapKV(size=40), decode=AdaKV(H2O(4, 2))), model, layout=shard_layout(model, 2), rank=0)
+    one = ShardedEvictingCache(AdaKV(H2O(4, 2)), model, layout=shard_layout(model, 1), rank=0)  # one rank: AdaKV itself
+    assert one.layers[0].store.policy == AdaKV(H2O(4, 2)) and not one.headwise_split
+
+
+@pytest.mark.slow
+def test_real_model_keeps_the_budget_and_alpha_one_is_the_scorer() -> None:
+    """SmolLM2-135M (real weights, 30 layers, 3 KV heads x 64 dims, float32), a 200-token prompt
+    and 8 greedy tokens at budget 0.25: AdaKV over H2O keeps exactly the layer budget's bytes in
+    every layer, each head at least its floor, heads' shares differ somewhere; with
+    ``alpha_safeguard = 1`` it generates H2O's tokens and keeps H2O's positions in every layer."""
+    from kvpolicy import make_policy, models
+
+    model, tok = models.load("smollm2-135m")
+    text = " ".join(f"Note {i}: the crate in bay {i} holds {i * 7 % 13} blue boxes." for i in range(30))
+    ids = tok(text, return_tensors="pt")["input_ids"][:, :200]
+    h2o = make_policy("h2o", 0.25, context_length=208, prompt_length=200)
+
+    def run(policy):
+        cache = EvictingCache(policy, model)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                                 do_sample=False, **cache_kwargs(model, cache))  # fmt: skip
+        return out, [layer.store for layer in cache.layers]
+
+    out, stores = run(AdaKV(h2o, 0.2))
+    b = h2o.heavy + h2o.recent
+    per_token = 2 * 64 * 4  # a key and a value, head_dim 64, float32
+    spread = False
+    for store in stores:
+        assert store.kv_bytes == 3 * b * per_token
+        held = (store.positions[0] >= 0).sum(-1)
+        assert int(held.min()) >= int(0.2 * b) and int(held.sum()) == 3 * b
+        spread |= bool(held.max() > held.min())
+    assert spread
+    same, same_stores = run(AdaKV(h2o, 1.0))
+    alone, alone_stores = run(h2o)
+    assert torch.equal(same, alone)
+    for a, b_ in zip(same_stores, alone_stores):
+        assert torch.equal(a.positions, b_.positions)
+
+
+def test_over_expected_attention() -> None:
+    """AdaKV over Expected Attention (its statistic's parameters read through the wrapper): torch
+    keeps what the reference keeps, and alpha_safeguard=1 is Expected Attention per head."""
+    from kvpolicy import ExpectedAttention
+    from kvpolicy.testing import example_inputs
+
+    logits = np.random.default_rng(0).normal(size=(30, 3, 30))
+    ea = ExpectedAttention(8, sink=2, future=16)
+    for alpha in (0.2, 1.0):
+        policy = AdaKV(ea, alpha)
+        inputs = example_inputs(policy, logits)
+        want = kvpolicy_numpy.replay(policy, logits, 12, **inputs)
+        got = kvpolicy_torch.replay(policy, logits, 12, **inputs)
+        assert all(np.array_equal(a, b) for a, b in zip(want.kept[11:], got.kept[11:]))
+        assert all(int((k >= 0).sum()) == 3 * 8 for k in want.kept[11:])
+    alone = kvpolicy_numpy.replay(ea, logits, 12, **example_inputs(ea, logits))
+    assert all(np.array_equal(a, b) for a, b in zip(want.kept[11:], alone.kept[11:]))

@@ -1,0 +1,255 @@
+"""kvpolicy_torch.LayerCache (kvpolicy_torch/layer.py): what it refuses, its NaN rule, and the ring of
+"oldest" evictions (StreamingLLM, the local window).
+
+A decode step's append refills the slot the previous step's eviction freed, so the tokens after
+the sinks go round the storage and nothing is compacted while decoding. Slot order is then a
+rotation of position order; everything that reads the cache in order (``positions``, ``keys``,
+``kept``, ``to_slots``), a later prompt chunk (multi-turn) and a general eviction must see the
+tokens in position order again. Held here to a literal ordered model: a Python list of kept
+positions that :meth:`EvictionPolicy.evict` decides on (the NumPy reference's own loop), with
+each key and value a known function of its position.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from kvpolicy import CacheView, LocalWindow, StreamingLLM  # noqa: E402
+from kvpolicy_torch import LayerCache  # noqa: E402
+
+HEADS, DIM = 2, 3
+
+
+def _kv(positions: list[int], batch: int) -> torch.Tensor:
+    """``[batch, heads, q, dim]`` keys whose content names the position (and the head)."""
+    p = torch.tensor(positions, dtype=torch.float64)
+    head = torch.arange(HEADS, dtype=torch.float64)[:, None, None]
+    kv = p[None, :, None] + 1000.0 * head + torch.arange(DIM, dtype=torch.float64) / 10
+    return kv[None].expand(batch, -1, -1, -1).contiguous()
+
+
+def _reference_evict(policy, kept: list[int], seen: int, state: dict, phase: str) -> list[int]:
+    while True:
+        pos = np.array(kept)[None, None].repeat(HEADS, 1)
+        keep = policy.evict(CacheView(pos, np.zeros(pos.shape), seen, state, phase))
+        if keep is None:
+            return kept
+        kept = [kept[i] for i in np.asarray(keep)[0, 0].tolist()]
+
+
+policies = st.one_of(
+    st.builds(StreamingLLM, sink=st.integers(1, 3), window=st.integers(1, 9)),
+    st.builds(LocalWindow, window=st.integers(1, 9)),
+)
+#: mostly decode steps (q = 1), now and then a prompt chunk (a new turn)
+schedules = st.lists(st.one_of(st.just(1), st.just(1), st.just(1), st.integers(2, 6)), min_size=1, max_size=60)
+
+
+def _shift(keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """A stand-in for RoPE in ``key_shift``: any function of (original key, shift) tells whether the
+    store applied the right shift to the right slots from the right originals."""
+    return keys + 0.5 * torch.tensor(delta, dtype=keys.dtype).view(-1, 1, 1, 1)
+
+
+@given(policy=policies, first=st.integers(1, 12), schedule=schedules, batch=st.integers(1, 2),
+       key_shift=st.booleans(), read_keys=st.booleans())
+@settings(max_examples=150, deadline=None)
+def test_ring_reads_in_position_order_and_matches_the_ordered_model(policy, first, schedule, batch, key_shift, read_keys) -> None:
+    """With ``key_shift`` (pos-shift in the storage) a decode step's returned sink keys are their
+    originals shifted by the tokens evicted so far; every other read sees the originals."""
+    layer = LayerCache(policy, key_shift=_shift if key_shift else None)
+    kept: list[int] = []
+    state = policy.init_state()
+    seen = 0
+    for q in [first, *schedule]:
+        new = list(range(seen, seen + q))
+        keys, values = layer.append(_kv(new, batch), _kv(new, batch))
+        # what the queries attend: every kept token and the new ones, each slot holding its own key
+        attended = kept + new
+        pos = layer.slot_positions
+        live = pos[0, 0][pos[0, 0] >= 0]
+        assert sorted(live.tolist()) == attended
+        expect = _kv(pos[0, 0].clamp(min=0).tolist(), 1)[0]  # [heads, n, dim]: original keys per slot
+        if layer.keys_shifted:
+            sink, delta = layer.shift()
+            assert q == 1 and key_shift and sink == policy.sink and delta == [seen - len(kept)] * batch
+            expect = torch.cat([_shift(expect[None, :, :sink], delta[:1])[0], expect[:, sink:]], dim=1)
+        else:
+            assert not (key_shift and q == 1 and isinstance(policy, StreamingLLM) and seen > len(kept))
+        for h in range(HEADS):
+            slots = (pos[0, h] >= 0).nonzero().flatten()
+            torch.testing.assert_close(keys[0, h, slots], expect[h, slots])
+        if q > 1:  # a chunk: causal inside it, everything kept before it
+            mask = layer.chunk_mask()[0, 0]
+            for i in range(q):
+                sees = pos[0, 0][mask[i]].tolist()
+                assert sorted(sees) == kept + new[: i + 1]
+        if policy.uses_scores:
+            layer.accumulate(torch.zeros(pos.shape, dtype=torch.float64))
+        layer.evict()
+        seen += q
+        kept = _reference_evict(policy, attended, seen, state, "prefill" if q > 1 else "decode")
+        assert layer.positions[:, 0].tolist() == [kept] * batch
+        if read_keys:
+            torch.testing.assert_close(layer.keys, _kv(kept, batch))
+        assert layer.kept(batch - 1)[0][0].tolist() == kept
+        assert layer.slots <= policy.capacity  # the ring needs no slack
+    # to_slots places ordered values back at the slots they belong to
+    layer.append(_kv([seen], batch), _kv([seen], batch))
+    ordered = layer.positions.to(torch.float64)
+    placed = layer.to_slots(ordered)
+    pos = layer.slot_positions
+    assert torch.equal(placed, torch.where(pos >= 0, pos.to(torch.float64), 0.0))
+
+
+def test_ring_refills_the_freed_slot_and_never_compacts() -> None:
+    """StreamingLLM(sink=1, window=3) at its limit: each decode step's new token takes the slot
+    of the token the previous step evicted, so the storage never moves."""
+    layer = LayerCache(StreamingLLM(sink=1, window=3))
+    layer.append(_kv([0, 1, 2, 3], 1), _kv([0, 1, 2, 3], 1))
+    layer.evict()
+    slots_seen = []
+    for t in range(4, 12):
+        layer.append(_kv([t], 1), _kv([t], 1))
+        slots_seen.append(layer.slot_positions[0, 0].tolist())
+        layer.evict()
+    assert layer.slots == 5 and layer.compaction_period is None
+    # slot 0 holds the sink; slots 1-4 go round: the newest token replaces the oldest
+    assert slots_seen[:5] == [
+        [0, 1, 2, 3, 4],
+        [0, 5, 2, 3, 4],
+        [0, 5, 6, 3, 4],
+        [0, 5, 6, 7, 4],
+        [0, 5, 6, 7, 8],
+    ]
+    assert layer.positions[0, 0].tolist() == [0, 9, 10, 11]
+    assert layer.bias is None  # no hole when the queries attend: the plain attention path serves it
+
+
+# ---------------------------------------------------------------- the sinks of every layer in one rotation
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.lists(st.lists(st.integers(0, 3), min_size=3, max_size=3), min_size=1, max_size=6),
+    fresh=st.lists(st.booleans(), min_size=6, max_size=6),
+)
+def test_shift_matrices_rotate_every_layer_as_rope_rotate_would(steps, fresh) -> None:
+    """``ShiftMatrices.rotate`` (StreamingLLM's sinks of every layer in one batch) returns each
+    layer's sinks rotated by its shift, as ``rope_rotate`` does one layer at a time: when all layers
+    share the shift (the batch), when they differ within a step (it falls back to one product per
+    layer), and when a layer takes new sinks (a prompt chunk put the originals back)."""
+    pytest.importorskip("transformers")
+    from kvpolicy_integrations.hf import ShiftMatrices
+    from kvpolicy_torch import rope_rotate
+
+    g = torch.Generator().manual_seed(3)
+    freq = 1.0 / (100.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    sinks = [torch.randn(2, 2, 3, 8, generator=g) for _ in range(3)]
+    shifts = ShiftMatrices()
+    uniform = True
+    for i, deltas in enumerate(steps):
+        if fresh[i]:  # layer 1 takes its sinks anew (a new tensor)
+            sinks[1] = torch.randn(2, 2, 3, 8, generator=g)
+        uniform &= len(set(deltas)) == 1
+        for layer, d in enumerate(deltas):
+            delta = [d, d + 1]  # two rows, each its own shift
+            got = shifts.rotate(layer, sinks[layer], delta, freq, "half", 8)
+            want = rope_rotate(sinks[layer], torch.tensor(delta).view(-1, 1, 1), freq)
+            assert torch.allclose(got, want, atol=1e-5)
+    assert shifts.batched or not uniform  # layers that always agree keep the one batch
+
+
+def test_shift_matrices_batch_serves_the_layers_of_a_step_from_one_rotation(monkeypatch) -> None:
+    pytest.importorskip("transformers")
+    import kvpolicy_integrations.hf as hf
+
+    calls = []
+    real = hf.rope_rotate
+    monkeypatch.setattr(hf, "rope_rotate", lambda *a, **k: (calls.append(a[0].shape), real(*a, **k))[1])
+    shifts = hf.ShiftMatrices()
+    freq = torch.tensor([1.0, 0.1])
+    sinks = [torch.randn(1, 2, 4, 4) for _ in range(30)]
+    for step in range(1, 5):
+        for layer in range(30):
+            shifts.rotate(layer, sinks[layer], [step], freq, "half", 4)
+    # the first step gathers the layers as they arrive; every later step is one rotation of all 30
+    assert calls[-3:] == [torch.Size([30, 1, 2, 4, 4])] * 3 and shifts.batched
+
+
+# ---------------------------------------------------------------------------- validation: bad input raises a ValueError naming the parameter
+
+def test_layer_cache_refuses_steps_out_of_order_and_changed_inputs() -> None:
+    """LayerCache: evict()/accumulate() before any append, and keys whose head_dim, dtype or
+    batch/heads differ from the first append, get a ValueError saying what is wrong (no raw
+    TypeError, no silent cast)."""
+    torch = pytest.importorskip("torch")
+    from kvpolicy import H2O
+    from kvpolicy_torch import LayerCache
+
+    layer = LayerCache(H2O(2, 2))
+    with pytest.raises(ValueError, match="append\\(\\) first"):
+        layer.evict()
+    with pytest.raises(ValueError, match="append\\(\\) first"):
+        layer.accumulate(torch.zeros(1, 2, 1))
+    k = torch.zeros(1, 2, 1, 4)
+    layer.append(k, k)
+    layer.accumulate(torch.zeros(1, 2, 1))
+    layer.evict()
+    with pytest.raises(ValueError, match="head_dim changed"):
+        layer.append(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))
+    with pytest.raises(ValueError, match="dtype changed"):
+        layer.append(k.double(), k.double())
+    with pytest.raises(ValueError, match="batch and kv_heads changed"):
+        layer.append(torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4))
+    with pytest.raises(ValueError, match="must be real"):
+        layer.append(k, k)
+        layer.accumulate(torch.zeros(1, 2, 2, dtype=torch.complex64))
+
+
+def test_layer_cache_nan_scores_count_as_minus_inf() -> None:
+    """A NaN received score (an fp16 overflow upstream) is accumulated as -inf: H2O's one-token
+    eviction takes that token first, as the NumPy rule (CacheView.ranking_scores) does."""
+    torch = pytest.importorskip("torch")
+    from kvpolicy import H2O
+    from kvpolicy_torch import LayerCache
+
+    layer = LayerCache(H2O(2, 1))
+    for t in range(4):
+        k = torch.zeros(1, 1, 1, 2)
+        layer.append(k, k)
+        received = torch.ones(1, 1, layer.slot_positions.shape[-1])
+        if t == 1:
+            received[..., 1] = float("nan")  # token 1 gets a NaN
+        layer.accumulate(received * (layer.slot_positions >= 0))
+        layer.evict()
+    assert 1 not in layer.positions[0, 0].tolist() and layer.length == 3
+
+
+# ---------------------------------------------------------------------------- the index_select gather of broadcast keep arrays
+from kvpolicy import BUZZ, H2O  # noqa: E402
+
+
+def test_layer_cache_index_select_path_keeps_the_same_tokens() -> None:
+    """Shared keeps (StreamingLLM's broadcast arrays; shared selection) take index_select;
+    per-head keeps (BUZZ) take gather: both against the NumPy reference."""
+    import kvpolicy_numpy
+
+    for policy in (StreamingLLM(sink=2, window=5), LocalWindow(6), H2O(3, 3, selection="shared"), BUZZ(1, 3, 3, 6)):
+        rng = np.random.default_rng(1)
+        logits = rng.normal(size=(30, 1, 30))
+        trace = kvpolicy_numpy.replay(policy, logits)
+        layer = LayerCache(policy)
+        vals = torch.arange(30, dtype=torch.float64)
+        for t in range(30):
+            k = v = torch.full((1, 1, 1, 2), float(t), dtype=torch.float64)
+            layer.append(k, v)
+            cached = layer.slot_positions[0]  # slot order, -1 at holes
+            rows = torch.as_tensor(logits[t, 0])[cached.clamp(min=0)].masked_fill(cached < 0, float("-inf"))
+            layer.accumulate(torch.softmax(rows, dim=-1)[None])
+            layer.evict()
+            assert layer.positions[0].tolist() == trace.kept[t].tolist(), (policy, t)
+            assert layer.keys[0, 0, :, 0].tolist() == vals[layer.positions[0, 0]].tolist()  # K/V moved with positions

@@ -1,0 +1,137 @@
+"""kvpolicy_torch/static.py, one graph per decode step (issue 25): an ``EvictingCache(...,
+static_shapes=True)`` decode step under ``torch.compile(fullgraph=True, dynamic=False)`` traces for every
+policy, compiles at most two graphs over 300 steps that cross evictions (and, for BUZZ and Scissorhands,
+host evictions between steps), and gives eager's greedy tokens; the model is left as it was found.
+
+The model is ``kvpolicy_tools.models.tiny_llama``: random weights, 2 layers, GQA (fast; compiling the
+embedded model takes minutes, see benchmarks/compiled_decode.py). Most cases compile with
+dynamo's ``"eager"`` backend, which traces exactly what inductor would get (``fullgraph=True``
+fails on any graph break) without inductor's code generation; one case runs inductor itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from kvpolicy import BUZZ, H2O, TOVA, ExpectedAttention, FullCache, KeyDiff, LocalWindow, StreamingLLM, make_policy
+from kvpolicy.hf import EvictingCache, cache_kwargs, compile_decode_step, greedy_decode
+from kvpolicy_tools.models import tiny_llama
+
+pytestmark = [pytest.mark.hf, pytest.mark.torch]
+
+PROMPT, STEPS = 48, 300
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=3)
+
+
+def _prompt(model, batch: int = 1) -> torch.Tensor:
+    vocab = model.config.vocab_size
+    return torch.randint(3, vocab, (batch, PROMPT), generator=torch.Generator().manual_seed(7))
+
+
+POLICIES = {
+    "full": lambda: FullCache(),
+    "h2o": lambda: H2O(heavy=12, recent=12),
+    "tova": lambda: TOVA(size=24),
+    "tova_shared": lambda: TOVA(size=24, selection="shared"),
+    "scissorhands": lambda: make_policy("scissorhands", 0.1, context_length=PROMPT + STEPS),
+    "streaming_pos_shift": lambda: StreamingLLM(sink=4, window=20),
+    "local": lambda: LocalWindow(window=24),
+    "pyramid_h2o": lambda: make_policy("pyramid_h2o", 0.1, context_length=PROMPT + STEPS),
+    "buzz": lambda: BUZZ(sink=2, window=12, stride=3),
+    "keydiff": lambda: KeyDiff(size=24),
+    "expected_attention": lambda: ExpectedAttention(size=24, future=64),  # running query moments on the device
+}
+
+
+def _compiled_run(model, policy, *, positions=None, batch: int = 1, mask=None, backend: str = "eager"):
+    torch._dynamo.reset()
+    counters.clear()
+    ids = _prompt(model, batch)
+    if mask is not None:
+        ids = ids.masked_fill(mask == 0, 0)
+    cache = EvictingCache(policy, model, positions=positions, static_shapes=True, max_tokens=PROMPT + STEPS + 1)
+    step = compile_decode_step(model, backend=backend)
+    got = greedy_decode(model, ids, cache, STEPS, attention_mask=mask, step=step)
+    graphs = counters["stats"]["unique_graphs"]
+    want = greedy_decode(model, ids, EvictingCache(policy, model, positions=positions), STEPS, attention_mask=mask)
+    return got, want, graphs, cache
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_compiled_step_is_one_graph_and_equals_eager(model, name):
+    policy = POLICIES[name]()
+    got, want, graphs, cache = _compiled_run(model, policy)
+    assert 1 <= graphs <= 2, graphs
+    assert torch.equal(got, want)
+    if policy.capacity is not None:  # it did evict, and stays within its capacity
+        assert max(cache.lengths()) <= max(layer.store.policy.capacity for layer in cache.layers)
+        assert sum(cache.layers[0].store.seen) == PROMPT + STEPS - 1
+
+
+@pytest.mark.slow
+def test_streaming_original_positions_and_left_padded_batch(model):
+    got, want, graphs, _ = _compiled_run(model, StreamingLLM(sink=4, window=20), positions="original")
+    assert graphs <= 2 and torch.equal(got, want)
+    mask = torch.ones(2, PROMPT, dtype=torch.long)
+    mask[1, :9] = 0  # row 1: a left-padded, shorter prompt
+    got, want, graphs, cache = _compiled_run(model, H2O(heavy=10, recent=10), batch=2, mask=mask)
+    assert graphs <= 2 and torch.equal(got, want)
+    assert cache.layers[0].store.seen == [PROMPT + STEPS - 1, PROMPT - 9 + STEPS - 1]
+
+
+@pytest.mark.slow
+def test_inductor_compiled_step_equals_eager(model):
+    got, want, graphs, _ = _compiled_run(model, H2O(heavy=12, recent=12), backend="inductor")
+    assert graphs <= 2 and torch.equal(got, want)
+
+
+def test_model_is_left_as_found(model):
+    """After an EvictingCache, the model runs transformers' own caches, eager and compiled with
+    fullgraph, and an eager model returns attentions."""
+    from transformers import DynamicCache, StaticCache
+
+    ids = _prompt(model)[:, :16]
+    before = model.config._attn_implementation
+    greedy_decode(model, ids, EvictingCache(H2O(4, 4), model), 4)
+    assert model.config._attn_implementation == before
+    ref = greedy_decode(model, ids, DynamicCache(config=model.config), 6)
+    torch._dynamo.reset()
+    static = StaticCache(config=model.config, max_cache_len=32)
+    got = greedy_decode(model, ids, static, 6, step=compile_decode_step(model, backend="eager"))
+    assert torch.equal(got, ref)
+
+    eager = tiny_llama(seed=3)
+    eager.set_attn_implementation("eager")
+    EvictingCache(H2O(4, 4), eager)
+    with torch.no_grad():
+        out = eager(ids, output_attentions=True)
+    assert len(out.attentions) == eager.config.num_hidden_layers and out.attentions[0] is not None
+    with torch.no_grad():  # and the evicting cache still evicts on it
+        cache = EvictingCache(H2O(4, 4), eager)
+        eager(ids, **cache_kwargs(eager, cache))
+    assert max(cache.lengths()) == 8
+
+
+def test_settle_is_announced_and_a_missed_one_is_an_error(model):
+    """A policy whose evictions run on the host (BUZZ) announces them; if the steps ran compiled
+    without settle() the cache says so instead of attending past its slots."""
+    cache = EvictingCache(BUZZ(sink=2, window=6, stride=3), model, static_shapes=True)
+    assert cache.needs_settle and not EvictingCache(H2O(4, 4), model, static_shapes=True).needs_settle
+    ids = _prompt(model)[:, :16]
+    with torch.no_grad():
+        model(ids, **cache_kwargs(model, cache))
+        store = cache.layers[0].store
+        for t in range(store.slots - store.length + 1):
+            # what a compiled step does: the layer's device path without the host's eviction
+            for layer in cache.layers:
+                k = torch.zeros(1, 2, 1, 16)
+                layer.store.append(k, k)
+        with pytest.raises(RuntimeError, match="settle"):
+            store.lengths  # noqa: B018
