@@ -73,8 +73,8 @@ class LayerGroup:
         self.layers = layers
         self._joined = 0  # layers registered so far
         self._members: set[int] = set()  # indices whose storage is a slice of the group's tensors
-        # layers whose victims wait for the group: (index, eligible slots, free_alone, freed)
-        self._pending: list[tuple[int, int, Callable[[], None], Callable[[], None]]] = []
+        # layers whose victims wait for the group: (index, eligible slots, free_alone, freed, shared)
+        self._pending: list[tuple[int, int, Callable[[], None], Callable[[], None], bool]] = []
         self._pos: torch.Tensor | None = None  # [layers, batch, kv_heads, slots]
         self._scores: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
@@ -134,11 +134,13 @@ class LayerGroup:
         if not self._members:  # nobody's storage any more: free it (the next layer to allocate sets a new one)
             self._pos = self._scores = self._bias = None
 
-    def defer(self, index: int, hi: int, free_alone: Callable[[], None], freed: Callable[[], None]) -> None:
+    def defer(self, index: int, hi: int, free_alone: Callable[[], None], freed: Callable[[], None],
+              shared: bool = False) -> None:
         """Take layer ``index``'s victims of this step: the lowest score of slots ``[0, hi)`` per
-        row and head. ``free_alone()`` frees them the layer's own way; ``freed()`` tells it the
-        group did. Once every layer has deferred, they are all found at once."""
-        self._pending.append((index, hi, free_alone, freed))
+        row and head (``shared``: per row, by the scores summed over the heads, one victim for all
+        heads). ``free_alone()`` frees them the layer's own way; ``freed()`` tells it the group
+        did. Once every layer has deferred, they are all found at once."""
+        self._pending.append((index, hi, free_alone, freed, shared))
         if len(self._pending) == self.layers:
             self.flush()
 
@@ -148,11 +150,15 @@ class LayerGroup:
         pending, self._pending = self._pending, []
         if not pending:
             return
-        hi = pending[0][1]
-        if len(pending) == self.layers and self.complete and all(p[1] == hi for p in pending):
+        hi, shared = pending[0][1], pending[0][4]
+        if len(pending) == self.layers and self.complete and all(p[1] == hi and p[4] == shared for p in pending):
             assert self._pos is not None and self._scores is not None and self._bias is not None
-            # each layer's plain scan (LayerCache._lowest), for every layer at once: the same answer
-            victims = first_argmin(self._scores.narrow(3, 0, hi)).unsqueeze(-1)  # [layers, batch, heads, 1]
+            # each layer's plain scan (victims.lowest_victims), for every layer at once: the same answer
+            window = self._scores.narrow(3, 0, hi)
+            if shared:  # the heads' scores summed as each layer sums them, one victim for all heads
+                victims = first_argmin(window.sum(dim=2, keepdim=True)).unsqueeze(-1).expand(-1, -1, window.shape[2], -1)
+            else:
+                victims = first_argmin(window).unsqueeze(-1)  # [layers, batch, heads, 1]
             mark_holes(self._pos, self._scores, self._bias, 3, victims)
             for p in pending:
                 p[3]()

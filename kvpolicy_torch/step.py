@@ -84,20 +84,23 @@ def attend_slots(
     if (
         extra_bias is None and row_scale is None and prefix is None and not layout.search.active
         and query.dtype == store.scores.dtype == store.keys.dtype
-        and policy.score_statistic == "accumulate" and policy.uses_scores
+        and policy.score_statistic in ("accumulate", "latest") and policy.uses_scores
     ):
-        # the common step (H2O, BUZZ) on the storage's grouped views: grouped_decode, then the
-        # probabilities summed per KV head into the scores
+        # the common step (H2O, BUZZ, TOVA) on the storage's grouped views: grouped_decode, then
+        # the probabilities summed per KV head into the scores
         b, hq, _, d = query.shape
         k3, v3, bias3 = store.grouped(hi)
         bh = k3.shape[0]
         r = hq * b // bh
         out3, probs3 = grouped_decode(query.reshape(bh, r, d), k3.transpose(1, 2), v3, scaling,
                                       bias3 if layout.bias_needed else None)
-        # add_received's "accumulate" rule inlined (no candidates to void, dtypes equal, the sum a
-        # fresh tensor: NaN made -inf in place): the hot path of every H2O and BUZZ decode step
-        received = probs3.view(b, bh // b, r, hi).sum(dim=2)
-        store.scores.narrow(2, 0, hi).add_(received.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf))
+        # fold_received's two rules inlined (no candidates to void, dtypes equal, the sum a fresh
+        # tensor: NaN made -inf in place): the hot path of every H2O, BUZZ and TOVA decode step
+        received = probs3.view(b, bh // b, r, hi).sum(dim=2).nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        if policy.score_statistic == "accumulate":
+            store.scores.narrow(2, 0, hi).add_(received)
+        else:  # "latest" (TOVA): this query's attention replaces the scores; holes keep +inf
+            store.scores.narrow(2, 0, hi).copy_(received.masked_fill_(store.positions.narrow(2, 0, hi) < 0, math.inf))
         return out3.view(b, 1, hq, -1)
     key, value = store.keys.narrow(2, 0, hi), store.values.narrow(2, 0, hi)
     bias = store.bias.narrow(2, 0, hi) if layout.bias_needed else None

@@ -262,13 +262,14 @@ class OneTokenEviction:
             rows.count[r] -= 1
         if self.deferred and self.group is not None:
             self._pending = (store, rows)
-            self.group.defer(self.index, rows.front[0] - rule.recent, self._free_alone, self._freed)
+            self.group.defer(self.index, rows.front[0] - rule.recent, self._free_alone, self._freed, self.shared)
 
     def _deferrable(self, store: Storage, rows: Rows, candidates: int, min_scores: int) -> bool:
         """Whether this step's victims may wait for the group: every layer keeps its storage in it,
-        the rows stand alike, and the plain scan would find them (not shared, not candidates)."""
+        the rows stand alike, and the plain scan would find them (not candidates; a shared selection
+        only without ``reduce_scores``, which each layer applies to its own summed scores)."""
         group, front = self.group, rows.front
-        if group is None or not group.complete or self.shared:
+        if group is None or not group.complete or (self.shared and self.reduce_scores is not None):
             return False
         if any(f != front[0] for f in front) or self.uses_candidates(store.scores, front[0] - self.rule.recent,
                                                                        candidates, min_scores):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from kvpolicy import H2O, StreamingLLM  # noqa: E402
+from kvpolicy import H2O, TOVA, StreamingLLM  # noqa: E402
 from kvpolicy_torch import LayerCache, LayerGroup  # noqa: E402
 from strategies import h2o_policies, tova_policies  # noqa: E402
 
@@ -82,8 +82,8 @@ def test_a_group_evicts_what_each_layer_evicts_alone(policy, layers, batch, prom
         for a, b in zip(grouped, alone):
             assert _state(a) == _state(b), t
             assert torch.equal(a.slot_positions, b.slot_positions)
-    if policy.selection == "per_head" and decode_evictions and not static:
-        assert group.batched_evictions > 0  # the common flow took the group's search
+    if decode_evictions and not static:
+        assert group.batched_evictions > 0  # the common flow took the group's search (shared selections too)
     if static:  # static shapes evict on the device, layer by layer (kvpolicy_torch.static): never deferred
         assert group.batched_evictions == 0
 
@@ -97,6 +97,27 @@ def test_one_search_per_step_for_every_layer() -> None:
         _step(stack, kv, [torch.rand(1, HEADS, 40) for _ in stack], None)
     assert group.batched_evictions == 20 - policy.decode_eviction.limit  # every step since the cache filled up
     assert [layer.length for layer in stack] == [policy.decode_eviction.limit] * 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_shared_selection_is_searched_by_the_group_on_the_heads_summed_scores(dtype) -> None:
+    """TOVA's default (``selection="shared"``, one victim per row for all heads): the group sums
+    every layer's heads and searches them at once, and keeps what each layer alone keeps on
+    continuous random scores (the heads' sums rounded the same way in both)."""
+    policy = TOVA(size=6)
+    assert policy.selection == "shared"
+    group = LayerGroup(3)
+    stack = [LayerCache(policy, group=group) for _ in range(3)]
+    alone = [LayerCache(policy) for _ in range(3)]
+    g = torch.Generator().manual_seed(0)
+    for t in range(40):
+        kv = torch.randn(2, 3, 1, DIM, generator=g, dtype=dtype)
+        received = [torch.rand(2, 3, 40, generator=g, dtype=dtype) for _ in stack]
+        _step(stack, kv, received, None)
+        _step(alone, kv, received, None)
+        assert [_state(x) for x in stack] == [_state(x) for x in alone], t
+    assert group.batched_evictions == 40 - policy.decode_eviction.limit
+    assert all(len({tuple(h) for h in layer.positions[r].tolist()}) == 1 for layer in stack for r in range(2))
 
 
 def test_layers_of_other_capacities_evict_alone() -> None:
