@@ -194,7 +194,7 @@ def _scissorhands_round(p: dict[str, Any], cache: list[int], bits: list[list[int
 def _snapkv_round(p: dict[str, Any], cache: list[int], scores: list[float], phase: str) -> list[int] | None:
     """SnapKV, right after a prompt only: pool the scores of the tokens before the window (``kernel``
     positions centred on each: the largest of those that exist, or their sum over ``kernel``,
-    zeros past the edges, added centre first, then each pair of neighbours), keep the ``size -
+    zeros past the edges, added in ascending order), keep the ``size -
     window`` highest (picked one at a time; a tie goes to the higher own score, then the
     earliest), and the window."""
     size, window, kernel = p["size"], p["window"], p["kernel"]
@@ -206,9 +206,10 @@ def _snapkv_round(p: dict[str, Any], cache: list[int], scores: list[float], phas
     pooled = []
     for j in range(prefix):
         if p.get("pooling", "avg") == "avg":
-            total = scores[j]
-            for k in range(1, half + 1):
-                total = total + ((scores[j - k] if j - k >= 0 else 0.0) + (scores[j + k] if j + k < prefix else 0.0))
+            values = sorted(scores[i] if 0 <= i < prefix else 0.0 for i in range(j - half, j + half + 1))
+            total = values[0]
+            for v in values[1:]:
+                total = total + v
             pooled.append(total / kernel)
             continue
         best = scores[j]

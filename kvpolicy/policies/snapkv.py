@@ -41,24 +41,39 @@ def avg_pool(view: CacheView, scores: Array, kernel: int) -> Array:
     """1-D average pooling along the last axis, stride 1, ``kernel // 2`` positions each side,
     edges padded with zeros that count (``torch.nn.functional.avg_pool1d(s, kernel, 1, kernel //
     2)``, the SnapKV authors' and kvpress's pooling): pooled ``[j]`` is the sum of the scores of
-    the ``kernel`` positions centred on ``j`` that exist, over ``kernel``. The sum is taken in one
-    fixed order (``s[j]``, then ``s[j - k] + s[j + k]`` for ``k = 1, 2, ...``), so every backend
-    rounds alike; a NaN (``+inf`` next to ``-inf``) counts as ``-inf``.
+    the ``kernel`` positions centred on ``j`` that exist, over ``kernel``. Each window's values
+    (zeros for missing neighbours) are added in ascending order, one at a time, so two windows
+    holding equal values pool to the same bits and :class:`SnapKV`'s tie rule (the higher own
+    score, then the earlier position) decides between them, on every backend alike, rather than
+    float rounding; a NaN (``+inf`` next to ``-inf``) counts as ``-inf``.
 
     Example:
         >>> import numpy as np
         >>> s = np.array([[[0.3, 0.9, 0.0, 0.0, 0.6]]])
         >>> avg_pool(CacheView(np.arange(5)[None, None], s, 5), s, 3).round(2).tolist()
         [[[0.4, 0.4, 0.3, 0.2, 0.2]]]
+        >>> t = np.array([[[0.1, 0.7, 0.2, 0.1]]])  # windows 1 and 2 hold 0.1, 0.7 and 0.2 alike
+        >>> pooled = avg_pool(CacheView(np.arange(4)[None, None], t, 4), t, 3)[0, 0]
+        >>> bool(pooled[1] == pooled[2])
+        True
     """
     xp = view.xp
     n = scores.shape[-1]
-    total = scores
-    for shift in range(1, min(kernel // 2, n - 1) + 1):  # neighbours further than n - 1 add zeros
-        pad = xp.zeros_like(scores[..., :shift])
-        left = xp.concat([pad, scores[..., : n - shift]], axis=-1)  # left[j] = scores[j - shift]
-        right = xp.concat([scores[..., shift:], pad], axis=-1)  # right[j] = scores[j + shift]
-        total = total + (left + right)
+    half = kernel // 2
+    terms = []
+    for offset in range(-half, half + 1):  # terms[k][j] = scores[j + offset], zero where it does not exist
+        if offset == 0:
+            terms.append(scores)
+        elif abs(offset) >= n:
+            terms.append(xp.zeros_like(scores))
+        elif offset < 0:
+            terms.append(xp.concat([xp.zeros_like(scores[..., :-offset]), scores[..., : n + offset]], axis=-1))
+        else:
+            terms.append(xp.concat([scores[..., offset:], xp.zeros_like(scores[..., :offset])], axis=-1))
+    window = xp.sort(xp.stack(terms, axis=-1), axis=-1)  # [..., n, kernel], ascending
+    total = window[..., 0]
+    for k in range(1, kernel):
+        total = total + window[..., k]
     pooled = total / kernel
     return xp.where(xp.isnan(pooled), -xp.inf, pooled)
 

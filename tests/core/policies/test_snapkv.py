@@ -158,3 +158,17 @@ def test_doc_worked_example() -> None:
     kept_avg = kvpolicy_numpy.replay(avg, logits, prompt).kept[prompt - 1][0].tolist()
     assert kept_avg == oracle(avg, logits, prompt).kept[prompt - 1][0]
     assert "average pooling (the default) keeps `" + " ".join(map(str, kept_avg)) + "`" in text
+
+
+def test_average_pooling_ties_by_the_rule_on_both_backends() -> None:
+    """A 3-token prefix under a 5-wide kernel: every window holds the same three scores, which
+    summed in different orders (centre first) parted by an ulp, and NumPy and torch, whose softmax
+    rows round differently, kept different tokens (hypothesis found it in tests/torch/test_headwise.py).
+    Added in ascending order they tie exactly, and the tie rule (the higher own score) decides alike."""
+    rng = np.random.default_rng(374)
+    logits = rng.normal(size=(12, 1, 12))
+    policy = SnapKV(size=3, window=2, kernel=5)
+    want = kvpolicy_numpy.replay(policy, logits, 5)
+    got = kvpolicy_torch.replay(policy, logits, 5)
+    assert [None if k is None else k.tolist() for k in want.kept] == [None if k is None else k.tolist() for k in got.kept]
+    assert want.kept[4].tolist() == oracle(policy, logits, 5).kept[4]
