@@ -1,4 +1,5 @@
-"""The RULER samples of ``kvpolicy compare --tasks ruler`` through NVIDIA kvpress's presses.
+"""The RULER samples of ``kvpolicy compare --tasks ruler`` through NVIDIA kvpress's presses (StreamingLLM,
+SnapKV, TOVA, Knorm, KeyDiff, Expected Attention: the methods both libraries ship).
 
 Three steps, two virtual environments (kvpolicy is not installed in kvpress's):
 
@@ -35,7 +36,8 @@ import sys
 import time
 from typing import Any
 
-PRESSES = ("streaming_llm", "snapkv", "tova")
+#: kvpress presses by the name of the kvpolicy policy that keeps the same tokens (docs/results.md, section 9)
+PRESSES = ("streaming_llm", "snapkv", "tova", "knorm", "keydiff", "expected_attention")
 
 
 def export(args: argparse.Namespace) -> int:
@@ -71,7 +73,9 @@ def export(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """Step 2 (kvpress's venv): each sample without a press and through each press and ratio."""
     import torch
-    from kvpress import SnapKVPress, StreamingLLMPress, TOVAPress
+    from kvpress import (
+        ExpectedAttentionPress, KeyDiffPress, KnormPress, SnapKVPress, StreamingLLMPress, TOVAPress,
+    )
     from transformers import AutoModelForCausalLM, DynamicCache
     from transformers.utils import logging as hf_logging
 
@@ -84,7 +88,10 @@ def run(args: argparse.Namespace) -> int:
     ratios = [float(r) for r in args.ratios.split(",")]
     make = {"streaming_llm": lambda r: StreamingLLMPress(compression_ratio=r),
             "snapkv": lambda r: SnapKVPress(compression_ratio=r),
-            "tova": lambda r: TOVAPress(compression_ratio=r)}
+            "tova": lambda r: TOVAPress(compression_ratio=r),
+            "knorm": lambda r: KnormPress(compression_ratio=r),
+            "keydiff": lambda r: KeyDiffPress(compression_ratio=r),
+            "expected_attention": lambda r: ExpectedAttentionPress(compression_ratio=r)}
     configs = [("full", 0.0)] + [(p, r) for p in args.presses.split(",") for r in ratios]
     out: list[dict[str, Any]] = []
     t0 = time.perf_counter()
