@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from .ops import first_argmin
+from .storage import Storage
 
 __all__ = ["LayerGroup", "mark_holes"]
 
@@ -126,6 +127,26 @@ class LayerGroup:
         if index not in self._members or self._pos is None or self._scores is None or self._bias is None:
             return None
         return self._pos[index], self._scores[index], self._bias[index]
+
+    def relink(self, index: int, storage: Storage) -> Storage:
+        """``storage`` of a copied layer ``index`` (deepcopy, pickle) with its positions, scores and
+        bias back in this group's tensors: a copy holds them apart, and the group's one search
+        must see the layer's writes. Unchanged when the layer keeps its own tensors.
+
+        Example:
+            >>> group = LayerGroup(1)
+            >>> pos, scores, bias = group.storage(0, (1, 1, 2), torch.float32, torch.device("cpu"))
+            >>> apart = Storage(torch.zeros(1, 1, 2, 1), torch.zeros(1, 1, 2, 1), pos.clone().fill_(7), scores.clone(), bias.clone())
+            >>> linked = group.relink(0, apart)
+            >>> linked.positions is apart.positions, group.views(0)[0].tolist()
+            (False, [[[7, 7]]])
+        """
+        views = self.views(index)
+        if views is None:
+            return storage
+        for mine, theirs in zip(storage.bookkeeping(), views):
+            theirs.copy_(mine)
+        return Storage(storage.keys, storage.values, *views)
 
     def leave(self, index: int) -> None:
         """Layer ``index`` no longer keeps its storage in the group (it reallocated or was reset)."""

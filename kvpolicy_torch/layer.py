@@ -184,14 +184,8 @@ class LayerCache(LayerReads):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._size_rule = self.policy.size_rule() if self.rule is None else None
-        shared = self.group.views(self._group_index) if self.group is not None else None
-        store = self._layout.store
-        if store is not None and shared is not None:
-            # a copy of a grouped layer keeps its positions, scores and bias in the copied group's
-            # tensors again (a copy holds them apart: the group's one search must see its writes)
-            for mine, theirs in zip(store.bookkeeping(), shared):
-                theirs.copy_(mine)
-            self._layout.store = Storage(store.keys, store.values, *shared)
+        if self._layout.store is not None and self.group is not None:
+            self._layout.store = self.group.relink(self._group_index, self._layout.store)
 
     # ------------------------------------------------------------------ reads (the rest: LayerReads)
     def synced(self, storage: bool = True) -> SlotLayout:
