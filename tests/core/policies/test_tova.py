@@ -31,11 +31,7 @@ def _latest_scores(policy: TOVA, logits: np.ndarray, t: int, candidates: np.ndar
     """TOVA's score of each candidate position at step ``t``, per head: query ``t``'s attention
     probabilities over the candidates (``[heads, n]`` positions), summed over the heads for a
     shared selection. Returned as ``{head: scores in candidates' order}``."""
-    probs = []
-    for h in range(logits.shape[1]):
-        row = logits[t, h, candidates[h]]
-        e = np.exp(row - row.max())
-        probs.append(e / e.sum())
+    probs = [kvpolicy_numpy.softmax(logits[t, h, candidates[h]]) for h in range(logits.shape[1])]
     if policy.selection == "shared":
         summed = np.sum(probs, axis=0)
         return {h: summed for h in range(logits.shape[1])}
