@@ -11,8 +11,9 @@ step); a prompt chunk and a policy's general ``select`` run on the host in both.
 
 * :class:`LayerCache`: one layer's evicting KV store, preallocated to the policy's capacity; its
   parts are modules of their own: ``reads`` (every read of its state), ``layout`` (the eager
-  layout: storage, rows, compaction), ``storage`` (the slots, and how many), ``rows`` (per-row
-  bookkeeping), ``update`` (where new tokens go), ``step`` (the eager decode attention),
+  layout: storage, rows, compaction), ``storage`` (the slots, and how many), ``allocation``
+  (allocation, growth, room for an append), ``rows`` (per-row bookkeeping), ``update`` (where
+  new tokens go), ``eviction`` (which rule decides after a step), ``step`` (the eager decode attention),
   ``scores`` (received attention and how it becomes a score), ``victims`` (the one-token victim
   search), ``general`` (a policy's own ``select``), ``compaction``, ``posshift``, ``group``,
   ``static`` (the device layout), ``queries``, ``headwise`` and ``checks`` (docs/design.md, "The

@@ -15,11 +15,13 @@ from typing import Any, Sequence
 
 import torch
 
-from kvpolicy._validation import check_int
-from kvpolicy.policy import EvictionPolicy
+from kvpolicy._validation import check_bool, check_int
+from kvpolicy.policy import DecodeEviction, EvictionPolicy
+
+from .group import LayerGroup
 
 __all__ = [
-    "available_bytes", "check_append", "check_batch_index", "check_capacity", "check_kv", "check_like", "check_memory",
+    "available_bytes", "check_append", "check_batch_index", "check_capacity", "check_kv", "check_layer", "check_like", "check_memory",
     "check_step_kv", "checked_valid",
     "check_query", "check_received",
 ]
@@ -124,6 +126,38 @@ def check_memory(policy: EvictionPolicy, tokens: int, keys: torch.Tensor, values
             f"head_dim {d}, {keys.dtype}) per layer, more than the {have / 2**30:,.1f} GiB {keys.device} has: "
             "choose a smaller policy (e.g. kvpolicy.make_policy(name, budget, context_length=...) sizes it for the run)"
         )
+
+
+def check_layer(policy: Any, *, static_shapes: Any, key_shift: Any, group: Any) -> None:
+    """What :class:`~kvpolicy_torch.LayerCache` checks when it is built: a policy with a valid
+    capacity (:func:`check_capacity`) whose ``decode_eviction`` is a
+    :class:`~kvpolicy.DecodeEviction` (or ``None``) that fits in it, ``static_shapes`` a bool
+    (and not with head-wise budgets, which need the eager layout), ``key_shift`` callable or
+    ``None``, ``group`` a :class:`~kvpolicy_torch.LayerGroup` or ``None``.
+
+    Example:
+        >>> from kvpolicy import AdaKV, H2O
+        >>> check_layer(H2O(heavy=2, recent=2), static_shapes=True, key_shift=None, group=None)
+        >>> check_layer(AdaKV(H2O(heavy=2, recent=2)), static_shapes=True, key_shift=None, group=None)
+        Traceback (most recent call last):
+        ...
+        ValueError: AdaKV(scorer=H2O(heavy=2, recent=2), alpha_safeguard=0.2) (head-wise budgets) runs with static_shapes=False only (the eager layout)
+    """
+    if not isinstance(policy, EvictionPolicy):
+        raise ValueError(f"policy must be an EvictionPolicy, got {policy!r}")
+    check_capacity(policy)
+    check_bool("static_shapes", static_shapes)
+    rule = policy.decode_eviction
+    if rule is not None and not isinstance(rule, DecodeEviction):
+        raise ValueError(f"{policy!r}.decode_eviction must be a DecodeEviction or None, got {rule!r}")
+    if rule is not None and policy.capacity is not None and policy.capacity < rule.limit + 1:
+        raise ValueError(f"{policy!r} declares capacity {policy.capacity} below its decode eviction's limit + 1")
+    if policy.ragged_heads and static_shapes:
+        raise ValueError(f"{policy!r} (head-wise budgets) runs with static_shapes=False only (the eager layout)")
+    if key_shift is not None and not callable(key_shift):
+        raise ValueError(f"key_shift must be callable (keys, delta) -> keys, got {key_shift!r}")
+    if group is not None and not isinstance(group, LayerGroup):
+        raise ValueError(f"group must be a LayerGroup or None, got {group!r}")
 
 
 def check_append(layer: Any, keys: Any, values: Any) -> None:

@@ -5,10 +5,12 @@ parts of LayerCache"):
 
 * :mod:`~kvpolicy_torch.storage`: the slots (keys, values, and per slot a position, a score and an
   attention bias; a hole has position ``-1``) and how many are allocated (:class:`SlotPlan`);
+* :mod:`~kvpolicy_torch.allocation`: the first allocation, growth, and room for the next append;
 * :mod:`~kvpolicy_torch.layout`: the eager layout: the storage, per-row host bookkeeping
   (:mod:`~kvpolicy_torch.rows`), what the last append returned, ordered reads and compaction;
 * :mod:`~kvpolicy_torch.update`: where a decode token and a prompt chunk are written;
 * :mod:`~kvpolicy_torch.step`: the eager decode step's attention and score accumulation;
+* :mod:`~kvpolicy_torch.eviction`: which rule decides after a step (one token, nothing, general);
 * :mod:`~kvpolicy_torch.victims`: the one-token victim search by lowest score;
 * :mod:`~kvpolicy_torch.general`: a policy's general ``select``, applied by compaction;
 * :mod:`~kvpolicy_torch.posshift`: StreamingLLM's pos-shift of the sinks' keys;
@@ -31,24 +33,23 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kvpolicy._validation import check_bool
-from kvpolicy.policy import KEY_STATISTICS, DecodeEviction, EvictionPolicy
+from kvpolicy.policy import EvictionPolicy
 from kvpolicy.statistics import Rotary
 
 from .checks import (
-    check_append, check_batch_index, check_capacity, check_like, check_query, check_received, check_step_kv, checked_valid,
+    check_append, check_batch_index, check_layer, check_like, check_query, check_received, check_step_kv, checked_valid,
 )
-from .general import declines, select_rounds
+from .allocation import SlotAllocator
+from .eviction import HostEviction
 from .group import LayerGroup
-from .headwise import fitted_slots
 from .layout import SlotLayout
 from .posshift import KeyShift, PrefixShift, SinkShift
-from .queries import RunningMoments, held_scores
+from .queries import RunningMoments
 from .reads import LayerReads
-from .rows import LayerSnapshot, Rows
+from .rows import LayerSnapshot
 from .static import StaticSteps, StepOptions
 from .step import add_received, attend_slots, query_record
-from .storage import SlotPlan, Storage, token_bytes
+from .storage import SlotPlan, token_bytes
 from .victims import CandidateSearch, OneTokenEviction
 
 __all__ = ["LayerCache", "LayerSnapshot", "PrefixShift"]
@@ -120,28 +121,15 @@ class LayerCache(LayerReads):
         key_shift: KeyShift | None = None,
         group: LayerGroup | None = None,
     ) -> None:
-        if not isinstance(policy, EvictionPolicy):
-            raise ValueError(f"policy must be an EvictionPolicy, got {policy!r}")
-        check_capacity(policy)
+        check_layer(policy, static_shapes=static_shapes, key_shift=key_shift, group=group)
         self.policy = policy
         self.reduce_scores = reduce_scores
-        self.static_shapes = check_bool("static_shapes", static_shapes)
+        self.static_shapes = bool(static_shapes)
         self.reserve = reserve
-        rule = policy.decode_eviction
-        if rule is not None and not isinstance(rule, DecodeEviction):
-            raise ValueError(f"{policy!r}.decode_eviction must be a DecodeEviction or None, got {rule!r}")
-        if rule is not None and policy.capacity is not None and policy.capacity < rule.limit + 1:
-            raise ValueError(f"{policy!r} declares capacity {policy.capacity} below its decode eviction's limit + 1")
-        self.rule = rule
+        self.rule = policy.decode_eviction
         # head-wise budgets (AdaKV): a row's count is its widest head's, the others hold holes
         self._ragged = bool(policy.ragged_heads)
-        if self._ragged and self.static_shapes:
-            raise ValueError(f"{policy!r} (head-wise budgets) runs with static_shapes=False only (the eager layout)")
-        if key_shift is not None and not callable(key_shift):
-            raise ValueError(f"key_shift must be callable (keys, delta) -> keys, got {key_shift!r}")
         self._key_shift = key_shift
-        if group is not None and not isinstance(group, LayerGroup):
-            raise ValueError(f"group must be a LayerGroup or None, got {group!r}")
         self.group = group
         self._group_index = group.register() if group is not None else -1
         self.evictions = 0
@@ -151,9 +139,6 @@ class LayerCache(LayerReads):
         if self.group is not None:
             self.group.leave(self._group_index)
         rule, policy = self.rule, self.policy
-        # a policy without one-token evictions (BUZZ) that declares its size rule: a decode step
-        # at which the rule keeps every token skips the policy's call (host integers only)
-        self._size_rule = policy.size_rule() if rule is None else None
         # the one-token eviction: its victims among candidates (large CPU caches, H2O) or left to
         # the group (LayerGroup: one search for every layer)
         self._victims = None if rule is None else OneTokenEviction(
@@ -168,22 +153,17 @@ class LayerCache(LayerReads):
         )
         self._layout = SlotLayout(CandidateSearch() if self._victims is None else self._victims.search, sinks,
                                   static=self.static_shapes, ragged=self._ragged)
-        self._plan = SlotPlan(policy.capacity, self.reserve,
-                              slack=rule is not None and rule.victim != "oldest" and not self.static_shapes)
         # static shapes: a decode step's bookkeeping in device tensors (kvpolicy_torch.static)
         self._static = StaticSteps(policy, self.reduce_scores) if self.static_shapes else None
+        plan = SlotPlan(policy.capacity, self.reserve, slack=rule is not None and rule.victim != "oldest" and not self.static_shapes)
+        self._slots = SlotAllocator(policy, plan, group=self.group, index=self._group_index, static=self._static, ragged=self._ragged)
+        self._eviction = HostEviction(policy, self._victims, self._slots, self.reduce_scores)
         #: Expected Attention: the running moments of the queries seen (:meth:`observe_queries`)
         self.running_queries = RunningMoments(policy.statistic_policy.sink) if policy.observes_queries else None  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ copies (pickle, deepcopy, torch.save)
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_size_rule"] = None  # a closure: rebuilt from the policy
-        return state
-
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._size_rule = self.policy.size_rule() if self.rule is None else None
         if self._layout.store is not None and self.group is not None:
             self._layout.store = self.group.relink(self._group_index, self._layout.store)
 
@@ -297,91 +277,26 @@ class LayerCache(LayerReads):
             return store.keys, store.values  # type: ignore[union-attr]
         if static is not None:
             static.to_host(layout)
+        chunk_bytes = self.compaction_chunk_bytes
         if store is None:
-            self._start(keys, values)
+            self._like = self._slots.start(layout, keys, values, min_slack=self.min_slack, chunk_bytes=chunk_bytes)
         if valid is not None:
             valid, real = checked_valid(valid, real, keys)
         if q == 1:
-            self._append_one(keys, values)
+            self._slots.room_for_token(layout, chunk_bytes=chunk_bytes)
+            layout.write_one(keys, values)
             if layout.sink_shift is not None:
                 layout.shift_sinks()
         else:
             layout.unshift()
-            self._append_chunk(keys, values, valid, [q] * b if real is None else real)
+            self._slots.room_for_chunk(layout, q, chunk_bytes=chunk_bytes)
+            layout.write_chunk(keys, values, valid, [q] * b if real is None else real)
         layout.phase = "prefill" if q > 1 else "decode"
         if layout.extra is not None:
             return layout.extra.keys, layout.extra.values
         lo, hi = layout.range  # (two slices: the hot path of every eager decode step)
         store = layout.storage()
         return store.keys[:, :, lo:hi], store.values[:, :, lo:hi]
-
-    def _start(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        b, h, q, d = keys.shape
-        per_slot = token_bytes(keys, values)
-        # head-wise budgets: one head may hold more than the mean (up to the layer's budget less
-        # the others' floors): allocated for the mean, grown to the widest head's need (kvpolicy.AdaKV)
-        widest = self.policy.head_capacity(h) if self._ragged and self.policy.capacity is not None else 0  # type: ignore[attr-defined]
-        slots = self._plan.first(q, per_slot, self.min_slack, self.compaction_chunk_bytes, widest)
-        self._layout.rows = Rows.start(b, self.policy.init_state())
-        self._allocate(keys, values, slots)
-        # what later appends must match (one tuple comparison per step; check_like says what differs)
-        self._like = (b, h, d, values.shape[3], keys.dtype, values.dtype, keys.device)
-
-    def _allocate(self, like_k: torch.Tensor, like_v: torch.Tensor, slots: int) -> None:
-        """A storage of ``slots`` (the first, or a grown or shrunk one that takes over the kept slots)."""
-        layout = self._layout
-        b, h = like_k.shape[:2]
-        dev = like_k.device
-        # float64 for float64 models, and for records of low-attention events (exact integers < 2**52)
-        # (and for scores from keys: computed in float64, as the reference does)
-        exact = like_k.dtype == torch.float64 or self.policy.score_statistic in ("low_history", *KEY_STATISTICS)
-        score_dtype = torch.float64 if exact else torch.float32
-        shared = None
-        if self.group is not None:
-            if layout.store is None:
-                shared = self.group.storage(self._group_index, (b, h, slots), score_dtype, dev)
-            else:
-                self.group.leave(self._group_index)  # growth: a shape of its own
-        grown = Storage.allocate(like_k, like_v, slots, score_dtype, shared)
-        if layout.store is not None:  # growth: carry what is there (the rest: the transient set)
-            grown.copy_prefix(layout.store, min(max(layout.rows.front), layout.store.slots))
-        layout.store = grown
-        layout.moved()
-        if self._static is not None:
-            self._static.fit(b, h, dev)
-
-    def _grow(self, need: int = 0) -> None:
-        store = self._layout.storage()
-        self._allocate(store.keys[:, :, :1], store.values[:, :, :1], self._plan.grown(store.slots, need))
-
-    def _compact(self, rows: list[int]) -> None:
-        self._layout.compact(rows, sink=self.rule.sink if self.rule is not None else 0,
-                             chunk_bytes=self.compaction_chunk_bytes)
-
-    def _append_one(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        layout = self._layout
-        full = layout.rows_at_end()
-        if full:  # room first: grow (unbounded, or fewer slots than planned), else compact those rows
-            if self._plan.can_grow(self.slots):
-                self._grow()
-            else:
-                rows = layout.rows
-                self._compact([r for r in full if rows.count[r] < rows.front[r]])
-                if any(rows.front[r] >= self.slots for r in full):
-                    raise RuntimeError(
-                        f"{self.policy!r} holds {max(rows.count)} tokens, more than its capacity {self.policy.capacity}"
-                    )
-        layout.write_one(keys, values)
-
-    def _append_chunk(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, real: list[int]) -> None:
-        layout = self._layout
-        layout.moved()
-        if not layout.dense():
-            self._compact(list(range(keys.shape[0])))  # chunks see dense rows in position order
-        need = max(layout.rows.front) + keys.shape[2]
-        if self._plan.can_grow(self.slots) and need > self.slots:
-            self._grow(need)  # (unbounded, or more than `reserve` came)
-        layout.write_chunk(keys, values, valid, real)
 
     # ------------------------------------------------------------------ attend and accumulate
     def accumulate(self, received: torch.Tensor) -> None:
@@ -485,26 +400,8 @@ class LayerCache(LayerReads):
             if torch.compiler.is_compiling():
                 return []  # announced by needs_settle: the caller runs settle() between compiled steps
             return self.settle()
-        layout = self.synced()
-        rule, count = self.rule, layout.rows.count
-        if self.policy.score_statistic in KEY_STATISTICS and (
-            rule is None or layout.phase != "decode" or layout.extra is not None or max(count) > rule.limit
-        ):  # (a decode step under the one-token rule's limit evicts nothing: no scores needed)
-            self._score_keys()
-        if layout.phase == "decode" and rule is not None and layout.extra is None:
-            over = rule.limit + 1
-            rows = list(range(self.batch)) if all(c == over for c in count) else [r for r, c in enumerate(count) if c == over]
-            if len(rows) < self.batch and any(c > over for c in count):
-                rounds = self._evict_general()
-            elif rows and self._victims is not None:
-                self._victims.evict(layout.storage(), layout.rows, rows, self.candidates, self.candidate_min_scores)
-                rounds = [(rule.limit + 1, rule.limit)]
-            else:
-                rounds = []
-        elif declines(layout, self._size_rule):
-            rounds = []
-        else:
-            rounds = self._evict_general()
+        rounds = self._eviction.evict(self.synced(), self.running_queries, candidates=self.candidates,
+                                      min_scores=self.candidate_min_scores, chunk_bytes=self.compaction_chunk_bytes)
         return self._evicted(rounds)
 
     def _evicted(self, rounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -543,10 +440,11 @@ class LayerCache(LayerReads):
         # host rows follow without reading the device (settle() comes after every compiled step;
         # DecodeState.to_host checks it); the device is read only when the size rule says "evict".
         static.follow(layout)
-        if declines(layout, self._size_rule):
+        eviction = self._eviction
+        if eviction.declines(layout):
             return []
         self.synced(storage=False)
-        return self._evicted([] if declines(layout, self._size_rule) else self._evict_general())
+        return self._evicted([] if eviction.declines(layout) else eviction.general(layout, chunk_bytes=self.compaction_chunk_bytes))
 
     def _reload(self) -> None:
         """Static shapes, after host code changed the layer: compact it and hand the counts to the
@@ -555,43 +453,8 @@ class LayerCache(LayerReads):
         state = None if self._static is None else self._static.state
         if state is None or layout.extra is not None or layout.store is None:
             return
-        if not layout.dense():
-            self._compact(list(range(self.batch)))
-        if self._plan.can_grow(self.slots) and max(layout.rows.count) >= self.slots:
-            # a store without room for the next token grows here, between steps (an unbounded policy;
-            # a bounded one sized for `reserve` tokens that is given more)
-            self._grow()
+        self._slots.ready_for_device(layout, chunk_bytes=self.compaction_chunk_bytes)
         state.load(layout.rows.seen, layout.rows.count, layout.rows.columns)
-
-    def _score_keys(self) -> None:
-        """A statistic from the cache (Knorm, KeyDiff, Expected Attention): every held token's
-        score, recomputed from what the layer holds before the policy decides."""
-        working, seen_rows = self._layout.working(), self._layout.rows.seen
-        seen: Any = seen_rows[0]
-        if any(s != seen for s in seen_rows):
-            seen = torch.tensor(seen_rows, device=working.positions.device).view(-1, 1, 1)
-        working.scores.copy_(held_scores(self.policy, self.running_queries, working, seen))
-
-    def _evict_general(self) -> list[tuple[int, int]]:
-        """The policy's ``select`` on the host (:func:`~kvpolicy_torch.general.select_rounds`), then
-        the transient working set put back and, under head-wise budgets, the storage fitted to the
-        widest head."""
-        layout = self._layout
-        rounds = select_rounds(layout, self.policy, self.reduce_scores, sink=self.rule.sink if self.rule is not None else 0,
-                               chunk_bytes=self.compaction_chunk_bytes)
-        if layout.extra is not None:
-            widest = max(layout.rows.count)
-            if self._ragged and self.slots < widest <= self._plan.planned:
-                # the widest head holds more than the mean's slots: grow the storage to fit it
-                self._allocate(layout.extra.keys[:, :, :1], layout.extra.values[:, :, :1], self._plan.grown(self.slots, widest + 1))
-            if widest > self.slots:
-                raise RuntimeError(f"{self.policy!r} left {widest} tokens but declared capacity {self.policy.capacity}")
-            layout.put_back()
-        fit = fitted_slots(self.slots, max(layout.rows.front)) if self._ragged and rounds else None
-        if fit is not None:  # the storage follows the widest head (kvpolicy_torch.headwise)
-            store = layout.storage()
-            self._allocate(store.keys[:, :, :1], store.values[:, :, :1], fit)
-        return rounds
 
     # ------------------------------------------------------------------ Expected Attention
     def observe_queries(self, queries: torch.Tensor, positions: torch.Tensor | None = None, rotary: Rotary | None = None) -> None:

@@ -1,0 +1,159 @@
+"""Where a layer's slots come from: the first allocation, growth, and room for the next append.
+
+A layer allocates once, at its first append, as its :class:`~kvpolicy_torch.storage.SlotPlan`
+says (the policy's capacity plus spare slots, or what ``reserve`` says the run needs), and grows
+only while the plan allows (an unbounded policy; a bounded one sized for fewer tokens than came;
+the widest head under head-wise budgets). Growth allocates a new storage and carries the kept
+slots over; the old one is freed. A layer of a :class:`~kvpolicy_torch.group.LayerGroup` starts
+as a view of the group's tensors and takes a shape of its own when it grows.
+
+Before an append writes, each row needs room: a decode token needs a slot at or after the
+row's frontier (or a freed one), a prompt chunk dense rows in position order followed by room
+for the whole chunk (or the transient working set, :class:`~kvpolicy_torch.layout.SlotLayout`).
+Room comes from growth where the plan allows, else from compacting the rows (holes moved out).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
+
+from .group import LayerGroup
+from .layout import SlotLayout
+from .rows import Rows
+from .static import StaticSteps
+from .storage import SlotPlan, Storage, token_bytes
+
+__all__ = ["SlotAllocator"]
+
+
+class SlotAllocator:
+    """Allocates, grows and makes room in one layer's storage (the layout's :attr:`~SlotLayout.store`).
+
+    Args:
+        policy: the layer's policy (its capacity; its statistic decides the scores' dtype).
+        plan: how many slots (:class:`~kvpolicy_torch.storage.SlotPlan`).
+        group: the group whose tensors the first storage views, or ``None``.
+        index: the layer's index in ``group``.
+        static: the layer's static decode steps, whose device state follows the storage's shape.
+        ragged: head-wise budgets: the first allocation plans for the widest head.
+
+    Example:
+        >>> from kvpolicy import FullCache
+        >>> from kvpolicy_torch.victims import CandidateSearch
+        >>> layout = SlotLayout(CandidateSearch(), None)
+        >>> slots = SlotAllocator(FullCache(), SlotPlan(None, None, slack=False))
+        >>> like = slots.start(layout, torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), min_slack=64, chunk_bytes=1 << 20)
+        >>> layout.store.slots, like[:3]
+        (3, (1, 2, 4))
+        >>> slots.room_for_chunk(layout, 5, chunk_bytes=1 << 20); layout.store.slots  # one growth step: 16 slots at least
+        19
+    """
+
+    def __init__(
+        self,
+        policy: EvictionPolicy,
+        plan: SlotPlan,
+        *,
+        group: LayerGroup | None = None,
+        index: int = -1,
+        static: StaticSteps | None = None,
+        ragged: bool = False,
+    ) -> None:
+        self.policy, self.plan = policy, plan
+        self.group, self.index = group, index
+        self.static, self.ragged = static, ragged
+        rule = policy.decode_eviction
+        #: an "oldest" ring keeps its sinks in front when it is unwrapped by a compaction
+        self.sink = rule.sink if rule is not None else 0
+
+    def start(self, layout: SlotLayout, keys: torch.Tensor, values: torch.Tensor, *, min_slack: int,
+              chunk_bytes: int) -> tuple[object, ...]:
+        """The first allocation, for a first append of ``keys``/``values`` ``[batch, kv_heads, q,
+        head_dim]``; returns what later appends must match (batch, heads, head dims, dtypes,
+        device: one tuple comparison a step, :func:`~kvpolicy_torch.checks.check_like` says what differs)."""
+        b, h, q, d = keys.shape
+        policy = self.policy
+        # head-wise budgets: one head may hold more than the mean (up to the layer's budget less
+        # the others' floors): allocated for the mean, grown to the widest head's need (kvpolicy.AdaKV)
+        widest = policy.head_capacity(h) if self.ragged and policy.capacity is not None else 0  # type: ignore[attr-defined]
+        slots = self.plan.first(q, token_bytes(keys, values), min_slack, chunk_bytes, widest)
+        layout.rows = Rows.start(b, policy.init_state())
+        self.allocate(layout, keys, values, slots)
+        return (b, h, d, values.shape[3], keys.dtype, values.dtype, keys.device)
+
+    def allocate(self, layout: SlotLayout, like_k: torch.Tensor, like_v: torch.Tensor, slots: int) -> None:
+        """A storage of ``slots`` shaped like ``like_k``/``like_v``: the first, or a grown or shrunk
+        one that takes over the kept slots (up to the furthest frontier; the rest is the transient set)."""
+        b, h = like_k.shape[:2]
+        dev = like_k.device
+        # float64 for float64 models, and for records of low-attention events (exact integers < 2**52)
+        # (and for scores from keys: computed in float64, as the reference does)
+        exact = like_k.dtype == torch.float64 or self.policy.score_statistic in ("low_history", *KEY_STATISTICS)
+        score_dtype = torch.float64 if exact else torch.float32
+        shared = None
+        if self.group is not None:
+            if layout.store is None:
+                shared = self.group.storage(self.index, (b, h, slots), score_dtype, dev)
+            else:
+                self.group.leave(self.index)  # growth: a shape of its own
+        grown = Storage.allocate(like_k, like_v, slots, score_dtype, shared)
+        if layout.store is not None:  # growth: carry what is there
+            grown.copy_prefix(layout.store, min(max(layout.rows.front), layout.store.slots))
+        layout.store = grown
+        layout.moved()
+        if self.static is not None:
+            self.static.fit(b, h, dev)
+
+    def grow(self, layout: SlotLayout, need: int = 0) -> None:
+        """One growth step, to hold at least ``need`` slots (:meth:`SlotPlan.grown
+        <kvpolicy_torch.storage.SlotPlan.grown>`)."""
+        store = layout.storage()
+        self.allocate(layout, store.keys[:, :, :1], store.values[:, :, :1], self.plan.grown(store.slots, need))
+
+    def compact(self, layout: SlotLayout, rows: list[int], *, chunk_bytes: int) -> None:
+        """Move the kept tokens of ``rows`` to ``[0, count)`` (:meth:`SlotLayout.compact
+        <kvpolicy_torch.layout.SlotLayout.compact>`)."""
+        layout.compact(rows, sink=self.sink, chunk_bytes=chunk_bytes)
+
+    def room_for_token(self, layout: SlotLayout, *, chunk_bytes: int) -> None:
+        """Room for one decode token in every row: rows whose frontier is at the end of the storage
+        (and hold no freed slot) grow it where the plan allows, else are compacted."""
+        full = layout.rows_at_end()
+        if not full:
+            return
+        if self.plan.can_grow(layout.storage().slots):
+            self.grow(layout)
+            return
+        rows = layout.rows
+        self.compact(layout, [r for r in full if rows.count[r] < rows.front[r]], chunk_bytes=chunk_bytes)
+        slots = layout.storage().slots
+        if any(rows.front[r] >= slots for r in full):
+            raise RuntimeError(f"{self.policy!r} holds {max(rows.count)} tokens, more than its capacity {self.policy.capacity}")
+
+    def room_for_chunk(self, layout: SlotLayout, q: int, *, chunk_bytes: int) -> None:
+        """Dense rows (a chunk sees its row's kept tokens in position order) and, where the plan
+        allows, slots for ``q`` more tokens; what does not fit goes to the transient set."""
+        layout.moved()
+        if not layout.dense():
+            self.compact(layout, list(range(layout.rows.batch)), chunk_bytes=chunk_bytes)
+        need = max(layout.rows.front) + q
+        if self.plan.can_grow(layout.storage().slots) and need > layout.storage().slots:
+            self.grow(layout, need)  # (unbounded, or more than `reserve` came)
+
+    def ready_for_device(self, layout: SlotLayout, *, chunk_bytes: int) -> None:
+        """Before a static-shaped layer hands its rows to the device: dense rows, and room for the
+        next token (an unbounded policy, or a bounded one sized for ``reserve`` tokens that is given
+        more, grows here, between steps)."""
+        if not layout.dense():
+            self.compact(layout, list(range(layout.rows.batch)), chunk_bytes=chunk_bytes)
+        slots = layout.storage().slots
+        if self.plan.can_grow(slots) and max(layout.rows.count) >= slots:
+            self.grow(layout)
+
+    def fit_widest(self, layout: SlotLayout, slots: int) -> None:
+        """Head-wise budgets: the storage resized to ``slots`` (the widest head's need), the kept
+        slots carried over (:func:`~kvpolicy_torch.headwise.fitted_slots` says when)."""
+        like = layout.extra if layout.extra is not None else layout.storage()
+        self.allocate(layout, like.keys[:, :, :1], like.values[:, :, :1], slots)
