@@ -316,6 +316,21 @@ def _decode(
     }
 
 
+def share_cell(share: float | None, interval: Sequence[float] | None) -> str:
+    """A share of the limit as the decode table prints it: the median over rounds and, in
+    brackets, its 95% confidence interval (:func:`~kvpolicy_tools.perf.report.median_interval`).
+
+    Example:
+        >>> share_cell(0.946, (0.931, 0.958)), share_cell(0.95, None), share_cell(None, None)
+        ('94.6% (93.1-95.8)', '95.0%', '-')
+    """
+    if share is None:
+        return "-"
+    if interval is None:
+        return f"{share:.1%}"
+    return f"{share:.1%} ({interval[0] * 100:.1f}-{interval[1] * 100:.1f})"
+
+
 def _decode_report(data: dict[str, Any], out: Path, plots: bool) -> list[str]:
     from .decode import BREAKDOWN_ORDER  # here: decode needs torch and transformers (the hf extra); every verb's parser imports this module
 
@@ -328,7 +343,8 @@ def _decode_report(data: dict[str, Any], out: Path, plots: bool) -> list[str]:
             f"head_dim {info['head_dim']}, {info['dtype']}), batch 1, {data['rounds']} interleaved rounds of "
             f"{data['steps']} decode steps per candidate; ratio = median over rounds of DynamicCache s/step over the "
             "candidate's (> 1: faster); share of limit = median over rounds of the limit's s/step over the "
-            "candidate's (the limit of a budget: a DynamicCache holding only that share of the prompt).",
+            "candidate's (the limit of a budget: a DynamicCache holding only that share of the prompt), with the 95% "
+            "confidence interval of that median in brackets (distribution-free; none under 6 rounds).",
             "",
         ]
         for ctx in sorted({r["context"] for r in rows}):
@@ -336,10 +352,9 @@ def _decode_report(data: dict[str, Any], out: Path, plots: bool) -> list[str]:
             lines += [f"### Context {ctx:,} (prefill {data['prefill_seconds'].get(ctx, data['prefill_seconds'].get(str(ctx), 0)):.0f} s, shared)", ""]
             table = []
             for r in sub:
-                share = r.get("share_of_limit")
                 table.append([
                     r["label"], f"{r['tokens_per_s']:.2f}", f"{r['ratio_vs_dynamic']:.2f}",
-                    f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}", "-" if share is None else f"{share:.0%}",
+                    f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}", share_cell(r.get("share_of_limit"), r.get("share_of_limit_interval")),
                     f"{r['kv_bytes'] / 2**20:.1f}",
                     f"{r['allocated_bytes'] / 2**20:.1f}", f"{r['memory_ratio']:.2f}", f"{r['kept']:.0f}",
                     "-" if r["capacity"] is None else r["capacity"], r["evictions"],

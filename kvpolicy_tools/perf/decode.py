@@ -43,6 +43,8 @@ from kvpolicy_integrations.capabilities import cache_kwargs, text_config
 from kvpolicy_integrations.hf import ATTENTION_NAME, EvictingCache
 from kvpolicy_torch import LayerCache
 
+from .report import median_interval
+
 __all__ = [
     "Candidate",
     "DecodeResult",
@@ -322,6 +324,8 @@ class DecodeResult:
             "evictions": self.evictions,
             "steps": self.steps,
             "share_of_limit": None if self.share_of_limit is None else statistics.median(self.share_of_limit),
+            # 95% confidence interval of that median over the rounds (None: too few rounds)
+            "share_of_limit_interval": None if self.share_of_limit is None else median_interval(self.share_of_limit),
             "share_of_limit_rounds": self.share_of_limit,
         }
 
