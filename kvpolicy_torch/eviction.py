@@ -47,15 +47,21 @@ class HostEviction:
         reduce_scores: applied to head-summed scores of a shared selection (tensor parallelism).
 
     Example:
-        >>> from kvpolicy import BUZZ
+        >>> from kvpolicy import BUZZ, H2O
         >>> from kvpolicy_torch import LayerCache
-        >>> layer = LayerCache(BUZZ(sink=1, window=2, stride=3))
-        >>> K, V = layer.append(torch.randn(1, 1, 9, 4), torch.randn(1, 1, 9, 4))
-        >>> layer.accumulate(torch.arange(9.0).view(1, 1, 9))
-        >>> layer.evict()  # a prompt chunk: the general eviction (BUZZ's select)
+        >>> h2o = LayerCache(H2O(heavy=1, recent=1))
+        >>> for t in range(4):
+        ...     K, V = h2o.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
+        ...     h2o.accumulate(torch.ones(1, 1, K.shape[2]))
+        ...     rounds = h2o.evict()
+        >>> rounds, h2o.length  # a decode step at the limit: one token freed, nothing moved
+        ([(3, 2)], 2)
+        >>> buzz = LayerCache(BUZZ(sink=1, window=2, stride=3))
+        >>> K, V = buzz.append(torch.randn(1, 1, 9, 4), torch.randn(1, 1, 9, 4))
+        >>> buzz.accumulate(torch.rand(1, 1, 9)); buzz.evict()  # a prompt chunk: BUZZ's select
         [(9, 5)]
-        >>> K, V = layer.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
-        >>> layer.accumulate(torch.ones(1, 1, 6)); layer.evict()  # BUZZ's size rule keeps all 6: not asked
+        >>> K, V = buzz.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
+        >>> buzz.accumulate(torch.ones(1, 1, 6)); buzz.evict()  # its size rule keeps all 6: not asked
         []
     """
 
