@@ -294,8 +294,11 @@ class LayerCache(LayerReads):
         layout.phase = "prefill" if q > 1 else "decode"
         if layout.extra is not None:
             return layout.extra.keys, layout.extra.values
-        lo, hi = layout.range  # (two slices: the hot path of every eager decode step)
+        lo, hi = layout.range
         store = layout.storage()
+        if lo == 0 and store.whole:  # (every decode step: views made once per range, Storage.range_views)
+            views = store.range_views(hi)
+            return views.keys, views.values
         return store.keys[:, :, lo:hi], store.values[:, :, lo:hi]
 
     # ------------------------------------------------------------------ attend and accumulate

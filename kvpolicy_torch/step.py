@@ -89,18 +89,18 @@ def attend_slots(
         # the common step (H2O, BUZZ, TOVA) on the storage's grouped views: grouped_decode, then
         # the probabilities summed per KV head into the scores
         b, hq, _, d = query.shape
-        k3, v3, bias3 = store.grouped(hi)
-        bh = k3.shape[0]
+        views = store.range_views(hi)
+        bh = views.keys3.shape[0]
         r = hq * b // bh
-        out3, probs3 = grouped_decode(query.reshape(bh, r, d), k3.transpose(1, 2), v3, scaling,
-                                      bias3 if layout.bias_needed else None)
+        out3, probs3 = grouped_decode(query.reshape(bh, r, d), views.keys3.transpose(1, 2), views.values3, scaling,
+                                      views.bias3 if layout.bias_needed else None)
         # fold_received's two rules inlined (no candidates to void, dtypes equal, the sum a fresh
         # tensor: NaN made -inf in place): the hot path of every H2O, BUZZ and TOVA decode step
         received = probs3.view(b, bh // b, r, hi).sum(dim=2).nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
         if policy.score_statistic == "accumulate":
-            store.scores.narrow(2, 0, hi).add_(received)
+            views.scores.add_(received)
         else:  # "latest" (TOVA): this query's attention replaces the scores; holes keep +inf
-            store.scores.narrow(2, 0, hi).copy_(received.masked_fill_(store.positions.narrow(2, 0, hi) < 0, math.inf))
+            views.scores.copy_(received.masked_fill_(views.positions < 0, math.inf))
         return out3.view(b, 1, hq, -1)
     key, value = store.keys.narrow(2, 0, hi), store.values.narrow(2, 0, hi)
     bias = store.bias.narrow(2, 0, hi) if layout.bias_needed else None

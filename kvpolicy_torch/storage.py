@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
-__all__ = ["HOLE", "SlotPlan", "Storage", "grown_slots", "token_bytes"]
+__all__ = ["HOLE", "RangeViews", "SlotPlan", "Storage", "grown_slots", "token_bytes"]
 
 _MIN_GROWTH = 16  # slots an unbounded store grows by at least
 _MAX_GROWTH = 4096  # and at most (bounded chunks: a long run never doubles its allocation at once)
@@ -122,6 +122,18 @@ class SlotPlan:
 HOLE = (-1, math.inf, -math.inf)
 
 
+class RangeViews(NamedTuple):
+    """Views of slots ``[0, hi)``: what a decode step returns and attends with (:meth:`Storage.range_views`)."""
+
+    keys: torch.Tensor  #: ``[batch, kv_heads, hi, head_dim]``
+    values: torch.Tensor  #: ``[batch, kv_heads, hi, v_dim]``
+    keys3: torch.Tensor  #: ``[batch * kv_heads, hi, head_dim]``
+    values3: torch.Tensor  #: ``[batch * kv_heads, hi, v_dim]``
+    bias3: torch.Tensor  #: ``[batch * kv_heads, 1, hi]``
+    scores: torch.Tensor  #: ``[batch, kv_heads, hi]``
+    positions: torch.Tensor  #: ``[batch, kv_heads, hi]``
+
+
 @dataclass
 class Storage:
     """Keys, values, positions, scores and bias of one layer (shapes in the module docstring).
@@ -141,6 +153,12 @@ class Storage:
     scores: torch.Tensor
     bias: torch.Tensor
     _grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(init=False, repr=False, compare=False)
+    _ranges: dict[int, RangeViews] = field(init=False, repr=False, compare=False)
+
+    #: Ranges whose views :meth:`range_views` keeps (seven views, about 4 KB of host memory a
+    #: range): the furthest frontier of a one-token eviction by score takes one value per spare
+    #: slot between compactions, 64 of them up to 512 kept tokens; a ring's takes one.
+    kept_ranges = 64
 
     def __post_init__(self) -> None:
         b, h, slots, _ = self.keys.shape
@@ -149,15 +167,40 @@ class Storage:
             (self.keys.view(b * h, slots, -1), self.values.view(b * h, slots, -1), self.bias.view(b * h, 1, slots))
             if whole else None
         )
+        self._ranges = {}
 
-    def grouped(self, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views ``keys [batch * kv_heads, hi, head_dim]``, ``values [batch * kv_heads, hi, v_dim]``
-        and ``bias [batch * kv_heads, 1, hi]`` of slots ``[0, hi)``: what a decode step attends with
-        (:func:`~kvpolicy_torch.grouped_decode`)."""
+    @property
+    def whole(self) -> bool:
+        """Whether keys, values and bias are contiguous (a storage's own tensors, not a view of some
+        of their slots): :meth:`range_views` serves it."""
+        return self._grouped is not None
+
+    def range_views(self, hi: int) -> RangeViews:
+        """Views of slots ``[0, hi)``: the keys and values a decode step returns, their grouped 3-D
+        views that :func:`~kvpolicy_torch.grouped_decode` attends with, and the bias, scores and
+        positions it reads and updates. The views of a range are made once and kept (up to
+        :attr:`kept_ranges` ranges): a view costs a few microseconds on a CPU, seven of them per
+        layer and step, and the range of a decode step (the furthest frontier) takes few values
+        between compactions.
+
+        Example:
+            >>> s = Storage.allocate(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), slots=3, score_dtype=torch.float32)
+            >>> views = s.range_views(2)
+            >>> tuple(views.keys.shape), tuple(views.keys3.shape), tuple(views.bias3.shape), s.range_views(2) is views
+            ((1, 2, 2, 4), (2, 2, 4), (2, 1, 2), True)
+        """
+        views = self._ranges.get(hi)
+        if views is not None:
+            return views
         if self._grouped is None:
-            raise ValueError("grouped() needs a storage of whole tensors, not a view of some slots")
+            raise ValueError("range_views() needs a storage of whole tensors, not a view of some slots")
         k3, v3, bias3 = self._grouped
-        return k3.narrow(1, 0, hi), v3.narrow(1, 0, hi), bias3.narrow(2, 0, hi)
+        views = RangeViews(self.keys.narrow(2, 0, hi), self.values.narrow(2, 0, hi), k3.narrow(1, 0, hi),
+                           v3.narrow(1, 0, hi), bias3.narrow(2, 0, hi), self.scores.narrow(2, 0, hi),
+                           self.positions.narrow(2, 0, hi))
+        if len(self._ranges) < self.kept_ranges:
+            self._ranges[hi] = views
+        return views
 
     @classmethod
     def allocate(
