@@ -44,9 +44,9 @@ class SlotAllocator:
         >>> from kvpolicy_torch.victims import CandidateSearch
         >>> layout = SlotLayout(CandidateSearch(), None)
         >>> slots = SlotAllocator(FullCache(), SlotPlan(None, None, slack=False))
-        >>> like = slots.start(layout, torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), min_slack=64, chunk_bytes=1 << 20)
-        >>> layout.store.slots, like[:3]
-        (3, (1, 2, 4))
+        >>> slots.start(layout, torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), min_slack=64, chunk_bytes=1 << 20)
+        >>> layout.store.slots, tuple(layout.store.keys.shape)
+        (3, (1, 2, 3, 4))
         >>> slots.room_for_chunk(layout, 5, chunk_bytes=1 << 20); layout.store.slots  # one growth step: 16 slots at least
         19
     """
@@ -69,11 +69,10 @@ class SlotAllocator:
         self.sink = rule.sink if rule is not None else 0
 
     def start(self, layout: SlotLayout, keys: torch.Tensor, values: torch.Tensor, *, min_slack: int,
-              chunk_bytes: int) -> tuple[object, ...]:
+              chunk_bytes: int) -> None:
         """The first allocation, for a first append of ``keys``/``values`` ``[batch, kv_heads, q,
-        head_dim]``; returns what later appends must match (batch, heads, head dims, dtypes,
-        device: one tuple comparison a step, :func:`~kvpolicy_torch.checks.check_like` says what differs)."""
-        b, h, q, d = keys.shape
+        head_dim]``, and the layout's rows."""
+        b, h, q, _ = keys.shape
         policy = self.policy
         # head-wise budgets: one head may hold more than the mean (up to the layer's budget less
         # the others' floors): allocated for the mean, grown to the widest head's need (kvpolicy.AdaKV)
@@ -81,7 +80,6 @@ class SlotAllocator:
         slots = self.plan.first(q, token_bytes(keys, values), min_slack, chunk_bytes, widest)
         layout.rows = Rows.start(b, policy.init_state())
         self.allocate(layout, keys, values, slots)
-        return (b, h, d, values.shape[3], keys.dtype, values.dtype, keys.device)
 
     def allocate(self, layout: SlotLayout, like_k: torch.Tensor, like_v: torch.Tensor, slots: int) -> None:
         """A storage of ``slots`` shaped like ``like_k``/``like_v``: the first, or a grown or shrunk
@@ -112,11 +110,6 @@ class SlotAllocator:
         store = layout.storage()
         self.allocate(layout, store.keys[:, :, :1], store.values[:, :, :1], self.plan.grown(store.slots, need))
 
-    def compact(self, layout: SlotLayout, rows: list[int], *, chunk_bytes: int) -> None:
-        """Move the kept tokens of ``rows`` to ``[0, count)`` (:meth:`SlotLayout.compact
-        <kvpolicy_torch.layout.SlotLayout.compact>`)."""
-        layout.compact(rows, sink=self.sink, chunk_bytes=chunk_bytes)
-
     def room_for_token(self, layout: SlotLayout, *, chunk_bytes: int) -> None:
         """Room for one decode token in every row: rows whose frontier is at the end of the storage
         (and hold no freed slot) grow it where the plan allows, else are compacted."""
@@ -127,7 +120,7 @@ class SlotAllocator:
             self.grow(layout)
             return
         rows = layout.rows
-        self.compact(layout, [r for r in full if rows.count[r] < rows.front[r]], chunk_bytes=chunk_bytes)
+        layout.compact([r for r in full if rows.count[r] < rows.front[r]], sink=self.sink, chunk_bytes=chunk_bytes)
         slots = layout.storage().slots
         if any(rows.front[r] >= slots for r in full):
             raise RuntimeError(f"{self.policy!r} holds {max(rows.count)} tokens, more than its capacity {self.policy.capacity}")
@@ -136,8 +129,7 @@ class SlotAllocator:
         """Dense rows (a chunk sees its row's kept tokens in position order) and, where the plan
         allows, slots for ``q`` more tokens; what does not fit goes to the transient set."""
         layout.moved()
-        if not layout.dense():
-            self.compact(layout, list(range(layout.rows.batch)), chunk_bytes=chunk_bytes)
+        layout.densify(sink=self.sink, chunk_bytes=chunk_bytes)
         need = max(layout.rows.front) + q
         if self.plan.can_grow(layout.storage().slots) and need > layout.storage().slots:
             self.grow(layout, need)  # (unbounded, or more than `reserve` came)
@@ -146,8 +138,7 @@ class SlotAllocator:
         """Before a static-shaped layer hands its rows to the device: dense rows, and room for the
         next token (an unbounded policy, or a bounded one sized for ``reserve`` tokens that is given
         more, grows here, between steps)."""
-        if not layout.dense():
-            self.compact(layout, list(range(layout.rows.batch)), chunk_bytes=chunk_bytes)
+        layout.densify(sink=self.sink, chunk_bytes=chunk_bytes)
         slots = layout.storage().slots
         if self.plan.can_grow(slots) and max(layout.rows.count) >= slots:
             self.grow(layout)

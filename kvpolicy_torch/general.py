@@ -44,8 +44,7 @@ def select_rounds(
     """
     layout.unshift()
     rows = layout.rows
-    if not layout.dense():
-        layout.compact(list(range(rows.batch)), sink=sink, chunk_bytes=chunk_bytes)
+    layout.densify(sink=sink, chunk_bytes=chunk_bytes)
     rounds: list[tuple[int, int]] = []
     for group in rows.groups():
         r0 = group[0]

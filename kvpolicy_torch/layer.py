@@ -266,7 +266,9 @@ class LayerCache(LayerReads):
             )
         b, h, q, d = keys.shape
         store = layout.store
-        if store is not None and (b, h, d, values.shape[3], keys.dtype, values.dtype, keys.device) != self._like:
+        # what later appends must match the first one in (one tuple comparison a step; check_like says what differs)
+        like = (b, h, d, values.shape[3], keys.dtype, values.dtype, keys.device)
+        if store is not None and like != self._like:
             check_like(store, keys, values)
         static = self._static
         if static is not None and static.takes(store, q, valid):
@@ -279,7 +281,8 @@ class LayerCache(LayerReads):
             static.to_host(layout)
         chunk_bytes = self.compaction_chunk_bytes
         if store is None:
-            self._like = self._slots.start(layout, keys, values, min_slack=self.min_slack, chunk_bytes=chunk_bytes)
+            self._slots.start(layout, keys, values, min_slack=self.min_slack, chunk_bytes=chunk_bytes)
+            self._like = like
         if valid is not None:
             valid, real = checked_valid(valid, real, keys)
         if q == 1:

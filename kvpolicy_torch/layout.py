@@ -258,6 +258,12 @@ class SlotLayout:
                 pos = pos.index_select(0, torch.tensor(group, device=pos.device))
             self.keep(group, slot_order(pos, count, book.ring()), chunk_bytes=chunk_bytes)
 
+    def densify(self, *, sink: int, chunk_bytes: int) -> None:
+        """Every row's kept tokens at ``[0, count)`` in position order (:meth:`compact` of all rows,
+        unless they are already): what a prompt chunk, a general eviction and the static layout see."""
+        if not self.dense():
+            self.compact(list(range(self.rows.batch)), sink=sink, chunk_bytes=chunk_bytes)
+
     def keep(self, rows: list[int], keep: torch.Tensor, *, chunk_bytes: int) -> None:
         """Keep slots ``keep`` ``[len(rows), heads, k]`` (ascending) of ``rows`` at ``[0, k)``
         (:func:`~kvpolicy_torch.compaction.keep_slots`: in place, each kept token moves once).
