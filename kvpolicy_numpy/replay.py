@@ -279,7 +279,15 @@ def replay(
         nonfinite += nonfinite_rows(probs, 0)
         positions = np.broadcast_to(np.arange(p, dtype=np.int64), (1, heads, p)).copy()
         # policy.prompt_rows: only the prompt's last rows score it (TOVA: 1, SnapKV: its window)
-        scores = probs[max(0, p - (policy.prompt_rows or p)) :].sum(axis=0)[None]
+        # Rows added one at a time, in order, here and in kvpolicy_torch's replay: keys whose
+        # probabilities are equal in every row then score the same bits on both backends, so the
+        # policy's tie rule decides between them (a vectorised sum may add a few columns in
+        # another order and part an exact tie by an ulp).
+        window = probs[max(0, p - (policy.prompt_rows or p)) :]
+        scores = window[0].copy()
+        for row in window[1:]:
+            scores = scores + row
+        scores = scores[None]
         if policy.score_statistic == "low_history":  # each row is a query of the record (Scissorhands)
             low = low_attention(probs, 1, kept=np.broadcast_to(causal, probs.shape))  # [p, heads, p]
             scores = history_record(low.transpose(1, 0, 2), policy.score_history)[None]

@@ -105,7 +105,14 @@ def replay(
             low = low_attention(probs, 1, kept=causal.expand(probs.shape))  # [p, heads, p]
             layer.accumulate(history_record(low.permute(1, 0, 2), policy.score_history)[None])  # type: ignore[arg-type]
         else:
-            layer.accumulate(probs[max(0, p - (policy.prompt_rows or p)) :].sum(dim=0)[None])  # the last prompt_rows rows
+            # the last prompt_rows rows, added one at a time in order as the reference adds them
+            # (torch's sum over dim 0 adds trailing columns in another order: an exact tie between
+            # equal columns would part by an ulp)
+            window = probs[max(0, p - (policy.prompt_rows or p)) :]
+            total = window[0].clone()
+            for row in window[1:]:
+                total += row
+            layer.accumulate(total[None])
         outputs[:p] = torch.einsum("qhk,khd->qhd", probs, values_t[:p])
         observe(0, p)
         step_evict(p - 1)

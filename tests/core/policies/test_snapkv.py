@@ -172,3 +172,18 @@ def test_average_pooling_ties_by_the_rule_on_both_backends() -> None:
     got = kvpolicy_torch.replay(policy, logits, 5)
     assert [None if k is None else k.tolist() for k in want.kept] == [None if k is None else k.tolist() for k in got.kept]
     assert want.kept[4].tolist() == oracle(policy, logits, 5).kept[4]
+
+
+@pytest.mark.parametrize("prompt,window", [(25, 6), (20, 1), (33, 6), (40, 3)])
+def test_equal_prompt_scores_tie_by_the_rule_on_both_backends(prompt, window) -> None:
+    """Constant logits give every key before the observation window the same prompt score in
+    exact arithmetic. torch's sum over the window's rows added the columns from the 17th on in
+    another order, parted the tie by an ulp and kept token 16 where the reference kept token 0
+    (hypothesis found it: SnapKV(size=7, window=6, kernel=1, pooling='avg'), 25 constant steps).
+    Both replays add the rows one at a time in order, so the tie rule (the earliest) decides."""
+    logits = np.full((prompt + 3, 1, prompt + 3), -2.0)
+    policy = SnapKV(size=window + 4, window=window, kernel=1, pooling="avg")
+    want = kvpolicy_numpy.replay(policy, logits, prompt)
+    got = kvpolicy_torch.replay(policy, logits, prompt)
+    assert _kept(want) == _kept(got)
+    assert want.kept[prompt - 1][0].tolist() == [0, 1, 2, 3, *range(prompt - window, prompt)]
