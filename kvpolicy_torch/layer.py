@@ -49,7 +49,7 @@ from .reads import LayerReads
 from .rows import LayerSnapshot
 from .static import StaticSteps, StepOptions
 from .step import add_received, attend_slots, query_record
-from .storage import SlotPlan, token_bytes
+from .storage import SlotPlan
 from .victims import CandidateSearch, OneTokenEviction
 
 __all__ = ["LayerCache", "LayerSnapshot", "PrefixShift"]
@@ -180,6 +180,10 @@ class LayerCache(LayerReads):
             self._static.to_host(self._layout)
         return self._layout
 
+    def unsynced(self) -> SlotLayout:
+        """The slot layout as it stands, nothing handed over (what the shapes tell: :class:`LayerReads`)."""
+        return self._layout
+
     @property
     def on_device(self) -> bool:
         """Whether the newest decode steps ran on the device (``static_shapes``) and the host rows
@@ -197,44 +201,6 @@ class LayerCache(LayerReads):
         if state is not None and self._static.newer:  # type: ignore[union-attr]
             return int(state.sequence_length())
         return self._layout.rows.columns
-
-    # (what the shapes tell, read without syncing: a compiled static step reads them)
-    @property
-    def is_initialized(self) -> bool:
-        """Whether something was appended (the storage is allocated)."""
-        return self._layout.store is not None
-
-    @property
-    def batch(self) -> int:
-        """Rows held."""
-        return self._layout.rows.batch
-
-    @property
-    def slots(self) -> int:
-        """Allocated slots per row and head."""
-        return 0 if self._layout.store is None else self._layout.store.slots
-
-    @property
-    def keys_shifted(self) -> bool:
-        """Whether the keys the last :meth:`append` returned already sit at their pos-shift positions
-        (``key_shift`` given, a decode step of an ``"oldest"`` rule): :meth:`shift` then describes
-        what was done, and nothing is left for attention to rotate."""
-        sinks = self._layout.sink_shift
-        return sinks is not None and sinks.delta is not None
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the allocated storage (keys, values, positions, scores, bias)."""
-        store = self._layout.store
-        return 0 if store is None else store.nbytes
-
-    @property
-    def token_bytes(self) -> int:
-        """Bytes of one token's key and value over a row's KV heads (0 before the first append)."""
-        store = self._layout.store
-        if store is None:
-            return 0
-        return token_bytes(store.keys, store.values)
 
     # ------------------------------------------------------------------ update
     def append(
@@ -297,12 +263,8 @@ class LayerCache(LayerReads):
         layout.phase = "prefill" if q > 1 else "decode"
         if layout.extra is not None:
             return layout.extra.keys, layout.extra.values
-        lo, hi = layout.range
-        store = layout.storage()
-        if lo == 0 and store.whole:  # (every decode step: views made once per range, Storage.range_views)
-            views = store.range_views(hi)
-            return views.keys, views.values
-        return store.keys[:, :, lo:hi], store.values[:, :, lo:hi]
+        views = layout.storage().range_views(layout.returned)  # (made once per range: every decode step reads them)
+        return views.keys, views.values
 
     # ------------------------------------------------------------------ attend and accumulate
     def accumulate(self, received: torch.Tensor) -> None:

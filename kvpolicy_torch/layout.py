@@ -53,7 +53,8 @@ class SlotLayout:
         extra: the transient working set while a prompt chunk overflows the storage (the kept
             tokens and the chunk, concatenated), else ``None``.
         rows: per-row host bookkeeping.
-        range: slots ``[lo, hi)`` the last append returned.
+        returned: the last append returned slots ``[0, returned)`` (kept tokens are never
+            below slot 0: every decode step and chunk attends from the first slot on).
         chunk: ``(start, q, valid [batch, q] | None)`` of the prompt chunk the last append added,
             or ``None`` after a decode token.
         phase: ``"prefill"`` after a chunk, ``"decode"`` after one token.
@@ -80,7 +81,7 @@ class SlotLayout:
         self.store: Storage | None = None
         self.extra: Storage | None = None
         self.rows = Rows()
-        self.range = (0, 0)
+        self.returned = 0
         self.chunk: tuple[int, int, torch.Tensor | None] | None = None
         self.phase = "decode"
         self.bias_needed = False
@@ -121,27 +122,23 @@ class SlotLayout:
     # tensor each: read in every decode step of some policies, so no Storage is built for them
     def returned_positions(self) -> torch.Tensor:
         """Positions ``[batch, kv_heads, n]`` of the slots the last append returned (``-1``: a hole or pad)."""
-        lo, hi = self.range
-        return self.extra.positions if self.extra is not None else self.storage().positions[:, :, lo:hi]
+        return self.extra.positions if self.extra is not None else self.storage().positions[:, :, : self.returned]
 
     def returned_scores(self) -> torch.Tensor:
         """Scores ``[batch, kv_heads, n]`` of the slots the last append returned."""
-        lo, hi = self.range
-        return self.extra.scores if self.extra is not None else self.storage().scores[:, :, lo:hi]
+        return self.extra.scores if self.extra is not None else self.storage().scores[:, :, : self.returned]
 
     def returned_bias(self) -> torch.Tensor:
         """Attention bias ``[batch, kv_heads, n]`` of the slots the last append returned."""
-        lo, hi = self.range
-        return self.extra.bias if self.extra is not None else self.storage().bias[:, :, lo:hi]
+        return self.extra.bias if self.extra is not None else self.storage().bias[:, :, : self.returned]
 
     def needs_bias(self) -> bool:
         """Whether a slot in the returned range is a hole for some row (host ints only; always
         under static shapes or head-wise budgets, where the host cannot tell)."""
         if self.static or self.ragged or self.extra is not None:
             return True
-        lo, hi = self.range
-        rows = self.rows
-        if lo == 0 and rows.count == rows.front and all(f == hi for f in rows.front):
+        hi, rows = self.returned, self.rows
+        if rows.count == rows.front and all(f == hi for f in rows.front):
             return False  # the common case, decided without a loop
         return any(f != hi or f != c for f, c in zip(rows.front, rows.count))
 
@@ -167,7 +164,7 @@ class SlotLayout:
             self.tail_clean = True
         write_token(store, rows, keys, values, scores_clear=one and self.tail_clean)
         self.chunk = None
-        self.range = (0, store.slots if self.static else max(rows.front))
+        self.returned = store.slots if self.static else max(rows.front)
         self.bias_needed = self.needs_bias()
 
     def write_chunk(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, real: list[int]) -> None:
@@ -182,7 +179,7 @@ class SlotLayout:
             store.write(start, chunk)
         else:  # the prompt exceeds the storage: attention needs all of it for this step
             self.extra = store.concat(chunk, start)
-        self.range = (0, start + q)  # a chunk ends the range (received_attention reads its keys as the last q)
+        self.returned = start + q  # a chunk ends the range (received_attention reads its keys as the last q)
         for r in range(rows.batch):
             rows.seen[r] += real[r]
             rows.count[r] += real[r]
@@ -214,7 +211,7 @@ class SlotLayout:
         slots ``[batch, kv_heads, n]`` (0 at holes)."""
         pos = self.returned_positions()
         out = torch.zeros(pos.shape, dtype=ordered.dtype, device=pos.device)
-        if self.dense() and self.range[0] == 0:
+        if self.dense():
             out[:, :, :count] = ordered
             return out
         return out.scatter_(2, slot_order(pos, count, self.rows.ring()), ordered)
@@ -288,7 +285,7 @@ class SlotLayout:
         store = self.storage()
         store.copy_prefix(extra, n)
         store.clear_from(n)
-        self.range = (0, n)
+        self.returned = n
         self.bias_needed = self.needs_bias()
 
     # ------------------------------------------------------------------ whole-layer changes between steps
@@ -301,7 +298,7 @@ class SlotLayout:
         self.moved()
         self.extra, self.chunk = None, None
         snap.write(store, self.rows.front)
-        self.range = (0, max(self.rows.front))
+        self.returned = max(self.rows.front)
         self.bias_needed = self.needs_bias()
         self.phase = "decode"
 

@@ -25,9 +25,10 @@ __all__ = ["LayerReads"]
 class LayerReads:
     """Reads of a layer's state (the base of :class:`~kvpolicy_torch.LayerCache`).
 
-    A subclass sets :attr:`policy` and :attr:`rule` and implements :meth:`synced`. (What the
-    shapes alone tell, such as ``is_initialized``, ``slots`` and ``nbytes``, the subclass answers
-    without syncing: a static-shaped layer reads them inside a compiled step.)
+    A subclass sets :attr:`policy` and :attr:`rule` and implements :meth:`synced` and
+    :meth:`unsynced`. What the shapes alone tell (``is_initialized``, ``batch``, ``slots``,
+    ``nbytes``, ...) is read from :meth:`unsynced`: a static-shaped layer reads it inside a
+    compiled step, where handing device steps to the host cannot run.
 
     Example:
         >>> from kvpolicy import H2O
@@ -48,6 +49,49 @@ class LayerReads:
         """The layer's slot layout, every deferred or device-side step applied; with ``storage``,
         after the first append only (a ``ValueError`` before)."""
         raise NotImplementedError
+
+    def unsynced(self) -> SlotLayout:
+        """The layer's slot layout as it stands, nothing applied: what the shapes tell."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ shapes (read without syncing)
+    @property
+    def is_initialized(self) -> bool:
+        """Whether something was appended (the storage is allocated)."""
+        return self.unsynced().store is not None
+
+    @property
+    def batch(self) -> int:
+        """Rows held."""
+        return self.unsynced().rows.batch
+
+    @property
+    def slots(self) -> int:
+        """Allocated slots per row and head."""
+        store = self.unsynced().store
+        return 0 if store is None else store.slots
+
+    @property
+    def keys_shifted(self) -> bool:
+        """Whether the keys the last :meth:`append` returned already sit at their pos-shift positions
+        (``key_shift`` given, a decode step of an ``"oldest"`` rule): :meth:`shift` then describes
+        what was done, and nothing is left for attention to rotate."""
+        sinks = self.unsynced().sink_shift
+        return sinks is not None and sinks.delta is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the allocated storage (keys, values, positions, scores, bias)."""
+        store = self.unsynced().store
+        return 0 if store is None else store.nbytes
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's key and value over a row's KV heads (0 before the first append)."""
+        store = self.unsynced().store
+        if store is None:
+            return 0
+        return token_bytes(store.keys, store.values)
 
     # ------------------------------------------------------------------ counts
     @property

@@ -146,7 +146,7 @@ class DecodeState:
         store.bias.copy_(torch.where(store.positions >= 0, 0.0, -math.inf).to(store.bias.dtype))
         states = layout.rows.states
         layout.rows = Rows(seen, count, list(count), states, [None] * len(count), [[] for _ in count], columns)
-        layout.range = (0, store.slots)
+        layout.returned = store.slots
         layout.bias_needed = True
         layout.moved()
         self.load(seen, count, columns)

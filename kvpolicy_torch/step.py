@@ -80,7 +80,7 @@ def attend_slots(
     (they start at slot 0), holes masked; what each slot received is folded into its score when
     the policy captures attention. Returns ``[batch, 1, q_heads, head_dim]``."""
     store = layout.storage()
-    hi = layout.range[1]
+    hi = layout.returned
     if (
         extra_bias is None and row_scale is None and prefix is None and not layout.search.active
         and query.dtype == store.scores.dtype == store.keys.dtype
