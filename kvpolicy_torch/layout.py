@@ -222,11 +222,10 @@ class SlotLayout:
         sinks = self.sink_shift
         if sinks is None:
             return
-        if sinks.originals is None and (
-            not any(self.rows.shift()) or min(self.rows.front) < sinks.sink or self.extra is not None
-        ):
+        shift = self.rows.shift()
+        if sinks.originals is None and (not any(shift) or min(self.rows.front) < sinks.sink or self.extra is not None):
             return  # nothing shifted yet (or a row without its sinks: attention rotates the query)
-        sinks.apply(self.storage(), self.rows.shift())
+        sinks.apply(self.storage(), shift)
 
     def unshift(self) -> None:
         """The sinks' original keys back in their slots (before anything but a decode step reads or

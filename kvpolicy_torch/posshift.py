@@ -76,6 +76,9 @@ class SinkShift:
         self.sink = sink
         self.originals: torch.Tensor | None = None  # [b, h, sink, d] while the storage holds them shifted
         self.delta: list[int] | None = None  # each row's shift of the keys in the storage
+        # the sinks' slots of the storage that holds them shifted: a view made once, written at each shift
+        self.held: Storage | None = None
+        self.slots: torch.Tensor | None = None
 
     def apply(self, storage: Storage, delta: list[int]) -> None:
         """The sinks' keys rotated by ``delta`` (per row); nothing to do while it is unchanged."""
@@ -83,11 +86,13 @@ class SinkShift:
             return
         if self.originals is None:
             self.originals = storage.keys[:, :, : self.sink].clone()
-        storage.keys[:, :, : self.sink] = self.key_shift(self.originals, delta)
+        if storage is not self.held:  # a first shift, or the storage grew (carrying the shifted sinks)
+            self.held, self.slots = storage, storage.keys.narrow(2, 0, self.sink)
+        self.slots.copy_(self.key_shift(self.originals, delta))  # type: ignore[union-attr]
         self.delta = delta
 
     def undo(self, storage: Storage | None) -> None:
         """Put the sinks' original keys back in their slots."""
         if self.originals is not None and storage is not None:
             storage.keys[:, :, : self.originals.shape[2]] = self.originals
-        self.originals, self.delta = None, None
+        self.originals, self.delta, self.held, self.slots = None, None, None, None

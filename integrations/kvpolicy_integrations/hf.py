@@ -331,7 +331,7 @@ class ShiftMatrices:
         self._frequencies: torch.Tensor | None = None  # kept alive, so its id cannot be reused
         self._value: torch.Tensor | None = None
         self._sinks: dict[int, torch.Tensor] = {}  # layer -> its sinks' original keys [b, h, s, d]
-        self._batch: torch.Tensor | None = None  # [layers, b, h, s, d]: every layer's sinks, rotated
+        self._batch: tuple[torch.Tensor, ...] | None = None  # per layer of the batch, its sinks rotated [b, h, s, d]
         self._batch_key: tuple[Any, ...] | None = None  # (shifts, style, rotary_dim, dtype, device) of the batch
         self._batch_frequencies: torch.Tensor | None = None  # and its frequencies
         self._index: dict[int, int] = {}  # layer -> its row of the batch
@@ -379,8 +379,9 @@ class ShiftMatrices:
                 like = [l for l, k in self._sinks.items()
                         if k.shape == keys.shape and k.dtype == keys.dtype and k.device == keys.device]
                 shifts = torch.tensor(list(delta), device=keys.device).view(-1, 1, 1)  # [b, 1, 1] against [L, b, h, s]
+                # unbound once: each layer then takes a view made here (no op a layer)
                 self._batch = rope_rotate(torch.stack([self._sinks[l] for l in like]), shifts, inv_freq, style=style,
-                                          rotary_dim=rotary_dim)
+                                          rotary_dim=rotary_dim).unbind(0)
                 # served at this shift so far (a layer joining mid-step: its first shift) plus this one
                 served = self._served if same else set()
                 self._batch_key, self._batch_frequencies = key, inv_freq
