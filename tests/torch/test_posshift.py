@@ -1,0 +1,91 @@
+"""kvpolicy_torch.posshift: StreamingLLM's sinks held at their pos-shift positions in the storage.
+
+``SinkShift`` rotates the sinks' original keys into their slots whenever the shift changes, through
+a view of those slots made once; a storage that grew while the sinks were held shifted (it carries
+the shifted keys) gets a view of its own, and ``undo`` puts the originals back in whatever storage
+the layer holds then. The rotation here is a stand-in (a multiplication by ``1 + delta``: any map of
+keys and shift will do, since SinkShift only stores what ``key_shift`` returns); the RoPE rotation
+itself is held to transformers' in tests/integrations/test_families.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from kvpolicy_torch.posshift import SinkShift, slot_shifts  # noqa: E402
+from kvpolicy_torch.storage import Storage  # noqa: E402
+
+
+def _key_shift(keys: torch.Tensor, delta: list[int]) -> torch.Tensor:
+    return keys * (1 + torch.tensor(delta, dtype=keys.dtype).view(-1, 1, 1, 1))
+
+
+def _storage(batch: int, slots: int, seed: int) -> Storage:
+    g = torch.Generator().manual_seed(seed)
+    store = Storage.allocate(torch.zeros(batch, 2, 1, 3), torch.zeros(batch, 2, 1, 3), slots, torch.float32)
+    store.keys.copy_(torch.randn(store.keys.shape, generator=g))
+    return store
+
+
+def _grown(store: Storage, slots: int) -> Storage:
+    """What growth does: a larger storage carrying the slots held (the sinks as they stand, shifted)."""
+    grown = Storage.allocate(store.keys, store.values, slots, torch.float32)
+    grown.copy_prefix(store, store.slots)
+    return grown
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    sink=st.integers(1, 4),
+    steps=st.lists(st.tuples(st.integers(0, 5), st.sampled_from(["apply", "apply", "grow", "undo"])), min_size=1, max_size=12),
+    seed=st.integers(0, 2**16),
+)
+def test_sinks_hold_their_rotation_through_growth_and_undo(batch: int, sink: int, steps: list, seed: int) -> None:
+    """After every apply the sinks' slots hold key_shift(originals, delta) and no other slot
+    changes; a storage that grew in between is written, not the one it replaced; after undo the
+    sinks' slots hold the originals again."""
+    store = _storage(batch, sink + 4, seed)
+    originals = store.keys[:, :, :sink].clone()
+    rest = store.keys[:, :, sink:].clone()
+    shift = SinkShift(_key_shift, sink)
+    for step, (d, action) in enumerate(steps):
+        if action == "grow":
+            old = store
+            store = _grown(store, store.slots + 2)
+            rest = torch.cat([rest, torch.zeros(batch, 2, 2, 3)], dim=2)
+            before = old.keys.clone()
+        elif action == "undo":
+            shift.undo(store)
+            assert shift.delta is None
+            assert torch.equal(store.keys[:, :, :sink], originals)
+        else:
+            delta = [d + r for r in range(batch)]
+            shift.apply(store, delta)
+            assert shift.delta == delta
+            assert torch.allclose(store.keys[:, :, :sink], _key_shift(originals, delta))
+            if any(a == "grow" for _, a in steps[:step]):
+                assert torch.equal(old.keys, before)  # the storage replaced by growth is left alone
+        assert torch.equal(store.keys[:, :, sink:], rest)  # only the sinks ever change
+    shift.undo(store)
+    assert torch.equal(store.keys[:, :, :sink], originals)
+
+
+def test_an_unchanged_shift_writes_nothing() -> None:
+    store = _storage(1, 6, 0)
+    calls = []
+    shift = SinkShift(lambda keys, delta: calls.append(delta) or _key_shift(keys, delta), sink=2)
+    shift.apply(store, [3])
+    shift.apply(store, [3])
+    shift.apply(store, [4])
+    assert calls == [[3], [4]]
+
+
+def test_slot_shifts_move_each_kept_token_by_the_evictions_after_it() -> None:
+    """A kept token's shifted position is seen - count + rank: with 4 evicted and holes between, the
+    sinks move by 4 and the contiguous tail not at all."""
+    assert slot_shifts(torch.tensor([[[0, 1, -1, 6, 7]]]), [4]).tolist() == [[[4, 4, 0, 0, 0]]]
