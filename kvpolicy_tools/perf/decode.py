@@ -27,7 +27,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -53,6 +53,7 @@ __all__ = [
     "breakdown",
     "build_cache",
     "cache_bytes",
+    "hold_last",
     "measure_decode",
     "prefill",
     "standard_candidates",
@@ -71,7 +72,8 @@ class Candidate:
         cache_options: extra keyword arguments of :class:`~kvpolicy_integrations.hf.EvictingCache`.
         keep_last: for a ``DynamicCache``: hold only the last ``keep_last`` prompt tokens (the
             *limit* of a budget: a plain cache attending to as many keys as the policy keeps,
-            paying no scoring and no eviction).
+            paying no scoring and no eviction; :func:`measure_decode` holds it at its budget's
+            policies' count before every round, :func:`hold_last`).
     """
 
     label: str
@@ -134,9 +136,10 @@ def standard_candidates(
     accumulation, the eviction check): the "score-capture overhead".
 
     The limit of budget ``b`` (``"limit 25%"``) is a ``DynamicCache`` holding only the last
-    ``b x context`` prompt tokens: it attends to as many keys as a policy planned for ``b`` keeps
-    on average, and does no scoring and no eviction, so a policy's speed as a share of it is what
-    the policy's bookkeeping costs.
+    ``b x context`` prompt tokens; :func:`measure_decode` then holds it at as many tokens as the
+    budget's policies keep, before every round. It attends to as many keys as they do and does no
+    scoring and no eviction, so a policy's speed as a share of it is what the policy's
+    bookkeeping costs.
     """
     capture_only, full = check_bool("capture_only", capture_only), check_bool("full", full)
     total = context + decode_tokens
@@ -245,6 +248,23 @@ def _kept_length(cache: Any) -> float:
     return float(cache.layers[0].keys.shape[2])
 
 
+def hold_last(cache: Any, tokens: int) -> None:
+    """Cut every layer of a ``DynamicCache`` back to its newest ``tokens`` tokens (contiguous
+    copies, as a fresh cache of that many would hold them); a layer holding fewer is left as it is.
+
+    Example:
+        >>> cache = DynamicCache()
+        >>> _ = cache.update(torch.arange(6.0).view(1, 1, 6, 1), torch.zeros(1, 1, 6, 1), 0)
+        >>> hold_last(cache, 4)
+        >>> cache.layers[0].keys.flatten().tolist(), cache.layers[0].keys.is_contiguous()
+        ([2.0, 3.0, 4.0, 5.0], True)
+    """
+    for layer in cache.layers:
+        if layer.keys.shape[2] > tokens:
+            layer.keys = layer.keys[:, :, -tokens:].contiguous()
+            layer.values = layer.values[:, :, -tokens:].contiguous()
+
+
 def _evictions(cache: Any) -> int:
     if hasattr(cache, "layers") and cache.layers and hasattr(cache.layers[0], "store"):
         return sum(layer.store.evictions for layer in cache.layers)
@@ -346,13 +366,24 @@ def measure_decode(
     ``candidates[0]`` is the reference of the ratios (``DynamicCache`` in
     :func:`standard_candidates`). ``on_step(label)`` is called after every timed block (a progress
     bar hook).
+
+    The limit of a budget (a ``DynamicCache`` candidate with ``keep_last``) is held at as many
+    tokens as that budget's policies keep: before every round, untimed, it is cut back
+    (:func:`hold_last`) to the most any of them keeps then, so over a round it holds that count
+    plus the round's steps. (Left to grow, it would attend to ever more keys than the policies as
+    the rounds go on, and the shares would rise with the length of the run.) It is built from the
+    whole prompt, so it can be held at any count up to the context.
     """
     device = _device_of(model)
     vocab = int(text_config(model).vocab_size)
     g = torch.Generator().manual_seed(seed)
     total = warmup + rounds * steps
     ids = torch.randint(min(3, vocab - 1), vocab, (pre.batch, total), generator=g).to(device)
-    caches = [build_cache(model, c, pre) for c in candidates]
+    limit_of = {c.budget: j for j, c in enumerate(candidates) if c.is_dynamic and c.keep_last is not None}
+    policies_of = {j: [i for i, c in enumerate(candidates) if not c.is_dynamic and c.budget == b]
+                   for b, j in limit_of.items()}
+    held = {j for j, members in policies_of.items() if members}  # limits with policies to follow
+    caches = [build_cache(model, replace(c, keep_last=None) if i in held else c, pre) for i, c in enumerate(candidates)]
     position = [pre.context] * len(candidates)
     for i, cache in enumerate(caches):  # warm-up: allocator, first-call paths
         position[i] = decode(model, cache, ids[:, :warmup], position[i])
@@ -360,6 +391,8 @@ def measure_decode(
     times: list[list[float]] = [[] for _ in candidates]
     n = len(candidates)
     for r in range(rounds):
+        for j in held:
+            hold_last(caches[j], max(round(_kept_length(caches[i])) for i in policies_of[j]))
         sums = [0.0] * n
         for t in range(steps):
             # one token per candidate, in an order rotated at every step: noise lasting longer than
@@ -378,7 +411,6 @@ def measure_decode(
             if on_step is not None:
                 on_step(candidates[i].label)
     dyn_bytes = cache_bytes(caches[0])[0]
-    limit_of = {c.budget: j for j, c in enumerate(candidates) if c.is_dynamic and c.keep_last is not None}
     results = []
     for i, (cand, cache) in enumerate(zip(candidates, caches)):
         held, alloc = cache_bytes(cache)

@@ -7,10 +7,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvpolicy import BUZZ, FullCache  # noqa: E402
+from kvpolicy import BUZZ, H2O, FullCache  # noqa: E402
 from kvpolicy_integrations.hf import EvictingCache, cache_kwargs  # noqa: E402
 from kvpolicy_tools.models import tiny_llama  # noqa: E402
-from kvpolicy_tools.perf.decode import Candidate, build_cache, prefill  # noqa: E402
+from kvpolicy_tools.perf.decode import Candidate, build_cache, hold_last, measure_decode, prefill  # noqa: E402
 
 
 def test_prefill_loaded_into_caches_decodes_like_a_real_prefill() -> None:
@@ -34,3 +34,32 @@ def test_prefill_loaded_into_caches_decodes_like_a_real_prefill() -> None:
     assert loaded.lengths() == real.lengths()
     assert [layer.store.state for layer in loaded.layers] == [layer.store.state for layer in real.layers]
     assert loaded.get_seq_length() == real.get_seq_length() == 40
+
+
+def test_the_limit_is_held_at_its_budgets_policies_count() -> None:
+    """Before every round the limit is cut back to the most its budget's policies keep, so at the
+    end of the run it holds that count plus one round's steps, not the prompt's share plus every
+    decoded token (a limit left to grow attends to ever more keys than the policies). Tiny
+    random-weight model: sizes only."""
+    model = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=0)
+    pre = prefill(model, 40, seed=3)
+    policy = H2O(heavy=8, recent=6)
+    candidates = [Candidate("DynamicCache"), Candidate("limit 25%", budget=0.25, keep_last=10),
+                  Candidate("H2O 25%", policy, budget=0.25), Candidate("limit 50%", budget=0.5, keep_last=20)]
+    results = {r.label: r for r in measure_decode(model, pre, candidates, rounds=4, steps=3, warmup=1)}
+    assert results["H2O 25%"].kept == 14
+    assert results["limit 25%"].kept == 14 + 3  # held at 14 before the last round, then 3 steps
+    assert results["limit 50%"].kept == 20 + 1 + 4 * 3  # no policy of its budget: built and grown as before
+    assert results["DynamicCache"].kept == 40 + 1 + 4 * 3
+    assert len(results["H2O 25%"].share_of_limit) == 4
+
+
+def test_hold_last_keeps_the_newest_tokens_contiguous() -> None:
+    cache = build_cache(tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=0),
+                        Candidate("DynamicCache"), prefill(tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=0), 12, seed=1))
+    before = [layer.keys.clone() for layer in cache.layers]
+    hold_last(cache, 5)
+    for layer, old in zip(cache.layers, before):
+        assert torch.equal(layer.keys, old[:, :, -5:]) and layer.keys.is_contiguous() and layer.values.shape[2] == 5
+    hold_last(cache, 9)  # holding more than it has: unchanged
+    assert cache.layers[0].keys.shape[2] == 5
