@@ -105,7 +105,8 @@ class HostEviction:
             return [] if self.declines(layout) else self.general(layout, chunk_bytes=chunk_bytes)
         over = rule.limit + 1  # type: ignore[union-attr]
         batch = layout.rows.batch
-        rows = list(range(batch)) if all(c == over for c in count) else [r for r, c in enumerate(count) if c == over]
+        # (list.count: every decode step of every layer asks, and most batches have rows alike)
+        rows = list(range(batch)) if count.count(over) == batch else [r for r, c in enumerate(count) if c == over]
         if len(rows) < batch and any(c > over for c in count):
             return self.general(layout, chunk_bytes=chunk_bytes)  # (a padded row above the limit after its prompt)
         if not rows or self.victims is None:

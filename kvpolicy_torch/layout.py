@@ -137,10 +137,10 @@ class SlotLayout:
         under static shapes or head-wise budgets, where the host cannot tell)."""
         if self.static or self.ragged or self.extra is not None:
             return True
-        hi, rows = self.returned, self.rows
-        if rows.count == rows.front and all(f == hi for f in rows.front):
-            return False  # the common case, decided without a loop
-        return any(f != hi or f != c for f, c in zip(rows.front, rows.count))
+        front = self.rows.front
+        # a row holds a hole below its frontier, or its frontier stops short of the range (list
+        # comparisons: every decode step of every layer asks)
+        return front != self.rows.count or front.count(self.returned) != len(front)
 
     # ------------------------------------------------------------------ writes
     def rows_at_end(self) -> list[int]:

@@ -90,9 +90,9 @@ def attend_slots(
         # the probabilities summed per KV head into the scores
         b, hq, _, d = query.shape
         views = store.range_views(hi)
-        bh = views.keys3.shape[0]
+        bh = views.keys3t.shape[0]
         r = hq * b // bh
-        out3, probs3 = grouped_decode(query.reshape(bh, r, d), views.keys3.transpose(1, 2), views.values3, scaling,
+        out3, probs3 = grouped_decode(query.reshape(bh, r, d), views.keys3t, views.values3, scaling,
                                       views.bias3 if layout.bias_needed else None)
         # fold_received's two rules inlined (no candidates to void, dtypes equal, the sum a fresh
         # tensor: NaN made -inf in place): the hot path of every H2O, BUZZ and TOVA decode step

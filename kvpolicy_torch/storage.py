@@ -127,7 +127,7 @@ class RangeViews(NamedTuple):
 
     keys: torch.Tensor  #: ``[batch, kv_heads, hi, head_dim]``
     values: torch.Tensor  #: ``[batch, kv_heads, hi, v_dim]``
-    keys3: torch.Tensor  #: ``[batch * kv_heads, hi, head_dim]``
+    keys3t: torch.Tensor  #: ``[batch * kv_heads, head_dim, hi]``: the keys transposed, as :func:`~kvpolicy_torch.grouped_decode` takes them
     values3: torch.Tensor  #: ``[batch * kv_heads, hi, v_dim]``
     bias3: torch.Tensor  #: ``[batch * kv_heads, 1, hi]``
     scores: torch.Tensor  #: ``[batch, kv_heads, hi]``
@@ -186,8 +186,8 @@ class Storage:
         Example:
             >>> s = Storage.allocate(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), slots=3, score_dtype=torch.float32)
             >>> views = s.range_views(2)
-            >>> tuple(views.keys.shape), tuple(views.keys3.shape), tuple(views.bias3.shape), s.range_views(2) is views
-            ((1, 2, 2, 4), (2, 2, 4), (2, 1, 2), True)
+            >>> tuple(views.keys.shape), tuple(views.keys3t.shape), tuple(views.bias3.shape), s.range_views(2) is views
+            ((1, 2, 2, 4), (2, 4, 2), (2, 1, 2), True)
         """
         views = self._ranges.get(hi)
         if views is not None:
@@ -195,7 +195,7 @@ class Storage:
         if self._grouped is None:
             raise ValueError("range_views() needs a storage of whole tensors, not a view of some slots")
         k3, v3, bias3 = self._grouped
-        views = RangeViews(self.keys.narrow(2, 0, hi), self.values.narrow(2, 0, hi), k3.narrow(1, 0, hi),
+        views = RangeViews(self.keys.narrow(2, 0, hi), self.values.narrow(2, 0, hi), k3.narrow(1, 0, hi).transpose(1, 2),
                            v3.narrow(1, 0, hi), bias3.narrow(2, 0, hi), self.scores.narrow(2, 0, hi),
                            self.positions.narrow(2, 0, hi))
         if len(self._ranges) < self.kept_ranges:

@@ -271,8 +271,8 @@ class OneTokenEviction:
         group, front = self.group, rows.front
         if group is None or not group.complete or (self.shared and self.reduce_scores is not None):
             return False
-        if any(f != front[0] for f in front) or self.uses_candidates(store.scores, front[0] - self.rule.recent,
-                                                                       candidates, min_scores):
+        if front.count(front[0]) != len(front) or self.uses_candidates(store.scores, front[0] - self.rule.recent,
+                                                                        candidates, min_scores):
             return False
         if self.search.active:
             self.search.forget()  # (as the plain scan would)

@@ -33,7 +33,7 @@ def _storage(batch: int, heads: int, slots: int) -> Storage:
 def _same(views: RangeViews, store: Storage, hi: int) -> None:
     b, h = store.keys.shape[:2]
     assert torch.equal(views.keys, store.keys[:, :, :hi]) and torch.equal(views.values, store.values[:, :, :hi])
-    assert torch.equal(views.keys3, store.keys[:, :, :hi].reshape(b * h, hi, -1))
+    assert torch.equal(views.keys3t, store.keys[:, :, :hi].reshape(b * h, hi, -1).transpose(1, 2))
     assert torch.equal(views.values3, store.values[:, :, :hi].reshape(b * h, hi, -1))
     assert torch.equal(views.bias3, store.bias[:, :, :hi].reshape(b * h, 1, hi))
     assert torch.equal(views.scores, store.scores[:, :, :hi]) and torch.equal(views.positions, store.positions[:, :, :hi])
