@@ -1,0 +1,70 @@
+"""One policy's eager decode speed as a share of the limit, in one process: the script behind
+docs/performance.md's before/after comparisons of two commits.
+
+The limit (a ``DynamicCache`` holding the budget's share of the prompt) and the policy decode the
+same tokens, taking turns, order alternating each round; the share is the median over rounds of
+the limit's seconds per step over the policy's. Run it from two checkouts alternately, so that the
+code measured is the checkout's (``PYTHONPATH`` first on the path):
+
+    git worktree add /tmp/before <commit>^
+    for i in 1 2 3; do for d in /tmp/before .; do
+        PYTHONPATH=$d:$d/integrations .venv/bin/python benchmarks/share_of_limit.py --policy h2o --context 512 --rounds 60
+    done; done
+
+``--limit held`` (default) cuts the limit back to the policy's count before every round, as
+``kvpolicy bench`` does (``hold_last``); ``--limit grows`` leaves it growing by every decoded token,
+as the bench did before 2026-11-26 09:00 (the day's before/after pairs were measured so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import kvpolicy_torch
+from kvpolicy import plan_policy
+from kvpolicy_tools import models
+from kvpolicy_tools.perf.decode import Candidate, build_cache, decode, prefill
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--policy", default="h2o")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--budget", type=float, default=0.25)
+    p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--steps", type=int, default=3, help="decode steps per candidate and round")
+    p.add_argument("--limit", choices=("held", "grows"), default="held")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    model, _ = models.load()
+    pre = prefill(model, args.context)
+    policy = plan_policy(args.policy, args.budget, context_length=args.context + 200, prompt_length=args.context).policy
+    caches = {"policy": build_cache(model, Candidate(args.policy, policy=policy), pre),
+              "limit": build_cache(model, Candidate("limit", keep_last=round(args.budget * args.context)), pre)}
+    if args.limit == "held":  # from the whole prompt, so that it can be held at the policy's count
+        caches["limit"] = build_cache(model, Candidate("limit"), pre)
+    position = dict.fromkeys(caches, args.context)
+    token = torch.tensor([[5]])
+    for name, cache in caches.items():  # warm-up
+        position[name] = decode(model, cache, token.expand(1, 2), position[name])
+    seconds: dict[str, list[float]] = {name: [] for name in caches}
+    for r in range(args.rounds):
+        if args.limit == "held":
+            from kvpolicy_tools.perf.decode import hold_last  # (here: checkouts before it can still run --limit grows)
+
+            hold_last(caches["limit"], max(caches["policy"].lengths()))
+        for name in (list(caches) if r % 2 else list(caches)[::-1]):
+            start = time.perf_counter()
+            position[name] = decode(model, caches[name], token.expand(1, args.steps), position[name])
+            seconds[name].append((time.perf_counter() - start) / args.steps)
+    share = statistics.median(lim / pol for lim, pol in zip(seconds["limit"], seconds["policy"]))
+    where = kvpolicy_torch.__file__.rsplit("/kvpolicy_torch", 1)[0]
+    print(f"{where}: {args.policy} at {args.context} tokens, {args.rounds} rounds, limit {args.limit}: share of the limit {share:.4f}")
+
+
+if __name__ == "__main__":
+    main()
