@@ -43,10 +43,10 @@ def main() -> None:
     model, _ = models.load()
     pre = prefill(model, args.context)
     policy = plan_policy(args.policy, args.budget, context_length=args.context + 200, prompt_length=args.context).policy
+    # a held limit is built from the whole prompt, so that it can be held at the policy's count
+    keep_last = None if args.limit == "held" else round(args.budget * args.context)
     caches = {"policy": build_cache(model, Candidate(args.policy, policy=policy), pre),
-              "limit": build_cache(model, Candidate("limit", keep_last=round(args.budget * args.context)), pre)}
-    if args.limit == "held":  # from the whole prompt, so that it can be held at the policy's count
-        caches["limit"] = build_cache(model, Candidate("limit"), pre)
+              "limit": build_cache(model, Candidate("limit", keep_last=keep_last), pre)}
     position = dict.fromkeys(caches, args.context)
     token = torch.tensor([[5]])
     for name, cache in caches.items():  # warm-up

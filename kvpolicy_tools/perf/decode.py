@@ -382,8 +382,8 @@ def measure_decode(
     limit_of = {c.budget: j for j, c in enumerate(candidates) if c.is_dynamic and c.keep_last is not None}
     policies_of = {j: [i for i, c in enumerate(candidates) if not c.is_dynamic and c.budget == b]
                    for b, j in limit_of.items()}
-    held = {j for j, members in policies_of.items() if members}  # limits with policies to follow
-    caches = [build_cache(model, replace(c, keep_last=None) if i in held else c, pre) for i, c in enumerate(candidates)]
+    held_limits = {j for j, members in policies_of.items() if members}  # limits with policies to follow
+    caches = [build_cache(model, replace(c, keep_last=None) if i in held_limits else c, pre) for i, c in enumerate(candidates)]
     position = [pre.context] * len(candidates)
     for i, cache in enumerate(caches):  # warm-up: allocator, first-call paths
         position[i] = decode(model, cache, ids[:, :warmup], position[i])
@@ -391,7 +391,7 @@ def measure_decode(
     times: list[list[float]] = [[] for _ in candidates]
     n = len(candidates)
     for r in range(rounds):
-        for j in held:
+        for j in held_limits:
             hold_last(caches[j], max(round(_kept_length(caches[i])) for i in policies_of[j]))
         sums = [0.0] * n
         for t in range(steps):
