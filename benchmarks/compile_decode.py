@@ -7,7 +7,8 @@ greedy tokens one step at a time. Candidates:
 * ``limit (compiled)``: transformers' ``StaticCache`` holding as many tokens as the policies keep
   (``round(budget x context) + 1`` slots), its decode step ``torch.compile(model, fullgraph=True,
   dynamic=False)``: the compiled limit;
-* ``limit (eager)``: a ``DynamicCache`` holding the last ``round(budget x context)`` tokens, eager;
+* ``limit (eager)``: a ``DynamicCache`` held at the last ``round(budget x context)`` tokens before
+  every round (``hold_last``, untimed), eager;
 * for each policy: ``EvictingCache(policy, model, static_shapes=True)`` compiled the same way
   (BUZZ's host-side evictions run between steps: ``EvictingCache.settle``), and the eager
   ``EvictingCache`` (the default layout).
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvpolicy import plan_policy
     from kvpolicy.hf import EvictingCache, cache_kwargs, compile_decode_step
     from kvpolicy_tools.models import load, tiny_llama
-    from kvpolicy_tools.perf.decode import Candidate, build_cache, prefill
+    from kvpolicy_tools.perf.decode import Candidate, build_cache, hold_last, prefill
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="'smollm2-135m' (the embedded model) or 'tiny'")
@@ -92,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
             for i, (k, v) in enumerate(zip(pre.keys, pre.values)):
                 static.update(k[:, :, -(keep + 1 - total):].contiguous(), v[:, :, -(keep + 1 - total):].contiguous(), i)
         runs["limit (compiled)"] = stepper(static, compiled, False)
-        runs["limit (eager)"] = stepper(build_cache(model, Candidate("limit", keep_last=keep), pre), model, False)
+        # the eager limit is built from the whole prompt and held at `keep` tokens before every round
+        # (untimed, as `kvpolicy bench` holds its limit): left to grow by every decoded token it
+        # would end a run 100 tokens larger than the compiled limit and the policies
+        eager_limit = build_cache(model, Candidate("limit"), pre)
+        hold_last(eager_limit, keep)
+        runs["limit (eager)"] = stepper(eager_limit, model, False)
         for name in args.policies.split(","):
             policy = plan_policy(name, args.budget, context_length=context + total, prompt_length=context).policy
             cache = build_cache(model, Candidate(name, policy=policy, cache_options={"static_shapes": True}), pre)
@@ -103,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         first2 = {label: run() for label, run in runs.items()}
         times: dict[str, list[float]] = {label: [] for label in runs}
         for _ in range(args.rounds):
+            hold_last(eager_limit, keep)
             for label, run in runs.items():
                 times[label] += [run() for _ in range(args.steps)]
         med = {label: statistics.median(t) for label, t in times.items()}
@@ -117,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, ms in row["ms_per_step"].items():
             share = row["share_of_compiled_limit"].get(label) or row["share_of_eager_limit"].get(label)
             print(f"  {label:28s} {ms:8.2f} ms  {share:6.1%} of its limit   (first call {first[label]:.1f} s)")
-        del pre, runs
+        del pre, runs, eager_limit
     doc = {"command": "benchmarks/compile_decode.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
            "threads": args.threads, "model": args.model, "budget": args.budget, "backend": args.backend,
            "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "results": results}
