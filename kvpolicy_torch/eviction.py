@@ -104,7 +104,7 @@ class HostEviction:
         if not one_token:
             return [] if self.declines(layout) else self.general(layout, chunk_bytes=chunk_bytes)
         over = rule.limit + 1  # type: ignore[union-attr]
-        batch = len(count)
+        batch = layout.rows.batch
         # (list.count: every decode step of every layer asks, and most batches have rows alike)
         rows = list(range(batch)) if count.count(over) == batch else [r for r, c in enumerate(count) if c == over]
         if len(rows) < batch and any(c > over for c in count):

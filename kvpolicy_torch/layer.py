@@ -376,8 +376,7 @@ class LayerCache(LayerReads):
         """After an eviction on the host: count it, and (static shapes) hand the layer to the device."""
         self._layout.chunk = None
         self.evictions += len(rounds)
-        if self._static is not None:
-            self._reload()
+        self._reload()
         return rounds
 
     @property

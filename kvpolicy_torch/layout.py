@@ -156,7 +156,7 @@ class SlotLayout:
         :meth:`rows_at_end` is empty); the range returned is the slots up to the furthest frontier
         (every slot under static shapes)."""
         store, rows = self.storage(), self.rows
-        one = len(rows.count) == 1 and not self.static  # (len: a frame fewer than rows.batch, every layer and step)
+        one = rows.batch == 1 and not self.static
         if one and not rows.free[0] and not self.tail_clean:
             # a frontier slot of one row: nothing reads past the frontier here, so the slots from it
             # on can hold score and bias 0 ahead of time (two writes fewer a step)

@@ -82,7 +82,7 @@ def attend_slots(
     store = layout.storage()
     hi = layout.returned
     if (
-        extra_bias is None and row_scale is None and prefix is None and layout.search.slots is None
+        extra_bias is None and row_scale is None and prefix is None and not layout.search.active
         and query.dtype == store.scores.dtype == store.keys.dtype
         and policy.score_statistic in ("accumulate", "latest") and policy.uses_scores
     ):

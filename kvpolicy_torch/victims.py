@@ -236,7 +236,7 @@ class OneTokenEviction:
     def evict(self, store: Storage, rows: Rows, which: list[int], candidates: int, min_scores: int) -> None:
         """Free one slot in each row of ``which`` (all heads): ``O(batch x heads)`` writes, nothing moves."""
         rule = self.rule
-        every = len(which) == len(rows.count)
+        every = len(which) == rows.batch
         if rule.victim == "oldest":
             slots = []
             for r in which:
@@ -274,7 +274,7 @@ class OneTokenEviction:
         if front.count(front[0]) != len(front) or self.uses_candidates(store.scores, front[0] - self.rule.recent,
                                                                         candidates, min_scores):
             return False
-        if self.search.slots is not None:  # (active, read as the attribute: every layer and step asks)
+        if self.search.active:
             self.search.forget()  # (as the plain scan would)
         return True
 

@@ -441,8 +441,6 @@ class EvictingLayer(DynamicLayer):
         self.attention_kind = attention if attention is not None else LayerAttention("full")
 
         self.fused_decode = fused_decode
-        #: the policy's captures_attention, read once (every layer's attention asks at every step)
-        self.captures = policy.captures_attention
         self.padding = padding if padding is not None else Padding()
         self.pending = False
         self._seen_serial = -1
@@ -580,7 +578,7 @@ class EvictingLayer(DynamicLayer):
             return out
         q_len = query.shape[2]
         log_n = self.policy.log_n
-        uses_scores = self.captures  # (scores from keys: no capture, the store computes them)
+        uses_scores = self.policy.captures_attention  # (scores from keys: no capture, the store computes them)
         if q_len == 1:
             # (two host checks first: most layers have no window and no shifted prefix)
             window = None if self.attention_kind.kind == "full" else self.window_bias()
