@@ -13,7 +13,8 @@ code measured is the checkout's (``PYTHONPATH`` first on the path):
 
 ``--limit held`` (default) cuts the limit back to the policy's count before every round, as
 ``kvpolicy bench`` does (``hold_last``); ``--limit grows`` leaves it growing by every decoded token,
-as the bench did before 2026-11-26 09:00 (the day's before/after pairs were measured so).
+as the bench did before 2026-11-26 09:00 (the morning's before/after pairs were measured so; the
+afternoon's with the limit held).
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ def main() -> None:
     for name, cache in caches.items():  # warm-up
         position[name] = decode(model, cache, token.expand(1, 2), position[name])
     seconds: dict[str, list[float]] = {name: [] for name in caches}
+    if args.limit == "held":
+        # (imported here: a checkout from before hold_last can still run --limit grows)
+        from kvpolicy_tools.perf.decode import hold_last
     for r in range(args.rounds):
         if args.limit == "held":
-            from kvpolicy_tools.perf.decode import hold_last  # (here: checkouts before it can still run --limit grows)
-
             hold_last(caches["limit"], max(caches["policy"].lengths()))
         for name in (list(caches) if r % 2 else list(caches)[::-1]):
             start = time.perf_counter()
