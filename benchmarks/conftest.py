@@ -62,7 +62,7 @@ def _slope_rows() -> list[tuple[str, str, int, int, str, float, int]]:
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    if not RECORDS and not DECODE and not _settings.ENDURANCE:
+    if not RECORDS and not DECODE and not _settings.ENDURANCE and not _settings.ENDURANCE_WORK:
         return
     tr = terminalreporter
     if RECORDS:
@@ -86,6 +86,12 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             tr.write_line(summary_line(result))
         tr.write_line("")
         tr.write_line(markdown(_settings.ENDURANCE))
+    if _settings.ENDURANCE_WORK:
+        from kvpolicy_tools.perf.endurance import work_line
+
+        tr.write_sep("=", "endurance, counted: each half's costliest token after the warm-up (x1.000 = no growth)")
+        for result in _settings.ENDURANCE_WORK:
+            tr.write_line(work_line(result))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -25,15 +25,28 @@ after a warm-up (the cache filling to its capacity, the allocator settling): the
 last / first of each metric's median, which should be within 5% of 1 (:meth:`EnduranceResult.is_flat`
 judges the bytes and the fastest-token time).
 
+Time is noise-bound on a shared machine, so a short run cannot tell a small growth from load.
+``run_endurance(..., count_work=True)`` also counts each token's **work**, deterministically: the
+torch calls its step makes and the bytes of the tensors those calls return (views included), under
+a :class:`torch.overrides.TorchFunctionMode` (which slows the step: its times are not the cache's).
+:meth:`EnduranceResult.work_growth` compares the costliest token of the second half of the
+measured tokens with the first half's: a cost that grows with the tokens seen (a longer list, a
+wider position tensor) shows there, while periodic work (BUZZ's evictions every ``stride`` tokens,
+the slot layout's compactions) peaks alike in both halves. CI asserts this on 2,000 tokens.
+
 Example:
     >>> from kvpolicy_tools.perf.endurance import endurance_policy, run_endurance
     >>> result = run_endurance(endurance_policy("h2o", 32), tokens=400, layers=2, samples=20, warmup=100)
     >>> result.flatness()["allocated_bytes"]
     1.0
+    >>> counted = run_endurance(endurance_policy("h2o", 32), tokens=400, layers=2, samples=20, warmup=100, count_work=True)
+    >>> counted.work_growth()
+    {'torch_calls': 1.0, 'tensor_bytes': 1.0}
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -43,6 +56,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 from kvpolicy._validation import check_int
 from kvpolicy.policy import check_eviction_policy
@@ -59,6 +73,7 @@ __all__ = [
     "markdown",
     "run_endurance",
     "summary_line",
+    "work_line",
 ]
 
 #: The metrics :meth:`EnduranceResult.flatness` compares.
@@ -67,6 +82,26 @@ METRICS = ("allocated_bytes", "rss_bytes", "seconds_per_token")
 #: token of each sample (other work on a shared machine only adds time, so the fastest tokens
 #: show the cache's own cost; the median is reported next to it).
 FLAT_METRICS = ("allocated_bytes", "rss_bytes", "min_seconds_per_token")
+#: What :meth:`EnduranceResult.work_growth` compares (with ``count_work=True``).
+WORK_METRICS = ("torch_calls", "tensor_bytes")
+
+
+class _WorkCounter(TorchFunctionMode):
+    """Counts the torch calls made under it and the bytes of the tensors they return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.nbytes = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.calls += 1
+        # the mode is off inside its own handler, so these calls are not counted
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.nbytes += t.numel() * t.element_size()
+        return out
 
 
 @dataclass(frozen=True)
@@ -124,6 +159,10 @@ class EnduranceResult:
     device: str
     samples: list[EnduranceSample] = field(default_factory=list)
     total_seconds: float = 0.0
+    #: per token (``count_work=True`` only): torch calls of its step, and the bytes of the
+    #: tensors they returned
+    torch_calls: list[int] = field(default_factory=list)
+    tensor_bytes: list[int] = field(default_factory=list)
 
     def measured(self) -> list[EnduranceSample]:
         """The samples taken after the warm-up."""
@@ -153,6 +192,28 @@ class EnduranceResult:
         ratios = self.flatness()
         return all(abs(ratios[m] - 1.0) <= tolerance for m in metrics)
 
+    def work_growth(self) -> dict[str, float]:
+        """For each of :data:`WORK_METRICS`: the costliest token of the second half of the tokens
+        after the warm-up, over the first half's (1.0: no growth). Deterministic, unlike time.
+        Each half must span the policy's periodic work (BUZZ's eviction every few hundred tokens
+        at SmolLM2's shape): with too few tokens a periodic peak reads as growth.
+
+        Raises:
+            ValueError: the run did not count its work (``count_work=False``), or fewer than 2
+                tokens follow the warm-up.
+        """
+        if not self.torch_calls:
+            raise ValueError("work was not counted: run_endurance(..., count_work=True)")
+        if self.tokens - self.warmup < 2:
+            raise ValueError(f"need at least 2 tokens after the warm-up, got {self.tokens - self.warmup}")
+        mid = self.warmup + (self.tokens - self.warmup) // 2
+        out = {}
+        for metric in WORK_METRICS:
+            values = getattr(self, metric)
+            first, last = max(values[self.warmup : mid]), max(values[mid:])
+            out[metric] = last / first if first else (1.0 if last == first else math.inf)
+        return out
+
     def as_dict(self) -> dict[str, Any]:
         first_last = {m: self.deciles(m) for m in (*METRICS, "mean_seconds_per_token", "min_seconds_per_token")}
         return {
@@ -167,6 +228,7 @@ class EnduranceResult:
             "first_decile": {m: v[0] for m, v in first_last.items()},
             "last_decile": {m: v[1] for m, v in first_last.items()},
             "flatness": self.flatness(),
+            "work_growth": self.work_growth() if self.torch_calls else None,
             "samples": [s.__dict__ for s in self.samples],
         }
 
@@ -184,6 +246,7 @@ def run_endurance(
     seed: int = 0,
     label: str | None = None,
     on_sample: Callable[[EnduranceSample], None] | None = None,
+    count_work: bool = False,
 ) -> EnduranceResult:
     """Stream ``tokens`` tokens one at a time through ``shape.layers`` evicting layer caches.
 
@@ -199,6 +262,9 @@ def run_endurance(
         pool: random key/value and received-attention tensors prepared before the run and used
             in turn (generating them per token would be measured too).
         on_sample: called with each sample as it is taken (progress).
+        count_work: also count each token's torch calls and the bytes of the tensors they
+            return (:meth:`EnduranceResult.work_growth`); the counting slows every step, so the
+            run's times then include it.
     """
     import psutil  # optional: resident memory where installed
 
@@ -251,15 +317,20 @@ def run_endurance(
     for t in range(tokens):
         kv = kv_pool[t % pool]
         received = received_pool[(t * 7) % pool]
+        counter = _WorkCounter() if count_work else None
         t0 = clock()
-        for cache in caches:
-            keys, _ = cache.append(kv, kv)
-            n = keys.shape[-2]
-            if n > received.shape[-1]:
-                received_pool = received_of(2 * n)
-                received = received_pool[(t * 7) % pool]
-            cache.accumulate(received[..., :n])
-            cache.evict()
+        with counter if counter is not None else contextlib.nullcontext():
+            for cache in caches:
+                keys, _ = cache.append(kv, kv)
+                n = keys.shape[-2]
+                if n > received.shape[-1]:
+                    received_pool = received_of(2 * n)
+                    received = received_pool[(t * 7) % pool]
+                cache.accumulate(received[..., :n])
+                cache.evict()
+        if counter is not None:
+            result.torch_calls.append(counter.calls)
+            result.tensor_bytes.append(counter.nbytes)
         sync()
         per_token[t] = clock() - t0
         if t + 1 >= next_sample or t + 1 == tokens:
@@ -319,6 +390,18 @@ def markdown(results: Sequence[EnduranceResult], *, tolerance: float = 0.05) -> 
         f"flat within {tolerance:.0%}",
     ]
     return markdown_table(headers, rows)
+
+
+def work_line(result: EnduranceResult) -> str:
+    """One line per counted run (``count_work=True``): the costliest token of each half after the
+    warm-up, in torch calls and bytes of returned tensors."""
+    growth = result.work_growth()
+    mid = result.warmup + (result.tokens - result.warmup) // 2
+    parts = []
+    for metric in WORK_METRICS:
+        values = getattr(result, metric)
+        parts.append(f"{metric} {max(values[result.warmup : mid]):,} -> {max(values[mid:]):,} x{growth[metric]:.3f}")
+    return f"{result.label:40s} {result.tokens:7d} tok  " + "  ".join(parts)
 
 
 def summary_line(result: EnduranceResult) -> str:

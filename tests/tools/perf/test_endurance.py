@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvpolicy import FullCache  # noqa: E402
-from kvpolicy_tools.perf.endurance import CacheShape, EnduranceResult, EnduranceSample, endurance_policy, markdown, run_endurance  # noqa: E402
+from kvpolicy_tools.perf.endurance import CacheShape, EnduranceResult, EnduranceSample, endurance_policy, markdown, run_endurance, work_line  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["buzz", "h2o", "streaming_llm"])
@@ -50,6 +50,29 @@ def test_endurance_flatness_sees_growth() -> None:
     assert growing.deciles("seconds_per_token") == (pytest.approx(1.15), pytest.approx(4.75))
     assert growing.flatness()["min_seconds_per_token"] == pytest.approx(4.75 / 1.15)
     assert growing.is_flat(metrics=["allocated_bytes", "rss_bytes"])
+
+
+@pytest.mark.parametrize("name", ["buzz", "h2o", "streaming_llm"])
+def test_endurance_counted_work_does_not_grow(name) -> None:
+    """Counted work is deterministic: every token's step makes calls and returns tensors, and the
+    costliest token of each half after the warm-up is the same (BUZZ's periodic evictions included)."""
+    result = run_endurance(endurance_policy(name, 24), 400, shape=CacheShape(2, 2, 8), samples=20, warmup=100, count_work=True)
+    assert len(result.torch_calls) == len(result.tensor_bytes) == 400
+    assert min(result.torch_calls) > 0 and min(result.tensor_bytes) > 0
+    assert result.work_growth() == {"torch_calls": 1.0, "tensor_bytes": 1.0}
+    assert result.as_dict()["work_growth"] == result.work_growth()
+    assert "torch_calls" in work_line(result)
+
+
+def test_endurance_work_growth_sees_growth() -> None:
+    """The work check can fail: a step that makes one more call every 100 tokens grows."""
+    r = _fake([1.0] * 10)
+    r.warmup = 0
+    r.torch_calls = [50 + t // 100 for t in range(r.tokens)]
+    r.tensor_bytes = [4096] * r.tokens
+    assert r.work_growth() == {"torch_calls": pytest.approx(59 / 54), "tensor_bytes": 1.0}
+    with pytest.raises(ValueError, match="work was not counted"):
+        _fake([1.0] * 10).work_growth()
 
 
 def test_endurance_refuses_what_it_cannot_measure() -> None:
