@@ -425,7 +425,10 @@ def run(args: argparse.Namespace) -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if "complexity" in what:
         n_series = len(POLICIES) * len(configs) * len(backends) + bench_steps(third_party, sizes, backends, rounds)
-    n_cands = 3 + len(budgets) * sum(1 for s in specs if s.budgeted) + sum(1 for s in specs if not s.budgeted) + (0 if args.no_unfused else 2)
+    # standard_candidates: DynamicCache, FullCache, capture only, the limit of each budget, the
+    # policies (per budget where budgeted), and two unfused rows unless --no-unfused
+    n_cands = (3 + len(budgets) + len(budgets) * sum(1 for s in specs if s.budgeted) + sum(1 for s in specs if not s.budgeted)
+               + (0 if args.no_unfused else 2))
     total = n_series
     if what & {"decode", "breakdown"}:
         total += len(contexts)

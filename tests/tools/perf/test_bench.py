@@ -54,3 +54,21 @@ def test_bench_command_quick_on_a_tiny_model(tmp_path) -> None:
     assert {r["policy"] for r in data["complexity"]["rows"]} == set(POLICIES)
     assert {r["context"] for r in data["decode"]["results"]} == {48, 96}
     assert sorted(p.name for p in out.glob("*.png")) == ["breakdown_48.png", "breakdown_96.png", "complexity_b1_h8.png", "decode.png"]
+
+
+def test_bench_progress_bar_ends_at_its_total(tmp_path, capsys) -> None:
+    """The progress bar's total counts every timed block (the limit of each budget included), so a
+    run ends at 100%, not past its total."""
+    import re
+
+    from kvpolicy_tools.perf.bench import main
+
+    assert main([
+        "--what", "decode", "--out", str(tmp_path), "--model", "tiny-llama", "--contexts", "48", "--steps", "1",
+        "--decode-rounds", "2", "--budgets", "0.25,0.5", "--policy", "h2o", "--policy", "buzz", "--no-unfused",
+    ]) == 0
+    counts = re.findall(r"(\d+)/(\d+) \[", capsys.readouterr().err)
+    assert counts, "no progress bar drawn"
+    done, total = counts[-1]
+    # 1 prefill + 2 rounds x (DynamicCache, FullCache, capture only, 2 limits, 2 policies x 2 budgets)
+    assert int(done) == int(total) == 1 + 2 * 9
