@@ -9,6 +9,7 @@ fastest / median of the rounds is reported (on a shared machine noise only adds 
     python benchmarks/micro.py h2o-select        # stable sort vs argmin
     python benchmarks/micro.py pos-shift         # StreamingLLM's key re-rotation, one layer
     python benchmarks/micro.py plan              # plan_policy at 2k and 8k tokens
+    python benchmarks/micro.py decode-ops        # the small torch calls of an eager H2O decode step
 
 ``--tree PATH`` runs against another checkout (e.g. a ``git worktree`` of an older commit) by
 putting it first on ``sys.path``: how the "before" columns of pos-shift and plan were measured.
@@ -160,6 +161,34 @@ def plan(args: argparse.Namespace) -> None:
             print(f"| {name}@{L} | {(time.perf_counter() - t) * 1e3:,.1f} | `{p.policy!r}` |")
 
 
+def decode_ops(args: argparse.Namespace) -> None:
+    """What each small torch call of an eager H2O decode step costs at SmolLM2's shapes (3 KV
+    heads, 9 query heads, head_dim 64, ~200 slots), and what folding some of them would save."""
+    import math
+
+    import torch
+
+    keys = torch.zeros(1, 3, 242, 64)
+    token = torch.randn(1, 3, 1, 64)
+    positions = torch.full((1, 3, 242), -1, dtype=torch.int64)
+    scores = torch.zeros(1, 3, 242)
+    probs3 = torch.rand(3, 3, 200)  # [batch * kv_heads, group, slots]
+    ones3 = torch.ones(3, 1, 3)
+    scores_view, scores3 = scores[:, :, :200], scores.view(3, 1, 242)[:, :, :200]
+    res = _rounds({
+        "token write: narrow + copy_": lambda: keys.narrow(2, 100, 1).copy_(token),
+        "position write: select + fill_": lambda: positions.select(2, 100).fill_(7),
+        "score fold: view + sum + nan_to_num_ + add_ (today)": lambda: scores_view.add_(
+            probs3.view(1, 3, 3, 200).sum(dim=2).nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)),
+        "score fold as one baddbmm_ (NaN rule elsewhere)": lambda: scores3.baddbmm_(ones3, probs3),
+        "a narrow alone": lambda: keys.narrow(2, 100, 1),
+        "a view alone": lambda: probs3.view(1, 3, 3, 200),
+    }, rounds=30, reps=2000)
+    print("| call | us (fastest / median of 30 rounds of 2,000) |")
+    for name, x in res.items():
+        print(f"| {name} | {x[0] * 1e6:.2f} / {x[1] * 1e6:.2f} |")
+
+
 COMMANDS = {
     "score-product": score_product,
     "gather": gather,
@@ -167,6 +196,7 @@ COMMANDS = {
     "h2o-select": h2o_select,
     "pos-shift": pos_shift,
     "plan": plan,
+    "decode-ops": decode_ops,
 }
 
 
