@@ -216,7 +216,9 @@ def test_load_smollm2_and_cache(tmp_path: Path, capsys: pytest.CaptureFixture[st
     model2, tok2 = load("SmolLM2-135M-Instruct", cache_dir=tmp_path)
     cached_s = time.perf_counter() - t0
     assert "first load" not in capsys.readouterr().err
-    assert cached_s < 5.0, f"cached load took {cached_s:.2f} s (first load {first_s:.1f} s)"
+    # the cached load skips the dequantization (no "first load" above); timed against the first
+    # load of the same run, not an absolute bound, so a slower machine scales both (~1 s vs ~20 s here)
+    assert cached_s < first_s / 2, f"cached load took {cached_s:.2f} s (first load {first_s:.1f} s)"
     assert tok2("The capital of France is", return_tensors="pt")["input_ids"].tolist() == ids["input_ids"].tolist()
     with torch.no_grad():
         logits2 = model2(**ids).logits
