@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
 import math
 import shlex
@@ -283,7 +284,10 @@ def _decode(
         prefills[ctx] = pre.seconds
         progress(f"prefill {ctx}")
         if "decode" in what:
-            res = measure_decode(model, pre, cands, rounds=rounds, steps=steps, warmup=warmup, on_step=progress)
+            # every candidate reports at the end of each round: the bar says which round of which context
+            reported = itertools.count()
+            res = measure_decode(model, pre, cands, rounds=rounds, steps=steps, warmup=warmup,
+                                 on_step=lambda _label: progress(f"decode {ctx}: round {next(reported) // len(cands) + 1}/{rounds}"))
             by = {r.label: r for r in res}
             for r in res:
                 results.append(r.as_dict())

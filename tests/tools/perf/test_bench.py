@@ -67,8 +67,11 @@ def test_bench_progress_bar_ends_at_its_total(tmp_path, capsys) -> None:
         "--what", "decode", "--out", str(tmp_path), "--model", "tiny-llama", "--contexts", "48", "--steps", "1",
         "--decode-rounds", "2", "--budgets", "0.25,0.5", "--policy", "h2o", "--policy", "buzz", "--no-unfused",
     ]) == 0
-    counts = re.findall(r"(\d+)/(\d+) \[", capsys.readouterr().err)
+    err = capsys.readouterr().err
+    counts = re.findall(r"(\d+)/(\d+) \[", err)
     assert counts, "no progress bar drawn"
     done, total = counts[-1]
     # 1 prefill + 2 rounds x (DynamicCache, FullCache, capture only, 2 limits, 2 policies x 2 budgets)
     assert int(done) == int(total) == 1 + 2 * 9
+    # the postfix says which round is timed (every candidate reports at a round's end)
+    assert "decode 48: round 2/2" in err
