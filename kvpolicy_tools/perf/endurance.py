@@ -192,11 +192,9 @@ class EnduranceResult:
         ratios = self.flatness()
         return all(abs(ratios[m] - 1.0) <= tolerance for m in metrics)
 
-    def work_growth(self) -> dict[str, float]:
-        """For each of :data:`WORK_METRICS`: the costliest token of the second half of the tokens
-        after the warm-up, over the first half's (1.0: no growth). Deterministic, unlike time.
-        Each half must span the policy's periodic work (BUZZ's eviction every few hundred tokens
-        at SmolLM2's shape): with too few tokens a periodic peak reads as growth.
+    def work_peaks(self) -> dict[str, tuple[int, int]]:
+        """For each of :data:`WORK_METRICS`: the costliest token of the first and of the second
+        half of the tokens after the warm-up.
 
         Raises:
             ValueError: the run did not count its work (``count_work=False``), or fewer than 2
@@ -207,12 +205,17 @@ class EnduranceResult:
         if self.tokens - self.warmup < 2:
             raise ValueError(f"need at least 2 tokens after the warm-up, got {self.tokens - self.warmup}")
         mid = self.warmup + (self.tokens - self.warmup) // 2
-        out = {}
-        for metric in WORK_METRICS:
-            values = getattr(self, metric)
-            first, last = max(values[self.warmup : mid]), max(values[mid:])
-            out[metric] = last / first if first else (1.0 if last == first else math.inf)
-        return out
+        return {m: (max(getattr(self, m)[self.warmup : mid]), max(getattr(self, m)[mid:])) for m in WORK_METRICS}
+
+    def work_growth(self) -> dict[str, float]:
+        """For each of :data:`WORK_METRICS`: the second half's costliest token over the first
+        half's (:meth:`work_peaks`; 1.0: no growth). Deterministic, unlike time. Each half must
+        span the policy's periodic work (BUZZ's eviction every few hundred tokens at SmolLM2's
+        shape): with too few tokens a periodic peak reads as growth."""
+        return {
+            m: last / first if first else (1.0 if last == first else math.inf)
+            for m, (first, last) in self.work_peaks().items()
+        }
 
     def as_dict(self) -> dict[str, Any]:
         first_last = {m: self.deciles(m) for m in (*METRICS, "mean_seconds_per_token", "min_seconds_per_token")}
@@ -396,11 +399,7 @@ def work_line(result: EnduranceResult) -> str:
     """One line per counted run (``count_work=True``): the costliest token of each half after the
     warm-up, in torch calls and bytes of returned tensors."""
     growth = result.work_growth()
-    mid = result.warmup + (result.tokens - result.warmup) // 2
-    parts = []
-    for metric in WORK_METRICS:
-        values = getattr(result, metric)
-        parts.append(f"{metric} {max(values[result.warmup : mid]):,} -> {max(values[mid:]):,} x{growth[metric]:.3f}")
+    parts = [f"{m} {first:,} -> {last:,} x{growth[m]:.3f}" for m, (first, last) in result.work_peaks().items()]
     return f"{result.label:40s} {result.tokens:7d} tok  " + "  ".join(parts)
 
 

@@ -70,6 +70,7 @@ def test_endurance_work_growth_sees_growth() -> None:
     r.warmup = 0
     r.torch_calls = [50 + t // 100 for t in range(r.tokens)]
     r.tensor_bytes = [4096] * r.tokens
+    assert r.work_peaks() == {"torch_calls": (54, 59), "tensor_bytes": (4096, 4096)}
     assert r.work_growth() == {"torch_calls": pytest.approx(59 / 54), "tensor_bytes": 1.0}
     with pytest.raises(ValueError, match="work was not counted"):
         _fake([1.0] * 10).work_growth()
