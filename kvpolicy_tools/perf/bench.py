@@ -245,9 +245,13 @@ def _complexity_report(data: dict[str, Any], out: Path, plots: bool) -> list[str
     return lines
 
 
-def _decode(
+#: Untimed decode steps before the timed ones, and the breakdown's rounds.
+_WARMUP = 2
+_BREAKDOWN_ROUNDS = 2
+
+
+def _decode_plan(
     args: argparse.Namespace,
-    progress: _Progress,
     contexts: list[int],
     budgets: list[float],
     specs: list[Any],
@@ -255,12 +259,41 @@ def _decode(
     rounds: int,
     breakdown_contexts: list[int],
     what: set[str],
+) -> dict[int, tuple[list[Any], list[Any]]]:
+    """Per context: the candidates the decode part times, and those the breakdown times (empty
+    where it does not run there). Built once, before the run: the progress bar counts them."""
+    # here: decode needs torch and transformers (the hf extra); every verb's parser imports this module
+    from .decode import Candidate, standard_candidates
+
+    plan = {}
+    for ctx in contexts:
+        tokens = _WARMUP + rounds * steps + _WARMUP + _BREAKDOWN_ROUNDS * steps  # decode + breakdown tokens
+        cands = standard_candidates(ctx, tokens, policies=specs, budgets=budgets)
+        if not args.no_unfused:
+            unfused = [c for c in cands if c.label == "capture only" or (c.label.startswith("BUZZ ") and c.budget == 0.25)]
+            cands += [Candidate(f"{c.label} (unfused)", c.policy, c.budget, {"fused_decode": False}) for c in unfused]
+        sub = []
+        if "breakdown" in what and ctx in breakdown_contexts:
+            keep = {"DynamicCache", "FullCache", "capture only", "capture only (unfused)", "StreamingLLM 25%", "H2O 25%", "BUZZ 25%", "BUZZ 25% (unfused)"}
+            sub = [c for c in cands if c.label in keep or (c.budget == 0.25 and c.label.split(" ")[0] not in ("StreamingLLM", "H2O", "BUZZ"))]
+        plan[ctx] = (cands, sub)
+    return plan
+
+
+def _decode(
+    args: argparse.Namespace,
+    progress: _Progress,
+    plan: dict[int, tuple[list[Any], list[Any]]],
+    budgets: list[float],
+    steps: int,
+    rounds: int,
+    what: set[str],
 ) -> dict[str, Any]:
     # here: decode needs torch and transformers (the hf extra); every verb's parser imports this module
     import torch
 
     from ..models import describe, load
-    from .decode import Candidate, breakdown, measure_decode, prefill, standard_candidates
+    from .decode import breakdown, measure_decode, prefill
 
     if args.model == "tiny-llama":  # a 2-layer random model: exercises the pipeline in seconds
         from ..models import tiny_llama  # here: as above
@@ -273,20 +306,14 @@ def _decode(
     overheads: list[dict[str, Any]] = []
     breakdowns: dict[int, dict[str, dict[str, float]]] = {}
     prefills: dict[int, float] = {}
-    warmup = 2
-    for ctx in contexts:
-        tokens = warmup + rounds * steps + warmup + 2 * steps  # decode + breakdown tokens
-        cands = standard_candidates(ctx, tokens, policies=specs, budgets=budgets)
-        if not args.no_unfused:
-            unfused = [c for c in cands if c.label == "capture only" or (c.label.startswith("BUZZ ") and c.budget == 0.25)]
-            cands += [Candidate(f"{c.label} (unfused)", c.policy, c.budget, {"fused_decode": False}) for c in unfused]
+    for ctx, (cands, sub) in plan.items():
         pre = prefill(model, ctx)
         prefills[ctx] = pre.seconds
         progress(f"prefill {ctx}")
         if "decode" in what:
             # every candidate reports at the end of each round: the bar says which round of which context
             reported = itertools.count()
-            res = measure_decode(model, pre, cands, rounds=rounds, steps=steps, warmup=warmup,
+            res = measure_decode(model, pre, cands, rounds=rounds, steps=steps, warmup=_WARMUP,
                                  on_step=lambda _label: progress(f"decode {ctx}: round {next(reported) // len(cands) + 1}/{rounds}"))
             by = {r.label: r for r in res}
             for r in res:
@@ -301,10 +328,8 @@ def _decode(
                         [c / f for c, f in zip(un.seconds_per_step, full.seconds_per_step)]
                     )
                 overheads.append(row)
-        if "breakdown" in what and ctx in breakdown_contexts:
-            keep = {"DynamicCache", "FullCache", "capture only", "capture only (unfused)", "StreamingLLM 25%", "H2O 25%", "BUZZ 25%", "BUZZ 25% (unfused)"}
-            sub = [c for c in cands if c.label in keep or (c.budget == 0.25 and c.label.split(" ")[0] not in ("StreamingLLM", "H2O", "BUZZ"))]
-            breakdowns[ctx] = breakdown(model, pre, sub, steps=steps, rounds=2, warmup=warmup, on_step=progress)
+        if sub:
+            breakdowns[ctx] = breakdown(model, pre, sub, steps=steps, rounds=_BREAKDOWN_ROUNDS, warmup=_WARMUP, on_step=progress)
         del pre
     return {
         "model": args.model,
@@ -429,17 +454,11 @@ def run(args: argparse.Namespace) -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if "complexity" in what:
         n_series = len(POLICIES) * len(configs) * len(backends) + bench_steps(third_party, sizes, backends, rounds)
-    # standard_candidates: DynamicCache, FullCache, capture only, the limit of each budget, the
-    # policies (per budget where budgeted), and two unfused rows unless --no-unfused
-    n_cands = (3 + len(budgets) + len(budgets) * sum(1 for s in specs if s.budgeted) + sum(1 for s in specs if not s.budgeted)
-               + (0 if args.no_unfused else 2))
-    total = n_series
-    if what & {"decode", "breakdown"}:
-        total += len(contexts)
-        if "decode" in what:
-            total += len(contexts) * n_cands * decode_rounds
-        if "breakdown" in what:
-            total += len([c for c in breakdown_contexts if c in contexts]) * 8 * 2
+    plan = _decode_plan(args, contexts, budgets, specs, steps, decode_rounds, breakdown_contexts, what) if what & {"decode", "breakdown"} else {}
+    # the bar counts what runs: a prefill per context, each candidate's rounds, the breakdown's
+    total = n_series + len(plan)
+    for cands, sub in plan.values():
+        total += (len(cands) * decode_rounds if "decode" in what else 0) + len(sub) * _BREAKDOWN_ROUNDS
     progress = _Progress(total, not args.no_progress)
     started = time.time()
     data: dict[str, Any] = {"machine": host, "command": "kvpolicy bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "bench" else "kvpolicy bench"}
@@ -451,7 +470,7 @@ def run(args: argparse.Namespace) -> int:
                     third_party, sizes=sizes, backends=backends, batch=configs[0][0], heads=configs[0][1], rounds=rounds, on_progress=progress
                 )
         if what & {"decode", "breakdown"}:
-            data["decode"] = _decode(args, progress, contexts, budgets, specs, steps, decode_rounds, breakdown_contexts, what)
+            data["decode"] = _decode(args, progress, plan, budgets, steps, decode_rounds, what)
     finally:
         progress.close()
     data["seconds"] = time.time() - started

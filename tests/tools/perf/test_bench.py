@@ -75,3 +75,13 @@ def test_bench_progress_bar_ends_at_its_total(tmp_path, capsys) -> None:
     assert int(done) == int(total) == 1 + 2 * 9
     # the postfix says which round is timed (every candidate reports at a round's end)
     assert "decode 48: round 2/2" in err
+
+    # with the unfused rows and the breakdown (H2O alone: one unfused row, not the two a BUZZ run has)
+    assert main([
+        "--what", "decode,breakdown", "--out", str(tmp_path / "b"), "--model", "tiny-llama", "--contexts", "48",
+        "--steps", "1", "--decode-rounds", "2", "--budgets", "0.25", "--policy", "h2o",
+    ]) == 0
+    done, total = re.findall(r"(\d+)/(\d+) \[", capsys.readouterr().err)[-1]
+    # 1 prefill + 2 rounds x 6 (DynamicCache, FullCache, capture only and its unfused row, the limit,
+    # H2O) + the breakdown's 2 rounds x the same 6
+    assert int(done) == int(total) == 1 + 2 * 6 + 2 * 6
