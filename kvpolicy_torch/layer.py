@@ -268,17 +268,12 @@ class LayerCache(LayerReads):
 
     # ------------------------------------------------------------------ attend and accumulate
     def accumulate(self, received: torch.Tensor) -> None:
-        """Add ``received`` ``[batch, kv_heads, n]`` (the attention each returned slot just received,
-        summed over query heads and real queries) to the accumulated scores. A NaN counts as
-        ``-inf``: that token is evicted first by score-based policies, never kept by a NaN.
-
-        For a policy whose ``score_statistic`` is ``"latest"`` (TOVA) ``received`` replaces the
-        scores of the tokens instead; with ``"low_history"`` (Scissorhands) ``received`` is the
-        step's record of low-attention events (:func:`kvpolicy.statistics.history_record` of the
-        chunk's rows, or of the decode query's :func:`~kvpolicy.statistics.low_attention`), shifted
-        into each token's record. Holes and pads keep ``+inf``. For a statistic from keys (Knorm,
-        KeyDiff: :data:`kvpolicy.KEY_STATISTICS`) ``received`` is checked and ignored: :meth:`evict`
-        computes the scores from the keys held."""
+        """Fold ``received`` ``[batch, kv_heads, n]`` (the attention each returned slot just received,
+        summed over query heads and real queries) into the scores by the policy's
+        ``score_statistic``, as :func:`~kvpolicy_torch.scores.fold_received` says (H2O adds it, TOVA
+        replaces the scores, Scissorhands shifts a record of low attention in; a NaN counts as
+        ``-inf``; holes and pads keep ``+inf``). A statistic from keys (Knorm, KeyDiff:
+        :data:`kvpolicy.KEY_STATISTICS`) checks and ignores it: :meth:`evict` scores the keys held."""
         layout = self.synced()
         scores = layout.returned_scores()
         check_received(received, scores.shape)
