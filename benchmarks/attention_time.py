@@ -1,9 +1,17 @@
 """Where a decode step's time goes against the limit: each layer's attention module (``self_attn``:
-projections, RoPE, cache update, attention, eviction) timed with forward hooks, and the rest of
-the step, for the limit (a ``DynamicCache`` holding the budget's share of the prompt) and
-evicting policies on the embedded SmolLM2-135M, candidates interleaved round by round.
+projections, RoPE, cache update, attention, eviction) timed with forward hooks, split into the
+cache's ``update``, the attention function (transformers' SDPA for the limit, kvpolicy's attention,
+scores and eviction for a policy) and the rest of the module (projections, RoPE, output
+projection), and the rest of the step, for the limit (a ``DynamicCache`` held at the policies'
+count before every round, as ``kvpolicy bench`` holds it) and evicting policies on the embedded
+SmolLM2-135M, candidates interleaved round by round.
 
     .venv/bin/python benchmarks/attention_time.py --context 512 --policies h2o,streaming_llm,tova --rounds 12
+
+The split shows where a policy's extra time lands inside the model, not what each part costs
+alone: the model's weights stream through the CPU's caches between two layers, and the cold
+misses that kvpolicy's calls leave behind are paid by whatever runs next (the output projection
+of the same module as often as the attention function itself).
 """
 
 from __future__ import annotations
@@ -16,7 +24,24 @@ import torch
 
 from kvpolicy import plan_policy
 from kvpolicy_tools import models
-from kvpolicy_tools.perf.decode import Candidate, build_cache, decode, prefill
+from kvpolicy_tools.perf.decode import Candidate, build_cache, decode, hold_last, prefill
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+PARTS = ("attention", "update", "attention_fn")
+
+
+def timed(fn, spent: dict[str, float], part: str):  # type: ignore[no-untyped-def]
+    """``fn`` with its wall time added to ``spent[part]``."""
+
+    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[part] += time.perf_counter() - start
+
+    return wrapper
 
 
 def main() -> None:
@@ -34,7 +59,12 @@ def main() -> None:
     for name in args.policies.split(","):
         policy = plan_policy(name, args.budget, context_length=args.context + 200, prompt_length=args.context).policy
         caches[name] = build_cache(model, Candidate(name, policy=policy), pre)
-    spent = {"attention": 0.0}
+    spent = dict.fromkeys(PARTS, 0.0)
+    for cache in caches.values():  # (the model calls cache.update(...): an instance attribute serves it)
+        cache.update = timed(cache.update, spent, "update")
+    # every attention function registered so far (SDPA, kvpolicy's), wrapped where the model looks them up
+    for name in list(ALL_ATTENTION_FUNCTIONS.keys()):
+        AttentionInterface.register(name, timed(ALL_ATTENTION_FUNCTIONS[name], spent, "attention_fn"))
     started = [0.0]
 
     def before(module, args_, kwargs):  # type: ignore[no-untyped-def]
@@ -50,18 +80,26 @@ def main() -> None:
     ids = torch.randint(5, 1000, (1, args.steps), generator=torch.Generator().manual_seed(0))
     pos = {k: decode(model, c, ids[:, :2], args.context) for k, c in caches.items()}  # warm-up
     step: dict[str, list[float]] = {k: [] for k in caches}
-    attention: dict[str, list[float]] = {k: [] for k in caches}
+    parts: dict[str, dict[str, list[float]]] = {k: {part: [] for part in PARTS} for k in caches}
+    held = [c for k, c in caches.items() if k != "limit"]
     for _ in range(args.rounds):
+        if held:
+            hold_last(caches["limit"], max(max(c.lengths()) for c in held))
         for k, cache in caches.items():
-            spent["attention"] = 0.0
+            for part in PARTS:
+                spent[part] = 0.0
             start = time.perf_counter()
             pos[k] = decode(model, cache, ids, pos[k])
             step[k].append((time.perf_counter() - start) / args.steps)
-            attention[k].append(spent["attention"] / args.steps)
+            for part in PARTS:
+                parts[k][part].append(spent[part] / args.steps)
+    per_layer = 1e6 / len(layers)
+    print(f"{'':16s} {'step ms':>8s} {'attention modules ms':>21s}   us a layer: {'update':>7s} {'attention fn':>12s} {'rest':>6s}")
     for k in caches:
-        total, attn = statistics.median(step[k]) * 1e3, statistics.median(attention[k]) * 1e3
-        print(f"{k:16s} step {total:6.2f} ms  attention modules {attn:6.2f} ms "
-              f"({attn / len(layers) * 1e3:5.0f} us a layer)  rest {total - attn:6.2f} ms")
+        total = statistics.median(step[k])
+        attn, update, fn = (statistics.median(parts[k][part]) for part in PARTS)
+        print(f"{k:16s} {total * 1e3:8.2f} {attn * 1e3:21.2f}   {'':11s} {update * per_layer:7.0f} "
+              f"{fn * per_layer:12.0f} {(attn - update - fn) * per_layer:6.0f}   (rest of the step {(total - attn) * 1e3:.2f} ms)")
 
 
 if __name__ == "__main__":
