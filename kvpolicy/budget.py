@@ -22,7 +22,7 @@ from .policies.buzz import BUZZ, check_ratio
 from .policy import EvictionPolicy
 from .registry import Preset, get_policy
 
-__all__ = ["PolicyPlan", "fit_capacity", "make_policy", "plan_policy", "plan_capacity", "simulate_sizes", "realised_budget"]
+__all__ = ["PolicyPlan", "fit_capacity", "make_policy", "plan_policy", "plan_capacity", "replay_sizes", "simulate_sizes", "realised_budget"]
 
 
 def simulate_sizes(policy: EvictionPolicy, context_length: int, prompt_length: int = 0) -> np.ndarray:
@@ -41,7 +41,7 @@ def simulate_sizes(policy: EvictionPolicy, context_length: int, prompt_length: i
     prompt_length = check_int("prompt_length", prompt_length, minimum=0, maximum=context_length)
     rule = policy.size_rule()
     if rule is None:
-        return _replay_sizes(policy, context_length, prompt_length)
+        return replay_sizes(policy, context_length, prompt_length)
     state = policy.init_state()
     n = rule(prompt_length, state) if prompt_length else 0
     sizes = np.empty(context_length - prompt_length, dtype=np.int64)
@@ -52,8 +52,18 @@ def simulate_sizes(policy: EvictionPolicy, context_length: int, prompt_length: i
     return sizes
 
 
-def _replay_sizes(policy: EvictionPolicy, context_length: int, prompt_length: int = 0) -> np.ndarray:
-    """:func:`simulate_sizes` by replaying ``policy.evict`` on placeholder arrays (any policy)."""
+def replay_sizes(policy: EvictionPolicy, context_length: int, prompt_length: int = 0) -> np.ndarray:
+    """:func:`simulate_sizes` by replaying the policy's own ``evict`` on placeholder arrays: what
+    a policy without a declared size rule is planned with, and the reference a declared rule is
+    held to (the same sizes, on any scores, since sizes depend on counts only).
+
+    Example:
+        >>> from kvpolicy import StreamingLLM
+        >>> replay_sizes(StreamingLLM(sink=1, window=2), 6).tolist()
+        [1, 2, 3, 4, 4, 4]
+    """
+    context_length = check_int("context_length", context_length, minimum=1)
+    prompt_length = check_int("prompt_length", prompt_length, minimum=0, maximum=context_length)
     state = policy.init_state()
     positions = np.zeros((1, 1, 0), dtype=np.int64)
     sizes = []

@@ -28,7 +28,7 @@ from kvpolicy import (
     simulate_sizes,
     threshold_ratio,
 )
-from kvpolicy.budget import _replay_sizes
+from kvpolicy.budget import replay_sizes
 from kvpolicy.policies import small_stride
 from kvpolicy.testing import example_inputs
 from kvpolicy_numpy import replay
@@ -91,7 +91,7 @@ def test_estimate_threshold_examples() -> None:
 
 # ============================================================================ size simulation
 @given(any_policy(), st.integers(1, 80), st.data())
-def test_simulate_sizes_equals_replay_sizes(policy, steps, data) -> None:
+def test_simulate_sizes_equalsreplay_sizes(policy, steps, data) -> None:
     """Sizes depend on counts only: the planner's simulation is the replay's, on any scores."""
     prompt_len = data.draw(st.integers(0, steps))
     logits = np.random.default_rng(steps).normal(size=(steps, 1, steps))
@@ -267,7 +267,7 @@ def test_the_planner_uses_a_third_party_size_rule_and_it_must_agree() -> None:
     """A policy outside the package declares its size rule; simulate_sizes calls it (not the
     replay), and a subclass that redefines select goes without it when it says so."""
     from kvpolicy import EvictionPolicy, LocalWindow
-    from kvpolicy.budget import _replay_sizes
+    from kvpolicy.budget import replay_sizes
 
     calls = []
 
@@ -293,7 +293,7 @@ def test_the_planner_uses_a_third_party_size_rule_and_it_must_agree() -> None:
             return rule
 
     p = Halving(6)
-    assert simulate_sizes(p, 40, 3).tolist() == _replay_sizes(p, 40, 3).tolist()
+    assert simulate_sizes(p, 40, 3).tolist() == replay_sizes(p, 40, 3).tolist()
     assert calls, "the declared rule was not used"
 
     class Odd(LocalWindow):
@@ -304,7 +304,7 @@ def test_the_planner_uses_a_third_party_size_rule_and_it_must_agree() -> None:
             return None if n <= self.window else view.keep(view.arange(0, n, 2))
 
     assert Odd(window=4).size_rule() is None and LocalWindow(window=4).size_rule() is not None
-    assert simulate_sizes(Odd(window=4), 30).tolist() == _replay_sizes(Odd(window=4), 30).tolist()
+    assert simulate_sizes(Odd(window=4), 30).tolist() == replay_sizes(Odd(window=4), 30).tolist()
 
 
 def test_every_builtin_one_token_policy_declares_its_size_rule() -> None:
@@ -313,7 +313,7 @@ def test_every_builtin_one_token_policy_declares_its_size_rule() -> None:
     one exception is a composition: its prompt is the prefill policy's, which a rule of counts
     cannot tell from a decode step (it is replayed, exactly)."""
     from kvpolicy import Composed, available_policies
-    from kvpolicy.budget import _replay_sizes
+    from kvpolicy.budget import replay_sizes
     from kvpolicy.registry import Preset
 
     one_token = []
@@ -327,7 +327,7 @@ def test_every_builtin_one_token_policy_declares_its_size_rule() -> None:
             continue
         one_token.append(name)
         assert policy.size_rule() is not None, name
-        assert simulate_sizes(policy, 120, 40).tolist() == _replay_sizes(policy, 120, 40).tolist(), name
+        assert simulate_sizes(policy, 120, 40).tolist() == replay_sizes(policy, 120, 40).tolist(), name
     assert {"h2o", "tova", "streaming_llm", "local", "knorm", "keydiff", "pyramid_h2o"} <= set(one_token)
 
 
@@ -427,7 +427,7 @@ def test_realised_budget_sizes_must_match_the_run(n) -> None:
 @given(any_policy(), st.integers(1, 160), st.data())
 def test_size_rule_equals_replaying_the_policy(policy, context, data) -> None:
     prompt = data.draw(st.integers(0, context))
-    np.testing.assert_array_equal(simulate_sizes(policy, context, prompt), _replay_sizes(policy, context, prompt))
+    np.testing.assert_array_equal(simulate_sizes(policy, context, prompt), replay_sizes(policy, context, prompt))
 
 
 def test_subclasses_are_replayed_not_simulated() -> None:
@@ -441,5 +441,5 @@ def test_subclasses_are_replayed_not_simulated() -> None:
             return view.keep(view.arange(0, n, 2))
 
     p = EveryOther(sink=1, window=3)
-    np.testing.assert_array_equal(simulate_sizes(p, 40, 5), _replay_sizes(p, 40, 5))
+    np.testing.assert_array_equal(simulate_sizes(p, 40, 5), replay_sizes(p, 40, 5))
     assert simulate_sizes(p, 40, 5).tolist() != simulate_sizes(StreamingLLM(sink=1, window=3), 40, 5).tolist()
