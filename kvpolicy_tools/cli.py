@@ -1,6 +1,6 @@
 """The ``kvpolicy`` command line.
 
-Verbs (each one a ``_cmd_<verb>(args)`` function, registered once in :data:`_VERBS`):
+Verbs (each one a ``_cmd_<verb>(args)`` function, registered once in :data:`VERBS`):
 
 * ``kvpolicy policies``: the registered policies, their parameters and defaults;
 * ``kvpolicy plan NAME --budget 0.3 --context 4096``: the parameters a budget resolves to, the
@@ -33,7 +33,7 @@ from .command import CLIError, check_output_file, describe_os_error, run_command
 from .eval import compare
 from .perf import bench
 
-__all__ = ["main", "build_parser", "synthetic_logits", "draw_trace"]
+__all__ = ["VERBS", "Verb", "main", "build_parser", "synthetic_logits", "draw_trace"]
 
 
 # ============================================================================ helpers
@@ -318,7 +318,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 # ============================================================================ the parser
 @dataclass(frozen=True)
-class _Verb:
+class Verb:
+    """One verb of the ``kvpolicy`` command: its name, its one-line help, what adds its arguments
+    to its sub-parser, and what runs it (returns the exit status)."""
+
     name: str
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
@@ -326,12 +329,12 @@ class _Verb:
 
 
 #: Every verb, in the order `kvpolicy --help` lists them. A new verb is one entry here.
-_VERBS: list[_Verb] = [
-    _Verb("policies", "list the registered policies with their parameters", _add_policies, _cmd_policies),
-    _Verb("plan", "resolve a policy's parameters from a cache budget", _add_plan, _cmd_plan),
-    _Verb("trace", "replay a policy and draw the kept positions over time (PNG)", _add_trace, _cmd_trace),
-    _Verb("compare", "compare the policies on real text with a real model and write a report", _add_compare, _cmd_compare),
-    _Verb("bench", "CPU benchmarks: eviction cost vs cache size, decode speed and memory, step breakdown", _add_bench, _cmd_bench),
+VERBS: list[Verb] = [
+    Verb("policies", "list the registered policies with their parameters", _add_policies, _cmd_policies),
+    Verb("plan", "resolve a policy's parameters from a cache budget", _add_plan, _cmd_plan),
+    Verb("trace", "replay a policy and draw the kept positions over time (PNG)", _add_trace, _cmd_trace),
+    Verb("compare", "compare the policies on real text with a real model and write a report", _add_compare, _cmd_compare),
+    Verb("bench", "CPU benchmarks: eviction cost vs cache size, decode speed and memory, step breakdown", _add_bench, _cmd_bench),
 ]
 
 
@@ -342,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvpolicy {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
-    for verb in _VERBS:
+    for verb in VERBS:
         p = sub.add_parser(verb.name, help=verb.help, description=verb.help)
         verb.add_arguments(p)
         p.set_defaults(run_verb=verb.run)  # the verb's function, read by main()
