@@ -11,15 +11,16 @@ declaring an entry point::
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Iterator, TypeVar
 
 from ._validation import check_bool
 from .policy import EvictionPolicy
 
-__all__ = ["register_policy", "mark_builtin_policies", "is_builtin_policy", "get_policy", "create_policy", "available_policies", "Preset", "ENTRY_POINT_GROUP"]
+__all__ = ["register_policy", "isolated_registry", "mark_builtin_policies", "is_builtin_policy", "get_policy", "create_policy", "available_policies", "Preset", "ENTRY_POINT_GROUP"]
 
 ENTRY_POINT_GROUP = "kvpolicy.policies"
 
@@ -177,6 +178,44 @@ def register_policy(
     if cls is not None:
         return decorate(cls)
     return decorate
+
+
+@contextlib.contextmanager
+def isolated_registry(*, rescan_entry_points: bool = False) -> Iterator[None]:
+    """Forget, when the block ends, every registration made inside it (policies, presets, names
+    taken from aliases, entry points scanned): for tests and notebooks that register policies
+    without leaking them into the rest of the process.
+
+    Args:
+        rescan_entry_points: scan the installed packages' ``kvpolicy.policies`` entry points again
+            inside the block (once scanned, they are not read again), e.g. after installing a
+            package, or in a test that fakes ``importlib.metadata.entry_points``.
+
+    Example:
+        >>> from kvpolicy import H2O, available_policies, register_policy
+        >>> with isolated_registry():
+        ...     @register_policy
+        ...     class Mine(H2O):
+        ...         name = "mine_for_the_example"
+        ...     print("mine_for_the_example" in available_policies())
+        True
+        >>> "mine_for_the_example" in available_policies()
+        False
+    """
+    global _entry_points_loaded
+    check_bool("rescan_entry_points", rescan_entry_points)
+    registered, aliases, scanned = dict(_REGISTRY), dict(_ALIASES), _entry_points_loaded
+    if rescan_entry_points:
+        _entry_points_loaded = False
+    try:
+        yield
+    finally:
+        # put back in place: the dictionaries are the module's, whoever holds them
+        _REGISTRY.clear()
+        _REGISTRY.update(registered)
+        _ALIASES.clear()
+        _ALIASES.update(aliases)
+        _entry_points_loaded = scanned
 
 
 def _load_entry_points() -> None:

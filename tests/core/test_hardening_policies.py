@@ -13,10 +13,10 @@ from kvpolicy.registry import mark_builtin_policies
 
 
 @pytest.fixture
-def clean_registry(monkeypatch):
-    """A private copy of the registry and its aliases for one test."""
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    monkeypatch.setattr(registry, "_ALIASES", dict(registry._ALIASES))
+def clean_registry():
+    """What one test registers (names, aliases taken) is forgotten after it."""
+    with registry.isolated_registry():
+        yield
 
 
 class Impostor(H2O):

@@ -30,11 +30,10 @@ from kvpolicy_numpy import replay
 
 
 @pytest.fixture
-def clean_registry(monkeypatch):
-    """A private copy of the registry (and a fresh entry-point scan) for one test."""
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    monkeypatch.setattr(registry, "_entry_points_loaded", False)
-    return registry._REGISTRY
+def clean_registry():
+    """What one test registers is forgotten after it, and entry points are scanned afresh in it."""
+    with registry.isolated_registry(rescan_entry_points=True):
+        yield
 
 
 # ---------------------------------------------------------------------------- a third-party policy
