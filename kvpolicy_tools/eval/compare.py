@@ -50,7 +50,7 @@ from .results import TaskResult
 from .tasks import DEFAULT_TASKS, PAPER_TASKS, DataSources, Task, TaskOptions, TokenizerAdapter, make_tasks, parse_floats, split_csv, task_registry
 from .tasks.base import PAPER_FILES
 
-__all__ = ["add_arguments", "run", "main", "DEFAULT_POLICIES", "DEFAULT_BUDGETS", "MEASURED_DEFAULT"]
+__all__ = ["add_arguments", "run", "main", "task_names", "task_options", "DEFAULT_POLICIES", "DEFAULT_BUDGETS", "MEASURED_DEFAULT"]
 
 DEFAULT_POLICIES = ("full", "local", "streaming_llm", "h2o", "tova", "scissorhands", "snapkv_h2o", "pyramid_h2o", "buzz",
                     "buzz_logn")
@@ -174,7 +174,17 @@ def _budgets(args: argparse.Namespace) -> list[float]:
     return budgets
 
 
-def _task_names(text: str | None) -> list[str]:
+def task_names(text: str | None) -> list[str]:
+    """The tasks ``--tasks text`` names, in order and without repeats: a comma-separated list of
+    task names and the groups ``default`` (also ``None``), ``paper`` (the paper's tasks) and
+    ``all`` (every registered task).
+
+    Example:
+        >>> task_names(None)
+        ['ppl', 'summ', 'needle', 'stream']
+        >>> task_names("stream,paper")
+        ['stream', 'ppl', 'summ', 'qa', 'needle', 'kv', 'tw']
+    """
     if text is None or text.strip().lower() == "default":
         return list(DEFAULT_TASKS)
     names: list[str] = []
@@ -199,8 +209,16 @@ def _policy_names(text: str) -> list[str]:
     return names
 
 
-def _options(args: argparse.Namespace, task: str) -> TaskOptions:
-    """The options every task shares (a task's own come from its ``options_from_args``)."""
+def task_options(args: argparse.Namespace, task: str) -> TaskOptions:
+    """The options every task shares (samples, new tokens, context, seed) for ``task``, from the
+    parsed ``kvpolicy compare`` arguments: a per-task value (``--samples needle=4``) wins over the
+    value for all tasks; a task's own options come from its ``options_from_args``.
+
+    Example:
+        >>> args = build_parser().parse_args(["--samples", "needle=4,*=8", "--seed", "3"])
+        >>> task_options(args, "needle"), task_options(args, "ppl").samples
+        (TaskOptions(samples=4, max_new_tokens=None, context=None, seed=3), 8)
+    """
     def pick(table: dict[str, int]) -> int | None:
         return table.get(task, table.get("*"))
 
@@ -292,7 +310,7 @@ def run(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, s
     budgets = _budgets(args)
     if args.batch_size < 1:
         raise ValueError("--batch-size must be >= 1")
-    names = _task_names(args.tasks)
+    names = task_names(args.tasks)
     # the default run (no --tasks, or 'default' among them): a task may run a short version of
     # itself there (the stream does; --tasks stream runs the full protocol)
     args.default_run = args.tasks is None or "default" in [t.lower() for t in split_csv(args.tasks)]
@@ -309,7 +327,7 @@ def run(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, s
     registry = task_registry()
     tasks = make_tasks(names, TaskOptions(), sources,
                        {n: registry[n].options_from_args(args) for n in names if n in registry})
-    tasks = [type(t)(_options(args, t.name), sources, t.options) for t in tasks]
+    tasks = [type(t)(task_options(args, t.name), sources, t.options) for t in tasks]
     for t in tasks:
         t.check(policies, budgets)
 

@@ -132,10 +132,10 @@ def test_stream_verdicts_say_losses_plainly(stream):
 
 
 def test_default_run_carries_a_short_stream_task():
-    assert "stream" in compare._task_names(None)
+    assert "stream" in compare.task_names(None)
     args = compare.build_parser().parse_args([])
     args.default_run = True
-    t = StreamTask(compare._options(args, "stream"), None, StreamTask.options_from_args(args))
+    t = StreamTask(compare.task_options(args, "stream"), None, StreamTask.options_from_args(args))
     assert (t.n_samples, t.tokens, t.sizes, t.ratios) == (4, 128, (50,), ())
     assert {c.budget for c in t.configs(POLICIES, [0.1, 0.3])} == {None}
     full = StreamTask(TaskOptions(), None)  # --tasks stream: the full protocol
