@@ -378,7 +378,10 @@ def build_engine(args: argparse.Namespace, dtype: Any, device: str, tp: int, ran
     return engine, written
 
 
-def _prompt_ids(args: argparse.Namespace, tokenizer: Any, vocab: int) -> Any:
+def prompt_ids(args: argparse.Namespace, tokenizer: Any, vocab: int) -> Any:
+    """The prompt's token ids ``[1, n]``: ``--prompt-file`` tokenized; without a tokenizer,
+    ``--context`` random ids below ``vocab`` (seeded by ``--seed``); else a long notes document
+    with a question at its end, cut to ``--context`` tokens."""
     import torch
 
     if args.prompt_file is not None:
@@ -429,7 +432,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.prompt_file is not None:
                 raise SystemExit(f"--prompt-file needs a tokenizer, and {args.model} has none")
             say(f"[load] {args.model} has no tokenizer: a random {args.context}-token prompt")
-    ids = _prompt_ids(args, tokenizer, vocab)
+    ids = prompt_ids(args, tokenizer, vocab)
     prompt_len = int(ids.shape[1])
     context = prompt_len + args.max_new_tokens
     engine, written = build_engine(args, dtype, device, tp, rank, context)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["OracleResult", "keep_highest_oracle", "oracle", "oracle_params"]
+__all__ = ["OracleResult", "buzz_round", "keep_highest_oracle", "oracle", "oracle_params"]
 
 
 # --------------------------------------------------------------------------- arithmetic shared
@@ -113,7 +113,7 @@ def _first_min(values: list[float]) -> int:
     return best
 
 
-def _buzz_round(p: dict[str, Any], cache: list[int], scores: list[float], n_old: int) -> list[int] | None:
+def buzz_round(p: dict[str, Any], cache: list[int], scores: list[float], n_old: int) -> list[int] | None:
     """One BUZZ eviction (Algorithm 1 lines 13-15 with Algorithm 2) on one head's cache.
 
     Returns the kept *indices into the cache list*, or ``None`` when the middle is below the
@@ -310,7 +310,7 @@ def oracle(
         if kind == "snapkv":
             return _snapkv_round(q, cache, sc, phase)
         if kind == "buzz":
-            return _buzz_round(q, cache, sc, n_old)
+            return buzz_round(q, cache, sc, n_old)
         if kind == "h2o":
             return _h2o_round(q, cache, sc)
         if kind == "tova":

@@ -10,7 +10,7 @@ import pytest
 
 from kvpolicy import BUZZ
 from kvpolicy_numpy import replay, softmax
-from oracle import _buzz_round, oracle, oracle_params
+from oracle import buzz_round, oracle, oracle_params
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "policies.md"
 
@@ -100,7 +100,7 @@ def test_doc_prefill_table(doc) -> None:
         assert len(cache) == size_before
         assert sum(_groups(old_cell), []) == middle[:n_old]
         assert sum(_groups(new_cell), []) == middle[n_old:]
-        keep = _buzz_round(params, cache, [float(scores[p]) for p in cache], n_old)
+        keep = buzz_round(params, cache, [float(scores[p]) for p in cache], n_old)
         cache = [cache[i] for i in keep]
         assert _ints(after) == cache[sink : len(cache) - window], f"round {rnd}: middle after"
         assert len(cache) == size_after

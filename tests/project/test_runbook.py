@@ -227,7 +227,7 @@ def test_checkpoint_run_equals_plain_transformers(cpu_runs, example):
     cwd, _ = cpu_runs
     model = AutoModelForCausalLM.from_pretrained(cwd / "tiny-llama", dtype=torch.float32, attn_implementation="sdpa").eval()
     args = SimpleNamespace(prompt_file=None, seed=0, context=300)
-    ids = example._prompt_ids(args, None, model.config.vocab_size)
+    ids = example.prompt_ids(args, None, model.config.vocab_size)
     policy = make_policy("buzz", 0.25, context_length=308, prompt_length=300)
     with torch.no_grad():
         out = model.generate(
