@@ -111,7 +111,7 @@ def main() -> None:
         t = time.perf_counter()
         predicted = weight_numel_per_rank(model, args.tp)
         engine = init_inference(model, FullCache(), tp_size=args.tp, dtype=torch.float32, context_length=4096)
-        assert engine.engine._config.max_out_tokens == 4096
+        assert engine.context_length == 4096  # (DeepSpeed's max_out_tokens)
         q, kv = local_heads(engine.module)
         shard = engine.shard
         actual_numel = sum(p.numel() for p in engine.module.parameters())

@@ -291,9 +291,9 @@ def test_long_prompt_refused_by_deepspeed_default_accepted_by_ours():
 
     model = tiny_llama(max_position_embeddings=4096)
     engine = init_inference(model, "buzz", budget=0.3)
-    assert engine.engine._config.max_out_tokens == 4096  # from max_position_embeddings
-    assert engine.engine._config.dtype == torch.float32  # the model's, not DeepSpeed's float16 default
-    assert engine.engine._config.replace_with_kernel_inject is False
+    assert engine.context_length == 4096  # from max_position_embeddings (DeepSpeed's max_out_tokens: the 1,100-token generate below)
+    assert next(engine.module.parameters()).dtype == torch.float32  # the model's, not DeepSpeed's float16 default
+    assert type(engine.module.model.layers[0].self_attn).__name__ == "LlamaAttention"  # no kernel injection
     out = engine.generate(ids, max_new_tokens=3, do_sample=False)
     assert out.shape == (1, 1103)
     cache = engine.last_cache

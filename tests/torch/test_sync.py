@@ -89,7 +89,7 @@ class Instruments(TorchDispatchMode):
         self.library_ops = 0  # ops called from library code: the attribution does reach it
         self._patches: list[tuple[str, Any]] = []
 
-    def _record(self, what: str) -> None:
+    def record(self, what: str) -> None:
         where = _caller(self.library)
         if where is not None:
             self.hits.append(f"{what} from {where}")
@@ -106,12 +106,12 @@ class Instruments(TorchDispatchMode):
         if name == "aten::index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):
             syncs = True
         if syncs:
-            self._record(name)
+            self.record(name)
         out = func(*args, **kwargs)
         if self.device is not None:
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor) and t.device.type != self.device:
-                    self._record(f"{name} returned a {t.device.type} tensor on a {self.device} run")
+                    self.record(f"{name} returned a {t.device.type} tensor on a {self.device} run")
         return out
 
     def __enter__(self):
@@ -130,13 +130,13 @@ class Instruments(TorchDispatchMode):
 
 def _spy(instruments: Instruments, attr: str, original: Any) -> Any:
     def spy(self, *args, **kwargs):
-        instruments._record(f"Tensor.{attr}")
+        instruments.record(f"Tensor.{attr}")
         return original(self, *args, **kwargs)
 
     return spy
 
 
-_INSTRUMENT_FUNCS = {"spy", "_record", "__torch_dispatch__"}
+_INSTRUMENT_FUNCS = {"spy", "record", "__torch_dispatch__"}
 
 
 # ------------------------------------------------------------------------------------------------
