@@ -59,8 +59,8 @@ def replay_sizes(policy: EvictionPolicy, context_length: int, prompt_length: int
 
     Example:
         >>> from kvpolicy import StreamingLLM
-        >>> replay_sizes(StreamingLLM(sink=1, window=2), 6).tolist()
-        [1, 2, 3, 4, 4, 4]
+        >>> replay_sizes(StreamingLLM(sink=1, window=2), 6, prompt_length=4).tolist()  # (the prompt evicted first)
+        [4, 4]
     """
     context_length = check_int("context_length", context_length, minimum=1)
     prompt_length = check_int("prompt_length", prompt_length, minimum=0, maximum=context_length)
