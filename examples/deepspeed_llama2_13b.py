@@ -508,7 +508,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             gpu_gib=args.gpu_gib, chunk=args.prefill_chunk, reserve_gib=args.reserve_gib,
         )  # fmt: skip
         return None
-    return run(args)
+    from kvpolicy.deepspeed import finish_distributed
+
+    try:
+        return run(args)
+    finally:
+        finish_distributed()  # every rank: communication threads joined before the interpreter exits
 
 
 if __name__ == "__main__":

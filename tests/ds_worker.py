@@ -162,4 +162,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from kvpolicy.deepspeed import finish_distributed
+
+    try:
+        main()
+    finally:
+        finish_distributed()

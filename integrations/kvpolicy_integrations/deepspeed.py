@@ -80,6 +80,7 @@ __all__ = [
     "init_inference",
     "local_heads",
     "check_launcher_env",
+    "finish_distributed",
     "make_cache",
     "materialize_shards",
     "parameter_shard",
@@ -434,6 +435,19 @@ def materialize_shards(
             written += param.numel() * param.element_size()
             del source, part
     return written
+
+
+def finish_distributed() -> None:
+    """Destroy the process group that ``deepspeed.init_inference`` started, at the end of a script
+    (every rank; a no-op when there is none): each rank's communication threads are then joined
+    before the interpreter exits, instead of being torn down with it, which can kill a rank that
+    has finished its work ("terminate called without an active exception") and fail the launch.
+
+    Example:
+        >>> finish_distributed()  # (no process group here: nothing to do)
+    """
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()
 
 
 def check_launcher_env(environ: Mapping[str, str] | None = None, *, accelerator: str | None = None) -> None:
