@@ -2,7 +2,7 @@
 docs/performance.md's before/after comparisons of two commits.
 
 The limit (a ``DynamicCache`` holding the budget's share of the prompt) and the policy decode the
-same tokens, taking turns, order alternating each round; the share is the median over rounds of
+same tokens, taking turns, the order rotating each round; the share is the median over rounds of
 the limit's seconds per step over the policy's. Run it from two checkouts alternately, so that the
 code measured is the checkout's (``PYTHONPATH`` first on the path):
 
@@ -15,6 +15,12 @@ code measured is the checkout's (``PYTHONPATH`` first on the path):
 ``kvpolicy bench`` does (``hold_last``); ``--limit grows`` leaves it growing by every decoded token,
 as the bench did before 2026-11-26 09:00 (the morning's before/after pairs were measured so; the
 afternoon's with the limit held).
+
+``--twin`` adds a second cache of the same policy, decoding in the same rounds (the order of the
+three rotates): its own share, and the median of the two twins' time ratio, are what one process
+reads for two identical candidates, the noise floor of a comparison made inside one process (H2O
+at 512 tokens, 60 rounds, 2026-11-26 18:30 UTC, two runs: shares 94.45 / 94.70% and 94.55 / 94.17%,
+twin ratios 1.0000 and 0.9999).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--steps", type=int, default=3, help="decode steps per candidate and round")
     p.add_argument("--limit", choices=("held", "grows"), default="held")
+    p.add_argument("--twin", action="store_true", help="also decode an identical second cache of the policy (the noise floor)")
     args = p.parse_args()
     torch.set_num_threads(1)
     model, _ = models.load()
@@ -48,6 +55,8 @@ def main() -> None:
     keep_last = None if args.limit == "held" else round(args.budget * args.context)
     caches = {"policy": build_cache(model, Candidate(args.policy, policy=policy), pre),
               "limit": build_cache(model, Candidate("limit", keep_last=keep_last), pre)}
+    if args.twin:
+        caches["twin"] = build_cache(model, Candidate(args.policy, policy=policy), pre)
     position = dict.fromkeys(caches, args.context)
     token = torch.tensor([[5]])
     for name, cache in caches.items():  # warm-up
@@ -59,13 +68,18 @@ def main() -> None:
     for r in range(args.rounds):
         if args.limit == "held":
             hold_last(caches["limit"], max(caches["policy"].lengths()))
-        for name in (list(caches) if r % 2 else list(caches)[::-1]):
+        names = list(caches)
+        for name in names[r % len(names):] + names[:r % len(names)]:  # (the order rotates: each one first as often)
             start = time.perf_counter()
             position[name] = decode(model, caches[name], token.expand(1, args.steps), position[name])
             seconds[name].append((time.perf_counter() - start) / args.steps)
     share = statistics.median(lim / pol for lim, pol in zip(seconds["limit"], seconds["policy"]))
     where = kvpolicy_torch.__file__.rsplit("/kvpolicy_torch", 1)[0]
     print(f"{where}: {args.policy} at {args.context} tokens, {args.rounds} rounds, limit {args.limit}: share of the limit {share:.4f}")
+    if args.twin:
+        twin = statistics.median(lim / pol for lim, pol in zip(seconds["limit"], seconds["twin"]))
+        ratio = statistics.median(a / b for a, b in zip(seconds["policy"], seconds["twin"]))
+        print(f"  its twin (the same policy, a second cache): share {twin:.4f}; policy/twin time ratio {ratio:.4f}")
 
 
 if __name__ == "__main__":
