@@ -9,9 +9,9 @@ SmolLM2-135M, candidates interleaved round by round.
     .venv/bin/python benchmarks/attention_time.py --context 512 --policies h2o,streaming_llm,tova --rounds 12
 
 The split shows where a policy's extra time lands inside the model, not what each part costs
-alone: the model's weights stream through the CPU's caches between two layers, and the cold
-misses that kvpolicy's calls leave behind are paid by whatever runs next (the output projection
-of the same module as often as the attention function itself).
+alone: the model's weights stream through the CPU's caches between two layers, so every call runs
+cold, and a cost can land on the call after the one that caused it (in some runs the output
+projection after kvpolicy's attention read up to 80 us a layer slower than the limit's).
 """
 
 from __future__ import annotations
