@@ -65,10 +65,10 @@ def main() -> None:
     if args.limit == "held":
         # (imported here: a checkout from before hold_last can still run --limit grows)
         from kvpolicy_tools.perf.decode import hold_last
+    names = list(caches)
     for r in range(args.rounds):
         if args.limit == "held":
             hold_last(caches["limit"], max(caches["policy"].lengths()))
-        names = list(caches)
         for name in names[r % len(names):] + names[:r % len(names)]:  # (the order rotates: each one first as often)
             start = time.perf_counter()
             position[name] = decode(model, caches[name], token.expand(1, args.steps), position[name])
