@@ -23,7 +23,7 @@ from .headwise import mark_dropped
 from .posshift import SinkShift
 from .rows import LayerSnapshot, Rows
 from .storage import Storage
-from .update import chunk_tokens, clear_tail, write_token
+from .update import chunk_tokens, ready_tail, write_token
 from .victims import CandidateSearch
 
 __all__ = ["SlotLayout", "uniform"]
@@ -59,7 +59,8 @@ class SlotLayout:
             or ``None`` after a decode token.
         phase: ``"prefill"`` after a chunk, ``"decode"`` after one token.
         bias_needed: whether a slot of the returned range is a hole for some row.
-        tail_clean: one row, shapes not static: scores and bias are 0 from the frontier on.
+        tail_ready: one row, shapes not static: the slots from the frontier on hold the positions,
+            scores and bias the next frontier writes give them (:func:`~kvpolicy_torch.update.ready_tail`).
         search: the victim search's candidates (forgotten whenever slots move).
         sink_shift: StreamingLLM's sinks held at their shifted positions, or ``None``.
 
@@ -85,7 +86,7 @@ class SlotLayout:
         self.chunk: tuple[int, int, torch.Tensor | None] | None = None
         self.phase = "decode"
         self.bias_needed = False
-        self.tail_clean = False
+        self.tail_ready = False
         self.search = search
         self.sink_shift = sink_shift
         if sink_shift is not None:
@@ -114,9 +115,18 @@ class SlotLayout:
         return self.extra is None and self.rows.dense()
 
     def moved(self) -> None:
-        """Slots moved (or new ones came): the candidates and the clean tail no longer hold."""
+        """Slots moved (or new ones came): the candidates and the ready tail no longer hold."""
         self.search.forget()
-        self.tail_clean = False
+        self.drop_tail()
+
+    def drop_tail(self) -> None:
+        """The slots past the frontier back to holes (position ``-1``), if they were made ready
+        for frontier writes: before anything moves, and before a token goes to a freed slot (the
+        positions ahead would no longer follow ``seen``)."""
+        if self.tail_ready:
+            self.tail_ready = False
+            store = self.storage()
+            store.positions[:, :, max(self.rows.front):].fill_(-1)
 
     # what the last append returned (what attention saw; ``received`` aligns with these), one
     # tensor each: read in every decode step of some policies, so no Storage is built for them
@@ -157,12 +167,14 @@ class SlotLayout:
         (every slot under static shapes)."""
         store, rows = self.storage(), self.rows
         one = rows.batch == 1 and not self.static
-        if one and not rows.free[0] and not self.tail_clean:
+        if one and rows.free[0]:
+            self.drop_tail()  # (a ring's freed slot takes the token)
+        elif one and not self.tail_ready:
             # a frontier slot of one row: nothing reads past the frontier here, so the slots from it
-            # on can hold score and bias 0 ahead of time (two writes fewer a step)
-            clear_tail(store, rows.front[0])
-            self.tail_clean = True
-        write_token(store, rows, keys, values, scores_clear=one and self.tail_clean)
+            # on can hold their position, score and bias ahead of time (three writes fewer a step)
+            ready_tail(store, rows.front[0], rows.seen[0])
+            self.tail_ready = True
+        write_token(store, rows, keys, values, tail_ready=one and self.tail_ready)
         self.chunk = None
         self.returned = store.slots if self.static else max(rows.front)
         self.bias_needed = self.needs_bias()

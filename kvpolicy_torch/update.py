@@ -15,22 +15,22 @@ import torch
 from .rows import Rows
 from .storage import Storage
 
-__all__ = ["chunk_tokens", "clear_tail", "write_token"]
+__all__ = ["chunk_tokens", "ready_tail", "write_token"]
 
 
-def write_token(store: Storage, rows: Rows, keys: torch.Tensor, values: torch.Tensor, *, scores_clear: bool) -> None:
+def write_token(store: Storage, rows: Rows, keys: torch.Tensor, values: torch.Tensor, *, tail_ready: bool) -> None:
     """Write one token per row ``[batch, kv_heads, 1, head_dim]`` at each row's target slot (its
     last freed slot, else its frontier) and update ``rows``: key, value, position ``seen``, and
     score and bias 0. Every row needs room (the caller grew or compacted the storage).
 
-    ``scores_clear``: one row whose scores and bias are already 0 from the frontier on
-    (:func:`clear_tail`), so a frontier write needs neither: in the eager one-row layout no
-    attention or victim search reads past a frontier.
+    ``tail_ready``: one row whose slots from the frontier on already hold the position, score and
+    bias a frontier write gives them (:func:`ready_tail`), so such a write stores only the key and
+    the value: in the eager one-row layout nothing reads past a frontier.
 
     Example:
         >>> store = Storage.allocate(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), 2, torch.float32)
         >>> rows = Rows.start(1, {})
-        >>> write_token(store, rows, torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2), scores_clear=False)
+        >>> write_token(store, rows, torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2), tail_ready=False)
         >>> store.positions[0, 0].tolist(), store.bias[0, 0].tolist(), rows.count
         ([0, -1], [0.0, -inf], [1])
     """
@@ -40,8 +40,8 @@ def write_token(store: Storage, rows: Rows, keys: torch.Tensor, values: torch.Te
         s = free[0].pop() if free[0] else front[0]
         store.keys.narrow(2, s, 1).copy_(keys)
         store.values.narrow(2, s, 1).copy_(values)
-        store.positions.select(2, s).fill_(seen[0])
-        if s != front[0] or not scores_clear:
+        if s != front[0] or not tail_ready:
+            store.positions.select(2, s).fill_(seen[0])
             store.scores.select(2, s).fill_(0)
             store.bias.select(2, s).fill_(0)
         if s == front[0]:
@@ -81,8 +81,25 @@ def write_token(store: Storage, rows: Rows, keys: torch.Tensor, values: torch.Te
     rows.columns += 1
 
 
-def clear_tail(store: Storage, front: int) -> None:
-    """Score and bias 0 at ``front`` and every slot after it (one row; see :func:`write_token`)."""
+def ready_tail(store: Storage, front: int, seen: int) -> None:
+    """One row's slots from ``front`` on made ready for frontier writes (:func:`write_token`):
+    slot ``front + i`` gets position ``seen + i``, score 0 and bias 0, what the ``i``-th next
+    frontier write gives it, so that write stores only the key and the value. (A decode step's
+    every small kernel costs 15-45 us inside a model: ``benchmarks/micro.py decode-ops``.) The
+    slots stay past the frontier, where nothing reads, until the writes reach them; the caller
+    puts holes back (:meth:`SlotLayout.drop_tail <kvpolicy_torch.layout.SlotLayout.drop_tail>`)
+    before a token goes anywhere else.
+
+    Example:
+        >>> store = Storage.allocate(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), 4, torch.float32)
+        >>> ready_tail(store, 1, 7)
+        >>> store.positions[0, 0].tolist(), store.scores[0, 0].tolist()
+        ([-1, 7, 8, 9], [inf, 0.0, 0.0, 0.0])
+    """
+    n = store.slots - front
+    if n <= 0:
+        return
+    store.positions[:, :, front:].copy_(torch.arange(seen, seen + n, device=store.positions.device))
     store.scores[:, :, front:].fill_(0)
     store.bias[:, :, front:].fill_(0)
 

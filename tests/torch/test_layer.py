@@ -253,3 +253,39 @@ def test_layer_cache_index_select_path_keeps_the_same_tokens() -> None:
             layer.evict()
             assert layer.positions[0].tolist() == trace.kept[t].tolist(), (policy, t)
             assert layer.keys[0, 0, :, 0].tolist() == vals[layer.positions[0, 0]].tolist()  # K/V moved with positions
+
+
+# ---------------------------------------------------------------------------- positions written ahead (update.ready_tail)
+from kvpolicy import BUZZ, H2O  # noqa: E402,F811
+
+
+@pytest.mark.parametrize("policy", [H2O(4, 2), StreamingLLM(sink=1, window=4), BUZZ(1, 3, 3, 6)], ids=repr)
+def test_one_row_tail_written_ahead_never_shows(policy) -> None:
+    """One row's frontier writes store only the key and the value: the slots past its frontier
+    hold their position, score and bias ahead of time (``update.ready_tail``). A batch of two
+    equal rows writes every field itself, so both keep the same tokens at every step; and the
+    tail is holes again (position -1) whenever it is not ready: after BUZZ's compactions and a
+    restored snapshot."""
+    one, two = LayerCache(policy), LayerCache(policy)
+    rng = torch.Generator().manual_seed(3)
+    snap = None
+    for t in range(40):
+        k = torch.randn(1, HEADS, 1, DIM, generator=rng, dtype=torch.float64)
+        for layer, kv in ((one, k), (two, k.expand(2, -1, -1, -1).contiguous())):
+            K, _ = layer.append(kv, kv)
+            layer.accumulate(torch.rand(1, HEADS, K.shape[2], generator=torch.Generator().manual_seed(t), dtype=torch.float64).expand(kv.shape[0], -1, -1))
+            layer.evict()
+        assert one.positions[0].tolist() == two.positions[0].tolist() == two.positions[1].tolist(), t
+        layout = one.unsynced()
+        front, seen = layout.rows.front[0], layout.rows.seen[0]
+        tail = layout.store.positions[0, :, front:]
+        if layout.tail_ready:
+            assert tail.tolist() == [list(range(seen, seen + tail.shape[1]))] * HEADS, t
+        else:
+            assert bool((tail == -1).all()), t
+        if t == 20:
+            snap = one.snapshot()
+        if t == 25:
+            one.restore(snap)
+            break
+    assert not one.unsynced().tail_ready and bool((one.unsynced().store.positions[0, :, one.unsynced().rows.front[0]:] == -1).all())
