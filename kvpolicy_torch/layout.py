@@ -9,7 +9,8 @@ tokens in position order (inspection), compaction (kept tokens moved to ``[0, co
 transient working set of a prompt chunk that does not fit, and the sinks' pos-shifted keys.
 
 Whatever moves slots makes the layout :meth:`~SlotLayout.moved`: the victim search's candidates
-and the one-row "clean tail" (scores and bias 0 from the frontier on) no longer hold.
+and the one-row "ready tail" (the slots from the frontier on holding the positions, scores and
+bias the next appends give them) no longer hold, and that tail is holes again.
 """
 
 from __future__ import annotations
