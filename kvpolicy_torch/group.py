@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from .ops import first_argmin
+from .ops import eviction_ranks, first_argmin
 from .storage import Storage
 
 __all__ = ["LayerGroup", "mark_holes"]
@@ -74,8 +74,9 @@ class LayerGroup:
         self.layers = layers
         self._joined = 0  # layers registered so far
         self._members: set[int] = set()  # indices whose storage is a slice of the group's tensors
-        # layers whose victims wait for the group: (index, eligible slots, free_alone, freed, shared)
-        self._pending: list[tuple[int, int, Callable[[], None], Callable[[], None], bool]] = []
+        # layers whose victims wait for the group: (index, eligible slots, free_alone, freed, shared,
+        # holes_by_position)
+        self._pending: list[tuple[int, int, Callable[[], None], Callable[[], None], bool, bool]] = []
         self._pos: torch.Tensor | None = None  # [layers, batch, kv_heads, slots]
         self._scores: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
@@ -156,12 +157,14 @@ class LayerGroup:
             self._pos = self._scores = self._bias = None
 
     def defer(self, index: int, hi: int, free_alone: Callable[[], None], freed: Callable[[], None],
-              shared: bool = False) -> None:
+              shared: bool = False, holes_by_position: bool = True) -> None:
         """Take layer ``index``'s victims of this step: the lowest score of slots ``[0, hi)`` per
         row and head (``shared``: per row, by the scores summed over the heads, one victim for all
-        heads). ``free_alone()`` frees them the layer's own way; ``freed()`` tells it the group
-        did. Once every layer has deferred, they are all found at once."""
-        self._pending.append((index, hi, free_alone, freed, shared))
+        heads; ``holes_by_position``: holes ranked ``+inf`` by their position, as
+        :func:`~kvpolicy_torch.victims.lowest_victims` ranks accumulated scores). ``free_alone()``
+        frees them the layer's own way; ``freed()`` tells it the group did. Once every layer has
+        deferred, they are all found at once."""
+        self._pending.append((index, hi, free_alone, freed, shared, holes_by_position))
         if len(self._pending) == self.layers:
             self.flush()
 
@@ -176,6 +179,8 @@ class LayerGroup:
             assert self._pos is not None and self._scores is not None and self._bias is not None
             # each layer's plain scan (victims.lowest_victims), for every layer at once: the same answer
             window = self._scores.narrow(3, 0, hi)
+            if any(p[5] for p in pending):
+                window = eviction_ranks(window, self._pos.narrow(3, 0, hi))
             if shared:  # the heads' scores summed as each layer sums them, one victim for all heads
                 victims = first_argmin(window.sum(dim=2, keepdim=True)).unsqueeze(-1).expand(-1, -1, window.shape[2], -1)
             else:

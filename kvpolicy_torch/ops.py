@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["first_argmin"]
+__all__ = ["eviction_ranks", "first_argmin"]
 
 #: Blocks of :func:`first_argmin`'s CPU path: 1,024 elements, then 32 inside the chosen block.
 _BLOCK, _SUB = 1024, 32
@@ -57,3 +59,21 @@ def first_argmin(x: torch.Tensor) -> torch.Tensor:
     tail = x[..., whole:]
     best = torch.gather(minima, -1, first).squeeze(-1)
     return torch.where(tail.amin(dim=-1) < best, torch.argmin(tail, dim=-1) + whole, found)
+
+
+def eviction_ranks(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``scores`` as a lowest-score victim search ranks them (a new tensor, same shape): a NaN as
+    ``-inf`` (the NaN rule: that token goes first), and a hole (``positions`` ``-1``) as ``+inf``
+    whatever its score, so a hole is never a victim.
+
+    A hole's score is ``+inf`` when it is made, but a decode step whose attention is NaN
+    throughout (a NaN query, an overflow upstream, NaN reaches the holes' probabilities too) folds
+    ``-inf`` into every score, and ``+inf - inf`` is NaN: ranked by its score, the hole would be
+    "evicted" in place of a token, which would stay attended while the counts said it was gone.
+
+    Example:
+        >>> inf, nan = float("inf"), float("nan")
+        >>> eviction_ranks(torch.tensor([[0.5, nan, nan, -inf]]), torch.tensor([[0, 1, -1, 3]])).tolist()
+        [[0.5, -inf, inf, -inf]]
+    """
+    return torch.nan_to_num(scores, nan=-math.inf, posinf=math.inf, neginf=-math.inf).masked_fill_(positions < 0, math.inf)

@@ -31,8 +31,11 @@ def fold_received(
     shifts it into each token's record over ``rows`` queries (an int, or a per-row tensor
     ``[batch, 1, 1]``) of ``history``. A NaN counts as ``-inf``: that token is evicted first, never
     kept by a NaN. Holes (``positions`` ``-1``; ``positions`` is needed by the last two rules
-    only) keep ``+inf``. A statistic from keys (:data:`kvpolicy.KEY_STATISTICS`) ignores it. One
-    rule for the eager and the static (compiled) step alike.
+    only) keep ``+inf``, except under ``"accumulate"`` at a step whose attention is NaN throughout
+    (the holes' share too: ``+inf - inf`` is NaN), which is why victim searches rank holes by their
+    position (:func:`~kvpolicy_torch.ops.eviction_ranks`). A statistic from keys
+    (:data:`kvpolicy.KEY_STATISTICS`) ignores it. One rule for the eager and the static (compiled)
+    step alike.
 
     Example:
         >>> scores = torch.tensor([[[1.0, math.inf]]])

@@ -17,7 +17,7 @@ import torch
 from kvpolicy.policy import DecodeEviction
 
 from .group import LayerGroup, mark_holes
-from .ops import first_argmin
+from .ops import eviction_ranks, first_argmin
 from .rows import Rows
 from .storage import Storage
 
@@ -30,23 +30,29 @@ def lowest_victims(
     rule: DecodeEviction,
     shared: bool,
     reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    *,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Victim slot ``[rows, kv_heads]`` of each row of ``scores`` ``[rows, kv_heads, slots]``: the
     lowest score below the row's ``front`` outside its newest ``rule.recent`` slots, ties to the
     earliest slot (below a frontier, slot order is position order). ``shared``: one victim for
     all heads, by the scores summed over the heads (then ``reduce_scores``, e.g. over
-    tensor-parallel ranks).
+    tensor-parallel ranks). ``positions``: given, a hole ranks ``+inf`` by its position and a NaN
+    as ``-inf`` (:func:`~kvpolicy_torch.ops.eviction_ranks`), which accumulated scores need (a
+    step whose attention is NaN throughout turns a hole's ``+inf`` into NaN); without, the scores
+    are ranked as they are (a statistic that rewrites every score puts ``+inf`` at holes itself).
 
     Example:
         >>> from kvpolicy import DecodeEviction
-        >>> scores = torch.tensor([[[3.0, 1.0, 1.0, 0.0]]])
-        >>> lowest_victims(scores, [4], DecodeEviction(limit=3, victim="lowest", recent=1), shared=False).tolist()
-        [[1]]
+        >>> scores, positions = torch.tensor([[[3.0, float("nan"), 1.0, 0.0]]]), torch.tensor([[[0, -1, 2, 3]]])
+        >>> lowest_victims(scores, [4], DecodeEviction(limit=3, victim="lowest", recent=1), shared=False, positions=positions).tolist()
+        [[2]]
     """
     hi = max(front) - rule.recent
-    cand = scores[:, :, :hi]
+    cand = scores[:, :, :hi] if positions is None else eviction_ranks(scores[:, :, :hi], positions[:, :, :hi])
     if any(f != front[0] for f in front):  # rows on other schedules: protect each row's own recent tokens
-        cand = cand.clone()
+        if positions is None:
+            cand = cand.clone()
         for i, f in enumerate(front):
             cand[i, :, f - rule.recent :] = math.inf
     if shared:
@@ -262,7 +268,8 @@ class OneTokenEviction:
             rows.count[r] -= 1
         if self.deferred and self.group is not None:
             self._pending = (store, rows)
-            self.group.defer(self.index, rows.front[0] - rule.recent, self._free_alone, self._freed, self.shared)
+            self.group.defer(self.index, rows.front[0] - rule.recent, self._free_alone, self._freed, self.shared,
+                             holes_by_position=self.grows)
 
     def _deferrable(self, store: Storage, rows: Rows, candidates: int, min_scores: int) -> bool:
         """Whether this step's victims may wait for the group: every layer keeps its storage in it,
@@ -288,7 +295,7 @@ class OneTokenEviction:
         self._freed()
         every = list(range(rows.batch))
         free_victims(*store.bookkeeping(), lowest_victims(store.scores, rows.front, self.rule, self.shared,
-                                                          self.reduce_scores), every)
+                                                          self.reduce_scores, positions=self._holes(store)), every)
 
     def lowest(self, store: Storage, rows: Rows, which: list[int], candidates: int, min_scores: int) -> torch.Tensor:
         """Victim slot ``[len(which), heads]`` of each row of ``which``."""
@@ -303,6 +310,13 @@ class OneTokenEviction:
                 return victims
         elif self.search.active:
             self.search.forget()
+        positions = self._holes(store)
         if len(which) < rows.batch:
-            scores = scores.index_select(0, torch.tensor(which, device=scores.device))
-        return lowest_victims(scores, front, self.rule, self.shared, self.reduce_scores)
+            index = torch.tensor(which, device=scores.device)
+            scores = scores.index_select(0, index)
+            positions = None if positions is None else positions.index_select(0, index)
+        return lowest_victims(scores, front, self.rule, self.shared, self.reduce_scores, positions=positions)
+
+    def _holes(self, store: Storage) -> torch.Tensor | None:
+        """The positions a search ranks holes by: accumulated scores only (see :func:`lowest_victims`)."""
+        return store.positions if self.grows else None

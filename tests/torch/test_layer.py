@@ -229,6 +229,39 @@ def test_layer_cache_nan_scores_count_as_minus_inf() -> None:
     assert 1 not in layer.positions[0, 0].tolist() and layer.length == 3
 
 
+
+@pytest.mark.parametrize("layers", [1, 2], ids=["alone", "group"])
+@pytest.mark.parametrize("selection", ["per_head", "shared"])
+@pytest.mark.parametrize("kind", ["h2o", "tova"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_nan_query_never_evicts_a_hole(kind, selection, batch, layers) -> None:
+    """A NaN query (an overflow upstream) makes a decode step's whole attention NaN, the holes'
+    included: every kept token's score becomes -inf (the NaN rule) and the victim is the earliest
+    kept token outside the recent ones, never a hole. Each layer then holds exactly ``length``
+    tokens (alone, and in a ``LayerGroup``, whose one search serves both layers)."""
+    from kvpolicy import H2O, TOVA
+    from kvpolicy_torch import LayerGroup
+
+    policy = H2O(3, 1, selection=selection) if kind == "h2o" else TOVA(size=4, recent=1, selection=selection)
+    group = LayerGroup(layers) if layers > 1 else None
+    stack = [LayerCache(policy, group=group) for _ in range(layers)]
+    rng = torch.Generator().manual_seed(0)
+    nan_steps = (8, 11, 12)
+    for t in range(16):
+        before = [layer.positions[0, 0].tolist() if t else [] for layer in stack]
+        for layer in stack:
+            kv = torch.randn(batch, 1, 1, 4, generator=rng)
+            layer.append(kv, kv)
+            query = torch.full((batch, 1, 1, 4), float("nan")) if t in nan_steps else torch.randn(batch, 1, 1, 4, generator=rng)
+            layer.attend(query, 0.5)
+            layer.evict()
+        for layer, was in zip(stack, before):
+            layout = layer.unsynced()
+            held = layout.store.positions[:, :, : max(layout.rows.front)] >= 0
+            assert held.sum(dim=-1).tolist() == [[layer.length]] * batch, (t, layout.store.positions.tolist())
+            if t in nan_steps:  # all kept tied at -inf: the earliest outside the recent one goes
+                assert layer.positions[0, 0].tolist() == (was + [t])[1:], (t, was)
+
 # ---------------------------------------------------------------------------- the index_select gather of broadcast keep arrays
 from kvpolicy import BUZZ, H2O  # noqa: E402
 
