@@ -463,6 +463,7 @@ class LayerCache(LayerReads):
         layout = self.synced()
         if layout.extra is not None:
             raise RuntimeError("snapshot() between append() and evict()")
+        layout.drop_tail()  # (the copy holds holes past the frontier, not the positions written ahead)
         return LayerSnapshot.of(layout.rows, layout.storage())
 
     def restore(self, snap: LayerSnapshot) -> None:

@@ -122,8 +122,8 @@ class SlotLayout:
 
     def drop_tail(self) -> None:
         """The slots past the frontier back to holes (position ``-1``), if they were made ready
-        for frontier writes: before anything moves, and before a token goes to a freed slot (the
-        positions ahead would no longer follow ``seen``)."""
+        for frontier writes: before anything moves, before a token goes to a freed slot (the
+        positions ahead would no longer follow ``seen``), and before a snapshot copies them."""
         if self.tail_ready:
             self.tail_ready = False
             store = self.storage()

@@ -318,6 +318,7 @@ def test_one_row_tail_written_ahead_never_shows(policy) -> None:
             assert bool((tail == -1).all()), t
         if t == 20:
             snap = one.snapshot()
+            assert bool((snap.positions[0, :, front:] == -1).all())  # (a copy shows holes past the frontier)
         if t == 25:
             one.restore(snap)
             break
