@@ -289,7 +289,6 @@ def test_layer_cache_index_select_path_keeps_the_same_tokens() -> None:
 
 
 # ---------------------------------------------------------------------------- positions written ahead (update.ready_tail)
-from kvpolicy import BUZZ, H2O  # noqa: E402,F811
 
 
 @pytest.mark.parametrize("policy", [H2O(4, 2), StreamingLLM(sink=1, window=4), BUZZ(1, 3, 3, 6)], ids=repr)
