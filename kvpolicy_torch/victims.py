@@ -1,10 +1,12 @@
 """The victim search of a one-token eviction by lowest score (H2O, TOVA, Knorm, KeyDiff).
 
 A row's victim is its lowest score outside the newest ``recent`` tokens, the earliest position of
-a tie (holes hold ``+inf`` and are never picked). :func:`lowest_victims` is the plain scan; above a
-size (:class:`CandidateSearch`) a CPU layer finds it among a candidate set instead, which reads
-``O(candidates)`` scores a step rather than all of them (``tests/torch/test_victims.py`` holds it to
-the plain scan, ``kvpolicy bench --what complexity`` measures it).
+a tie; a hole is never picked (it holds ``+inf``; accumulated scores, whose hole a NaN step can turn
+NaN, are ranked by position: :func:`~kvpolicy_torch.ops.eviction_ranks`). :func:`lowest_victims` is
+the plain scan; above a size (:class:`CandidateSearch`) a CPU layer finds it among a candidate set
+instead, which reads ``O(candidates)`` scores a step rather than all of them
+(``tests/torch/test_victims.py`` holds it to the plain scan, ``kvpolicy bench --what complexity``
+measures it).
 """
 
 from __future__ import annotations

@@ -229,7 +229,6 @@ def test_layer_cache_nan_scores_count_as_minus_inf() -> None:
     assert 1 not in layer.positions[0, 0].tolist() and layer.length == 3
 
 
-
 @pytest.mark.parametrize("layers", [1, 2], ids=["alone", "group"])
 @pytest.mark.parametrize("selection", ["per_head", "shared"])
 @pytest.mark.parametrize("kind", ["h2o", "tova"])
