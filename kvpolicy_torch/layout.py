@@ -15,6 +15,7 @@ bias the next appends give them) no longer hold, and that tail is holes again.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -121,13 +122,18 @@ class SlotLayout:
         self.drop_tail()
 
     def drop_tail(self) -> None:
-        """The slots past the frontier back to holes (position ``-1``), if they were made ready
-        for frontier writes: before anything moves, before a token goes to a freed slot (the
-        positions ahead would no longer follow ``seen``), and before a snapshot copies them."""
+        """The slots past the frontier back to holes (position ``-1``, score ``+inf``, bias
+        ``-inf``), if they were made ready for frontier writes: before anything moves (rows copied
+        or repeated may then end at other frontiers, and a shorter row attends to the longer one's
+        range, so its slots past its frontier must be masked), before a token goes to a freed slot
+        (the positions ahead would no longer follow ``seen``), and before a snapshot copies them."""
         if self.tail_ready:
             self.tail_ready = False
             store = self.storage()
-            store.positions[:, :, max(self.rows.front):].fill_(-1)
+            front = max(self.rows.front)
+            store.positions[:, :, front:].fill_(-1)
+            store.scores[:, :, front:].fill_(math.inf)
+            store.bias[:, :, front:].fill_(-math.inf)
 
     # what the last append returned (what attention saw; ``received`` aligns with these), one
     # tensor each: read in every decode step of some policies, so no Storage is built for them

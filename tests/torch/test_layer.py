@@ -12,6 +12,8 @@ each key and value a known function of its position.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -19,8 +21,8 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from kvpolicy import CacheView, LocalWindow, StreamingLLM  # noqa: E402
-from kvpolicy_torch import LayerCache  # noqa: E402
+from kvpolicy import CacheView, FullCache, LocalWindow, StreamingLLM  # noqa: E402
+from kvpolicy_torch import LayerCache, received_attention  # noqa: E402
 
 HEADS, DIM = 2, 3
 
@@ -312,8 +314,10 @@ def test_one_row_tail_written_ahead_never_shows(policy) -> None:
         tail = layout.store.positions[0, :, front:]
         if layout.tail_ready:
             assert tail.tolist() == [list(range(seen, seen + tail.shape[1]))] * HEADS, t
-        else:
+        else:  # holes in full: position -1, score +inf, bias -inf
             assert bool((tail == -1).all()), t
+            assert bool((layout.store.scores[0, :, front:] == math.inf).all()), t
+            assert bool((layout.store.bias[0, :, front:] == -math.inf).all()), t
         if t == 20:
             snap = one.snapshot()
             assert bool((snap.positions[0, :, front:] == -1).all())  # (a copy shows holes past the frontier)
@@ -321,3 +325,42 @@ def test_one_row_tail_written_ahead_never_shows(policy) -> None:
             one.restore(snap)
             break
     assert not one.unsynced().tail_ready and bool((one.unsynced().store.positions[0, :, one.unsynced().rows.front[0]:] == -1).all())
+
+
+@pytest.mark.parametrize("policy", [FullCache(), H2O(8, 8)], ids=repr)
+def test_rows_repeated_after_a_ready_tail_attend_to_their_own_tokens(policy) -> None:
+    """A one-row layer readies the slots past its frontier (score and bias 0); repeating that row
+    (``select_batch``, beam search) and then a left-padded chunk gives rows different frontiers,
+    so a shorter row's attention covers slots past its own frontier: they must be holes in full
+    (bias ``-inf``), not the ready tail's bias 0 (a zero key took part in the softmax before).
+    Every decode output equals exact attention over the row's own tokens (no eviction happens:
+    the budgets hold them all)."""
+    rng = torch.Generator().manual_seed(1)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=rng, dtype=torch.float64)
+
+    layer = LayerCache(policy, reserve=50)
+    k, v = rnd(1, 1, 1, 2), rnd(1, 1, 1, 2)
+    layer.append(k, v)
+    layer.attend(rnd(1, 1, 1, 2), 0.5)
+    layer.evict()
+    seen = [[(k[0, 0, 0], v[0, 0, 0])] for _ in range(3)]
+    layer.select_batch(torch.tensor([0, 0, 0]))
+    valid = torch.tensor([[j >= p for j in range(5)] for p in (3, 1, 3)])
+    k, v = rnd(3, 1, 5, 2), rnd(3, 1, 5, 2)
+    K, _ = layer.append(k, v, valid=valid)
+    layer.accumulate(received_attention(rnd(3, 1, 5, 2), K, 0.5, mask=layer.chunk_mask(), query_valid=layer.query_valid))
+    layer.evict()
+    for b in range(3):
+        seen[b] += [(k[b, 0, j], v[b, 0, j]) for j in range(5) if valid[b, j]]
+    for step in range(3):
+        k, v, q = rnd(3, 1, 1, 2), rnd(3, 1, 1, 2), rnd(3, 1, 1, 2)
+        layer.append(k, v)
+        out = layer.attend(q, 0.5)
+        layer.evict()
+        for b in range(3):
+            seen[b].append((k[b, 0, 0], v[b, 0, 0]))
+            keys, values = torch.stack([x for x, _ in seen[b]]), torch.stack([y for _, y in seen[b]])
+            want = torch.softmax(keys @ q[b, 0, 0] * 0.5, 0) @ values
+            assert torch.allclose(out[b, 0, 0], want, atol=1e-12), (step, b)
