@@ -177,7 +177,7 @@ class LayerCache(LayerReads):
             if self._victims is not None and self._victims.deferred and self.group is not None:
                 self.group.flush()
         if self._static is not None:
-            self._static.to_host(self._layout)
+            self._static.to_host(self._layout, settled=self.needs_settle)
         return self._layout
 
     def unsynced(self) -> SlotLayout:
@@ -244,7 +244,7 @@ class LayerCache(LayerReads):
             layout.phase, layout.chunk = "decode", None
             return store.keys, store.values  # type: ignore[union-attr]
         if static is not None:
-            static.to_host(layout)
+            static.to_host(layout, settled=self.needs_settle)
         chunk_bytes = self.compaction_chunk_bytes
         if store is None:
             self._slots.start(layout, keys, values, min_slack=self.min_slack, chunk_bytes=chunk_bytes)
@@ -358,10 +358,9 @@ class LayerCache(LayerReads):
         inside ``torch.compile``."""
         store, static = self._layout.store, self._static
         if static is not None and static.newer and store is not None:
-            if static.evict(store, self.running_queries):
-                return []
-            if torch.compiler.is_compiling():
-                return []  # announced by needs_settle: the caller runs settle() between compiled steps
+            ran = static.evict(store, self.running_queries)
+            if torch.compiler.is_compiling() or (ran and not self.needs_settle):
+                return []  # (compiled: announced by needs_settle, the caller runs settle() between steps)
             return self.settle()
         rounds = self._eviction.evict(self.synced(), self.running_queries, candidates=self.candidates,
                                       min_scores=self.candidate_min_scores, chunk_bytes=self.compaction_chunk_bytes)
@@ -378,13 +377,25 @@ class LayerCache(LayerReads):
     def needs_settle(self) -> bool:
         """Whether a compiled (static-shaped) decode step may leave work to :meth:`settle`: a
         bounded policy without a one-token decode eviction (BUZZ, Scissorhands) evicts on the
-        host, between steps."""
-        return self._static is not None and self._static.needs_settle
+        host, between steps; and a storage that may still grow (an unbounded policy, or one
+        sized for ``reserve`` tokens that may be given more) grows there, before a step would
+        find no free slot. Then call :meth:`settle` after every compiled step."""
+        return self._static is not None and (self._static.needs_settle or self._grows_between_steps())
+
+    def _grows_between_steps(self) -> bool:
+        """Static shapes: whether the storage may grow before a row runs out of slots (no
+        one-token eviction keeps the rows below the slots, and the plan allows more)."""
+        store, plan = self._layout.store, self._slots.plan
+        if store is None:  # (before the first allocation: what the plan allows)
+            return plan.capacity is None or (plan.reserve is not None and plan.reserve + 1 < plan.capacity)
+        return plan.can_grow(store.slots) and (self.rule is None or store.slots <= self.rule.limit)
 
     def settle(self) -> list[tuple[int, int]]:
         """Between compiled decode steps (static shapes): run the general eviction the last
-        steps left to the host, if the policy's rule says one is due (one read of the device's
-        counts); nothing for a policy whose decode eviction ran on the device.
+        steps left to the host, if the policy's rule says one is due, and grow a storage whose
+        next step would find a row without a free slot (one read of the device's counts, only
+        then); nothing for a policy whose decode eviction ran on the device in a storage that
+        cannot grow.
 
         Example:
             >>> from kvpolicy import BUZZ
@@ -397,17 +408,22 @@ class LayerCache(LayerReads):
             True
         """
         static, layout = self._static, self._layout
-        if static is None or not static.newer or not static.needs_settle:
+        if static is None or not static.newer or layout.store is None:
             return []
-        # A decode step appends one real token per row and evicts nothing on the device, so the
-        # host rows follow without reading the device (settle() comes after every compiled step;
-        # DecodeState.to_host checks it); the device is read only when the size rule says "evict".
+        general, grows = static.needs_settle, self._grows_between_steps()
+        if not general and not grows:
+            return []
+        # A decode step appends one real token per row and evicts nothing on the device (no rule,
+        # or rows below the rule's limit + 1), so the host rows follow without reading the device
+        # (settle() comes after every compiled step; DecodeState.to_host checks it); the device is
+        # read only when the size rule says "evict" or the next token would find no free slot.
         static.follow(layout)
         eviction = self._eviction
-        if eviction.declines(layout):
+        due = general and not eviction.declines(layout)
+        if not due and not (grows and max(layout.rows.count) >= layout.store.slots):
             return []
-        self.synced(storage=False)
-        return self._evicted([] if eviction.declines(layout) else eviction.general(layout, chunk_bytes=self.compaction_chunk_bytes))
+        self.synced(storage=False)  # (then _evicted's reload grows the storage where it is full)
+        return self._evicted(eviction.general(layout, chunk_bytes=self.compaction_chunk_bytes) if due and not eviction.declines(layout) else [])
 
     def _reload(self) -> None:
         """Static shapes, after host code changed the layer: compact it and hand the counts to the

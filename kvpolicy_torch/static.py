@@ -132,8 +132,9 @@ class DecodeState:
         if overflow:
             raise RuntimeError(
                 f"{what} ran out of its {store.slots} slots in a compiled decode step: a general eviction was "
-                f"due and did not run. Call settle() (EvictingCache.settle) between compiled decode steps when "
-                f"needs_settle is True (kvpolicy.hf.generate does)"
+                f"due, or the storage had to grow, and settle() did not run. Call settle() (EvictingCache.settle) "
+                f"after every compiled decode step when needs_settle is True (kvpolicy.hf.generate does), or "
+                f"give the layer room for the whole run (reserve=, EvictingCache's max_tokens=)"
             )
         if settled and seen[0] - layout.rows.seen[0] > 1:
             raise RuntimeError(
@@ -342,11 +343,12 @@ class StaticSteps:
         self.state.evict(store, self.rule, policy.selection == "shared", self.reduce_scores)  # type: ignore[union-attr]
         return True
 
-    def to_host(self, layout: SlotLayout) -> None:
-        """Hand the steps the device ran to ``layout`` (:meth:`DecodeState.to_host`), if any."""
+    def to_host(self, layout: SlotLayout, *, settled: bool) -> None:
+        """Hand the steps the device ran to ``layout`` (:meth:`DecodeState.to_host`), if any;
+        ``settled``: the host followed every step (the layer's ``needs_settle``)."""
         if self.newer and self.state is not None:
             self.newer = False
-            self.state.to_host(layout, scattered=self.rule is not None, settled=self.needs_settle, what=repr(self.policy))
+            self.state.to_host(layout, scattered=self.rule is not None, settled=settled, what=repr(self.policy))
 
     @staticmethod
     def follow(layout: SlotLayout) -> None:

@@ -872,13 +872,14 @@ class EvictingCache(Cache):
 
     @property
     def needs_settle(self) -> bool:
-        """Whether compiled decode steps leave work to :meth:`settle` (static shapes and a bounded
-        policy without a one-token decode eviction: BUZZ, Scissorhands)."""
+        """Whether compiled decode steps leave work to :meth:`settle` (static shapes, and a bounded
+        policy without a one-token decode eviction, BUZZ, Scissorhands; or a storage that may
+        still grow: an unbounded policy, or one given a ``max_tokens`` below its capacity)."""
         return any(layer.store.needs_settle for layer in self.layers)
 
     def settle(self) -> list[list[tuple[int, int]]]:
-        """Between compiled decode steps: run the general evictions those steps left to the host
-        (see :attr:`needs_settle`; :func:`decode_steps` and :func:`generate` call it). Eager code
+        """Between compiled decode steps: run the general evictions those steps left to the host,
+        and grow a storage the next step would find full (see :attr:`needs_settle`; :func:`decode_steps` and :func:`generate` call it). Eager code
         needs no call: each step evicts itself. Returns each layer's rounds."""
         return [layer.store.settle() for layer in self.layers]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from kvpolicy import BUZZ, H2O, TOVA, ExpectedAttention, FullCache, KeyDiff, LocalWindow, StreamingLLM, make_policy
+from kvpolicy import BUZZ, H2O, TOVA, ExpectedAttention, FullCache, KeyDiff, LocalWindow, SnapKV, StreamingLLM, make_policy
 from kvpolicy.hf import EvictingCache, cache_kwargs, compile_decode_step, greedy_decode
 from kvpolicy_tools.models import tiny_llama
 
@@ -135,3 +135,48 @@ def test_settle_is_announced_and_a_missed_one_is_an_error(model):
                 layer.store.append(k, k)
         with pytest.raises(RuntimeError, match="settle"):
             store.lengths  # noqa: B018
+
+
+@pytest.mark.parametrize("make", [FullCache, lambda: SnapKV(size=4, window=2),
+                                  lambda: H2O(heavy=20, recent=20)], ids=["full", "snapkv", "h2o_reserve"])
+def test_a_storage_that_may_grow_grows_between_static_steps(make):
+    """An unbounded policy (the full cache; SnapKV, unbounded after the prompt) without
+    ``reserve``, or a bounded one given a smaller ``reserve`` than it can hold, allocates fewer
+    slots than the run needs: with static shapes the storage grows between decode steps, in
+    settle() (which an eager static step calls itself), before a row would find no free slot.
+    Each step's attention equals the eager layout's (it was silently wrong from the first
+    step without a free slot), and the layer announces it (needs_settle)."""
+    from kvpolicy_torch import LayerCache
+
+    rng = torch.Generator().manual_seed(0)
+    reserve = 8 if isinstance(make(), H2O) else None
+    static, eager = LayerCache(make(), static_shapes=True, reserve=reserve), LayerCache(make())
+    assert static.needs_settle and not eager.needs_settle
+    prompt = torch.randn(1, 2, 6, 4, generator=rng, dtype=torch.float64)
+    for layer in (static, eager):
+        K, _ = layer.append(prompt, prompt)
+        layer.accumulate(torch.rand(1, 2, K.shape[2], generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+        layer.evict()
+    first = static.unsynced().store.slots
+    for t in range(34):
+        k, q = torch.randn(1, 2, 1, 4, generator=rng, dtype=torch.float64), torch.randn(1, 4, 1, 4, generator=rng, dtype=torch.float64)
+        outs = []
+        for layer in (static, eager):
+            layer.append(k, k)
+            outs.append(layer.attend(q, 0.5))
+            layer.evict()
+        assert torch.allclose(outs[0], outs[1], atol=1e-12), t
+    assert static.positions.tolist() == eager.positions.tolist()
+    assert static.unsynced().store.slots > first
+
+
+def test_compiled_full_cache_without_max_tokens_grows_between_steps(model):
+    """The full cache compiled without ``max_tokens``: greedy_decode settles after every step
+    (needs_settle), the storage grows there, and the tokens equal eager's."""
+    torch._dynamo.reset()
+    ids = _prompt(model)[:, :16]
+    cache = EvictingCache(FullCache(), model, static_shapes=True)
+    assert cache.needs_settle
+    got = greedy_decode(model, ids, cache, 40, step=compile_decode_step(model, backend="eager"))
+    assert torch.equal(got, greedy_decode(model, ids, EvictingCache(FullCache(), model), 40))
+    assert cache.lengths() == [16 + 39] * model.config.num_hidden_layers
