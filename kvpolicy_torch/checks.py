@@ -280,8 +280,8 @@ def check_received(received: Any, shape: Any) -> None:
 
 
 def check_batch_index(index: Any, batch: int) -> None:
-    """What :meth:`~kvpolicy_torch.LayerCache.select_batch` is given: a 1-D integer tensor of row
-    indices in ``[0, batch)`` (beam search's reorder); else ``TypeError``/``ValueError``, before
+    """What :meth:`~kvpolicy_torch.LayerCache.select_batch` is given: a 1-D integer tensor of at
+    least one row index in ``[0, batch)`` (beam search's reorder; not a bool mask); else ``TypeError``/``ValueError``, before
     the layer changes. The range is read on the CPU only (on an accelerator it would cost a
     host-device sync; index_select checks it there).
 
@@ -291,9 +291,13 @@ def check_batch_index(index: Any, batch: int) -> None:
         ...
         ValueError: index holds row 2, outside the 2 rows held ([0, 2)): select_batch keeps or repeats rows the layer holds
     """
-    if not isinstance(index, torch.Tensor) or index.ndim != 1 or index.is_floating_point() or index.is_complex():
+    if (not isinstance(index, torch.Tensor) or index.ndim != 1 or index.is_floating_point() or index.is_complex()
+            or index.dtype == torch.bool):
+        # (a bool mask is not row indices: index_select would refuse it deep inside)
         raise TypeError(f"index must be a 1-D integer tensor of rows, got {index!r:.80}")
-    if index.device.type == "cpu" and index.numel():
+    if not index.numel():
+        raise ValueError("index must hold at least one row (select_batch keeps or repeats rows; reset() forgets them all)")
+    if index.device.type == "cpu":
         low, high = int(index.min()), int(index.max())
         if low < 0 or high >= batch:
             bad = low if low < 0 else high

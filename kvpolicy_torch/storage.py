@@ -161,10 +161,11 @@ class Storage:
     kept_ranges = 64
 
     def __post_init__(self) -> None:
-        b, h, slots, _ = self.keys.shape
+        b, h, slots, d = self.keys.shape
         whole = self.keys.is_contiguous() and self.values.is_contiguous() and self.bias.is_contiguous()
         self._grouped = (
-            (self.keys.view(b * h, slots, -1), self.values.view(b * h, slots, -1), self.bias.view(b * h, 1, slots))
+            # (head dims spelled out: a view of no slots, e.g. an all-pad prompt's, has no -1 to infer)
+            (self.keys.view(b * h, slots, d), self.values.view(b * h, slots, self.values.shape[3]), self.bias.view(b * h, 1, slots))
             if whole else None
         )
         self._ranges = {}

@@ -121,6 +121,33 @@ def test_select_batch_of_rows_it_does_not_hold_leaves_the_layer_as_it_was(index)
     drive(layer, 3)  # still usable
 
 
+@pytest.mark.parametrize("index, error, match", [
+    (torch.tensor([], dtype=torch.long), ValueError, "at least one row"),
+    (torch.tensor([True, False]), TypeError, "1-D integer tensor of rows"),  # a mask is not row indices
+])
+def test_select_batch_of_no_rows_or_a_mask_is_named(index, error, match) -> None:
+    layer = LayerCache(H2O(heavy=2, recent=2))
+    drive(layer, 6)
+    before = layer.positions.clone()
+    with pytest.raises(error, match=match):
+        layer.select_batch(index)
+    assert torch.equal(layer.positions, before)
+
+
+def test_a_prompt_of_pads_only_reads_as_no_tokens() -> None:
+    """A chunk whose every token is a pad (every row) keeps nothing: reads give empty tensors (a
+    view of no slots was refused by a reshape), and the next decode step is the first token."""
+    layer = LayerCache(H2O(heavy=2, recent=2))
+    K, _ = layer.append(torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4), valid=torch.zeros(1, 3, dtype=torch.bool))
+    layer.accumulate(torch.ones(1, 1, K.shape[2]))
+    layer.evict()
+    assert layer.lengths == [0] and layer.positions.shape == (1, 1, 0) and layer.keys.shape == (1, 1, 0, 4)
+    layer.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
+    layer.attend(torch.randn(1, 1, 1, 4), 0.5)
+    layer.evict()
+    assert layer.positions.tolist() == [[[0]]]
+
+
 @pytest.mark.parametrize("flag", ["no", 1, None])
 def test_static_shapes_must_be_a_bool(flag) -> None:
     with pytest.raises(ValueError, match="static_shapes must be True or False"):
