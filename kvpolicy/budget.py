@@ -11,6 +11,7 @@ never on scores, so the plan replays the real policy code on placeholder scores 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,23 +23,40 @@ from .policies.buzz import BUZZ, check_ratio
 from .policy import EvictionPolicy
 from .registry import Preset, get_policy
 
-__all__ = ["PolicyPlan", "fit_capacity", "make_policy", "plan_policy", "plan_capacity", "replay_sizes", "simulate_sizes", "realised_budget"]
+__all__ = ["PolicyPlan", "fit_capacity", "make_policy", "plan_policy", "plan_capacity", "replay_sizes", "simulate_sizes", "realised_budget",
+           "warn_mean_layer"]
 
 
-def simulate_sizes(policy: EvictionPolicy, context_length: int, prompt_length: int = 0) -> np.ndarray:
+def simulate_sizes(policy: EvictionPolicy, context_length: int, prompt_length: int = 0, *,
+                   layers: int | None = None) -> np.ndarray:
     """Cache size at every decode step of a run (keys attended, the new one included).
 
     A policy that declares a size rule (:meth:`~kvpolicy.EvictionPolicy.size_rule`: every
     built-in) is simulated on host integers; any other policy is replayed through its own
     ``evict`` on placeholder arrays. Both give the same sizes (checked by the tests).
 
+    ``layers``: the sizes averaged over a model of that many layers, layer ``l`` running
+    ``policy.for_layer(l, layers)`` (per-layer budgets, :class:`~kvpolicy.PyramidKV`: a layer
+    whose budget exceeds the tokens seen keeps only those, so the layers' mean is not the mean
+    layer's); float. ``None``: the policy itself.
+
     Example:
-        >>> from kvpolicy import StreamingLLM
+        >>> from kvpolicy import StreamingLLM, PyramidKV
         >>> simulate_sizes(StreamingLLM(sink=1, window=2), 6).tolist()
         [1, 2, 3, 4, 4, 4]
+        >>> simulate_sizes(PyramidKV("h2o", size=4, beta=4, floor=2), 6, layers=2).tolist()
+        [1.0, 2.0, 3.0, 3.5, 4.0, 4.5]
     """
     context_length = check_int("context_length", context_length, minimum=1)
     prompt_length = check_int("prompt_length", prompt_length, minimum=0, maximum=context_length)
+    if layers is not None:
+        layers = check_int("layers", layers, minimum=1)
+        per_layer: dict[EvictionPolicy, int] = {}  # (layers often share a policy: simulate each once)
+        for layer in range(layers):
+            one = policy.for_layer(layer, layers)
+            per_layer[one] = per_layer.get(one, 0) + 1
+        total = sum(n * simulate_sizes(one, context_length, prompt_length).astype(np.float64) for one, n in per_layer.items())
+        return total / layers
     rule = policy.size_rule()
     if rule is None:
         return replay_sizes(policy, context_length, prompt_length)
@@ -122,6 +140,8 @@ class PolicyPlan:
     threshold_ratio: float | None = None
     #: Set by :func:`plan_capacity`: the capacity the plan had to stay within.
     requested_capacity: int | None = None
+    #: The model's layer count the budget was realised over (per-layer budgets), or ``None``.
+    layers: int | None = None
 
     @property
     def capacity(self) -> int | None:
@@ -140,6 +160,7 @@ class PolicyPlan:
             "full_average_size": self.full_average_size,
             **({"threshold_ratio": self.threshold_ratio} if self.threshold_ratio is not None else {}),
             **({"requested_capacity": self.requested_capacity} if self.requested_capacity is not None else {}),
+            **({"layers": self.layers} if self.layers is not None else {}),
         }
 
     def __str__(self) -> str:
@@ -178,6 +199,7 @@ def plan_policy(
     context_length: int,
     prompt_length: int = 0,
     threshold_ratio: float | None = None,
+    layers: int | None = None,
     **overrides: Any,
 ) -> PolicyPlan:
     """Resolve a policy's parameters so its realised budget is as close as possible to ``budget``.
@@ -185,7 +207,11 @@ def plan_policy(
     ``overrides`` fix parameters (e.g. ``stride=4``, ``sink=1``); the remaining size knob is
     searched (bisection over the policy's ``from_size``) against an exact size simulation.
     ``threshold_ratio`` (BUZZ only, > 0): plan with ``T = round(threshold_ratio * w)`` instead of
-    the theorem's ratio (the smallest legal threshold, 3, still applies).
+    the theorem's ratio (the smallest legal threshold, 3, still applies). ``layers``: the model's
+    layer count, for a policy with per-layer budgets (:class:`~kvpolicy.PyramidKV`): the budget
+    is then realised over every layer (:func:`simulate_sizes`); without it such a policy is
+    planned as its mean layer, which overstates what it keeps once a layer's budget exceeds the
+    tokens the run has seen (a warning says so).
 
     Example:
         >>> plan = plan_policy("buzz", 0.3, context_length=2048)
@@ -198,6 +224,7 @@ def plan_policy(
     budget = check_float("budget", budget, low=0.0, high=1.0, low_open=True)
     context_length = check_int("context_length", context_length, minimum=1)
     prompt_length = check_int("prompt_length", prompt_length, minimum=0, maximum=context_length - 1)
+    layers = None if layers is None else check_int("layers", layers, minimum=1)
     entry = _entry(name)
     overrides = _ratio_overrides(entry, threshold_ratio, overrides)
     full_avg = float(np.mean(np.arange(prompt_length + 1, context_length + 1)))
@@ -210,7 +237,7 @@ def plan_policy(
     def evaluate(size: int) -> tuple[EvictionPolicy, float, float]:
         if size not in memo:
             policy = build(size)
-            sizes = simulate_sizes(policy, context_length, prompt_length)
+            sizes = simulate_sizes(policy, context_length, prompt_length, layers=layers)
             memo[size] = (policy, float(np.mean(sizes)) / full_avg, float(np.mean(sizes)))
         return memo[size]
 
@@ -256,7 +283,42 @@ def plan_policy(
         bisect = (hi - lo) * 2 > width  # interpolation stalled: halve next time
     candidates = [evaluate(lo)] + ([evaluate(lo - 1)] if lo > entry.min_size else [])
     policy, realised, avg = min(candidates, key=lambda c: abs(c[1] - budget))
-    return PolicyPlan(policy, budget, realised, context_length, prompt_length, avg, full_avg, threshold_ratio)
+    if realised < budget - 0.05:
+        warnings.warn(
+            f"budget {budget} is out of reach for {cls.name} on this {context_length}-token run: the most it realises "
+            f"is {realised:.3f} ({policy!r}; per-layer budgets leave the smallest layers' budgets below the run)",
+            UserWarning, stacklevel=2,
+        )
+    if layers is None:
+        warn_mean_layer(policy, context_length, prompt_length)
+    return PolicyPlan(policy, budget, realised, context_length, prompt_length, avg, full_avg, threshold_ratio,
+                      layers=layers)
+
+
+def warn_mean_layer(policy: EvictionPolicy, context_length: int, prompt_length: int) -> None:
+    """Warn when ``policy`` gives layers their own budgets (:meth:`~kvpolicy.EvictionPolicy.for_layer`)
+    and a plan of its mean layer misstates the run: a layer whose budget exceeds the tokens seen
+    at some step keeps fewer than its budget there, so the layers' mean falls below the mean
+    layer's. (The bottom of a :class:`~kvpolicy.PyramidKV` is the same for every layer count, and
+    the largest.) Within 0.5% counts as exact.
+
+    Example:
+        >>> from kvpolicy import H2O
+        >>> warn_mean_layer(H2O(heavy=8, recent=8), 100, 50)  # (one budget for every layer: silent)
+    """
+    if policy.for_layer(0, 2) == policy == policy.for_layer(1, 2):
+        return
+    # two layers are the widest split (the bottom layer's budget is the same for every layer
+    # count): if their mean keeps what the mean layer keeps, no layer count falls short of it
+    mean = float(np.mean(simulate_sizes(policy, context_length, prompt_length)))
+    if float(np.mean(simulate_sizes(policy, context_length, prompt_length, layers=2))) >= 0.995 * mean:
+        return
+    warnings.warn(
+        f"{policy!r} gives layers their own budgets, and its largest ones exceed the tokens this "
+        f"{context_length}-token run has seen at some step: planned as its mean layer, the realised budget "
+        f"is overstated. Pass layers= (the model's layer count) to plan every layer",
+        UserWarning, stacklevel=3,
+    )
 
 
 def _blocking_overrides(
@@ -285,12 +347,14 @@ def plan_capacity(
     context_length: int,
     prompt_length: int = 0,
     threshold_ratio: float | None = None,
+    layers: int | None = None,
     **overrides: Any,
 ) -> PolicyPlan:
     """The largest policy whose :attr:`~kvpolicy.EvictionPolicy.capacity` (peak tokens per head
     and layer, i.e. peak memory) is at most ``capacity``: the *equal-capacity* counterpart of
     :func:`plan_policy`'s equal mean size. The plan reports the average size and realised budget
-    this policy reaches on the described run (BUZZ's average is well below its capacity).
+    this policy reaches on the described run (BUZZ's average is well below its capacity; over
+    ``layers`` layers for per-layer budgets, as :func:`plan_policy`).
 
     Example:
         >>> plan = plan_capacity("buzz", 50, context_length=1056, prompt_length=32)
@@ -303,12 +367,15 @@ def plan_capacity(
     context_length = check_int("context_length", context_length, minimum=1)
     prompt_length = check_int("prompt_length", prompt_length, minimum=0, maximum=context_length - 1)
     entry = _entry(name)
+    layers = None if layers is None else check_int("layers", layers, minimum=1)
     policy = fit_capacity(entry, capacity, **_ratio_overrides(entry, threshold_ratio, overrides))
     full_avg = float(np.mean(np.arange(prompt_length + 1, context_length + 1)))
-    sizes = simulate_sizes(policy, context_length, prompt_length)
+    sizes = simulate_sizes(policy, context_length, prompt_length, layers=layers)
     avg = float(np.mean(sizes))
+    if layers is None:
+        warn_mean_layer(policy, context_length, prompt_length)
     return PolicyPlan(policy, capacity / full_avg, avg / full_avg, context_length, prompt_length, avg, full_avg,
-                      threshold_ratio, capacity)
+                      threshold_ratio, capacity, layers=layers)
 
 
 def fit_capacity(name: str | type[EvictionPolicy] | Preset, capacity: int, **overrides: Any) -> EvictionPolicy:
@@ -369,9 +436,11 @@ def make_policy(
     context_length: int,
     prompt_length: int = 0,
     threshold_ratio: float | None = None,
+    layers: int | None = None,
     **overrides: Any,
 ) -> EvictionPolicy:
-    """A policy whose realised budget on the described run is closest to ``budget``.
+    """A policy whose realised budget on the described run is closest to ``budget`` (``layers``:
+    the model's layer count, for per-layer budgets: see :func:`plan_policy`).
 
     For BUZZ the threshold comes from the parameter-estimation theorem
     (:func:`kvpolicy.estimate_threshold`) unless overridden, or from ``threshold_ratio`` (``T / w``,
@@ -384,5 +453,5 @@ def make_policy(
     """
     return plan_policy(
         name, budget, context_length=context_length, prompt_length=prompt_length, threshold_ratio=threshold_ratio,
-        **overrides,
+        layers=layers, **overrides,
     ).policy

@@ -35,7 +35,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from kvpolicy_torch import rope_rotate
 
 __all__ = ["Geometry", "LayerAttention", "ModelCapabilities", "RopeLayout", "cache_kwargs", "detect", "geometry",
-           "query_rotations", "rope_layouts", "text_config"]
+           "model_layers", "query_rotations", "rope_layouts", "text_config"]
 
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     """The keyword that hands ``cache`` to ``model``'s forward and ``generate``: ``cache`` where the
@@ -142,6 +142,20 @@ def text_config(model_or_config: Any) -> Any:
         return get(decoder=True)
     except TypeError:
         return get()
+
+
+def model_layers(model_or_config: Any) -> int | None:
+    """The decoder's layer count (``num_hidden_layers`` of :func:`text_config`), or ``None`` where
+    the config does not say: what a per-layer budget is planned over
+    (:func:`kvpolicy.plan_policy`'s ``layers``).
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> model_layers(LlamaConfig(num_hidden_layers=3))
+        3
+    """
+    layers = getattr(text_config(model_or_config), "num_hidden_layers", None)
+    return layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
 
 
 def _positive(name: str, value: Any) -> int:

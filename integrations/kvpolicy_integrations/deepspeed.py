@@ -63,7 +63,7 @@ from kvpolicy.policies import AdaKV, ShardedAdaKV
 from kvpolicy.policy import EvictionPolicy
 from kvpolicy.registry import get_policy
 
-from .capabilities import Geometry, cache_kwargs, detect, geometry
+from .capabilities import Geometry, cache_kwargs, detect, geometry, model_layers
 from .hf import EvictingCache, PositionsMode
 
 __all__ = [
@@ -842,6 +842,7 @@ class EvictingInferenceEngine:
         return make_policy(
             policy, self.budget if self.budget is not None else 0.4,
             context_length=prompt_length + max_new_tokens, prompt_length=prompt_length,
+            layers=model_layers(self.module),  # (per-layer budgets realised over every layer)
         )  # fmt: skip
 
     def make_cache(self, policy: EvictionPolicy | None = None) -> ShardedEvictingCache:

@@ -52,7 +52,9 @@ from kvpolicy.statistics import Rotary
 from kvpolicy_torch import LayerCache, LayerGroup, PrefixShift, received_attention, rope_matrix, rope_rotate
 from kvpolicy_torch.static import StepOptions, device_flag
 
-from .capabilities import LayerAttention, ModelCapabilities, RopeLayout, cache_kwargs, detect, query_rotations, rope_layouts
+from .capabilities import (
+    LayerAttention, ModelCapabilities, RopeLayout, cache_kwargs, detect, model_layers, query_rotations, rope_layouts,
+)
 
 __all__ = [
     "ATTENTION_NAME",
@@ -66,6 +68,7 @@ __all__ = [
     "compile_decode_step",
     "generate",
     "greedy_decode",
+    "model_layers",
     "register_attention",
     "scope_attention",
     "use_kvpolicy_attention",
@@ -1251,7 +1254,8 @@ def generate(
         raise ValueError(f"prompt {prompt!r:.80} is empty after tokenization (0 tokens): give generate() some text")
     if isinstance(policy, str):
         policy = make_policy(
-            policy, budget, context_length=n_prompt + max_new_tokens, prompt_length=n_prompt, **overrides
+            policy, budget, context_length=n_prompt + max_new_tokens, prompt_length=n_prompt, layers=model_layers(model),
+            **overrides,
         )
     compile = check_bool("compile", compile)
     cache = EvictingCache(policy, model, positions=positions, max_tokens=n_prompt + max_new_tokens, static_shapes=compile)

@@ -52,12 +52,14 @@ class PyramidKV(WrappingPolicy):
     ``L x size``, the same total as ``base`` at ``size`` in every layer.
 
     A cache asks :meth:`for_layer` for each layer's policy (``EvictingCache``, the DeepSpeed
-    cache). Where one layer stands for all (the NumPy reference, budget planning, the conformance
-    kit) this policy *is* ``base`` at the mean ``size``: ``plan_policy("pyramidkv", b, ...)`` plans
-    the total, since the mean of the per-layer sizes is ``size`` and the built-in bases' sizes are
-    linear in it (BUZZ's are not: its total then matches to within its rounding). So
-    :attr:`capacity` is the mean layer's; a layer's own is ``for_layer(l, L).capacity`` (up to
-    about twice the mean at the bottom: preallocate per layer, as ``EvictingCache`` does).
+    cache). Where one layer stands for all (the NumPy reference, the conformance kit) this policy
+    *is* ``base`` at the mean ``size``. Plan it with the model's layer count,
+    ``plan_policy("pyramidkv", b, ..., layers=L)``: the budget is then realised over every layer.
+    The mean layer alone plans the total only while every layer's budget fits in the tokens the
+    run has seen (a lower layer's larger budget is otherwise partly unused, and the run keeps less
+    than planned; the planner warns). :attr:`capacity` is the mean layer's; a layer's own is
+    ``for_layer(l, L).capacity`` (up to about twice the mean at the bottom: preallocate per layer,
+    as ``EvictingCache`` does).
 
     Parameters (the paper's):
         base: the registry name of the policy every layer runs (the paper selects with SnapKV's

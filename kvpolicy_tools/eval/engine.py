@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from kvpolicy._validation import check_bool
-from kvpolicy.hf import EvictingCache, cache_kwargs
+from kvpolicy.hf import EvictingCache, cache_kwargs, model_layers
 from kvpolicy.policy import EvictionPolicy
 
 from ..models import describe
@@ -227,7 +227,7 @@ def evaluate(
             s = batch[0]
             key = (s.prefill_length, s.prefill_length + s.decode_steps)
             if key not in plans:
-                plans[key] = [c.build(*key) for c in configs]
+                plans[key] = [c.build(*key, layers=model_layers(model)) for c in configs]
         units = 0
         for batch in batches:
             s = batch[0]

@@ -42,7 +42,7 @@ POLICIES = {
     "scissorhands": lambda: make_policy("scissorhands", 0.1, context_length=PROMPT + STEPS),
     "streaming_pos_shift": lambda: StreamingLLM(sink=4, window=20),
     "local": lambda: LocalWindow(window=24),
-    "pyramid_h2o": lambda: make_policy("pyramid_h2o", 0.1, context_length=PROMPT + STEPS),
+    "pyramid_h2o": lambda: make_policy("pyramid_h2o", 0.1, context_length=PROMPT + STEPS, layers=2),  # tiny_llama: 2 layers
     "buzz": lambda: BUZZ(sink=2, window=12, stride=3),
     "keydiff": lambda: KeyDiff(size=24),
     "expected_attention": lambda: ExpectedAttention(size=24, future=64),  # running query moments on the device

@@ -222,9 +222,10 @@ class CacheConfig:
             return REFERENCE_KIND
         return "ratio" if self.ratio is not None else "size" if self.size is not None else "budget"
 
-    def build(self, prompt_length: int, context_length: int) -> tuple[Any, dict[str, Any]]:
+    def build(self, prompt_length: int, context_length: int, layers: int | None = None) -> tuple[Any, dict[str, Any]]:
         """``(policy, plan)`` for a run of ``context_length`` tokens of which ``prompt_length``
-        are prefilled; ``plan`` is :meth:`kvpolicy.PolicyPlan.as_dict` (or its equivalent)."""
+        are prefilled, on a model of ``layers`` layers (per-layer budgets are planned over them:
+        :func:`kvpolicy.plan_policy`); ``plan`` is :meth:`kvpolicy.PolicyPlan.as_dict` (or its equivalent)."""
         full_avg = float(np.mean(np.arange(prompt_length + 1, context_length + 1)))
         if is_reference(self.policy):
             policy = get_policy(self.policy)()
@@ -232,7 +233,9 @@ class CacheConfig:
             if self.chunk:
                 plan["prefill_chunk"] = self.chunk
             return policy, plan
-        extra = {} if self.variant_ratio is None else {"threshold_ratio": self.variant_ratio}
+        extra: dict[str, Any] = {"layers": layers}
+        if self.variant_ratio is not None:
+            extra["threshold_ratio"] = self.variant_ratio
         if self.kind in ("budget", "size") and self.equalise == "capacity":
             # Equal capacity: every policy's peak (tokens per head and layer) is the target: the
             # size itself, or budget x the full cache's average.

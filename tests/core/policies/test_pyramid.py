@@ -62,6 +62,43 @@ def test_registry_presets_and_planning_the_total() -> None:
     assert snap.for_layer(0, 30).window == 8 and snap.for_layer(29, 30).size >= 9
 
 
+@pytest.mark.parametrize("budget, prompt", [(0.5, 20), (1.0, 20), (0.3, 0)])
+def test_a_plan_over_the_layers_is_what_every_layer_keeps(budget, prompt) -> None:
+    """Planned with ``layers``, a pyramid's realised budget is the mean over its layers of what
+    each keeps, step by step, on the torch backend (a layer whose budget exceeds the tokens seen
+    keeps only those: the mean layer's plan overstated it, 1.0 where the run kept 0.58). Planned
+    without ``layers`` in that regime, the plan warns; a budget no size reaches warns too."""
+    import warnings
+
+    import numpy as np
+    torch = pytest.importorskip("torch")
+    from kvpolicy_torch import LayerCache
+
+    context = 30
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_policy("pyramid_h2o", budget, context_length=context, prompt_length=prompt, layers=2)
+    assert not any("layers=" in str(w.message) for w in caught)
+    assert any("out of reach" in str(w.message) for w in caught) == (plan.realised_budget < budget - 0.05)
+    kept = []
+    for layer in range(2):
+        cache, sizes = LayerCache(plan.policy.for_layer(layer, 2)), []
+        rng = torch.Generator().manual_seed(layer)
+        for q in ([prompt] if prompt else []) + [1] * (context - prompt):
+            k = torch.randn(1, 1, q, 4, generator=rng)
+            keys, _ = cache.append(k, k)
+            if q == 1:
+                sizes.append(cache.length)
+            cache.accumulate(torch.rand(1, 1, keys.shape[2], generator=rng))
+            cache.evict()
+        kept.append(sizes)
+    full = np.mean(np.arange(prompt + 1, context + 1))
+    assert np.mean(kept) / full == pytest.approx(plan.realised_budget, abs=1e-12)
+    assert plan.as_dict()["layers"] == 2
+    with pytest.warns(UserWarning, match="layers="):  # the mean layer's plan, where it misstates the run
+        plan_policy("pyramid_h2o", budget, context_length=context, prompt_length=prompt)
+
+
 pyramids = st.builds(
     PyramidKV,
     base=st.sampled_from(["h2o", "local", "streaming_llm", "snapkv", "tova"]),
