@@ -175,6 +175,7 @@ class PolicyPlan:
             + "\n"
             f"average size      {self.average_size:.1f} (full cache: {self.full_average_size:.1f})\n"
             + (f"capacity limit    {self.requested_capacity} (equal capacity)\n" if self.requested_capacity is not None else "")
+            + (f"layers            {self.layers} (each layer's budget planned)\n" if self.layers is not None else "")
             + f"budget            requested {self.requested_budget:.1%}, realised {self.realised_budget:.1%}"
         )
 

@@ -145,6 +145,9 @@ def _add_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold-ratio", type=float, default=None, metavar="T/W",
                    help="BUZZ only: threshold / window ratio (> 0; default: the theorem's, 4.33 for stride 5; "
                    "the paper authors' code uses 2.5)")
+    p.add_argument("--layers", type=int, default=None, metavar="L",
+                   help="the model's layer count: per-layer budgets (pyramid_h2o, pyramidkv) are planned over every "
+                   "layer (default: as their mean layer)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -152,7 +155,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     overrides = _parse_sets(args.set)
     entry = _check_overrides(args.name, overrides)
     plan = plan_policy(entry, args.budget, context_length=args.context, prompt_length=args.prompt,
-                       threshold_ratio=args.threshold_ratio, **overrides)
+                       threshold_ratio=args.threshold_ratio, layers=args.layers, **overrides)
     if args.json:
         print(json.dumps(plan.as_dict(), indent=2))
     else:

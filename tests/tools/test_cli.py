@@ -66,6 +66,15 @@ def test_plan_prints_the_resolved_plan(capsys) -> None:
     assert f"capacity          {plan.capacity} tokens" in out
 
 
+def test_plan_per_layer_budgets_over_the_layers(capsys) -> None:
+    rc, out, err = run(capsys, "plan", "pyramid_h2o", "--budget", "0.5", "--context", "30", "--prompt", "20",
+                       "--layers", "2", "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["layers"] == 2
+    assert d["realised_budget"] == plan_policy("pyramid_h2o", 0.5, context_length=30, prompt_length=20, layers=2).realised_budget
+
+
 def test_plan_json_with_prompt_and_overrides(capsys) -> None:
     rc, out, err = run(
         capsys, "plan", "BUZZ", "--budget", "0.4", "--context", "2048", "--prompt", "512",
