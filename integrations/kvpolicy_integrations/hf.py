@@ -225,6 +225,14 @@ class _Scope:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if not isinstance(cache, EvictingCache):
             return
+        if kwargs.get("output_attentions", getattr(module.config, "output_attentions", False)):
+            # (before anything is appended: the cache is left as it was)
+            raise ValueError(
+                "output_attentions=True with an EvictingCache: its attention runs over the kept slots (in slot order, "
+                "evicted tokens gone), so it has no per-position attention maps to return. Leave output_attentions "
+                "off, or read the maps with a transformers cache (DynamicCache); what each kept token received is in "
+                "the cache's scores"
+            )
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         q = (ids if ids is not None else embeds).shape[1]

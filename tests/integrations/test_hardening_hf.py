@@ -37,6 +37,23 @@ def test_use_cache_false_is_refused(model):
         model.generate(_ids(model), max_new_tokens=3, do_sample=False, use_cache=False, **cache_kwargs(model, cache))
 
 
+def test_output_attentions_is_refused_before_anything_is_appended():
+    """An EvictingCache has no per-position attention maps (it attends over kept slots): asked for
+    them, a forward says so (it returned none before, with transformers blaming SDPA), and the
+    cache is left as it was: the same forward without them then runs."""
+    eager = tiny_llama(seed=5, attn_implementation="eager")
+    cache = EvictingCache(FullCache(), eager)
+    with torch.no_grad(), pytest.raises(ValueError, match="output_attentions=True"):
+        eager(_ids(eager, 10), output_attentions=True, **cache_kwargs(eager, cache))
+    assert cache.lengths() == [0, 0]
+    with pytest.raises(ValueError, match="output_attentions=True"):
+        eager.generate(_ids(eager, 10), max_new_tokens=2, do_sample=False, output_attentions=True,
+                       return_dict_in_generate=True, **cache_kwargs(eager, cache))
+    with torch.no_grad():
+        eager(_ids(eager, 10), **cache_kwargs(eager, cache))
+    assert cache.lengths() == [10, 10]
+
+
 def test_a_new_prompt_without_reset_is_refused_and_reset_serves_it(model):
     """A forward whose 2-D mask does not cover what the cache has seen plus its new tokens is a new
     sequence: refused, naming reset(). (generate() drops an all-ones mask; a left-padded batch keeps
