@@ -27,7 +27,6 @@ from .display import (
     fmt,
     full_cell,
     is_reference_cell,
-    lower_is_better,
     md_table as _md_table,
     metric_name,
     order as _order,
@@ -168,7 +167,8 @@ def verdicts(task: dict[str, Any]) -> list[str]:
                 if c is None or _value(c, metric) is None or c["kind"] != "budget":
                     continue
                 v = _value(c, metric)
-                ratio = (fv / v) if lower_is_better(metric) else (v / fv if fv else float("nan"))
+                # (the task says which way its metric is better: a plug-in metric is unknown to METRICS)
+                ratio = (v / fv if fv else float("nan")) if task["higher_is_better"] else (fv / v if v else float("inf"))
                 pts.append((c["realised_budget"], label, ratio >= 0.99))
             pts.sort()
             k = len(pts)

@@ -194,15 +194,16 @@ def string_match_part(prediction: str, references: Sequence[str]) -> float:
 
 def string_match(prediction: str, references: Sequence[str], metric: str) -> float:
     """``string_match_all`` (``metric="all"``) or ``string_match_part`` (``"part"``), after
-    RULER's clean-up of the output (control characters removed, ends stripped).
+    RULER's clean-up of the output (``postprocess_pred``: ends stripped, each control character
+    made a newline, ends stripped again; so a reference split by a line break does not match).
 
     Example:
-        >>> string_match(" 12\\x0034 ", ["1234"], "all")
-        1.0
+        >>> string_match(" 1234\\x00 ", ["1234"], "all"), string_match("12\\n34", ["1234"], "all")
+        (1.0, 0.0)
     """
     if metric not in ("all", "part"):
         raise ValueError(f"metric must be 'all' or 'part', got {metric!r}")
-    pred = re.sub(r"[\x00-\x1f]", "", prediction.strip()).strip()
+    pred = re.sub(r"[\x00-\x1f]", "\n", prediction.strip()).strip()
     return string_match_all(pred, references) if metric == "all" else string_match_part(pred, references)
 
 

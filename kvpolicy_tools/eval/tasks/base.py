@@ -43,6 +43,7 @@ from ..display import REFERENCE_KIND, Panel, fmt, metric_name
 
 __all__ = [
     "CacheConfig",
+    "budget_label",
     "DEFAULT_TASKS",
     "DataSources",
     "NoOptions",
@@ -213,7 +214,7 @@ class CacheConfig:
         if self.size is not None:
             base = f"size {self.size}"
         else:
-            base = f"{self.budget:.0%}" if self.budget is not None else "?"
+            base = budget_label(self.budget) if self.budget is not None else "?"
         return f"{base}, equal {self.equalise}" if self.show_equalise else base
 
     @property
@@ -269,6 +270,21 @@ class CacheConfig:
                  if self.chunk else simulate_sizes(policy, context_length, prompt_length))
         avg = float(np.mean(sizes))
         return policy, PolicyPlan(policy, None, avg / full_avg, context_length, prompt_length, avg, full_avg).as_dict()  # type: ignore[arg-type]
+
+
+def budget_label(budget: float) -> str:
+    """``budget`` as a percent with the decimals it needs (up to three), so that distinct budgets
+    get distinct labels (tables and verdicts group cells by label).
+
+    Example:
+        >>> budget_label(0.25), budget_label(0.015), budget_label(0.125), budget_label(0.07)
+        ('25%', '1.5%', '12.5%', '7%')
+    """
+    for digits in range(3):
+        text = f"{budget:.{digits}%}"
+        if abs(float(text[:-1]) / 100 - budget) < 1e-12:
+            return text
+    return f"{budget:.3%}"
 
 
 def is_reference(name: str) -> bool:

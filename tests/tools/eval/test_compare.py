@@ -125,6 +125,32 @@ def test_console_and_verdicts_are_computed(report):
     assert any("LOSES at 20% (to H2O" in line for line in verdicts(fake))
 
 
+def test_a_plug_in_metric_that_is_lower_is_better_reads_the_right_way():
+    """The "keeps at least 99% of the full cache" verdict takes the task's own direction: a plug-in
+    metric is unknown to the built-in table (an error rate 2-5x the full cache's was read as kept)."""
+    from kvpolicy_tools.eval.report import verdicts
+
+    def cell(policy, kind, label, budget, err):
+        return {"policy": policy, "row": policy, "kind": kind, "label": label, "requested_budget": budget,
+                "realised_budget": budget, "metrics": {"err": err}, "samples": [], "plans": []}
+
+    task = {"name": "toy_err", "title": "toy error rate", "metric": "err", "metrics": ["err"], "higher_is_better": False,
+            "n_samples": 4, "prompt_tokens": {"min": 100, "median": 100, "max": 100}, "decode_steps_per_sample": 10,
+            "cells": [cell("full", "full", "full", 1.0, 0.10), cell("buzz", "budget", "10%", 0.1, 0.50),
+                      cell("buzz", "budget", "50%", 0.5, 0.20), cell("buzz", "budget", "90%", 0.9, 0.1001)]}
+    lines = verdicts(task)
+    assert any("keeps at least 99% of the full cache's err at every budget from a realised 90.0%" in line for line in lines), lines
+
+
+def test_budgets_that_round_alike_keep_their_own_labels():
+    """Tables and verdicts group cells by label: 1.5% and 2.5% were both labelled "2%" (one column,
+    the other budget's cells dropped)."""
+    from kvpolicy_tools.eval.tasks.base import CacheConfig
+
+    labels = [CacheConfig("h2o", budget=b).label for b in (0.015, 0.02, 0.025, 0.12, 0.125, 0.3)]
+    assert labels == ["1.5%", "2%", "2.5%", "12%", "12.5%", "30%"]
+
+
 def test_paper_data_files(model, tmp_path):
     """--data-dir reads the paper's file formats (tiny stand-ins written to tmp)."""
     rng = random.Random(1)

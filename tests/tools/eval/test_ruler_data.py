@@ -117,7 +117,9 @@ def test_metric_on_hand_made_outputs():
     assert R.string_match("nothing here", refs, "all") == 0.0
     assert R.string_match("It is zzz.", refs, "part") == 1.0
     assert R.string_match("none", refs, "part") == 0.0
-    assert R.string_match("123\x004567", ["1234567"], "all") == 1.0  # control characters removed first, as RULER
+    # RULER's postprocess_pred makes each control character a newline (it does not delete them)
+    assert R.string_match("123\x004567", ["1234567"], "all") == 0.0
+    assert R.string_match("\x001234567\n", ["1234567"], "all") == 1.0
     with pytest.raises(ValueError, match="metric must be 'all' or 'part'"):
         R.string_match("x", refs, "any")
     with pytest.raises(ValueError, match="references must not be empty"):
