@@ -142,6 +142,18 @@ def check_replay(
                 f"{None if b is None else b.tolist()} instead of {None if a is None else a.tolist()} after token {t} "
                 "(keep per-sequence state in view.state, not on the policy object)"
             )
+    if not policy.uses_scores:
+        # a backend gives such a policy no scores (zeros: nothing is captured), so what it keeps must
+        # not depend on them: the same example with the scores' order reversed keeps the same tokens
+        other = kvpolicy_numpy.replay(policy, -logits, prompt_len, **inputs)
+        for t in range(steps):
+            a, b = trace.kept[t], other.kept[t]
+            if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
+                raise ContractViolation(
+                    f"{policy!r} declares uses_scores = False, but with the logits negated it kept "
+                    f"{None if b is None else b.tolist()} instead of {None if a is None else a.tolist()} after token {t}: "
+                    "backends capture no scores for it (they stay 0), so it would evict blind. Declare uses_scores = True"
+                )
     sim = simulate_sizes(policy, steps, prompt_len)
     if sim.tolist() != trace.sizes.tolist():
         raise ContractViolation(
@@ -164,7 +176,8 @@ def check_sizes(
     ``1..max_prompt`` (and one decode step after it), and at every step of a ``long_steps``-token
     decode run after a ``prompt_len`` prompt, the cache holds at most ``capacity - 1`` tokens once
     evicted and at most ``capacity`` during a decode step's attention; every ``select`` result is
-    valid. Raises :class:`ContractViolation` with the replay that shows it."""
+    valid; a declared :meth:`~kvpolicy.EvictionPolicy.size_rule` gives the sizes ``select`` gave
+    at each of those steps. Raises :class:`ContractViolation` with the replay that shows it."""
     cap = policy.capacity
 
     prompt = 0  # the prompt length of the run being checked (for the replay in the message)
@@ -190,28 +203,46 @@ def check_sizes(
                 cache,
             )
 
-    def decode(cache: NumpyCache) -> None:
+    def decode(cache: NumpyCache) -> int:
+        """One decode step; returns the tokens it attended."""
         cache.append(1)
-        if cap is not None and cache.length > cap:
+        attended = cache.length
+        if cap is not None and attended > cap:
             raise violation(
-                f"{policy!r} attended {cache.length} tokens at the decode step of token {cache.n_seen - 1}, above its "
+                f"{policy!r} attended {attended} tokens at the decode step of token {cache.n_seen - 1}, above its "
                 f"capacity {cap}",
                 cache,
             )
         stable(cache, f"the decode step of token {cache.n_seen - 1}")
+        return attended
+
+    declared = policy.size_rule() is not None
+
+    def follows_rule(attended: list[int], cache: NumpyCache) -> None:
+        """A declared size rule (what budget planning simulates) says the sizes ``select`` gave."""
+        if not declared:
+            return
+        rule = simulate_sizes(policy, prompt + len(attended), prompt).tolist()
+        for i, (said, kept) in enumerate(zip(rule, attended)):
+            if said != kept:
+                raise violation(
+                    f"{policy!r}'s size_rule says the decode step of token {prompt + i} (after a {prompt}-token prompt) "
+                    f"attends {said} tokens, but its select left {kept}: plan_policy and simulate_sizes plan with the "
+                    "rule, so it must give select's sizes at every length",
+                    cache,
+                )
 
     for prompt in range(1, max_prompt + 1):
         cache = NumpyCache(policy, batch, heads, probe=False)
         cache.append(prompt)
         stable(cache, f"a prefill of {prompt} tokens")
-        decode(cache)
+        follows_rule([decode(cache)], cache)
     prompt = prompt_len
     cache = NumpyCache(policy, batch, heads, probe=False)
     if prompt_len:
         cache.append(prompt_len)
         stable(cache, f"a prefill of {prompt_len} tokens")
-    for _ in range(long_steps):
-        decode(cache)
+    follows_rule([decode(cache) for _ in range(long_steps)], cache)
 
 
 def check_full_cache(policy: EvictionPolicy, logits: np.ndarray, prompt_len: int = 0) -> None:

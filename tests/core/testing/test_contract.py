@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import kvpolicy.policies
 import kvpolicy_numpy
-from kvpolicy import BUZZ, H2O, TOVA, EvictionPolicy, ExpectedAttention, FullCache, KeyDiff, Knorm, LocalWindow, PolicyError, Scissorhands, SnapKV, StreamingLLM, get_policy
+from kvpolicy import BUZZ, H2O, TOVA, EvictionPolicy, ExpectedAttention, FullCache, KeyDiff, Knorm, LocalWindow, Param, PolicyError, Scissorhands, SnapKV, StreamingLLM, get_policy
 from kvpolicy._validation import check_int
 from kvpolicy.testing import (
     ContractViolation,
@@ -509,3 +509,48 @@ def test_a_subclass_going_without_rules_runs_its_select() -> None:
     assert H2O(2, 2).decode_eviction is not None and Mine(2, 2).decode_eviction is None and Mine(2, 2).size_rule() is None
     logits = make_logits(16, 2, kind="onehot", seed=3, batch=1)
     compare_backends(Mine(heavy=2, recent=2), logits, 0, group=1)
+
+
+class _LowestOf(EvictionPolicy):
+    """H2O's rule (keep ``limit``, the ``recent`` newest protected), written as a third party would."""
+
+    limit = Param(int, 4, minimum=2)
+    recent = Param(int, 1, minimum=0, maximum=lambda p: p.limit - 1)
+
+    @property
+    def capacity(self) -> int:
+        return self.limit + 1
+
+    def select(self, view):
+        n = view.n_cached
+        return None if n <= self.limit else view.drop_lowest(n - self.limit, self.recent)
+
+
+def test_a_size_rule_wrong_only_for_long_prompts_is_caught() -> None:
+    """A declared size rule is what budget planning simulates: the sizes property holds it to
+    select's sizes at every prompt length it sweeps (one wrong above 30 tokens passed before)."""
+    from kvpolicy.testing import check_sizes
+
+    class LongPromptsWhole(_LowestOf):
+        def size_rule(self):
+            limit = self.limit
+            return lambda n, state: n if n > 30 else min(n, limit)
+
+    check_sizes(_LowestOf(limit=4, recent=1))
+    with pytest.raises(ContractViolation, match="size_rule says the decode step of token 31"):
+        check_sizes(LongPromptsWhole(limit=4, recent=1))
+
+
+def test_a_policy_reading_scores_it_says_it_does_not_use_is_caught() -> None:
+    """``uses_scores = False`` means backends capture nothing for the policy (its scores stay 0):
+    one whose select reads them would evict blind on the decode path (a local window in effect),
+    so the replay property negates the logits and requires the same tokens kept."""
+
+    class Blind(_LowestOf):
+        uses_scores = False
+
+    logits = make_logits(12, 1, kind="normal", seed=0)
+    check_replay(_LowestOf(limit=3, recent=1), logits)
+    with pytest.raises(ContractViolation, match="declares uses_scores = False"):
+        check_replay(Blind(limit=3, recent=1), logits)
+    check_replay(LocalWindow(window=3), logits)  # (a policy that truly reads none passes)
