@@ -243,6 +243,7 @@ def plan_policy(
         return memo[size]
 
     cls = entry.cls if isinstance(entry, Preset) else entry
+    title = entry.name  # (a preset by its own name: "snapkv_buzz", not its class's "compose")
     if not cls.evicts:
         if budget != 1.0:
             raise ValueError(f"budget for the {cls.name!r} policy must be 1.0 (it keeps every token), got {budget}")
@@ -260,7 +261,7 @@ def plan_policy(
                 "leave it out so the budget sets it"
             )
         raise ValueError(
-            f"budget {budget} is below the smallest {cls.name} reaches on a {context_length}-token run "
+            f"budget {budget} is below the smallest {title} reaches on a {context_length}-token run "
             f"({evaluate(lo)[1]:.3f}); allowed range: [{evaluate(lo)[1]:.3f}, 1]"
         )
     # Find the smallest size whose realised budget reaches the request. The realised budget is
@@ -286,7 +287,7 @@ def plan_policy(
     policy, realised, avg = min(candidates, key=lambda c: abs(c[1] - budget))
     if realised < budget - 0.05:
         warnings.warn(
-            f"budget {budget} is out of reach for {cls.name} on this {context_length}-token run: the most it realises "
+            f"budget {budget} is out of reach for {title} on this {context_length}-token run: the most it realises "
             f"is {realised:.3f} ({policy!r}; per-layer budgets leave the smallest layers' budgets below the run)",
             UserWarning, stacklevel=2,
         )

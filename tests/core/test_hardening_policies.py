@@ -87,6 +87,8 @@ def test_make_policy_blames_window_not_the_budget() -> None:
     # with nothing fixed, an unreachable budget is still the budget's fault
     with pytest.raises(ValueError, match=r"^budget 0.01 is below the smallest streaming_llm reaches"):
         make_policy("streaming_llm", 0.01, context_length=60)
+    with pytest.raises(ValueError, match=r"^budget 0.05 is below the smallest snapkv_buzz reaches"):  # a preset by its name
+        plan_policy("snapkv_buzz", 0.05, context_length=40, prompt_length=20)
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
