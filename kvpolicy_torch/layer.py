@@ -383,12 +383,9 @@ class LayerCache(LayerReads):
         return self._static is not None and (self._static.needs_settle or self._grows_between_steps())
 
     def _grows_between_steps(self) -> bool:
-        """Static shapes: whether the storage may grow before a row runs out of slots (no
-        one-token eviction keeps the rows below the slots, and the plan allows more)."""
-        store, plan = self._layout.store, self._slots.plan
-        if store is None:  # (before the first allocation: what the plan allows)
-            return plan.capacity is None or (plan.reserve is not None and plan.reserve + 1 < plan.capacity)
-        return plan.can_grow(store.slots) and (self.rule is None or store.slots <= self.rule.limit)
+        store = self._layout.store
+        return self._slots.plan.grows_between_steps(None if store is None else store.slots,
+                                                    None if self.rule is None else self.rule.limit)
 
     def settle(self) -> list[tuple[int, int]]:
         """Between compiled decode steps (static shapes): run the general eviction the last

@@ -15,7 +15,6 @@ bias the next appends give them) no longer hold, and that tail is holes again.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 import torch
@@ -129,11 +128,7 @@ class SlotLayout:
         (the positions ahead would no longer follow ``seen``), and before a snapshot copies them."""
         if self.tail_ready:
             self.tail_ready = False
-            store = self.storage()
-            front = max(self.rows.front)
-            store.positions[:, :, front:].fill_(-1)
-            store.scores[:, :, front:].fill_(math.inf)
-            store.bias[:, :, front:].fill_(-math.inf)
+            self.storage().clear_from(max(self.rows.front))
 
     # what the last append returned (what attention saw; ``received`` aligns with these), one
     # tensor each: read in every decode step of some policies, so no Storage is built for them

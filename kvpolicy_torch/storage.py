@@ -109,6 +109,22 @@ class SlotPlan:
         """Whether a store of ``slots`` may grow (unbounded, or fewer than planned)."""
         return self.capacity is None or slots < self.planned
 
+    def grows_between_steps(self, slots: int | None, limit: int | None) -> bool:
+        """Static shapes: whether a storage of ``slots`` (``None``: not allocated yet) may have to
+        grow between decode steps: the plan allows more, and no one-token eviction (``limit``: its
+        limit, ``None``: none) keeps every row below ``slots``.
+
+        Example:
+            >>> SlotPlan(capacity=None, reserve=None, slack=False).grows_between_steps(None, None)
+            True
+            >>> plan = SlotPlan(capacity=100, reserve=None, slack=False); plan.planned = 100
+            >>> plan.grows_between_steps(100, 99), plan.grows_between_steps(50, 99)
+            (False, True)
+        """
+        if slots is None:  # (what the plan will allow: a smaller reserve is allocated first)
+            return self.capacity is None or (self.reserve is not None and self.reserve + 1 < self.capacity)
+        return self.can_grow(slots) and (limit is None or slots <= limit)
+
     def grown(self, slots: int, need: int = 0) -> int:
         """The slots after one growth step of a store of ``slots`` that must hold ``need``: an
         unbounded policy's at least ``reserve``, a bounded one's at most :attr:`planned`."""
