@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import itertools
 import json
 import math
@@ -155,6 +156,11 @@ def resolve_policy(spec: str) -> Any:
     if callable(obj):
 
         def call(b: float | None, L: int, P: int, _f: Any = obj) -> Any:
+            if _takes_keywords(_f) is False:
+                raise ValueError(
+                    f"--policy {spec!r} takes no budget=, context_length=, prompt_length= (a factory of the cache "
+                    "size serves --what complexity only): the decode benchmark plans a policy per budget and run"
+                )
             policy = _f(budget=b, context_length=L, prompt_length=P)
             if not isinstance(policy, EvictionPolicy):
                 raise ValueError(f"--policy {spec!r} returned {policy!r}, not an EvictionPolicy")
@@ -162,6 +168,18 @@ def resolve_policy(spec: str) -> Any:
 
         return PolicySpec(label, call)
     raise ValueError(f"--policy {spec!r} is neither an EvictionPolicy (class or instance) nor a factory")
+
+
+def _takes_keywords(f: Any) -> bool | None:
+    """Whether ``f`` accepts ``budget=``, ``context_length=`` and ``prompt_length=`` (``None``:
+    its signature cannot be read)."""
+    try:
+        inspect.signature(f).bind(budget=None, context_length=1, prompt_length=0)
+    except TypeError:
+        return False
+    except ValueError:
+        return None
+    return True
 
 
 class _Progress:
@@ -372,7 +390,8 @@ def _decode_report(data: dict[str, Any], out: Path, plots: bool) -> list[str]:
             f"head_dim {info['head_dim']}, {info['dtype']}), batch 1, {data['rounds']} interleaved rounds of "
             f"{data['steps']} decode steps per candidate; ratio = median over rounds of DynamicCache s/step over the "
             "candidate's (> 1: faster); share of limit = median over rounds of the limit's s/step over the "
-            "candidate's (the limit of a budget: a DynamicCache holding only that share of the prompt), with the 95% "
+            "candidate's (the limit: a DynamicCache holding only the candidate's own count of the newest tokens, "
+            "cut back to it before every round; the budget's limit row is held at the most its policies keep), with the 95% "
             "confidence interval of that median in brackets (distribution-free; none under 6 rounds).",
             "",
         ]
@@ -425,11 +444,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--what takes complexity, decode, breakdown; got {', '.join(sorted(unknown))}")
     sizes = _ints(args.sizes or defaults["sizes"])
     configs = _configs(args.configs or defaults["configs"])
-    rounds = args.rounds or defaults["rounds"]
+    rounds = args.rounds if args.rounds is not None else defaults["rounds"]  # (0 is an error below, not the default)
     contexts = _ints(args.contexts or defaults["contexts"])
     budgets = _floats(args.budgets or defaults["budgets"])
-    steps = args.steps or defaults["steps"]
-    decode_rounds = args.decode_rounds or defaults["decode_rounds"]
+    steps = args.steps if args.steps is not None else defaults["steps"]
+    decode_rounds = args.decode_rounds if args.decode_rounds is not None else defaults["decode_rounds"]
     breakdown_contexts = _ints(args.breakdown_contexts) if args.breakdown_contexts else sorted({min(contexts), max(contexts)})
     if any(s < 16 for s in sizes):
         raise ValueError("--sizes must all be >= 16")

@@ -242,8 +242,11 @@ def cache_bytes(cache: Any) -> tuple[int, int]:
 
 
 def _kept_length(cache: Any) -> float:
+    """Tokens a cache holds per layer (mean over layers; under head-wise budgets, AdaKV, over
+    heads too: ``lengths()`` is the widest head's)."""
     if hasattr(cache, "lengths"):
-        lengths = cache.lengths()
+        lengths = [layer.store.mean_length if layer.store.policy.ragged_heads else length
+                   for layer, length in zip(cache.layers, cache.lengths())]
         return sum(lengths) / len(lengths)
     return float(cache.layers[0].keys.shape[2])
 
@@ -310,6 +313,8 @@ class DecodeResult:
     evictions: int
     steps: int
     share_of_limit: list[float] | None = None
+    #: Tokens per layer the limit of ``share_of_limit`` held at the end (this policy's own limit).
+    limit_kept: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -372,7 +377,11 @@ def measure_decode(
     (:func:`hold_last`) to the most any of them keeps then, so over a round it holds that count
     plus the round's steps. (Left to grow, it would attend to ever more keys than the policies as
     the rounds go on, and the shares would rise with the length of the run.) It is built from the
-    whole prompt, so it can be held at any count up to the context.
+    whole prompt, so it can be held at any count up to the context. Each policy's
+    ``share_of_limit`` is taken against a limit of its own, a copy held at *its* count and timed
+    in the same rounds: one limit held at the most of several policies would hold more than a
+    policy that keeps fewer (BUZZ's count rises to its threshold between evictions), which
+    flatters that policy's share.
     """
     device = _device_of(model)
     vocab = int(text_config(model).vocab_size)
@@ -384,15 +393,23 @@ def measure_decode(
                    for b, j in limit_of.items()}
     held_limits = {j for j, members in policies_of.items() if members}  # limits with policies to follow
     caches = [build_cache(model, replace(c, keep_last=None) if i in held_limits else c, pre) for i, c in enumerate(candidates)]
-    position = [pre.context] * len(candidates)
+    # each policy's own limit (appended after the candidates, timed with them, not reported)
+    own_limit: dict[int, int] = {}
+    for j in held_limits:
+        for i in policies_of[j]:
+            own_limit[i] = len(caches)
+            caches.append(build_cache(model, replace(candidates[j], keep_last=None), pre))
+    position = [pre.context] * len(caches)
     for i, cache in enumerate(caches):  # warm-up: allocator, first-call paths
         position[i] = decode(model, cache, ids[:, :warmup], position[i])
     evictions0 = [_evictions(c) for c in caches]
-    times: list[list[float]] = [[] for _ in candidates]
-    n = len(candidates)
+    times: list[list[float]] = [[] for _ in caches]
+    n = len(caches)
     for r in range(rounds):
         for j in held_limits:
             hold_last(caches[j], max(round(_kept_length(caches[i])) for i in policies_of[j]))
+        for i, k in own_limit.items():
+            hold_last(caches[k], round(_kept_length(caches[i])))
         sums = [0.0] * n
         for t in range(steps):
             # one token per candidate, in an order rotated at every step: noise lasting longer than
@@ -408,14 +425,14 @@ def measure_decode(
                 sums[i] += time.perf_counter() - start
         for i in range(n):
             times[i].append(sums[i] / steps)
-            if on_step is not None:
+            if on_step is not None and i < len(candidates):
                 on_step(candidates[i].label)
     dyn_bytes = cache_bytes(caches[0])[0]
     results = []
     for i, (cand, cache) in enumerate(zip(candidates, caches)):
         held, alloc = cache_bytes(cache)
         ratios = [times[0][r] / times[i][r] for r in range(rounds)]
-        j = limit_of.get(cand.budget) if not cand.is_dynamic else None
+        j = own_limit.get(i, limit_of.get(cand.budget) if not cand.is_dynamic else None)
         share = None if j is None else [times[j][r] / times[i][r] for r in range(rounds)]
         results.append(
             DecodeResult(
@@ -434,6 +451,7 @@ def measure_decode(
                 evictions=_evictions(cache) - evictions0[i],
                 steps=rounds * steps,
                 share_of_limit=share,
+                limit_kept=None if j is None else _kept_length(caches[j]),
             )
         )
     del caches

@@ -52,6 +52,26 @@ def test_the_limit_is_held_at_its_budgets_policies_count() -> None:
     assert results["limit 50%"].kept == 20 + 1 + 4 * 3  # no policy of its budget: built and grown as before
     assert results["DynamicCache"].kept == 40 + 1 + 4 * 3
     assert len(results["H2O 25%"].share_of_limit) == 4
+    assert results["H2O 25%"].limit_kept == 14 + 3  # its own limit: held at its count
+
+
+def test_each_policy_is_timed_against_a_limit_held_at_its_own_count() -> None:
+    """Two policies of one budget keep different counts: each share is taken against a limit held
+    at that policy's count (one limit held at the most of both flattered the smaller one, as BUZZ's
+    count, rising to its threshold, did the others'). The budget's reported limit is still held
+    at the most. Tiny random-weight model: sizes only."""
+    from kvpolicy import LocalWindow
+
+    model = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=0)
+    pre = prefill(model, 40, seed=3)
+    candidates = [Candidate("DynamicCache"), Candidate("limit 25%", budget=0.25, keep_last=10),
+                  Candidate("H2O 25%", H2O(heavy=8, recent=6), budget=0.25),
+                  Candidate("local 25%", LocalWindow(window=6), budget=0.25)]
+    results = {r.label: r for r in measure_decode(model, pre, candidates, rounds=3, steps=2, warmup=1)}
+    small, large = results["local 25%"], results["H2O 25%"]
+    assert small.kept < large.kept
+    assert small.limit_kept == small.kept + 2 and large.limit_kept == large.kept + 2
+    assert results["limit 25%"].kept == large.kept + 2
 
 
 def test_hold_last_keeps_the_newest_tokens_contiguous() -> None:
