@@ -91,6 +91,14 @@ def _keys_arg(policy: EvictionPolicy, expr: str, logits: str) -> str:
     return f", **kvpolicy.testing.example_inputs({expr}, {logits})"
 
 
+def _first_difference(one: Any, other: Any) -> tuple[int, Any, Any] | None:
+    """``(t, kept, other's kept)`` (as lists) at the first step two traces keep differently, or ``None``."""
+    for t, (a, b) in enumerate(zip(one.kept, other.kept)):
+        if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
+            return t, None if a is None else a.tolist(), None if b is None else b.tolist()
+    return None
+
+
 def check_replay(
     policy: EvictionPolicy,
     logits: np.ndarray,
@@ -134,26 +142,24 @@ def check_replay(
             raise ContractViolation(f"invariant broken: {e}") from None
         previous = kept
     again = kvpolicy_numpy.replay(policy, logits, prompt_len, **inputs)
-    for t in range(steps):
-        a, b = trace.kept[t], again.kept[t]
-        if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
-            raise ContractViolation(
-                f"{policy!r} is not deterministic: a second replay of the same input kept "
-                f"{None if b is None else b.tolist()} instead of {None if a is None else a.tolist()} after token {t} "
-                "(keep per-sequence state in view.state, not on the policy object)"
-            )
+    differs = _first_difference(trace, again)
+    if differs is not None:
+        t, a, b = differs
+        raise ContractViolation(
+            f"{policy!r} is not deterministic: a second replay of the same input kept {b} instead of {a} after "
+            f"token {t} (keep per-sequence state in view.state, not on the policy object)"
+        )
     if not policy.uses_scores:
         # a backend gives such a policy no scores (zeros: nothing is captured), so what it keeps must
         # not depend on them: the same example with the scores' order reversed keeps the same tokens
-        other = kvpolicy_numpy.replay(policy, -logits, prompt_len, **inputs)
-        for t in range(steps):
-            a, b = trace.kept[t], other.kept[t]
-            if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
-                raise ContractViolation(
-                    f"{policy!r} declares uses_scores = False, but with the logits negated it kept "
-                    f"{None if b is None else b.tolist()} instead of {None if a is None else a.tolist()} after token {t}: "
-                    "backends capture no scores for it (they stay 0), so it would evict blind. Declare uses_scores = True"
-                )
+        differs = _first_difference(trace, kvpolicy_numpy.replay(policy, -logits, prompt_len, **inputs))
+        if differs is not None:
+            t, a, b = differs
+            raise ContractViolation(
+                f"{policy!r} declares uses_scores = False, but with the logits negated it kept {b} instead of {a} "
+                f"after token {t}: backends capture no scores for it (they stay 0), so it would evict blind. "
+                "Declare uses_scores = True"
+            )
     sim = simulate_sizes(policy, steps, prompt_len)
     if sim.tolist() != trace.sizes.tolist():
         raise ContractViolation(
