@@ -105,7 +105,9 @@ class RarelyOverCapacity(EvictionPolicy):
 
 class TopkHeavy(EvictionPolicy):
     """Heavy hitters plus a recent window, written twice: NumPy keeps the earliest of tied scores
-    (a stable argsort), torch whatever ``torch.topk`` returns on ties. Correct on NumPy alone."""
+    (a stable argsort), torch the latest (a stable sort of the reversed scores: on purpose, so
+    that every tie disagrees; ``torch.topk``'s own tie order is implementation-defined and let the
+    kit's examples pass once). Correct on NumPy alone."""
 
     name = "topk_heavy"
 
@@ -127,7 +129,9 @@ class TopkHeavy(EvictionPolicy):
         if "torch" in xp.__name__:
             import torch
 
-            top = torch.topk(candidates, self.heavy, dim=-1).indices  # ties: implementation-defined
+            width = candidates.shape[-1]
+            order = torch.argsort(candidates.flip(-1), dim=-1, descending=True, stable=True)
+            top = (width - 1 - order)[..., : self.heavy]  # ties: latest
         else:
             top = np.argsort(-candidates, axis=-1, kind="stable")[..., : self.heavy]  # ties: earliest
         return view.keep(xp.sort(top, axis=-1), view.arange(n - self.recent, n))
