@@ -292,17 +292,19 @@ def plan_policy(
             UserWarning, stacklevel=2,
         )
     if layers is None:
-        warn_mean_layer(policy, context_length, prompt_length)
+        warn_mean_layer(policy, context_length, prompt_length, average=avg)
     return PolicyPlan(policy, budget, realised, context_length, prompt_length, avg, full_avg, threshold_ratio,
                       layers=layers)
 
 
-def warn_mean_layer(policy: EvictionPolicy, context_length: int, prompt_length: int) -> None:
+def warn_mean_layer(policy: EvictionPolicy, context_length: int, prompt_length: int, *,
+                    average: float | None = None) -> None:
     """Warn when ``policy`` gives layers their own budgets (:meth:`~kvpolicy.EvictionPolicy.for_layer`)
     and a plan of its mean layer misstates the run: a layer whose budget exceeds the tokens seen
     at some step keeps fewer than its budget there, so the layers' mean falls below the mean
     layer's. (The bottom of a :class:`~kvpolicy.PyramidKV` is the same for every layer count, and
-    the largest.) Within 0.5% counts as exact.
+    the largest.) Within 0.5% counts as exact. ``average``: the mean layer's average size on this
+    run, when the caller has it (:func:`plan_policy` does).
 
     Example:
         >>> from kvpolicy import H2O
@@ -312,7 +314,7 @@ def warn_mean_layer(policy: EvictionPolicy, context_length: int, prompt_length: 
         return
     # two layers are the widest split (the bottom layer's budget is the same for every layer
     # count): if their mean keeps what the mean layer keeps, no layer count falls short of it
-    mean = float(np.mean(simulate_sizes(policy, context_length, prompt_length)))
+    mean = float(np.mean(simulate_sizes(policy, context_length, prompt_length))) if average is None else average
     if float(np.mean(simulate_sizes(policy, context_length, prompt_length, layers=2))) >= 0.995 * mean:
         return
     warnings.warn(
@@ -375,7 +377,7 @@ def plan_capacity(
     sizes = simulate_sizes(policy, context_length, prompt_length, layers=layers)
     avg = float(np.mean(sizes))
     if layers is None:
-        warn_mean_layer(policy, context_length, prompt_length)
+        warn_mean_layer(policy, context_length, prompt_length, average=avg)
     return PolicyPlan(policy, capacity / full_avg, avg / full_avg, context_length, prompt_length, avg, full_avg,
                       threshold_ratio, capacity, layers=layers)
 

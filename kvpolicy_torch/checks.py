@@ -281,8 +281,8 @@ def check_received(received: Any, shape: Any) -> None:
 
 def check_batch_index(index: Any, batch: int) -> None:
     """What :meth:`~kvpolicy_torch.LayerCache.select_batch` is given: a 1-D integer tensor of at
-    least one row index in ``[0, batch)`` (beam search's reorder; not a bool mask); else ``TypeError``/``ValueError``, before
-    the layer changes. The range is read on the CPU only (on an accelerator it would cost a
+    least one row index in ``[0, batch)`` (beam search's reorder; not a bool mask); else
+    ``TypeError``/``ValueError``, before the layer changes. The range is read on the CPU only (on an accelerator it would cost a
     host-device sync; index_select checks it there).
 
     Example:

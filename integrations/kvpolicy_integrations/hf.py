@@ -890,8 +890,9 @@ class EvictingCache(Cache):
 
     def settle(self) -> list[list[tuple[int, int]]]:
         """Between compiled decode steps: run the general evictions those steps left to the host,
-        and grow a storage the next step would find full (see :attr:`needs_settle`; :func:`decode_steps` and :func:`generate` call it). Eager code
-        needs no call: each step evicts itself. Returns each layer's rounds."""
+        and grow a storage the next step would find full (see :attr:`needs_settle`;
+        :func:`decode_steps` and :func:`generate` call it). Eager code needs no call: each step
+        evicts itself. Returns each layer's rounds."""
         return [layer.store.settle() for layer in self.layers]
 
     def check_model(self, model: torch.nn.Module) -> None:

@@ -215,6 +215,7 @@ def evaluate(
     engine = Engine(model, tok)
     prepared = []
     total = 0
+    layers = model_layers(model)  # (per-layer budgets are planned over them)
     for task in tasks:
         t0 = time.perf_counter()
         samples = task.samples(tok)
@@ -227,7 +228,7 @@ def evaluate(
             s = batch[0]
             key = (s.prefill_length, s.prefill_length + s.decode_steps)
             if key not in plans:
-                plans[key] = [c.build(*key, layers=model_layers(model)) for c in configs]
+                plans[key] = [c.build(*key, layers=layers) for c in configs]
         units = 0
         for batch in batches:
             s = batch[0]

@@ -154,9 +154,10 @@ def resolve_policy(spec: str) -> Any:
 
         return PolicySpec(label, planner)
     if callable(obj):
+        plans = _takes_keywords(obj) is not False  # (read once; a size factory is refused only when decode calls it)
 
         def call(b: float | None, L: int, P: int, _f: Any = obj) -> Any:
-            if _takes_keywords(_f) is False:
+            if not plans:
                 raise ValueError(
                     f"--policy {spec!r} takes no budget=, context_length=, prompt_length= (a factory of the cache "
                     "size serves --what complexity only): the decode benchmark plans a policy per budget and run"

@@ -406,10 +406,11 @@ def measure_decode(
     times: list[list[float]] = [[] for _ in caches]
     n = len(caches)
     for r in range(rounds):
+        kept = {i: round(_kept_length(caches[i])) for i in own_limit}  # (every policy of a held limit)
         for j in held_limits:
-            hold_last(caches[j], max(round(_kept_length(caches[i])) for i in policies_of[j]))
+            hold_last(caches[j], max(kept[i] for i in policies_of[j]))
         for i, k in own_limit.items():
-            hold_last(caches[k], round(_kept_length(caches[i])))
+            hold_last(caches[k], kept[i])
         sums = [0.0] * n
         for t in range(steps):
             # one token per candidate, in an order rotated at every step: noise lasting longer than
