@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ._validation import check_float, check_int
+from .validation import check_float, check_int
 from .driver import evict_until_done
 from .policies.buzz import BUZZ, check_ratio
 from .policy import EvictionPolicy

@@ -32,7 +32,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Literal
 
-from ._validation import check_bool, check_choice, check_float, check_int
+from .validation import check_bool, check_choice, check_float, check_int
 
 __all__ = ["Param", "REQUIRED", "Selection", "declared_params"]
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, ClassVar, Literal, NamedTuple
 
 from array_api_compat import array_namespace as _ns, device
 
-from ._validation import check_choice, check_float, check_int
+from .validation import check_choice, check_float, check_int
 from .params import Param, Selection, declared_params, make_init
 
 __all__ = [

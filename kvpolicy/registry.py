@@ -17,7 +17,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Iterator, TypeVar
 
-from ._validation import check_bool
+from .validation import check_bool
 from .policy import EvictionPolicy
 
 __all__ = ["register_policy", "isolated_registry", "mark_builtin_policies", "is_builtin_policy", "get_policy", "create_policy", "available_policies", "Preset", "ENTRY_POINT_GROUP"]

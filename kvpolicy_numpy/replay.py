@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvpolicy._validation import check_int
+from kvpolicy.validation import check_int
 from kvpolicy.budget import realised_budget
 from kvpolicy.driver import evict_until_done, log_n_scales, nonfinite_rows, softmax, warn_nonfinite
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy, check_eviction_policy

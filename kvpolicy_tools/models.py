@@ -38,7 +38,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import is_accelerate_available, logging as hf_logging
 
-from kvpolicy._validation import check_bool
+from kvpolicy.validation import check_bool
 from kvpolicy_integrations.capabilities import geometry, text_config
 
 __all__ = [

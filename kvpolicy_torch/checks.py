@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kvpolicy._validation import check_bool, check_int
+from kvpolicy.validation import check_bool, check_int
 from kvpolicy.policy import DecodeEviction, EvictionPolicy
 
 from .group import LayerGroup

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvpolicy._validation import check_int
+from kvpolicy.validation import check_int
 from kvpolicy.policy import EvictionPolicy, check_eviction_policy
 from kvpolicy.driver import nonfinite_rows, warn_nonfinite
 from kvpolicy.statistics import Rotary, history_record, low_attention

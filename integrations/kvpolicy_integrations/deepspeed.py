@@ -57,7 +57,7 @@ import torch
 import torch.distributed as tdist
 
 from kvpolicy import FullCache
-from kvpolicy._validation import check_bool
+from kvpolicy.validation import check_bool
 from kvpolicy.budget import make_policy
 from kvpolicy.policies import AdaKV, ShardedAdaKV
 from kvpolicy.policy import EvictionPolicy

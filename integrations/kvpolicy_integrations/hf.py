@@ -44,7 +44,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvpolicy._validation import check_bool, check_float, check_int
+from kvpolicy.validation import check_bool, check_float, check_int
 from kvpolicy.budget import make_policy
 from kvpolicy.driver import NonFiniteWarning
 from kvpolicy.policy import EvictionPolicy, check_eviction_policy

@@ -7,7 +7,7 @@ import math
 import sys
 from typing import Any, Protocol, runtime_checkable
 
-from .._validation import check_float
+from ..validation import check_float
 from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Ranking, SizeRule, WrappingPolicy
 from ..registry import get_policy, register_policy
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from array_api_compat import device
 
-from .._validation import check_float, check_int
+from ..validation import check_float, check_int
 from ..params import Param
 from ..policy import Array, CacheView, EvictionPolicy, LogNScaling, SizeRule
 from ..registry import register_policy

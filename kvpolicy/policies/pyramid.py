@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .._validation import check_int
+from ..validation import check_int
 from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, SizeRule, WrappingPolicy
 from ..registry import get_policy, register_policy
 

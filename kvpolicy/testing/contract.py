@@ -49,7 +49,7 @@ from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Unsatisfiable
 
 import kvpolicy_numpy
-from kvpolicy._validation import check_bool, check_int
+from kvpolicy.validation import check_bool, check_int
 from kvpolicy.driver import PolicyError
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
 

@@ -27,7 +27,7 @@ from typing import Mapping
 from hypothesis import HealthCheck, settings
 from hypothesis.errors import InvalidArgument
 
-from kvpolicy._validation import check_bool
+from kvpolicy.validation import check_bool
 
 __all__ = ["ENV_VAR", "PROFILES", "load_profile", "profile_name", "register_profiles", "selected_settings"]
 

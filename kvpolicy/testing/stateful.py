@@ -26,7 +26,7 @@ import numpy as np
 from hypothesis import settings as Settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-from kvpolicy._validation import check_bool
+from kvpolicy.validation import check_bool
 from kvpolicy.policy import EvictionPolicy
 
 from . import _format

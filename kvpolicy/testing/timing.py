@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from kvpolicy._validation import check_bool
+from kvpolicy.validation import check_bool
 from kvpolicy.policy import EvictionPolicy
 from kvpolicy.registry import Preset
 from kvpolicy.testing._util import torch_available

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import transformers
 
-from kvpolicy._validation import check_bool
+from kvpolicy.validation import check_bool
 from kvpolicy.hf import EvictingCache, cache_kwargs, model_layers
 from kvpolicy.policy import EvictionPolicy
 

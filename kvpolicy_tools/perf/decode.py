@@ -37,7 +37,7 @@ from transformers.modeling_utils import AttentionInterface
 
 import kvpolicy_integrations.hf as hf
 from kvpolicy import H2O, FullCache, plan_policy
-from kvpolicy._validation import check_bool
+from kvpolicy.validation import check_bool
 from kvpolicy.registry import get_policy
 from kvpolicy_integrations.capabilities import cache_kwargs, text_config
 from kvpolicy_integrations.hf import ATTENTION_NAME, EvictingCache

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kvpolicy._validation import check_int
+from kvpolicy.validation import check_int
 from kvpolicy.policy import check_eviction_policy
 from kvpolicy_tools.perf.eviction import policy_at_size
 from kvpolicy_tools.perf.report import markdown_table

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpolicy._validation import check_bool
+from kvpolicy.validation import check_bool
 
 __all__ = [
     "fit_slope",

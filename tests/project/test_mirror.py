@@ -61,8 +61,6 @@ EXCEPTIONS = {
     "kvpolicy.testing._util": "tests/core/testing/test_contract.py",
     "kvpolicy.testing.stateful": "tests/core/testing/test_contract.py (the state machine)",
     "kvpolicy.testing.timing": "tests/core/testing/test_contract.py (benchmark_policy), tests/project/test_third_party.py",
-    # kvpolicy: the shared checks behind every ValueError.
-    "kvpolicy._validation": "through every module's bad-input tests (tests/core/test_params.py, tests/project/test_bool_parameters.py)",
     # kvpolicy_tools: the command's verbs and the eval pipeline, run end to end.
     "kvpolicy_tools.command": "tests/tools/test_cli.py (the verbs, registered in one place)",
     "kvpolicy_tools.eval.display": "tests/tools/eval/test_compare.py (the console tables and verdicts)",
@@ -198,7 +196,7 @@ def fake_modules(tmp_path, monkeypatch) -> dict[str, Path]:
         tmp_path,
         {
             "kvpolicy/policies/h2o.py": "class H2O: ...\n",
-            "kvpolicy/_validation.py": "def check(x): ...\n",
+            "kvpolicy/validation.py": "def check(x): ...\n",
             "kvpolicy/hf.py": "from kvpolicy_integrations.hf import *\n",
             "kvpolicy_tools/eval/data/needle.py": "def make_needle_example(): ...\n",
             "kvpolicy_tools/eval/tasks/needle.py": "class NeedleTask: ...\n",
@@ -208,7 +206,7 @@ def fake_modules(tmp_path, monkeypatch) -> dict[str, Path]:
 
 FAKE_TESTS = {
     "core/policies/test_h2o.py": "kvpolicy.policies.h2o",
-    "core/test_validation.py": "kvpolicy._validation",
+    "core/test_validation.py": "kvpolicy.validation",
     "tools/eval/data/test_data_needle.py": "kvpolicy_tools.eval.data.needle",
     "tools/eval/tasks/test_tasks_needle.py": "kvpolicy_tools.eval.tasks.needle",
 }

@@ -6,7 +6,7 @@ The product code is what ships: ``kvpolicy``, ``kvpolicy_numpy``, ``kvpolicy_tor
 
 * ``from m import _name`` and ``import m._name`` where ``m`` is a module outside this distribution
   or ``_name`` is a private name inside a module (a private *module* of this distribution, such as
-  ``kvpolicy._validation``, is its shared internal code and may be imported by the five packages:
+  ``kvpolicy_tools.eval.tasks._helpers`` would be, is its shared internal code and may be imported by the five packages:
   the names it exports are public);
 * ``obj._name`` where ``obj`` is not ``self`` or ``cls`` (reads, writes and calls alike);
 * ``getattr``/``setattr``/``hasattr``/``delattr`` with a literal private name.
@@ -122,7 +122,7 @@ def test_allow_list_entries_are_still_needed() -> None:
         ("layer._scores = 1", ["_scores"]),
         ("x = other._keys", ["_keys"]),
         ("getattr(cfg, '_flag', None)", ["_flag"]),
-        ("self._x = 1\ncls._y = 2\nobj.__name__\nfrom . import _format\nfrom kvpolicy._validation import check_int", []),
+        ("self._x = 1\ncls._y = 2\nobj.__name__\nfrom . import _format\nfrom kvpolicy.validation import check_int", []),
     ],
 )
 def test_the_walk_finds_what_it_claims(tmp_path: Path, source: str, flagged: list[str]) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvpolicy._validation import check_bool
+from kvpolicy.validation import check_bool
 
 __all__ = [
     "TextDoc", "SummaryExample", "Passage", "QAExample", "RetrievalExample", "shared_data_dir", "shared_file",

@@ -7,7 +7,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from kvpolicy._validation import check_bool
+from kvpolicy.validation import check_bool
 
 from .common import RetrievalExample, TextDoc
 

@@ -10,7 +10,7 @@ import re
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 
-from kvpolicy._validation import check_bool
+from kvpolicy.validation import check_bool
 
 from .common import TextDoc, package_path, require_file
 

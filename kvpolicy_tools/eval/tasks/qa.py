@@ -6,7 +6,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from kvpolicy._validation import check_bool
+from kvpolicy.validation import check_bool
 
 from .. import data as D, metrics as M
 from ..display import Panel, fmt, md_table, pct, policy_name, row, value

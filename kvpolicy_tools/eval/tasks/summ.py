@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvpolicy._validation import check_bool
+from kvpolicy.validation import check_bool
 
 from .. import data as D, metrics as M
 from ..display import Panel, metric_name

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import kvpolicy.policies
 import kvpolicy_numpy
 from kvpolicy import BUZZ, H2O, TOVA, EvictionPolicy, ExpectedAttention, FullCache, KeyDiff, Knorm, LocalWindow, Param, PolicyError, Scissorhands, SnapKV, StreamingLLM, get_policy
-from kvpolicy._validation import check_int
+from kvpolicy.validation import check_int
 from kvpolicy.testing import (
     ContractViolation,
     example_inputs,

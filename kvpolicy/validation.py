@@ -1,4 +1,30 @@
-"""Parameter checks shared by every policy: one ``ValueError`` format, naming the parameter and its range."""
+"""Parameter checks: one ``ValueError`` format, naming the parameter and its allowed range.
+
+Every policy, planner, integration and command of kvpolicy checks user input with these four
+functions, and a third-party policy should too: a bad value is refused with a message that names the
+parameter and what it accepts, never an ``assert`` and never a silent fix.
+
+Example:
+    >>> from kvpolicy.validation import check_bool, check_choice, check_float, check_int
+    >>> check_int("window", 8, minimum=1)
+    8
+    >>> check_int("window", 0, minimum=1)
+    Traceback (most recent call last):
+    ...
+    ValueError: window must be >= 1, got 0
+    >>> check_float("budget", 1.5, low=0.0, high=1.0, low_open=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: budget must be in (0.0, 1.0], got 1.5
+    >>> check_choice("mode", "fast", ("eager", "static"))
+    Traceback (most recent call last):
+    ...
+    ValueError: mode must be one of 'eager', 'static'; got 'fast'
+    >>> check_bool("log_n", "no")
+    Traceback (most recent call last):
+    ...
+    ValueError: log_n must be True or False, got 'no'
+"""
 
 from __future__ import annotations
 
