@@ -133,15 +133,26 @@ def _timer(device: str) -> Any:
     return lambda: time.perf_counter() - t0
 
 
-def candidates(context: int, decode_tokens: int, budget: float, unfused: bool = False) -> list[tuple[str, Any]]:
+#: The policies of the default grid (registered names); ``--policies`` picks others.
+DEFAULT_POLICIES = ("buzz", "h2o", "streaming_llm")
+
+
+def candidates(
+    context: int, decode_tokens: int, budget: float, unfused: bool = False, policies: Sequence[str] = DEFAULT_POLICIES,
+    layers: int | None = None,
+) -> list[tuple[str, Any]]:
+    """``(label, policy)`` rows of one grid point: ``DynamicCache`` (``None``), ``FullCache``, then each
+    registered name in ``policies`` planned at ``budget`` for ``context`` prompt tokens and
+    ``decode_tokens`` new ones (over ``layers`` layers where a policy's budget varies by layer)."""
     from kvpolicy import FullCache, plan_policy
+    from kvpolicy_tools.eval.display import policy_name
 
     total = context + decode_tokens
     out: list[tuple[str, Any]] = [("DynamicCache", None), ("FullCache", FullCache())]
-    for name, label in (("buzz", "BUZZ"), ("h2o", "H2O"), ("streaming_llm", "StreamingLLM")):
-        out.append((f"{label} {budget:.0%}", plan_policy(name, budget, context_length=total, prompt_length=context).policy))
-    if unfused:
-        out.append((f"BUZZ {budget:.0%} (unfused)", out[2][1]))
+    planned = {name: plan_policy(name, budget, context_length=total, prompt_length=context, layers=layers).policy for name in policies}
+    out += [(f"{policy_name(name)} {budget:.0%}", policy) for name, policy in planned.items()]
+    if unfused and "buzz" in planned:
+        out.append((f"{policy_name('buzz')} {budget:.0%} (unfused)", planned["buzz"]))
     return out
 
 
@@ -313,81 +324,108 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     compiled = {mode: compile_decode_step(model, mode=None if mode == "default" else mode, backend=args.compile_backend)
                 for mode in args.compile_modes}
     torch._dynamo.config.cache_size_limit = 256
-    for batch in args.batches:
-        for context in args.contexts:
-            g = torch.Generator().manual_seed(context * 100 + batch)
-            prompt = torch.randint(3, vocab, (batch, context), generator=g).to(device)
-            rows_here = [(label, policy, None) for label, policy in candidates(context, planned_new, args.budget, args.unfused)]
-            for mode in args.compile_modes:  # the compiled rows: transformers' StaticCache, then the policies
-                rows_here.append((f"StaticCache (compiled, {mode})", None, mode))
-                rows_here += [(f"{label} (compiled, {mode})", policy, mode) for label, policy, m in rows_here
-                              if m is None and policy is not None and policy.capacity is not None and "unfused" not in label]
-            for label, policy, mode in rows_here:
-                row: dict[str, Any] = {"batch": batch, "context": context, "label": label, "policy": repr(policy) if policy else "DynamicCache"}
-                # (a compiled step's one-token evictions happen on the device: not counted, so no waiting for one)
-                evicts = policy is not None and policy.capacity is not None and mode is None
-                steps = max(args.steps, args.max_steps) if evicts else args.steps  # at most; stops at the first eviction
-                need = planned_bytes(model, policy, batch, context, args.warmup + steps, args.prefill_chunk)
-                free = free_device_bytes(device)
-                row["planned_bytes"] = need
-                if need > 0.95 * free:
-                    row["skipped"] = f"needs ~{need / 2**30:.1f} GiB beyond the weights, {free / 2**30:.1f} GiB free"
-                    rows.append(row)
-                    print(f"b{batch} {context} {label}: skipped ({row['skipped']})", file=sys.stderr)
-                    continue
-                if cuda:
-                    torch.cuda.reset_peak_memory_stats(device)
-                baseline = torch.cuda.memory_allocated(device) if cuda else 0
-                ids = torch.randint(3, vocab, (batch, args.warmup + steps), generator=g).to(device)
-                cache = None
-                try:
-                    static_tokens = context + args.warmup + steps + 1 if mode is not None else None
-                    cache = make_cache(model, policy, fused_decode="unfused" not in label, static_tokens=static_tokens)
-                    step = compiled[mode] if mode is not None else None
-                    _sync(device)
-                    stop = _timer(device)
-                    forwards = prefill(model, cache, prompt, args.prefill_chunk)
-                    prefill_s = stop()
-                    # warm-up, untimed (the compiled rows compile here, and capture their CUDA graphs)
-                    decode_steps(model, cache, ids[:, : args.warmup], context, step=step)
-                    seconds, evicted = decode_steps(
-                        model, cache, ids[:, args.warmup :], context + args.warmup, min_steps=args.steps, until_eviction=evicts,
-                        step=step,
-                    )
-                except torch.OutOfMemoryError as e:  # pragma: no cover - GPU only
-                    row["skipped"] = f"out of memory: {str(e).splitlines()[0]}"
-                    rows.append(row)
-                    del cache
-                    continue
-                held = held_kv_bytes(cache)
-                floor = (weight_bytes + held) / bandwidth
-                quiet = [s for s, e in zip(seconds, evicted) if not e]
-                busy = [s for s, e in zip(seconds, evicted) if e]
-                per_step = sum(seconds) / len(seconds)
-                row.update(
-                    prefill_s=prefill_s,
-                    prefill_tokens_per_s=batch * context / prefill_s,
-                    decode_steps=len(seconds),
-                    forwards=forwards + args.warmup + len(seconds),
-                    evicting_steps=len(busy),
-                    tokens_per_s=batch / per_step,
-                    seconds_per_step=per_step,
-                    step_s_no_eviction=statistics.median(quiet) if quiet else None,
-                    step_s_eviction=statistics.mean(busy) if busy else None,
-                    kv_bytes=held,
-                    allocated_bytes=int(getattr(cache, "allocated_bytes", held)),
-                    peak_beyond_weights=(torch.cuda.max_memory_allocated(device) - baseline) if cuda else None,
-                    floor_seconds=floor,
-                    floor_tokens_per_s=batch / floor,
-                    over_floor=per_step / floor,
-                )
-                rows.append(row)
-                print(
-                    f"b{batch} {context} {label}: prefill {prefill_s:.2f} s, {row['tokens_per_s']:.1f} tok/s, "
-                    f"{len(busy)}/{len(seconds)} steps evicted, {row['over_floor']:.2f}x floor",
-                    file=sys.stderr,
-                )
-                del cache
+    started = time.monotonic()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    layers = shape["num_hidden_layers"]
+    # The jobs in the order they run: by default every eager row of the grid first, then the compiled
+    # rows (each compiles its own graph, a minute or more on a large model), so a --deadline cuts the
+    # costliest last; --order names the grid points (and which of them run compiled) explicitly.
+    def eager_rows(batch: int, context: int) -> list[tuple[int, int, str, Any, str | None]]:
+        return [(batch, context, label, policy, None)
+                for label, policy in candidates(context, planned_new, args.budget, args.unfused, args.policies, layers)]
+
+    def compiled_rows(batch: int, context: int, mode: str) -> list[tuple[int, int, str, Any, str | None]]:
+        rows_at = [(batch, context, f"StaticCache (compiled, {mode})", None, mode)]
+        return rows_at + [(batch, context, f"{label} (compiled, {mode})", policy, mode) for _, _, label, policy, _ in eager_rows(batch, context)
+                          if policy is not None and policy.capacity is not None and "unfused" not in label]
+
+    jobs: list[tuple[int, int, str, Any, str | None]] = []
+    if args.order is None:
+        points = [(b, c) for b in args.batches for c in args.contexts]
+        jobs = [job for b, c in points for job in eager_rows(b, c)]
+        jobs += [job for mode in args.compile_modes for b, c in points for job in compiled_rows(b, c, mode)]
+    else:
+        for batch, context, compiled_point in args.order:
+            jobs += ([job for mode in args.compile_modes for job in compiled_rows(batch, context, mode)] if compiled_point
+                     else eager_rows(batch, context))
+    for batch, context, label, policy, mode in jobs:
+        row: dict[str, Any] = {"batch": batch, "context": context, "label": label, "policy": repr(policy) if policy else "DynamicCache"}
+        if args.deadline is not None and time.monotonic() - started > args.deadline:
+            row["skipped"] = f"not run: past the {args.deadline:.0f} s deadline"
+            rows.append(row)
+            continue
+        g = torch.Generator().manual_seed(context * 100 + batch)
+        prompt = torch.randint(3, vocab, (batch, context), generator=g).to(device)
+        # (a compiled step's one-token evictions happen on the device: not counted, so no waiting for one)
+        evicts = policy is not None and policy.capacity is not None and mode is None
+        steps = max(args.steps, args.max_steps) if evicts else args.steps  # at most; stops at the first eviction
+        need = planned_bytes(model, policy, batch, context, args.warmup + steps, args.prefill_chunk)
+        free = free_device_bytes(device)
+        row["planned_bytes"] = need
+        if need > 0.95 * free:
+            row["skipped"] = f"needs ~{need / 2**30:.1f} GiB beyond the weights, {free / 2**30:.1f} GiB free"
+            rows.append(row)
+            print(f"b{batch} {context} {label}: skipped ({row['skipped']})", file=sys.stderr)
+            continue
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device) if cuda else 0
+        ids = torch.randint(3, vocab, (batch, args.warmup + steps), generator=g).to(device)
+        cache = None
+        row_started = time.monotonic()
+        try:
+            static_tokens = context + args.warmup + steps + 1 if mode is not None else None
+            cache = make_cache(model, policy, fused_decode="unfused" not in label, static_tokens=static_tokens)
+            step = compiled[mode] if mode is not None else None
+            _sync(device)
+            stop = _timer(device)
+            forwards = prefill(model, cache, prompt, args.prefill_chunk)
+            prefill_s = stop()
+            # warm-up, untimed (the compiled rows compile here, and capture their CUDA graphs)
+            decode_steps(model, cache, ids[:, : args.warmup], context, step=step)
+            seconds, evicted = decode_steps(
+                model, cache, ids[:, args.warmup :], context + args.warmup, min_steps=args.steps, until_eviction=evicts,
+                step=step,
+            )
+        except Exception as e:  # one row's failure (out of memory, a cache the compiled step refuses) is its row's note
+            row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            rows.append(row)
+            print(f"b{batch} {context} {label}: {row['skipped']}", file=sys.stderr)
+            del cache
+            continue
+        held = held_kv_bytes(cache)
+        floor = (weight_bytes + held) / bandwidth
+        quiet = [s for s, e in zip(seconds, evicted) if not e]
+        busy = [s for s, e in zip(seconds, evicted) if e]
+        per_step = sum(seconds) / len(seconds)
+        row.update(
+            prefill_s=prefill_s,
+            prefill_tokens_per_s=batch * context / prefill_s,
+            decode_steps=len(seconds),
+            forwards=forwards + args.warmup + len(seconds),
+            evicting_steps=len(busy),
+            tokens_per_s=batch / per_step,
+            seconds_per_step=per_step,
+            step_s_no_eviction=statistics.median(quiet) if quiet else None,
+            step_s_eviction=statistics.mean(busy) if busy else None,
+            kv_bytes=held,
+            allocated_bytes=int(getattr(cache, "allocated_bytes", held)),
+            peak_beyond_weights=(torch.cuda.max_memory_allocated(device) - baseline) if cuda else None,
+            floor_seconds=floor,
+            floor_tokens_per_s=batch / floor,
+            over_floor=per_step / floor,
+            wall_s=time.monotonic() - row_started,
+        )
+        rows.append(row)
+        print(
+            f"b{batch} {context} {label}: prefill {prefill_s:.2f} s, {row['tokens_per_s']:.1f} tok/s, "
+            f"{len(busy)}/{len(seconds)} steps evicted, {row['over_floor']:.2f}x floor ({row['wall_s']:.0f} s)",
+            file=sys.stderr, flush=True,
+        )
+        del cache
+        # the raw rows so far, so a run cut short still leaves what it measured
+        (out / "rows.partial.json").write_text(json.dumps(rows, indent=1, default=str))
     # ratios to the full cache (ours and transformers') within each (batch, context)
     for r in rows:
         if "tokens_per_s" not in r:
@@ -406,8 +444,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": "python benchmarks/gpu_decode.py " + " ".join(sys.argv[1:]),
         "rows": rows,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
     gib = lambda b: "-" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
     ms = lambda s: "-" if s is None else f"{s * 1e3:.1f}"  # noqa: E731
@@ -447,6 +483,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def parse_order(text: str) -> list[tuple[int, int, bool]]:
+    """``--order``: ``"1x2048,1x2048c"`` -> ``[(1, 2048, False), (1, 2048, True)]``.
+
+    Example:
+        >>> parse_order("1x2048, 8x32768c")
+        [(1, 2048, False), (8, 32768, True)]
+    """
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        compiled = item.endswith("c")
+        batch, sep, context = item.removesuffix("c").partition("x")
+        if not (sep and batch.isdigit() and context.isdigit() and int(batch) > 0 and int(context) > 0):
+            raise argparse.ArgumentTypeError(f"--order takes BATCHxCONTEXT points (a trailing 'c': compiled), e.g. 1x2048c; got {item!r}")
+        out.append((int(batch), int(context), compiled))
+    return out
+
+
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
@@ -458,6 +511,13 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--max-steps", type=int, default=4096, help="cap on the decode steps run to see a policy evict (default 4096)")
     p.add_argument("--prefill-chunk", type=int, default=4096, help="prefill the prompt in chunks of this many tokens (default 4096)")
+    p.add_argument("--policies", type=lambda s: [x for x in s.split(",") if x], default=list(DEFAULT_POLICIES),
+                   help=f"registered policies planned at --budget (default {','.join(DEFAULT_POLICIES)})")
+    p.add_argument("--order", type=parse_order, default=None,
+                   help="the grid points in the order to run them, e.g. '1x2048,1x2048c,8x32768': BATCHxCONTEXT runs its "
+                        "eager rows, a trailing 'c' its compiled rows (default: every eager row, then every compiled row)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds after which the remaining rows are recorded as not run (default: none)")
     p.add_argument("--unfused", action="store_true", help="also BUZZ with fused_decode=False (SDPA + the extra score product)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (tests the logic on CPU)")
     p.add_argument("--compile-modes", type=lambda s: [m for m in s.split(",") if m], default=None,
