@@ -44,7 +44,7 @@ from .layout import SlotLayout
 from .queries import RunningMoments, held_scores
 from .rows import Rows
 from .scores import fold_received
-from .storage import Storage
+from .storage import Storage, fixed_addresses
 
 __all__ = ["DecodeState", "StaticSteps", "StepOptions", "device_flag"]
 
@@ -102,9 +102,7 @@ class DecodeState:
         self._mark_static()
 
     def _mark_static(self) -> None:
-        if not torch.compiler.is_compiling():
-            for t in (self.seen, self.count, self.free, self.overflow, self.column_offset):
-                torch._dynamo.mark_static_address(t)
+        fixed_addresses(self.seen, self.count, self.free, self.overflow, self.column_offset)
 
     def __setstate__(self, state: dict[str, torch.Tensor]) -> None:
         # a copy (deepcopy, pickle) holds new tensors: a compiled step must find them static too
@@ -372,6 +370,5 @@ def device_flag(device: torch.device) -> torch.Tensor:
         True
     """
     flag = torch.zeros((), dtype=torch.bool, device=device)
-    if not torch.compiler.is_compiling():
-        torch._dynamo.mark_static_address(flag)
+    fixed_addresses(flag)
     return flag

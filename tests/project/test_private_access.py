@@ -39,7 +39,7 @@ ALLOWED: dict[tuple[str, str], str] = {
         "transformers has no public getter for a config's attention implementation; hf.py checks "
         "that kvpolicy_sdpa is the one in use"
     ),
-    ("kvpolicy_torch/static.py", "_dynamo"): (
+    ("kvpolicy_torch/storage.py", "_dynamo"): (
         "torch._dynamo.mark_static_address is torch's documented way to give a compiled step's state "
         "fixed addresses (CUDA graphs); torch.compiler has no public alias (transformers' StaticCache uses it too)"
     ),
