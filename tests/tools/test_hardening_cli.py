@@ -55,6 +55,20 @@ def test_trace_out_is_a_folder(capsys, tmp_path) -> None:
     assert rc == 0 and (tmp_path / "new" / "t.png").is_file(), err
 
 
+
+def test_trace_out_without_a_suffix_writes_the_path_it_reports(capsys, tmp_path) -> None:
+    """Issue 44 class 17: `trace --out noext` printed "wrote noext" and wrote noext.png. The path given
+    is the path written (a PNG), and a suffix matplotlib cannot write is refused before the replay."""
+    out = tmp_path / "noext"
+    rc, err = run(capsys, "trace", "buzz", "--out", str(out))
+    assert rc == 0, err
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "noext.png").exists()
+    rc, err = run(capsys, "trace", "buzz", "--out", str(tmp_path / "t.svg"))
+    assert rc == 0 and (tmp_path / "t.svg").read_text().lstrip().startswith("<?xml"), err
+    err = refused(capsys, "trace", "buzz", "--out", str(tmp_path / "t.foo"))
+    assert f"--out {tmp_path / 't.foo'}: matplotlib writes no .foo images; use one of " in err and "png" in err
+
+
 def test_compare_out_where_nothing_can_be_written(capsys) -> None:
     """Refused before the model is loaded, not after the whole run."""
     err = refused(capsys, "compare", "--out", "/proc/report", "--no-progress")
