@@ -315,7 +315,7 @@ def _trace_vectors(args: argparse.Namespace, policy: EvictionPolicy, steps: int,
     needed = []
     if policy.score_statistic in KEY_STATISTICS:
         needed.append("keys")
-    if policy.score_statistic == "expected_attention":
+    if policy.observes_queries:  # (Expected Attention: the queries' moments, times the value norms)
         needed += ["queries", "values"]
     unused = [n for n in ("keys", "queries", "values") if getattr(args, n) is not None and n not in needed]
     if unused:  # (replay would ignore it without a word)
