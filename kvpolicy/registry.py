@@ -55,14 +55,40 @@ class Preset:
         return next((k for k, v in _REGISTRY.items() if v is self), self.cls.name)
 
     def __call__(self, **params: Any) -> "EvictionPolicy":
-        return self.cls(**{**self.fixed, **params})
+        return self.cls(**self.with_fixed(params))
 
     def from_size(self, size: int, **overrides: Any) -> "EvictionPolicy":
-        return self.cls.from_size(size, **{**self.fixed, **overrides})
+        return self.cls.from_size(size, **self.with_fixed(overrides))
+
+    def with_fixed(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` with the preset's fixed parameters added; ``ValueError`` naming the
+        parameter when one of ``params`` sets a fixed parameter to another value (the preset
+        would silently become another policy: ``adakv_h2o`` with ``scorer="keydiff"``).
+
+        Example:
+            >>> get_policy("adakv_h2o").with_fixed({"scorer": "keydiff"})
+            Traceback (most recent call last):
+            ...
+            ValueError: scorer='keydiff' conflicts with the preset 'adakv_h2o', which fixes scorer='h2o': drop the override, or use the policy 'adakv' with scorer='keydiff'
+        """
+        for key, value in params.items():
+            if key in self.fixed and not _same_value(value, self.fixed[key]):
+                raise ValueError(
+                    f"{key}={value!r} conflicts with the preset {self.name!r}, which fixes {key}={self.fixed[key]!r}: "
+                    f"drop the override, or use the policy {self.cls.name!r} with {key}={value!r}"
+                )
+        return {**params, **self.fixed}  # (a restated name in the preset's spelling)
 
     @property
     def min_size(self) -> int:
         return self.cls.min_size
+
+
+def _same_value(given: Any, fixed: Any) -> bool:
+    """Whether an override restates a preset's fixed value (registry names in any spelling)."""
+    if isinstance(given, str) and isinstance(fixed, str):
+        return normalize_name(given) == normalize_name(fixed)
+    return bool(given == fixed)
 
 
 def _spelling(name: str) -> str:

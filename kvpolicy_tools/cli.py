@@ -6,7 +6,9 @@ Verbs (each one a ``_cmd_<verb>(args)`` function, registered once in :data:`VERB
 * ``kvpolicy plan NAME --budget 0.3 --context 4096``: the parameters a budget resolves to, the
   capacity and the expected average cache size;
 * ``kvpolicy trace NAME --budget 0.3 --steps 200 --out trace.png``: replay the policy on
-  synthetic (or given) attention logits and draw which positions are kept at every step.
+  synthetic (or given) attention logits and draw which positions are kept at every step (a policy
+  that scores tokens from their keys - Knorm, KeyDiff, Expected Attention - gets synthetic keys,
+  queries and values too, or ``--keys``/``--queries``/``--values`` files with ``--logits``).
 
 Errors in the arguments (a ``ValueError`` from the library) print ``kvpolicy: error: ...`` and
 exit with status 2, like argparse's own usage errors.
@@ -25,7 +27,7 @@ import numpy as np
 
 from kvpolicy import __version__
 from kvpolicy.budget import make_policy, plan_policy
-from kvpolicy.policy import EvictionPolicy
+from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
 from kvpolicy.registry import Preset, available_policies, create_policy, get_policy, signature_of
 from kvpolicy_numpy import replay
 
@@ -33,7 +35,7 @@ from .command import CLIError, check_output_file, describe_os_error, run_command
 from .eval import compare
 from .perf import bench
 
-__all__ = ["VERBS", "Verb", "main", "build_parser", "synthetic_logits", "draw_trace"]
+__all__ = ["VERBS", "Verb", "main", "build_parser", "synthetic_logits", "synthetic_vectors", "draw_trace"]
 
 
 # ============================================================================ helpers
@@ -186,6 +188,24 @@ def synthetic_logits(steps: int, heads: int = 1, seed: int = 0) -> "Any":
     return out
 
 
+def synthetic_vectors(steps: int, heads: int = 1, head_dim: int = 16, seed: int = 0) -> tuple[Any, Any, Any]:
+    """Keys, queries and values ``[steps, heads, head_dim]`` for the policies that score tokens from
+    their keys (:data:`kvpolicy.KEY_STATISTICS`; Expected Attention reads the queries and values
+    too): Gaussian, each key scaled by a log-normal length so key norms differ as a model's do
+    (from a random stream of their own: the logits of the same ``seed`` stay as they are).
+
+    Example:
+        >>> k, q, v = synthetic_vectors(50, heads=2, seed=3)
+        >>> k.shape, q.shape, v.shape, bool((k == synthetic_vectors(50, heads=2, seed=3)[0]).all())
+        ((50, 2, 16), (50, 2, 16), (50, 2, 16), True)
+    """
+    rng = np.random.default_rng([seed, 1])
+    keys = rng.normal(size=(steps, heads, head_dim)) * rng.lognormal(0.0, 0.5, size=(steps, heads, 1))
+    queries = rng.normal(size=(steps, heads, head_dim))
+    values = rng.normal(size=(steps, heads, head_dim))
+    return keys, queries, values
+
+
 def draw_trace(trace: Any, policy: Any, out: str | Path, *, title: str | None = None) -> Path:
     """Draw ``trace`` like the BUZZ paper's Figure 1: x the decode step, y the position, a dark
     pixel where the position is kept after that step (light: evicted; white: not yet seen)."""
@@ -242,7 +262,8 @@ def draw_trace(trace: Any, policy: Any, out: str | Path, *, title: str | None = 
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
+    # the format named: without a suffix matplotlib would write out + ".png", not the path returned
+    fig.savefig(out, format=out.suffix[1:].lower() or "png")
     plt.close(fig)
     return out
 
@@ -256,16 +277,76 @@ def _add_trace(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", type=int, default=0, help="tokens prefilled at once (default 0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic logits")
     p.add_argument("--logits", type=Path, default=None, help=".npy logits [steps, heads, steps] (or [steps, steps]) instead of synthetic ones")
-    p.add_argument("--out", type=Path, default=Path("trace.png"), help="PNG to write (default trace.png)")
+    for name, shape, who in (("keys", "[steps, heads, head_dim]", "Knorm, KeyDiff, Expected Attention"),
+                             ("queries", "[steps, heads, head_dim]", "Expected Attention"),
+                             ("values", "[steps, heads, d]", "Expected Attention")):
+        p.add_argument(f"--{name}", type=Path, default=None,
+                       help=f".npy {name} {shape} for the policies that read them ({who}); default: synthetic ones "
+                       "(required with --logits)")
+    p.add_argument("--out", type=Path, default=Path("trace.png"),
+                   help="image to write (default trace.png; a name without a suffix is written as PNG)")
+
+
+def _load_array(path: Path, what: str) -> Any:
+    """A ``.npy`` array the trace reads, or :class:`CLIError` naming the file."""
+    try:
+        return np.load(path)
+    except (OSError, ValueError) as e:
+        raise CLIError(f"cannot read {what} from {str(path)!r}: {e}") from None
+
+
+def _check_image_suffix(out: Path) -> None:
+    """``--out``'s suffix must be an image format matplotlib writes (checked before the replay)."""
+    suffix = out.suffix[1:].lower()
+    if not suffix:
+        return
+    from matplotlib.backend_bases import FigureCanvasBase  # optional: the plot extra
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in formats:
+        raise CLIError(f"--out {out}: matplotlib writes no .{suffix} images; use one of {', '.join(sorted(formats))}")
+
+
+def _trace_vectors(args: argparse.Namespace, policy: EvictionPolicy, steps: int, heads: int) -> dict[str, Any]:
+    """The keys (and Expected Attention's queries and values) ``policy`` scores from: the
+    ``--keys``/``--queries``/``--values`` files when given, else synthetic ones
+    (:func:`synthetic_vectors`) with synthetic logits; with ``--logits`` a missing one is an error
+    naming its flag. Empty for the policies that score from the attention."""
+    needed = []
+    if policy.score_statistic in KEY_STATISTICS:
+        needed.append("keys")
+    if policy.observes_queries:  # (Expected Attention: the queries' moments, times the value norms)
+        needed += ["queries", "values"]
+    unused = [n for n in ("keys", "queries", "values") if getattr(args, n) is not None and n not in needed]
+    if unused:  # (replay would ignore it without a word)
+        raise CLIError(f"--{unused[0]}: {policy!r} does not read {unused[0]} (its scores come from "
+                       f"{'the keys' if needed else 'the attention'}); leave --{unused[0]} out")
+    out: dict[str, Any] = {}
+    for name in needed:
+        path = getattr(args, name)
+        if path is not None:
+            out[name] = _load_array(path, name)
+        elif args.logits is not None:
+            raise CLIError(
+                f"--{name}: {policy!r} scores tokens from their {_listed(needed)}; with --logits give "
+                + " ".join(f"--{n} FILE.npy" for n in needed) + " (the synthetic logits come with synthetic ones)"
+            )
+    if len(out) < len(needed):
+        synthetic = dict(zip(("keys", "queries", "values"), synthetic_vectors(steps, heads, seed=args.seed)))
+        out = {name: out.get(name, synthetic[name]) for name in needed}
+    return out
+
+
+def _listed(names: Sequence[str]) -> str:
+    """``keys``, ``keys and values``, ``keys, queries and values``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
     check_output_file(args.out, "--out")
+    _check_image_suffix(args.out)
     if args.logits is not None:
-        try:
-            logits = np.load(args.logits)
-        except (OSError, ValueError) as e:
-            raise CLIError(f"cannot read logits from {str(args.logits)!r}: {e}") from None
+        logits = _load_array(args.logits, "logits")
         loaded = tuple(np.shape(logits))
         if logits.ndim == 2:
             logits = logits[:, None, :]
@@ -291,13 +372,17 @@ def _cmd_trace(args: argparse.Namespace) -> int:
         policy = make_policy(entry, budget, context_length=steps, prompt_length=args.prompt, **overrides)
     else:
         policy = create_policy(args.name, **overrides)
-    trace = replay(policy, logits, args.prompt)
+    vectors = _trace_vectors(args, policy, steps, int(logits.shape[1]))
+    trace = replay(policy, logits, args.prompt, **vectors)
     try:
         out = draw_trace(trace, policy, args.out)
     except OSError as e:
         raise CLIError(f"--out {args.out}: cannot write the PNG: {describe_os_error(e)}") from None
     budget_text = f", realised budget {trace.realised_budget:.1%}" if len(trace.sizes) else ""
     print(f"{policy!r}: {len(trace.evictions)} evictions{budget_text}")
+    synthetic = [n for n in vectors if getattr(args, n) is None]
+    if synthetic:
+        print(f"{_listed(synthetic)}: synthetic (seed {args.seed}; {'/'.join('--' + n for n in synthetic)} FILE.npy for your own)")
     print(f"wrote {out}")
     return 0
 

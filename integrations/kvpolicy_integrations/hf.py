@@ -155,6 +155,20 @@ def _fusable(kwargs: dict[str, Any]) -> bool:
     return kwargs.get("position_bias") is None and kwargs.get("softcap") is None
 
 
+def _unfusable_message(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> str:
+    """Why a decode step cannot take :func:`~kvpolicy_torch.decode_attention`: what it was given
+    (an attention dropout is a model in training mode: say ``model.eval()``)."""
+    given = []
+    if dropout:
+        mode = " (the model is in training mode: call model.eval() before decoding)" if module.training else ""
+        given.append(f"attention dropout {dropout:g}{mode}")
+    if kwargs.get("softcap") is not None:
+        given.append(f"softcap={kwargs['softcap']!r}")
+    if kwargs.get("position_bias") is not None:
+        given.append("a position bias (position_bias)")
+    return f"kvpolicy's decode attention takes no dropout, softcap or position bias; got {'; '.join(given)}"
+
+
 def _no_mask(*args: Any, **kwargs: Any) -> None:
     """The mask function of a forward given an :class:`EvictingCache`: no 4-D mask is built (each
     layer masks from its own slots; the padding reaches the cache from the forward's arguments)."""
@@ -583,7 +597,7 @@ class EvictingLayer(DynamicLayer):
             self.observe_queries(query, kwargs.get("position_ids"))
         if store.on_device:  # a static-shaped decode step: one graph (kvpolicy_torch.static)
             if dropout or not _fusable(kwargs):
-                raise ValueError(f"kvpolicy's decode attention takes no dropout, softcap or position bias; got {sorted(kwargs)}")
+                raise ValueError(_unfusable_message(module, dropout, kwargs))
             out = store.attend(query, scale, options=self.step_options)
             store.evict()
             return out
@@ -607,7 +621,7 @@ class EvictingLayer(DynamicLayer):
                 self.finish_received(None)
                 return out
             if dropout or not _fusable(kwargs):
-                raise ValueError(f"kvpolicy's decode attention takes no dropout, softcap or position bias; got {sorted(kwargs)}")
+                raise ValueError(_unfusable_message(module, dropout, kwargs))
             row_scale = torch.tensor(scales, device=query.device) if scales is not None else None
             out = store.attend(query, scale, extra_bias=window, row_scale=row_scale, prefix=prefix)
             self.finish_received(None)
@@ -1210,7 +1224,7 @@ def generate(
     prompt: str,
     policy: str | EvictionPolicy = "buzz",
     *,
-    budget: float = 0.3,
+    budget: float | None = None,
     max_new_tokens: int = 64,
     chat: bool | None = None,
     positions: PositionsMode | None = None,
@@ -1220,7 +1234,10 @@ def generate(
     """Greedy generation of ``prompt`` with an evicting cache, in one call.
 
     ``policy`` is a policy or a registered name resolved with :func:`kvpolicy.make_policy` for
-    ``budget`` on this prompt's length plus ``max_new_tokens``. ``chat`` applies the tokenizer's
+    ``budget`` (in ``(0, 1]``; default 0.3) on this prompt's length plus ``max_new_tokens``, with
+    ``overrides`` (its fixed parameters, e.g. ``heavy=2``). A policy object is used as it is:
+    ``budget`` and ``overrides`` plan a name, so with an object they raise ``ValueError`` naming
+    them rather than being ignored. ``chat`` applies the tokenizer's
     chat template (default: when it has one). ``compile=True`` runs the decode steps compiled
     (:func:`compile_decode_step`, one graph a step, on a static-shaped cache; compiling takes a
     while, so it pays for long generations) with :func:`greedy_decode`.
@@ -1243,10 +1260,20 @@ def generate(
     if not prompt.strip():
         raise ValueError(f"prompt is empty ({prompt!r}): give generate() some text to continue")
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
-    if isinstance(policy, str):
+    if budget is not None:
         budget = check_float("budget", budget, low=0.0, high=1.0, low_open=True)
-    else:
+    if not isinstance(policy, str):
         policy = check_eviction_policy("policy", policy)
+        # budget= and the overrides plan a registered name: with a policy object they would do nothing
+        given = ([f"budget={budget!r}"] if budget is not None else []) + [f"{k}={v!r}" for k, v in overrides.items()]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: budget and parameter overrides plan a registered policy name, and policy "
+                f"{policy!r} is an object, used as it is: set its parameters on it, or pass its name "
+                f"({policy.name!r}) with them"
+            )
+    elif budget is None:
+        budget = 0.3
     chat = check_bool("chat", chat, allow_none=True)
     use_chat = chat if chat is not None else bool(getattr(tokenizer, "chat_template", None))
     if use_chat:

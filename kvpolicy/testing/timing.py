@@ -41,7 +41,7 @@ import numpy as np
 
 from kvpolicy.validation import check_bool
 from kvpolicy.policy import EvictionPolicy
-from kvpolicy.registry import Preset
+from kvpolicy.registry import Preset, get_policy
 from kvpolicy.testing._util import torch_available
 from kvpolicy_tools.perf.eviction import POLICIES, NumpyWorkload, Steady, TorchWorkload, policy_at_size, steady_state
 from kvpolicy_tools.perf.report import fit_slope, format_cost_axes, markdown_table, save_figure
@@ -310,12 +310,12 @@ def bench_specs(
     rounds: int = 3,
     on_progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """``kvpolicy bench --policy package.module:Factory``: :func:`benchmark_policy` for each spec
-    that is a size factory; the others get ``{"spec", "skipped": why}`` (they still take part in
-    the decode benchmark, which plans them by budget)."""
+    """``kvpolicy bench --policy package.module:Factory`` (or a registered name):
+    :func:`benchmark_policy` for each spec that is a size factory; the others get ``{"spec",
+    "skipped": why}`` (they still take part in the decode benchmark, which plans them by budget)."""
     out: list[dict[str, Any]] = []
     for spec in specs:
-        obj = load_factory(spec)
+        obj = load_factory(spec) if ":" in spec else get_policy(spec)
         try:
             size_factory(obj)
         except ValueError as e:

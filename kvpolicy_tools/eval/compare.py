@@ -63,14 +63,21 @@ MEASURED_DEFAULT = ("measured: 5.7 minutes wall, 5.7 minutes of CPU time (float3
 
 # =========================================================================== argument parsing
 def _per_task(text: str | None, flag: str) -> dict[str, int]:
-    """``"4"`` (every task) or ``"ppl=8,summ=4"`` (per task; ``*=N`` for the rest)."""
+    """``"4"`` (every task) or ``"ppl=8,summ=4"`` (per task; ``*=N`` for the rest); a name that is
+    not a registered task (a misspelling would otherwise be ignored) or an empty value is an error
+    naming ``flag``."""
     if text is None:
         return {}
+    if not split_csv(text):
+        raise ValueError(f"{flag} is empty: give N or TASK=N[,TASK=N...], or leave {flag} out for each task's default")
     out: dict[str, int] = {}
+    known = task_registry()
     for item in split_csv(text):
         key, sep, value = item.partition("=")
         if not sep:
             key, value = "*", key
+        elif key.strip().lower() not in known and key.strip() != "*":
+            raise ValueError(f"{flag}: {key.strip()!r} in {text!r} is not a task; tasks: {', '.join(known)} (or * for the rest)")
         try:
             out[key.strip().lower()] = int(value)
         except ValueError:
@@ -163,10 +170,15 @@ def _budgets(args: argparse.Namespace) -> list[float]:
         raise ValueError("--budgets and --compression-ratios are two spellings of the same setting: give one")
     if ratios is not None:
         values = parse_floats(ratios, "--compression-ratios")
+        if not values:  # (an empty value ran no policy at all, and exited 0)
+            raise ValueError(f"--compression-ratios {ratios!r} names no ratio: give ratios in (0, 1), e.g. 0.25,0.5,0.75 "
+                             "(--budgets none runs no budget)")
         for r in values:
             if not 0.0 < r < 1.0:
                 raise ValueError(f"--compression-ratios must lie in (0, 1), got {r:g} (ratio 0 is the policy 'full')")
         return [round(1.0 - r, 12) for r in values]
+    if args.budgets is not None and not str(args.budgets).strip():
+        raise ValueError("--budgets '' is empty: give budgets in (0, 1), e.g. 0.1,0.3, or 'none' for no budget")
     budgets = parse_floats(args.budgets, "--budgets") if args.budgets is not None else list(DEFAULT_BUDGETS)
     for b in budgets:
         if not 0.0 < b < 1.0:

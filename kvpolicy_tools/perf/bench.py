@@ -20,9 +20,11 @@ third-party policy: an :class:`~kvpolicy.EvictionPolicy` subclass (or registry p
 ``from_size`` is planned per budget like the built-ins; a policy *instance* is measured as is; any
 other callable is called as ``Factory(budget=..., context_length=..., prompt_length=...)`` and
 must return a policy. Third-party policies take part in ``decode`` and ``breakdown``; in
-``complexity`` the built-ins are measured as always, and each ``package.module:Factory`` that is
-a size factory (a class or preset with ``from_size``, or a function of the cache size) is timed
-by :func:`kvpolicy.testing.benchmark_policy` (its own table and ``complexity_<name>.png``).
+``complexity`` the built-ins are measured as always, and each other ``--policy`` that is a size
+factory (a registered name outside the built-ins' table such as ``knorm``, or a
+``package.module:Factory`` class or preset with ``from_size``, or a function of the cache size)
+is timed by :func:`kvpolicy.testing.benchmark_policy` (its own table and
+``complexity_<name>.png``); one that is not is named in the report with the reason.
 
 This module imports only the standard library at import time (the CLI stays light).
 """
@@ -44,7 +46,7 @@ from typing import Any, Sequence
 
 from kvpolicy.budget import plan_policy
 from kvpolicy.policy import EvictionPolicy
-from kvpolicy.registry import Preset
+from kvpolicy.registry import Preset, normalize_name
 from kvpolicy.testing.timing import bench_report, bench_specs, bench_steps
 from kvpolicy_tools.command import run_command
 from kvpolicy_tools.perf.eviction import POLICIES, measure_complexity
@@ -105,18 +107,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------------------------- helpers
-def _ints(text: str) -> list[int]:
+def _ints(text: str, flag: str, minimum: int = 1) -> list[int]:
+    """The comma-separated integers of ``flag``, each ``>= minimum``; an empty value is an error
+    (it would have run the defaults, or nothing, without a word)."""
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+        raise ValueError(f"{flag} expects comma-separated integers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{flag} is empty: give comma-separated integers >= {minimum}, or leave {flag} out for the default")
+    low = [v for v in values if v < minimum]
+    if low:
+        raise ValueError(f"{flag} values must be >= {minimum}, got {low[0]} in {text!r}")
+    return values
 
 
-def _floats(text: str) -> list[float]:
+def _floats(text: str, flag: str) -> list[float]:
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
+        values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"expected comma-separated numbers, got {text!r}") from None
+        raise ValueError(f"{flag} expects comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{flag} is empty: give comma-separated numbers, or leave {flag} out for the default")
+    return values
 
 
 def _configs(text: str) -> list[tuple[int, int]]:
@@ -124,7 +137,9 @@ def _configs(text: str) -> list[tuple[int, int]]:
     for item in text.split(","):
         b, sep, h = item.strip().lower().partition("x")
         if not sep or not b.isdigit() or not h.isdigit():
-            raise ValueError(f"configs are BATCHxHEADS, e.g. 1x8,8x32; got {item!r}")
+            raise ValueError(f"--configs are BATCHxHEADS, e.g. 1x8,8x32; got {item!r}")
+        if int(b) < 1 or int(h) < 1:
+            raise ValueError(f"--configs: batch and KV heads must be >= 1, got {item.strip()!r}")
         out.append((int(b), int(h)))
     return out
 
@@ -441,25 +456,40 @@ def run(args: argparse.Namespace) -> int:
     defaults = QUICK if args.quick else FULL
     what = {w.strip() for w in args.what.split(",") if w.strip()}
     unknown = what - {"complexity", "decode", "breakdown"}
-    if unknown:
-        raise ValueError(f"--what takes complexity, decode, breakdown; got {', '.join(sorted(unknown))}")
-    sizes = _ints(args.sizes or defaults["sizes"])
-    configs = _configs(args.configs or defaults["configs"])
+    if unknown or not what:
+        raise ValueError(f"--what takes complexity, decode, breakdown; got {', '.join(sorted(unknown)) or repr(args.what)}")
+    # a flag given empty is an error, not the default (`is None`: only a flag left out takes it)
+    def given(value: str | None, key: str) -> str:
+        return defaults[key] if value is None else value
+
+    sizes = _ints(given(args.sizes, "sizes"), "--sizes", minimum=16)
+    configs = _configs(given(args.configs, "configs"))
     rounds = args.rounds if args.rounds is not None else defaults["rounds"]  # (0 is an error below, not the default)
-    contexts = _ints(args.contexts or defaults["contexts"])
-    budgets = _floats(args.budgets or defaults["budgets"])
+    contexts = _ints(given(args.contexts, "contexts"), "--contexts")
+    budgets = _floats(given(args.budgets, "budgets"), "--budgets")
     steps = args.steps if args.steps is not None else defaults["steps"]
     decode_rounds = args.decode_rounds if args.decode_rounds is not None else defaults["decode_rounds"]
-    breakdown_contexts = _ints(args.breakdown_contexts) if args.breakdown_contexts else sorted({min(contexts), max(contexts)})
-    if any(s < 16 for s in sizes):
-        raise ValueError("--sizes must all be >= 16")
+    if args.breakdown_contexts is not None:
+        breakdown_contexts = _ints(args.breakdown_contexts, "--breakdown-contexts")
+        missing = sorted(set(breakdown_contexts) - set(contexts))
+        if missing:  # (the breakdown runs on the decode part's prefills: another context would be skipped)
+            raise ValueError(f"--breakdown-contexts {missing[0]} is not among --contexts ({','.join(map(str, contexts))})")
+    else:
+        breakdown_contexts = sorted({min(contexts), max(contexts)})
     if any(not 0 < b < 1 for b in budgets):
         raise ValueError("--budgets must be in (0, 1)")
     if steps < 1 or decode_rounds < 1 or rounds < 1:
         raise ValueError("--steps, --rounds and --decode-rounds must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads} (leave it out for torch's default)")
+    if args.max_token_heads < 1:
+        raise ValueError(f"--max-token-heads must be >= 1, got {args.max_token_heads}")
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not backends or set(backends) - {"torch", "numpy"}:
+        raise ValueError(f"--backends takes torch, numpy; got {args.backends!r}")
     specs = [resolve_policy(p) for p in (args.policy or ["streaming_llm", "h2o", "buzz"])]
 
-    if args.threads:
+    if args.threads is not None:
         import torch  # here: only when --threads is given
 
         torch.set_num_threads(args.threads)
@@ -469,9 +499,9 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     n_series = 0
-    # Third-party policies (package.module:Factory) are timed too, through kvpolicy.testing.timing.
-    third_party = [p for p in (args.policy or []) if ":" in p]
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    # The --policy policies the complexity table does not measure (package.module:Factory, and
+    # registered names outside POLICIES, e.g. knorm) are timed too, through kvpolicy.testing.timing.
+    third_party = [p for p in (args.policy or []) if ":" in p or normalize_name(p) not in POLICIES]
     if "complexity" in what:
         n_series = len(POLICIES) * len(configs) * len(backends) + bench_steps(third_party, sizes, backends, rounds)
     plan = _decode_plan(args, contexts, budgets, specs, steps, decode_rounds, breakdown_contexts, what) if what & {"decode", "breakdown"} else {}
@@ -508,7 +538,7 @@ def run(args: argparse.Namespace) -> int:
     if "complexity" in data:
         lines += ["## Eviction cost against cache size", ""] + _complexity_report(data["complexity"], out, plots)
     if data.get("policy_complexity"):
-        lines += ["## Eviction cost of the --policy package.module:Factory policies", ""] + bench_report(data["policy_complexity"], out, plots)
+        lines += ["## Eviction cost of the other --policy policies", ""] + bench_report(data["policy_complexity"], out, plots)
     if "decode" in data:
         lines += ["## Decode speed, memory and breakdown", ""] + _decode_report(data["decode"], out, plots)
     (out / "report.md").write_text("\n".join(lines) + "\n")

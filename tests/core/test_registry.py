@@ -142,6 +142,28 @@ def test_register_a_preset(clean_registry) -> None:
     assert "h2o_shared" in available_policies()
 
 
+
+PRESET_FIELDS = [(name, key) for name, e in sorted(available_policies().items()) if isinstance(e, Preset) for key in e.fixed]
+
+
+@pytest.mark.parametrize("name,key", PRESET_FIELDS)
+def test_a_preset_refuses_an_override_of_what_it_fixes(name, key) -> None:
+    """Issue 44 class 4: make_policy("adakv_h2o", ..., scorer="keydiff") silently became AdaKV over
+    KeyDiff; now every preset refuses, by name, an override that changes one of its fixed
+    parameters (planned or created), and takes one that restates it (any spelling of a name)."""
+    entry = get_policy(name)
+    fixed = entry.fixed[key]
+    other = ("tova" if fixed != "tova" else "h2o") if isinstance(fixed, str) else (not fixed) if isinstance(fixed, bool) else fixed + 1
+    message = (rf"^{key}={other!r} conflicts with the preset '{name}', which fixes {key}={fixed!r}: drop the override, "
+               rf"or use the policy '{entry.cls.name}' with {key}={other!r}$").replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(ValueError, match=message):
+        make_policy(name, 0.3, context_length=400, prompt_length=300, **{key: other})
+    with pytest.raises(ValueError, match=message):
+        entry(**{key: other})
+    same = fixed.upper() if isinstance(fixed, str) else fixed
+    assert make_policy(name, 0.3, context_length=400, prompt_length=300, **{key: same}) == make_policy(name, 0.3, context_length=400, prompt_length=300)
+
+
 # ---------------------------------------------------------------------------- register_policy
 def test_register_policy_decorator_forms(clean_registry) -> None:
     assert register_policy(EveryOther) is EveryOther

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from kvpolicy import BUZZ, H2O, TOVA, FullCache, StreamingLLM
+from kvpolicy import BUZZ, H2O, TOVA, FullCache, StreamingLLM, make_policy
 from kvpolicy.hf import EvictingCache, cache_kwargs, greedy_decode
 from kvpolicy_tools.models import tiny_llama
 
@@ -255,3 +255,50 @@ def test_a_deep_copy_of_a_model_serves_its_own_caches(model):
     twin = copy.deepcopy(model)
     assert torch.equal(greedy_decode(twin, ids, EvictingCache(H2O(8, 8), twin), 6), expected)
     assert twin.config._attn_implementation == model.config._attn_implementation == "sdpa"
+
+
+# ---------------------------------------------------------------------------- issue 44
+class _Tok:
+    """A stand-in tokenizer: one id per character (no chat template)."""
+
+    chat_template = None
+    pad_token_id = 0
+
+    def __call__(self, text, return_tensors=None):
+        return {"input_ids": torch.tensor([[3 + ord(c) % 100 for c in text]])}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_generate_refuses_what_a_policy_object_would_ignore(model):
+    """Issue 44 class 4: generate(..., H2O(...), heavy=2) ignored heavy, and budget=7.0 with a policy
+    object passed without a word. Overrides and budget plan a registered name: with an object they
+    are refused by name; an out-of-range budget is refused with a name or an object; a name takes both."""
+    from kvpolicy.hf import generate
+
+    prompt = "abcdefghij" * 4
+    obj = H2O(heavy=4, recent=4)
+    with pytest.raises(ValueError, match=r"^heavy=2: budget and parameter overrides plan a registered policy name, and "
+                                         r"policy H2O\(heavy=4, recent=4\) is an object, used as it is: .* \('h2o'\)"):
+        generate(model, _Tok(), prompt, obj, heavy=2, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"^budget=0\.5: budget and parameter overrides plan a registered policy name"):
+        generate(model, _Tok(), prompt, obj, budget=0.5, max_new_tokens=2)
+    for policy in (obj, "h2o"):
+        with pytest.raises(ValueError, match=r"^budget must be in \(0\.0, 1\.0\], got 7\.0"):
+            generate(model, _Tok(), prompt, policy, budget=7.0, max_new_tokens=2)
+    assert generate(model, _Tok(), prompt, obj, max_new_tokens=2).policy == obj
+    assert generate(model, _Tok(), prompt, "h2o", budget=0.5, recent=3, max_new_tokens=2).policy.recent == 3
+    assert generate(model, _Tok(), prompt, "h2o", max_new_tokens=2).policy == make_policy(
+        "h2o", 0.3, context_length=len(prompt) + 2, prompt_length=len(prompt), layers=2)  # the default budget
+
+
+def test_a_model_in_training_mode_is_told_to_call_eval():
+    """Issue 44 class 16: a model in train() mode (attention dropout) was refused listing
+    position_ids and use_cache as what the attention got; now the dropout is named, with model.eval()."""
+    model = tiny_llama(seed=5, attention_dropout=0.1).train()
+    cache = EvictingCache(H2O(heavy=4, recent=4), model)
+    with pytest.raises(ValueError, match=r"takes no dropout, softcap or position bias; got attention dropout 0\.1 \(the "
+                                         r"model is in training mode: call model\.eval\(\) before decoding\)$"):
+        with torch.no_grad():
+            model.generate(_ids(model, 20), max_new_tokens=2, do_sample=False, **cache_kwargs(model, cache))

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from kvpolicy import BUZZ, available_policies, plan_policy  # noqa: E402
-from kvpolicy_tools.cli import VERBS, main, synthetic_logits  # noqa: E402
+from kvpolicy_tools.cli import VERBS, main, synthetic_logits, synthetic_vectors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -183,6 +183,47 @@ def test_trace_2d_logits_and_bad_file(capsys, tmp_path) -> None:
     assert rc == 2 and "logits must have shape [steps, heads, steps]" in err
     rc, _, err = run(capsys, "trace", "local", "--logits", str(tmp_path / "missing.npy"))
     assert rc == 2 and "cannot read logits" in err
+
+
+
+@pytest.mark.parametrize("name,prompt", [("knorm", 0), ("keydiff", 0), ("expected_attention", 40)])
+def test_trace_runs_the_policies_that_score_from_keys(capsys, tmp_path, name, prompt) -> None:
+    """Issue 44 class 12: `kvpolicy trace knorm` stopped with "pass keys=[steps, heads, head_dim]" (a
+    Python argument). The trace supplies synthetic keys (and Expected Attention's queries and values),
+    says so, and replays exactly what replay() gives with them."""
+    from kvpolicy import make_policy
+    from kvpolicy_numpy import replay
+
+    out = tmp_path / "t.png"
+    rc, text, err = run(capsys, "trace", name, "--steps", "120", "--heads", "2", "--prompt", str(prompt), "--seed", "3",
+                        "--out", str(out))
+    assert rc == 0, err
+    assert png_size(out)[0] > 0 and "synthetic (seed 3; --keys" in text
+    policy = make_policy(name, 0.3, context_length=120, prompt_length=prompt)
+    keys, queries, values = synthetic_vectors(120, 2, seed=3)
+    extra = {"queries": queries, "values": values} if name == "expected_attention" else {}
+    trace = replay(policy, synthetic_logits(120, 2, seed=3), prompt, keys=keys, **extra)
+    assert f"{policy!r}: {len(trace.evictions)} evictions" in text and trace.evictions
+
+
+def test_trace_with_given_logits_reads_keys_from_a_file(capsys, tmp_path) -> None:
+    """With --logits, the keys of a key-scoring policy come from --keys (refused by name without it);
+    --keys for a policy that reads none is refused rather than ignored."""
+    from kvpolicy import Knorm
+    from kvpolicy_numpy import replay
+
+    rng = np.random.default_rng(0)
+    logits, keys = rng.normal(size=(60, 1, 60)), rng.normal(size=(60, 1, 8))
+    np.save(tmp_path / "l.npy", logits)
+    np.save(tmp_path / "k.npy", keys)
+    base = ("trace", "knorm", "--set", "size=10", "--logits", str(tmp_path / "l.npy"), "--out", str(tmp_path / "t.png"))
+    rc, _, err = run(capsys, *base)
+    assert rc == 2 and "--keys: Knorm(size=10, recent=0) scores tokens from their keys; with --logits give --keys FILE.npy" in err
+    rc, text, err = run(capsys, *base, "--keys", str(tmp_path / "k.npy"))
+    assert rc == 0, err
+    assert f": {len(replay(Knorm(size=10), logits, keys=keys).evictions)} evictions" in text and "synthetic" not in text
+    rc, _, err = run(capsys, "trace", "h2o", "--keys", str(tmp_path / "k.npy"), "--out", str(tmp_path / "h.png"))
+    assert rc == 2 and "--keys: H2O(heavy=16, recent=16) does not read keys" in err
 
 
 def test_synthetic_logits_have_heavy_hitters_and_recency() -> None:

@@ -55,6 +55,20 @@ def test_trace_out_is_a_folder(capsys, tmp_path) -> None:
     assert rc == 0 and (tmp_path / "new" / "t.png").is_file(), err
 
 
+
+def test_trace_out_without_a_suffix_writes_the_path_it_reports(capsys, tmp_path) -> None:
+    """Issue 44 class 17: `trace --out noext` printed "wrote noext" and wrote noext.png. The path given
+    is the path written (a PNG), and a suffix matplotlib cannot write is refused before the replay."""
+    out = tmp_path / "noext"
+    rc, err = run(capsys, "trace", "buzz", "--out", str(out))
+    assert rc == 0, err
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "noext.png").exists()
+    rc, err = run(capsys, "trace", "buzz", "--out", str(tmp_path / "t.svg"))
+    assert rc == 0 and (tmp_path / "t.svg").read_text().lstrip().startswith("<?xml"), err
+    err = refused(capsys, "trace", "buzz", "--out", str(tmp_path / "t.foo"))
+    assert f"--out {tmp_path / 't.foo'}: matplotlib writes no .foo images; use one of " in err and "png" in err
+
+
 def test_compare_out_where_nothing_can_be_written(capsys) -> None:
     """Refused before the model is loaded, not after the whole run."""
     err = refused(capsys, "compare", "--out", "/proc/report", "--no-progress")
@@ -114,7 +128,7 @@ def test_a_kv_record_missing_a_key_names_file_and_line(tmp_path) -> None:
 def test_a_qa_record_of_the_wrong_structure_names_file_and_line(tmp_path) -> None:
     p = tmp_path / "nq.jsonl"
     p.write_text(lines({"question": "q", "answers": "Paris", "ctxs": [{"text": "t", "isgold": True}]}))
-    with pytest.raises(ValueError, match=rf"^{p}:1: the record does not have the expected structure"):
+    with pytest.raises(ValueError, match=rf"^{p}:1: 'answers' must be a list of strings"):
         D.load_nq_multidoc(p, n_docs=1, gold_positions=(0,))
 
 
@@ -197,3 +211,23 @@ def test_compare_with_a_malformed_data_file_prints_file_and_line(tmp_path) -> No
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert f"kvpolicy: error: {tmp_path / 'xsum_0shot.jsonl'}:2: expected one JSON object" in proc.stderr
+
+
+# ---------------------------------------------------------------------------- issue 44: values that vanish
+@pytest.mark.parametrize("argv,message", [
+    (["--compression-ratios", ""], "--compression-ratios '' names no ratio: give ratios in (0, 1)"),
+    (["--compression-ratios", "none"], "--compression-ratios 'none' names no ratio"),
+    (["--budgets", ""], "--budgets '' is empty: give budgets in (0, 1)"),
+    (["--samples", "neddle=4"], "--samples: 'neddle' in 'neddle=4' is not a task; tasks: kv, needle, "),
+    (["--samples", "ppl=2,sum=3"], "--samples: 'sum' in 'ppl=2,sum=3' is not a task"),
+    (["--max-new-tokens", "sumary=8"], "--max-new-tokens: 'sumary' in 'sumary=8' is not a task"),
+    (["--context", ","], "--context is empty: give N or TASK=N"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+], ids=["ratios empty", "ratios none", "budgets empty", "samples misspelt", "samples one misspelt", "new tokens misspelt",
+        "context empty", "threads 0"])
+def test_compare_refuses_a_value_that_would_vanish(capsys, tmp_path, argv, message) -> None:
+    """Issue 44 class 6: `compare --compression-ratios ''` ran no cell and exited 0; a misspelt task in
+    `--samples task=N` was ignored. Each is refused naming the flag, before the model loads (the model
+    named here does not exist: reaching it would be another error)."""
+    err = refused(capsys, "compare", "--model", str(tmp_path / "no-model"), "--no-progress", "--out", str(tmp_path / "r"), *argv)
+    assert message in err and "loading" not in err, err

@@ -37,6 +37,7 @@ from .common import (
     package_path,
     read_jsonl,
     read_jsonl_lines,
+    read_records,
     record_errors,
     require_file,
     select_rows,
@@ -54,7 +55,7 @@ from .needle import (
     make_needle_example,
     make_passkey_example,
 )
-from .nq import BM25, QA_INSTRUCTION, contains_answer, format_multidoc_prompt, load_nq_multidoc
+from .nq import BM25, QA_INSTRUCTION, NQRecord, contains_answer, format_multidoc_prompt, load_nq_multidoc, read_nq_record
 from .paul_graham import load_paul_graham_essays
 from .wiki_articles import GENSIM_WIKI_FILE, load_wiki_articles, strip_wiki_markup
 from .wiki_leads import load_wiki_leads
@@ -74,12 +75,15 @@ __all__ = [
     "decode_utf8",
     "read_jsonl",
     "read_jsonl_lines",
+    "read_records",
     "record_errors",
     "load_wikitext",
     "parse_wikitext",
     "load_xsum",
     "format_summary_prompt",
     "load_nq_multidoc",
+    "NQRecord",
+    "read_nq_record",
     "contains_answer",
     "format_multidoc_prompt",
     "load_kv_retrieval",

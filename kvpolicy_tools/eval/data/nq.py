@@ -20,12 +20,11 @@ from .common import (
     TextDoc,
     given_or_shared,
     read_records,
-    record_errors,
     select_rows,
 )
 from .wiki_leads import load_wiki_leads
 
-__all__ = ["BM25", "QA_INSTRUCTION", "contains_answer", "load_nq_multidoc", "format_multidoc_prompt"]
+__all__ = ["BM25", "QA_INSTRUCTION", "NQRecord", "contains_answer", "load_nq_multidoc", "format_multidoc_prompt", "read_nq_record"]
 
 
 _STOPWORDS = frozenset(
@@ -131,6 +130,55 @@ def contains_answer(text: str, answers: Iterable[str], *, min_substring_chars: i
     return False
 
 
+@dataclass(frozen=True)
+class NQRecord:
+    """One row of the NQ-open oracle file: the question, its reference answers and the gold passage."""
+
+    question: str
+    answers: tuple[str, ...]
+    gold: Passage
+
+
+def read_nq_record(record: dict[str, Any], path: str | os.PathLike[str], line: int) -> NQRecord:
+    """The question, answers and gold passage of one NQ-open oracle row (``line`` of ``path``),
+    or ``ValueError`` naming the file, the line and what is wrong: a missing key, ``answers``
+    that is not a non-empty list of strings (a string would be read letter by letter, and any
+    output holding one of its letters would score), ``ctxs`` without a passage, a gold passage
+    (the ``isgold`` one, else the first) without text. What :func:`load_nq_multidoc` and the
+    ``ruler`` task's ``qa`` subtask read.
+
+    Example:
+        >>> read_nq_record({"question": "capital of france", "answers": "Paris",
+        ...                 "ctxs": [{"text": "Paris is the capital.", "isgold": True}]}, "nq.jsonl", 3)
+        Traceback (most recent call last):
+        ...
+        ValueError: nq.jsonl:3: 'answers' must be a list of strings (e.g. ['Paris']), got the string 'Paris'
+    """
+    where = f"{path}:{line}"
+    for key in ("question", "answers", "ctxs"):
+        if key not in record:
+            raise ValueError(f"{where}: the record has no {key!r} key")
+    question, answers, ctxs = record["question"], record["answers"], record["ctxs"]
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f"{where}: 'question' must be a non-empty string, got {question!r:.80}")
+    if isinstance(answers, str):
+        raise ValueError(f"{where}: 'answers' must be a list of strings (e.g. [{answers!r:.60}]), got the string {answers!r:.80}")
+    if not isinstance(answers, list) or not answers or not all(isinstance(a, str) and a.strip() for a in answers):
+        raise ValueError(f"{where}: 'answers' must be a non-empty list of non-empty strings, got {answers!r:.80}")
+    if not isinstance(ctxs, list) or not ctxs:
+        raise ValueError(f"{where}: the record has no 'ctxs' gold passage ('ctxs' must be a non-empty list of passages, got {ctxs!r:.80})")
+    if not all(isinstance(c, dict) for c in ctxs):
+        raise ValueError(f"{where}: 'ctxs' must be a list of passages (objects with 'title', 'text', 'isgold'), got {ctxs!r:.80}")
+    index = next((i for i, c in enumerate(ctxs) if c.get("isgold")), 0)
+    gold = ctxs[index]
+    text, title = gold.get("text"), gold.get("title", "")
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{where}: the gold passage (ctxs[{index}]) must have a non-empty 'text', got {text!r:.80}")
+    if not isinstance(title, str):
+        raise ValueError(f"{where}: the gold passage (ctxs[{index}]) 'title' must be a string, got {title!r:.80}")
+    return NQRecord(question=question, answers=tuple(answers), gold=Passage(title=title, text=text, is_gold=True))
+
+
 def _truncate_words(text: str, max_words: int | None) -> str:
     words = text.split()
     if max_words is not None and len(words) > max_words:
@@ -216,17 +264,9 @@ def load_nq_multidoc(
     pool = _distractor_pool(distractor_pool, distractor_max_words) if n_docs > 1 else None
     out: list[QAExample] = []
     for i in select_rows(len(rows), limit, seed):
-        line, r = rows[i]
-        with record_errors(p, line):
-            if not isinstance(r["answers"], list):
-                raise TypeError(f"'answers' must be a list of strings, got {r['answers']!r}")
-            answers = tuple(str(a) for a in r["answers"])
-            ctxs = r.get("ctxs") or []
-            if not ctxs:
-                raise ValueError(f"{p}:{line}: the record has no 'ctxs' gold passage")
-            gold_ctx = next((c for c in ctxs if c.get("isgold")), ctxs[0])
-            gold = Passage(title=str(gold_ctx.get("title", "")), text=str(gold_ctx["text"]), is_gold=True)
-            r = {**r, "question": str(r["question"])}
+        line, record = rows[i]
+        nq = read_nq_record(record, p, line)
+        answers, gold, r = nq.answers, nq.gold, {"question": nq.question}
         # substring EM is near-degenerate for 1-2 character answers ("7", "S"); flag them
         short = any(len(normalize_answer(a)) < 3 for a in answers)
         distractors: list[Passage] = []

@@ -118,19 +118,18 @@ class RulerTask(Task):
             for ex in self.src.qa:
                 gold = next((d for d in ex.documents if d.is_gold), ex.documents[0])
                 rows.append({"question": ex.question, "answers": list(ex.answers), "title": gold.title, "text": gold.text})
+            if not rows:
+                raise ValueError("ruler's qa subtask: the in-memory QA examples (DataSources.qa) are empty")
             self.data_note += f"; qa: {len(rows)} in-memory QA examples (gold passages)"
             return list({r["question"]: r for r in rows}.values())
         if self.src.hub or not self.src.paper:
             raise ValueError("ruler's qa subtask needs --data-dir with nq-open-oracle.jsonl.gz (it has no hub loader)")
         p = self.src.file("nq-open-oracle.jsonl.gz")
-        raw = list(D.read_jsonl(p))
+        raw = D.read_records(p)  # (an empty file: named, not "pass --data-dir")
         rows = []
         for i in sample_order(len(raw), self.opt.seed):
-            r = raw[i]
-            gold = next((c for c in r.get("ctxs") or [] if c.get("isgold")), (r.get("ctxs") or [None])[0])
-            if gold is not None:
-                rows.append({"question": r["question"], "answers": list(r["answers"]), "title": gold.get("title", ""),
-                             "text": gold["text"]})
+            nq = D.read_nq_record(raw[i][1], p, raw[i][0])  # a malformed row: the file and its line
+            rows.append({"question": nq.question, "answers": list(nq.answers), "title": nq.gold.title, "text": nq.gold.text})
         self.data_note += (f"; qa: NQ-open questions, {describe_file(p)}, their gold passages as RULER's documents "
                            "(distractors: other questions' gold passages without an answer string)")
         return rows

@@ -85,3 +85,45 @@ def test_bench_progress_bar_ends_at_its_total(tmp_path, capsys) -> None:
     # 1 prefill + 2 rounds x 6 (DynamicCache, FullCache, capture only and its unfused row, the limit,
     # H2O) + the breakdown's 2 rounds x the same 6
     assert int(done) == int(total) == 1 + 2 * 6 + 2 * 6
+
+
+# a complexity run small enough to finish in a second where a flag value was dropped (before issue 44)
+_TINY = ["--what", "complexity", "--sizes", "64", "--configs", "1x1", "--rounds", "1", "--backends", "numpy", "--no-plots",
+         "--no-progress"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--threads", "-1"], "--threads must be >= 1, got -1"),
+    (["--configs", "1x0"], "--configs: batch and KV heads must be >= 1, got '1x0'"),
+    (["--contexts", "0", "--what", "decode"], "--contexts values must be >= 1, got 0"),
+    (["--sizes", ""], "--sizes is empty"),
+    (["--sizes", "8"], "--sizes values must be >= 16, got 8"),
+    (["--what", ","], "--what takes complexity, decode, breakdown; got ','"),
+    (["--backends", "cuda"], "--backends takes torch, numpy; got 'cuda'"),
+    (["--contexts", "48", "--breakdown-contexts", "64", "--what", "breakdown"], "--breakdown-contexts 64 is not among --contexts (48)"),
+], ids=["threads 0", "threads -1", "configs 1x0", "contexts 0", "sizes empty", "sizes 8", "what empty", "backends cuda",
+        "breakdown context not run"])
+def test_bench_refuses_flag_values_it_would_drop_or_pass_on_raw(tmp_path, capsys, argv, message) -> None:
+    """Issue 44 classes 6 and 12: `--threads 0` was ignored, `--threads -1` a raw torch error,
+    `--configs 1x0` a NumPy concatenation error, `--contexts 0` blamed the budget; an empty value ran
+    the defaults. Each is refused naming the flag."""
+    from kvpolicy_tools.perf.bench import main
+
+    assert main([*_TINY, "--out", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvpolicy bench: error: ") and message in err, err
+
+
+def test_bench_complexity_times_a_registered_policy_outside_its_table(tmp_path) -> None:
+    """Issue 44 class 6: `bench --what complexity --policy knorm` measured the built-ins and dropped
+    knorm; a registered name outside the built-ins' table is timed like a package.module:Factory."""
+    from kvpolicy_tools.perf.bench import main
+
+    assert "knorm" not in POLICIES
+    assert main([*_TINY, "--sizes", "64,128", "--out", str(tmp_path), "--policy", "knorm", "--policy", "h2o"]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    timed, = data["policy_complexity"]  # knorm; h2o is in the main table
+    assert timed["spec"] == "knorm" and {r["size"] for r in timed["rows"]} == {64, 128}
+    assert {r["policy"] for r in data["complexity"]["rows"]} == set(POLICIES)
+    assert "### `knorm` (Knorm)" in (tmp_path / "report.md").read_text()

@@ -3,13 +3,16 @@ the answer check, the prompt; tiny files, and the real shared file when present.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 import pytest
 
-from kvpolicy_tools.eval.data import BM25, Passage, QAExample, TextDoc, contains_answer, format_multidoc_prompt, load_nq_multidoc
+from kvpolicy_tools.eval.data import (
+    BM25, NQRecord, Passage, QAExample, TextDoc, contains_answer, format_multidoc_prompt, load_nq_multidoc, read_nq_record,
+)
 from kvpolicy_tools.eval.metrics import normalize_answer
 from eval_files import need_dist, shared, write_jsonl
 
@@ -93,6 +96,42 @@ def test_load_nq_multidoc_errors(tmp_path: Path) -> None:
         load_nq_multidoc(p, distractor_pool=POOL, n_docs=5, gold_positions=(5,))
     with pytest.raises(FileNotFoundError, match="missing.jsonl.gz"):
         load_nq_multidoc(tmp_path / "missing.jsonl.gz", distractor_pool=POOL)
+
+
+GOOD_ROW = {"question": "what is the capital city of france", "answers": ["Paris"],
+            "ctxs": [{"title": "Lyon", "text": "Lyon is a city."}, {"title": "France", "text": "Paris is the capital.", "isgold": True}]}
+
+#: Malformed NQ rows (issue 44 classes 5 and 12) and what the error says after "FILE:LINE: ".
+MALFORMED = {
+    "string answers": ({**GOOD_ROW, "answers": "Paris"}, "'answers' must be a list of strings (e.g. ['Paris']), got the string 'Paris'"),
+    "no answers key": ({k: v for k, v in GOOD_ROW.items() if k != "answers"}, "the record has no 'answers' key"),
+    "no question key": ({k: v for k, v in GOOD_ROW.items() if k != "question"}, "the record has no 'question' key"),
+    "empty answers": ({**GOOD_ROW, "answers": []}, "'answers' must be a non-empty list of non-empty strings, got []"),
+    "a number answer": ({**GOOD_ROW, "answers": ["Paris", 7]}, "'answers' must be a non-empty list of non-empty strings"),
+    "no ctxs": ({**GOOD_ROW, "ctxs": []}, "the record has no 'ctxs' gold passage"),
+    "a string ctx": ({**GOOD_ROW, "ctxs": ["Paris is the capital."]}, "'ctxs' must be a list of passages"),
+    "gold without text": ({**GOOD_ROW, "ctxs": [{"title": "France", "isgold": True}]}, "the gold passage (ctxs[0]) must have a non-empty 'text', got None"),
+    "gold of blank text": ({**GOOD_ROW, "ctxs": [{"title": "A"}, {"text": " ", "isgold": True}]}, "the gold passage (ctxs[1]) must have a non-empty 'text'"),
+    "a list question": ({**GOOD_ROW, "question": ["q"]}, "'question' must be a non-empty string"),
+}
+
+
+def test_read_nq_record_reads_the_gold_passage() -> None:
+    assert read_nq_record(GOOD_ROW, "nq.jsonl", 1) == NQRecord(
+        "what is the capital city of france", ("Paris",), Passage(title="France", text="Paris is the capital.", is_gold=True))
+    first = {**GOOD_ROW, "ctxs": [{"text": "Paris is the capital."}]}  # no isgold: the first passage, no title
+    assert read_nq_record(first, "nq.jsonl", 1).gold == Passage(title="", text="Paris is the capital.", is_gold=True)
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_nq_row_is_refused_naming_file_and_line(tmp_path: Path, case: str) -> None:
+    """Issue 44 class 5: string answers were split into letters (an unrelated output scored 100%);
+    class 12: the other malformed rows gave tracebacks or errors without the file and row. Each is
+    refused by load_nq_multidoc (the qa task) with the file, the line and what is wrong."""
+    row, message = MALFORMED[case]
+    p = write_jsonl(tmp_path / "nq.jsonl", [GOOD_ROW, row])
+    with pytest.raises(ValueError, match="^" + re.escape(f"{p}:2: {message}")):
+        load_nq_multidoc(p, n_docs=1, gold_positions=(0,))
 
 
 def test_format_multidoc_prompt_exact() -> None:

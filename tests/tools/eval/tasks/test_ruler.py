@@ -38,6 +38,48 @@ def test_options_and_cli_errors(capsys):
         assert rc == 2 and err.startswith("kvpolicy: error: ") and message in err, err
 
 
+
+def _qa_samples(data_dir):
+    """The ruler task's qa samples from ``data_dir`` (no model: the samples are built before it runs)."""
+    from tiny_eval import CharTokenizer as TinyTokenizer
+    from kvpolicy_tools.eval.tasks import DataSources, RulerOptions, TaskOptions, TokenizerAdapter, make_tasks
+
+    task, = make_tasks(["ruler"], TaskOptions(samples=1), DataSources(data_dir=str(data_dir)),
+                       {"ruler": RulerOptions(length=1000, subtasks=("qa",))})
+    return task.samples(TokenizerAdapter(TinyTokenizer()))
+
+
+@pytest.mark.parametrize("bad", [{"answers": "Paris"}, {"ctxs": [{"title": "France", "isgold": True}]}, "no question"],
+                         ids=["string answers", "gold without text", "no question"])
+def test_ruler_qa_refuses_a_malformed_nq_row_naming_file_and_line(tmp_path, bad):
+    """Issue 44 class 5: --ruler-subtasks qa split string answers into letters (a random model scored
+    100%); class 12: a missing key or a context without text gave a traceback naming neither file nor
+    row. Each is refused with the file, the line and what is wrong."""
+    from eval_files import write_jsonl
+
+    good = {"question": QA_ROWS[0]["question"], "answers": list(QA_ROWS[0]["answers"]),
+            "ctxs": [{"title": QA_ROWS[0]["title"], "text": QA_ROWS[0]["text"], "isgold": True}]}
+    row = {k: v for k, v in good.items() if k != "question"} if bad == "no question" else {**good, **bad}
+    p = write_jsonl(tmp_path / "nq-open-oracle.jsonl.gz", [good, row], gz=True)
+    message = {"string answers": "'answers' must be a list of strings (e.g. ['Paris']), got the string 'Paris'",
+               "gold without text": "the gold passage (ctxs[0]) must have a non-empty 'text', got None",
+               "no question": "the record has no 'question' key"}
+    key = "no question" if bad == "no question" else "string answers" if "answers" in bad else "gold without text"
+    with pytest.raises(ValueError, match="^" + re.escape(f"{p}:2: {message[key]}")):
+        _qa_samples(tmp_path)
+    write_jsonl(p, [good], gz=True)
+    assert len(_qa_samples(tmp_path)) == 1  # the well-formed file serves
+
+
+def test_ruler_qa_with_an_empty_data_file_names_it(tmp_path):
+    """Issue 44 class 12: an empty nq-open-oracle.jsonl.gz said "pass --data-dir" although it was passed."""
+    from eval_files import write_jsonl
+
+    p = write_jsonl(tmp_path / "nq-open-oracle.jsonl.gz", [], gz=True)
+    with pytest.raises(ValueError, match="^" + re.escape(f"{p}: no records (the file is empty or blank)")):
+        _qa_samples(tmp_path)
+
+
 # =========================================================================== end to end
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
