@@ -24,12 +24,15 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, NamedTuple
 
 from array_api_compat import array_namespace as _ns, device
 
 from .validation import check_choice, check_float, check_int
 from .params import Param, Selection, declared_params, make_init
+
+if TYPE_CHECKING:
+    from .statistics import CachedTokens
 
 __all__ = [
     "KEY_STATISTICS",
@@ -51,12 +54,16 @@ Array = Any  # a NumPy ndarray or a torch.Tensor; anything array-api-compat unde
 #: How a token's score is computed (:attr:`EvictionPolicy.score_statistic`): from the attention it
 #: received (``"accumulate"``, ``"latest"``, ``"low_history"``) or from the cached keys
 #: (``"key_norm"``, ``"key_diff"``, ``"expected_attention"``, see :data:`KEY_STATISTICS`).
-ScoreStatistic = Literal["accumulate", "latest", "low_history", "key_norm", "key_diff", "expected_attention"]
+ScoreStatistic = Literal["accumulate", "latest", "low_history", "key_norm", "key_diff", "expected_attention", "cache"]
 #: The score statistics that backends compute from the cache (:func:`kvpolicy.statistics.cache_scores`),
-#: not from attention: a policy with one needs no score capture inside attention. ``"key_norm"``
-#: and ``"key_diff"`` read the cached keys only; ``"expected_attention"`` also the cached values
-#: and the moments of the queries the layer has seen (:class:`kvpolicy.statistics.QueryMoments`).
-KEY_STATISTICS: tuple[str, ...] = ("key_norm", "key_diff", "expected_attention")
+#: not from attention: a policy with one needs no score capture inside attention, and declares its
+#: score as one method, :meth:`EvictionPolicy.cache_score`, which every backend calls (the NumPy
+#: reference, the torch backend eager and compiled, the transformers and DeepSpeed caches, the
+#: conformance kit). ``"key_norm"`` (Knorm) and ``"key_diff"`` (KeyDiff) read the cached keys;
+#: ``"expected_attention"`` also the cached values and the moments of the queries the layer has
+#: seen (:class:`kvpolicy.statistics.QueryMoments`); ``"cache"`` is any other score a policy
+#: computes from the cached keys and values (docs/extending.md).
+KEY_STATISTICS: tuple[str, ...] = ("key_norm", "key_diff", "expected_attention", "cache")
 
 
 def array_namespace(x: Array) -> Any:
@@ -515,10 +522,41 @@ class EvictionPolicy(ABC):
         if cls.__dict__.get("size_rule", EvictionPolicy.size_rule) is None:  # `size_rule = None`: none, explicitly
             cls.size_rule = EvictionPolicy.size_rule  # type: ignore[method-assign]
         check_inherited_rules(cls)
+        # a score from the cache is declared by the policy itself, or no backend could compute it
+        statistic = cls.__dict__.get("score_statistic", None)
+        if statistic in KEY_STATISTICS and cls.cache_score is EvictionPolicy.cache_score:
+            raise TypeError(
+                f"{cls.__name__} declares score_statistic = {statistic!r} (a score from the cache): define "
+                "cache_score(self, tokens) returning each cached token's score (docs/extending.md)"
+            )
         # And its ranking (head-wise budgets): the parent's order describes the parent's select().
         if "select" in cls.__dict__ and not {"ranking", "head_budget"} & set(cls.__dict__):
             cls.ranking = EvictionPolicy.ranking  # type: ignore[method-assign]
             cls.head_budget = EvictionPolicy.head_budget  # type: ignore[method-assign]
+
+    def cache_score(self, tokens: "CachedTokens") -> Array:
+        """Each cached token's score, for a policy whose :attr:`score_statistic` comes from the
+        cache (:data:`KEY_STATISTICS`): the one method a new scorer defines, on array-API arrays
+        (``array_namespace(tokens.keys)``), so it runs on every backend, eager and compiled.
+
+        ``tokens`` (:class:`kvpolicy.statistics.CachedTokens`) holds the cached keys
+        ``[..., n, d]`` and values, their positions ``[..., n]`` (``-1`` at a hole or pad), the
+        tokens seen and the queries' moments where the policy observes queries. Return a real
+        array ``[..., n]``: higher is kept (:class:`~kvpolicy.policies.lowest.KeepHighest` keeps the
+        highest); holes become ``+inf`` whatever it returns. Called before every eviction decision.
+
+        Example:
+            >>> import numpy as np
+            >>> from kvpolicy import Knorm
+            >>> from kvpolicy.statistics import CachedTokens
+            >>> keys = np.array([[[3.0, 4.0], [1.0, 0.0]]])  # [heads, n, d]
+            >>> Knorm(size=1).cache_score(CachedTokens(keys, None, np.arange(2)[None], 2)).tolist()
+            [[-5.0, -1.0]]
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has score_statistic {self.score_statistic!r}, computed from the cache: "
+            "define cache_score(self, tokens) returning each cached token's score"
+        )
 
     @property
     def captures_attention(self) -> bool:

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from .policy import EvictionPolicy
 
 __all__ = [
-    "COSINE_GRID", "KEY_EPS", "LOW_MARGIN", "MAX_HISTORY", "SCORE_BITS", "QueryMoments", "Rotary", "average_rotation",
+    "COSINE_GRID", "KEY_EPS", "LOW_MARGIN", "MAX_HISTORY", "SCORE_BITS", "CachedTokens", "QueryMoments", "Rotary", "average_rotation",
     "cache_scores", "expected_attention", "history_counts", "history_record", "key_scores", "low_attention",
     "query_moments", "shift_history",
 ]
@@ -378,6 +378,31 @@ def expected_attention(
     return xp.where(candidate, score, xp.full_like(score, xp.inf))
 
 
+class CachedTokens(NamedTuple):
+    """What a score from the cache is computed from: the argument of
+    :meth:`kvpolicy.EvictionPolicy.cache_score` (arrays of one backend, NumPy or torch).
+
+    Attributes:
+        keys: ``[..., n, d]`` the cached keys, as cached (after RoPE in a model's cache).
+        values: ``[..., n, dv]`` the cached values (``None`` where a NumPy replay was given none).
+        positions: ``[..., n]`` their original positions, ``-1`` at a hole or pad.
+        n_seen: tokens seen so far: an int, or an array broadcastable to ``positions[..., :1]``
+            (one per row of a left-padded batch).
+        recent: the policy's :attr:`~kvpolicy.EvictionPolicy.key_recent` (tokens always kept,
+            which a statistic over the candidates may leave out, as KeyDiff's anchor does).
+        moments: the queries' running moments, for a policy that observes queries (``None`` else).
+        rotary: the layer's RoPE, where a policy averages over future rotations (``None`` else).
+    """
+
+    keys: Array
+    values: Array | None
+    positions: Array
+    n_seen: Any
+    recent: int = 0
+    moments: "QueryMoments | None" = None
+    rotary: "Rotary | None" = None
+
+
 def cache_scores(
     policy: "EvictionPolicy",
     keys: Array,
@@ -388,11 +413,11 @@ def cache_scores(
     rotary: Rotary | None = None,
 ) -> Array:
     """The scores of a policy whose statistic is computed from the cache
-    (:data:`kvpolicy.KEY_STATISTICS`): what every backend calls before an eviction decision.
-    ``"key_norm"`` and ``"key_diff"``: :func:`key_scores` (``values``, ``moments`` and
-    ``rotary`` unused); ``"expected_attention"``: :func:`expected_attention` with the policy's
-    ``sink``, ``future``, ``epsilon``, ``covariance`` and ``value_norm``, which needs ``values``
-    and the queries' ``moments``.
+    (:data:`kvpolicy.KEY_STATISTICS`): what every backend calls before an eviction decision. The
+    policy declares the score itself (:meth:`~kvpolicy.EvictionPolicy.cache_score`; a wrapper's,
+    such as AdaKV's, is its scorer's); this function hands it the cache as
+    :class:`CachedTokens`, puts ``+inf`` at holes and pads (never a victim) and refuses a score
+    of the wrong shape by the policy's name.
 
     Example:
         >>> import numpy as np
@@ -400,13 +425,14 @@ def cache_scores(
         >>> cache_scores(Knorm(size=1), np.array([[[[3.0, 4.0]]]]), None, np.zeros((1, 1, 1), dtype=int), 1).tolist()
         [[[-5.0]]]
     """
-    statistic = policy.score_statistic
-    if statistic != "expected_attention":
-        return key_scores(statistic, keys, positions, n_seen, policy.key_recent)
-    if values is None or moments is None:
-        raise ValueError(f"{policy!r} scores from keys, values and the queries' moments: values and moments are required")
-    p: Any = policy.statistic_policy  # (a wrapper's, e.g. AdaKV's scorer)
-    return expected_attention(
-        keys, values, positions, n_seen, moments, sink=p.sink, future=p.future, epsilon=p.epsilon, rotary=rotary,
-        covariance=p.covariance, value_norm=p.value_norm,
-    )
+    scorer = policy.statistic_policy
+    tokens = CachedTokens(keys, values, positions, n_seen, policy.key_recent, moments, rotary)
+    score = scorer.cache_score(tokens)
+    xp = array_namespace(positions)
+    if tuple(score.shape) != tuple(positions.shape):
+        raise ValueError(
+            f"{scorer!r}.cache_score must return one score per cached token, shape {tuple(positions.shape)}; "
+            f"got {tuple(score.shape)}"
+        )
+    score = xp.astype(score, xp.float64)
+    return xp.where(positions >= 0, score, xp.full_like(score, xp.inf))

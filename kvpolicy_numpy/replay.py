@@ -262,9 +262,11 @@ def replay(
         nonlocal positions, scores
         if from_keys:  # the scores of the kept tokens, from their keys [heads, n, d]
             cached = keys[positions[0], np.arange(heads)[:, None]]  # type: ignore[index]
-            held = moments = None
-            if queries is not None:  # Expected Attention: the kept values, the moments of queries sink..t
-                held = values[positions[0], np.arange(heads)[:, None]][None]  # type: ignore[index]
+            # the kept values (zeros of width 1 without values, as the torch backend holds them)
+            source = values if values is not None else np.zeros((steps, heads, 1))
+            held = source[positions[0], np.arange(heads)[:, None]][None]
+            moments = None
+            if queries is not None:  # Expected Attention: the moments of queries sink..t
                 counted = (np.arange(t + 1) >= sink).astype(np.float64)[None]
                 moments = query_moments(queries[: t + 1].transpose(1, 2, 0, 3)[None], counted)
             scores = cache_scores(policy, cached[None], held, positions, t + 1, moments, rope)

@@ -55,6 +55,19 @@ def cases(prompt_length: int, new_tokens: int) -> dict[str, object]:
     }
 
 
+def extra_cases(spec: str):
+    """``FILE::FUNCTION`` -> the function (loaded from the file, which need not be importable)."""
+    import importlib.util
+
+    path, sep, function = spec.partition("::")
+    if not sep:
+        raise ValueError(f"--extra-cases takes FILE::FUNCTION, got {spec!r}")
+    module_spec = importlib.util.spec_from_file_location("ds_extra_cases", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return getattr(module, function)
+
+
 def build(name: str) -> tuple[torch.nn.Module, torch.Tensor, int]:
     """(model, prompt ids, new tokens)."""
     if name == "tiny":  # random weights: checks wiring and numerics, not language
@@ -83,6 +96,10 @@ def main() -> None:
     ap.add_argument("--tp", type=int, required=True)
     ap.add_argument("--models", default="tiny,smollm2")
     ap.add_argument("--no-reference", action="store_true", help="skip the single-process reference (already written)")
+    ap.add_argument("--extra-cases", default=None,
+                    help="FILE::FUNCTION giving more cases, FUNCTION(prompt_length, new_tokens) -> {name: policy} "
+                         "(a test file's own policies, e.g. tests/core/test_declared_score.py)")
+    ap.add_argument("--only-extra", action="store_true", help="run the --extra-cases alone (no built-in case, no controls)")
     ap.add_argument("--local_rank", type=int, default=0)  # passed by the launcher
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -92,7 +109,9 @@ def main() -> None:
 
     for name in args.models.split(","):
         model, ids, new = build(name)
-        policies = cases(ids.shape[1], new)
+        policies = {} if args.only_extra else cases(ids.shape[1], new)
+        if args.extra_cases:
+            policies.update(extra_cases(args.extra_cases)(ids.shape[1], new))
         gen = {"max_new_tokens": new, "do_sample": False}
         if rank == 0 and not args.no_reference:  # the single-process reference, plain transformers
             reference_model = copy.deepcopy(model)
@@ -125,7 +144,9 @@ def main() -> None:
                 gathered = engine.last_cache.gather_positions()
                 np.savez(out / f"{name}_{case}_tp{args.tp}_rank{rank}_gathered.npz",
                          **{f"layer{i}": g.numpy() for i, g in enumerate(gathered)})  # fmt: skip
-        if args.tp > 1:  # negative control: shared selection *without* the all-reduce
+        if args.only_extra:
+            pass
+        elif args.tp > 1:  # negative control: shared selection *without* the all-reduce
             cache = EvictingCache(policies["h2o30shared"], engine.module)
             with torch.no_grad():
                 toks = engine.module.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(engine.module, cache), **gen)
@@ -142,13 +163,13 @@ def main() -> None:
             except ValueError as e:
                 refused = str(e)
             (out / f"{name}_adakv_batch2_tp{args.tp}_rank{rank}.txt").write_text(refused)
-        # engine.module.generate with a cache from make_cache (the do-it-yourself path)
-        buzz = policies["buzz30"]
-        cache = engine.make_cache(buzz)
-        with torch.no_grad():
-            toks = engine.module.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(engine.module, cache), **gen)
-        save(out / f"{name}_buzz30module_tp{args.tp}_rank{rank}.npz", toks, cache,
-             kv_start=shard.kv_start, kv_stop=shard.kv_stop)  # fmt: skip
+        if not args.only_extra:  # engine.module.generate with a cache from make_cache (the do-it-yourself path)
+            buzz = policies["buzz30"]
+            cache = engine.make_cache(buzz)
+            with torch.no_grad():
+                toks = engine.module.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(engine.module, cache), **gen)
+            save(out / f"{name}_buzz30module_tp{args.tp}_rank{rank}.npz", toks, cache,
+                 kv_start=shard.kv_start, kv_stop=shard.kv_stop)  # fmt: skip
         timings[f"{name}_deepspeed"] = time.perf_counter() - t
         meta = {
             "local_q_heads": q, "local_kv_heads": kv,

@@ -4,7 +4,9 @@ Attention from Future Queries Distribution")."""
 from __future__ import annotations
 
 from ..params import Param
+from ..policy import Array
 from ..registry import register_policy
+from ..statistics import CachedTokens, expected_attention
 from .lowest import KeepHighest
 
 
@@ -59,3 +61,12 @@ class ExpectedAttention(KeepHighest):
     value_norm = Param(bool, True, shown="non-default", doc="multiply by the value's L2 norm")
 
     min_size = 5  # the default sink (4) and one token to evict
+
+    def cache_score(self, tokens: CachedTokens) -> Array:
+        """Each token's expected attention times its value norm (:func:`kvpolicy.statistics.expected_attention`)."""
+        if tokens.values is None or tokens.moments is None:
+            raise ValueError(f"{self!r} scores from keys, values and the queries' moments: values and moments are required")
+        return expected_attention(
+            tokens.keys, tokens.values, tokens.positions, tokens.n_seen, tokens.moments, sink=self.sink, future=self.future,
+            epsilon=self.epsilon, rotary=tokens.rotary, covariance=self.covariance, value_norm=self.value_norm,
+        )

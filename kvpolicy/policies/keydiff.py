@@ -4,7 +4,9 @@ LLM Inference in Resource-Constrained Environments")."""
 from __future__ import annotations
 
 from ..params import Param
+from ..policy import Array
 from ..registry import register_policy
+from ..statistics import CachedTokens, key_scores
 from .lowest import KeepHighest
 
 
@@ -45,3 +47,7 @@ class KeyDiff(KeepHighest):
     @property  # type: ignore[override]
     def key_recent(self) -> int:
         return self.recent
+
+    def cache_score(self, tokens: CachedTokens) -> Array:
+        """Minus each key's cosine with the anchor of the candidates (:func:`kvpolicy.statistics.key_scores`)."""
+        return key_scores("key_diff", tokens.keys, tokens.positions, tokens.n_seen, tokens.recent)

@@ -3,7 +3,9 @@ Compression")."""
 
 from __future__ import annotations
 
+from ..policy import Array
 from ..registry import register_policy
+from ..statistics import CachedTokens, key_scores
 from .lowest import KeepHighest
 
 
@@ -34,3 +36,7 @@ class Knorm(KeepHighest):
 
     name = "knorm"
     score_statistic = "key_norm"
+
+    def cache_score(self, tokens: CachedTokens) -> Array:
+        """Minus the L2 norm of each cached key (:func:`kvpolicy.statistics.key_scores`)."""
+        return key_scores("key_norm", tokens.keys, tokens.positions, tokens.n_seen)

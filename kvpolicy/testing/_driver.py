@@ -264,7 +264,7 @@ class NumpyCache:
         if self.policy.score_statistic in KEY_STATISTICS:  # scores from the kept tokens' keys
             cached = np.take_along_axis(self.all_keys, self.positions[..., None], axis=2)
             moments = None
-            if self.policy.score_statistic == "expected_attention":  # each token's vector is its query too
+            if self.policy.observes_queries:  # each token's vector is its query too
                 counted = (np.arange(self.n_seen) >= self.policy.statistic_policy.sink).astype(np.float64)  # type: ignore[attr-defined]
                 moments = query_moments(self.all_keys[:, :, None], np.broadcast_to(counted, (self.batch, self.n_seen)))
             self.scores = cache_scores(self.policy, cached, cached, self.positions, self.n_seen, moments)
@@ -327,13 +327,13 @@ class TorchCache:
         return self.layer.positions.cpu().numpy()
 
     def append(self, q: int, keys: np.ndarray | None = None) -> None:
-        kv = self.torch.zeros(self.batch, self.heads, q, KEY_DIM, dtype=self.torch.float64)
-        k = kv if keys is None else self.torch.from_numpy(np.ascontiguousarray(keys, dtype=np.float64))
-        if self.layer.policy.score_statistic == "expected_attention":  # one vector a token: key, value and query
-            self.layer.append(k, k)
+        zeros = self.torch.zeros(self.batch, self.heads, q, KEY_DIM, dtype=self.torch.float64)
+        k = zeros if keys is None else self.torch.from_numpy(np.ascontiguousarray(keys, dtype=np.float64))
+        # one vector a token: its key and its value (as the NumPy side scores them), and its query
+        # for a policy that observes queries (Expected Attention)
+        self.layer.append(k, k)
+        if self.layer.policy.observes_queries:
             self.layer.observe_queries(k)
-        else:
-            self.layer.append(k, kv)
 
     def accumulate(self, received: np.ndarray) -> None:
         # received is in position order (the NumPy side's layout); the layer's slots may have holes

@@ -78,6 +78,7 @@ EXCEPTIONS = {
 
 #: Test files under a mirror folder that name no module: suites across modules, by design.
 CROSS_CUTTING = {
+    "tests/core/test_declared_score.py": "a score kind the library does not ship, declared in the test file alone, on every backend",
     "tests/core/test_hardening_policies.py": "issue 28 hardening of the policy surface",
     "tests/core/test_shared_selection.py": "selection='shared' across every built-in policy",
     "tests/core/policies/test_adakv_sharded.py": "AdaKV over heads split across processes (HeadExchange)",

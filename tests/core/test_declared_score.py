@@ -1,0 +1,165 @@
+"""A score kind the library does not ship, declared in this file alone (issue 43): a policy whose
+``score_statistic = "cache"`` and whose one method ``cache_score`` gives each cached token's
+score. Without an edit to any other module it passes the conformance kit (the NumPy reference
+equals the torch backend), keeps in the transformers cache what the reference keeps (eager, and
+compiled to one graph with the eager tokens), and runs sharded over two DeepSpeed ranks as in one
+process. The models are tiny random-weight Llamas (wiring and numerics, not language).
+
+The score: each token's value L2 norm (keep the tokens whose values are largest), a heuristic
+from the value-norm literature; nothing in kvpolicy computes it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+from kvpolicy.policies.lowest import KeepHighest
+from kvpolicy.policy import Array, array_namespace
+from kvpolicy.statistics import CachedTokens
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ValueNorm(KeepHighest):
+    """Keep the ``size`` tokens whose cached values have the largest L2 norm (test only)."""
+
+    name = "value_norm_test"
+    score_statistic = "cache"
+
+    def cache_score(self, tokens: CachedTokens) -> Array:
+        xp = array_namespace(tokens.values)
+        v = xp.astype(tokens.values, xp.float64)
+        return xp.sqrt(xp.sum(v * v, axis=-1))
+
+
+def ds_cases(prompt_length: int, new_tokens: int) -> dict[str, object]:
+    """The DeepSpeed worker's cases (tests/ds_worker.py --extra-cases)."""
+    return {"valuenorm": ValueNorm(size=max(2, prompt_length // 3))}
+
+
+def test_a_cache_statistic_without_cache_score_is_refused_at_class_definition() -> None:
+    with pytest.raises(TypeError, match="define cache_score"):
+
+        class Forgot(KeepHighest):  # noqa: F841
+            score_statistic = "cache"
+
+
+def test_the_kit_holds_the_declared_score_numpy_equal_torch() -> None:
+    pytest.importorskip("torch")
+    from hypothesis import HealthCheck, settings
+
+    from kvpolicy.testing import check_policy
+
+    quick = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    report = check_policy(ValueNorm, {"size": st.integers(1, 6), "recent": st.just(0)}, torch=True, settings=quick)
+    assert report.results["backends"] == "passed" and report.results["replay"] == "passed", report.results
+
+
+def test_the_reference_scores_from_the_values_it_is_given() -> None:
+    import kvpolicy_numpy
+
+    steps, heads = 9, 2
+    values = np.zeros((steps, heads, 3))
+    values[:, 0, 0] = [5, 1, 4, 1, 3, 9, 2, 6, 0.5]  # head 0: by norm
+    values[:, 1, 0] = np.arange(steps)  # head 1: the latest are the largest
+    trace = kvpolicy_numpy.replay(ValueNorm(size=3), np.zeros((steps, heads, steps)), prompt_len=6, values=values,
+                                  keys=np.ones((steps, heads, 2)))  # fmt: skip
+    # after the prompt: the 3 largest of 6; then each step the smallest of 4 goes
+    assert trace.kept[5].tolist() == [[0, 2, 5], [3, 4, 5]]
+    assert trace.kept[-1].tolist() == [[0, 5, 7], [6, 7, 8]]
+
+
+def _layer0_inputs(model, tokens, prompt_len: int):
+    """Layer 0's logits and keys (a full forward, as the other layer-0 differentials) and its
+    values as the cache received them: the prompt in one forward, then one token at a time. A
+    value is bit-equal to the cache's only then (a matmul's rounding depends on its rows), and
+    greedy decoding repeats tokens, whose equal values tie exactly on both sides."""
+    import torch
+    from transformers import DynamicCache
+
+    from kvpolicy.hf import cache_kwargs
+    from layer0 import layer0_logits_and_keys
+
+    logits, keys = layer0_logits_and_keys(model, tokens)
+    attn = model.model.layers[0].self_attn
+    seen = []
+    hook = attn.v_proj.register_forward_hook(lambda module, args, out: seen.append(out))
+    try:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(tokens[:, :prompt_len], **cache_kwargs(model, cache))
+            for t in range(prompt_len, tokens.shape[1]):
+                model(tokens[:, t : t + 1], **cache_kwargs(model, cache))
+    finally:
+        hook.remove()
+    v = torch.cat(seen, dim=1)[0].view(tokens.shape[1], -1, attn.head_dim)  # [steps, kv_heads, d]
+    return logits, keys, v.double().numpy()
+
+
+@pytest.mark.hf
+def test_the_transformers_cache_keeps_what_the_reference_keeps_eager_and_compiled() -> None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import kvpolicy_numpy
+    from kvpolicy.hf import EvictingCache, compile_decode_step, greedy_decode
+    from kvpolicy_tools.models import tiny_llama
+
+    from layer0 import greedy_tokens
+
+    model = tiny_llama(num_layers=2, heads=4, kv_heads=4, head_dim=8, vocab=96, seed=3).double()
+    ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(5))
+    policy = ValueNorm(size=12)
+    cache = EvictingCache(policy, model)
+    tokens = greedy_tokens(model, cache, ids, 20)
+    logits, keys, values = _layer0_inputs(model, tokens, ids.shape[1])
+    trace = kvpolicy_numpy.replay(policy, logits, prompt_len=ids.shape[1], keys=keys, values=values)
+    np.testing.assert_array_equal(cache.layers[0].store.positions[0].numpy(), trace.kept[-1])
+    # compiled: one graph per step (dynamo's eager backend traces what inductor would get), eager's tokens
+    model32 = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=8, vocab=96, seed=3)
+    want = greedy_decode(model32, ids, EvictingCache(policy, model32), 24)
+    static = EvictingCache(policy, model32, static_shapes=True, max_tokens=ids.shape[1] + 25)
+    got = greedy_decode(model32, ids, static, 24, step=compile_decode_step(model32, backend="eager"))
+    assert torch.equal(got, want)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_two_deepspeed_ranks_keep_what_one_process_keeps(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "integrations"), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [
+        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(_free_port()),
+        str(ROOT / "tests" / "ds_worker.py"), "--out", str(tmp_path), "--tp", "2", "--models", "tiny",
+        "--extra-cases", f"{__file__}::ds_cases", "--only-extra",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    with np.load(tmp_path / "tiny_valuenorm_ref.npz") as f:
+        ref = dict(f)
+    covered = []
+    for rank in range(2):
+        with np.load(tmp_path / f"tiny_valuenorm_tp2_rank{rank}.npz") as f:
+            got = dict(f)
+        np.testing.assert_array_equal(got["tokens"], ref["tokens"])
+        lo, hi = int(got["kv_start"]), int(got["kv_stop"])
+        covered.extend(range(lo, hi))
+        for i in range(2):
+            np.testing.assert_array_equal(got[f"layer{i}"], ref[f"layer{i}"][:, lo:hi], err_msg=f"rank {rank} layer {i}")
+    assert covered == list(range(ref["layer0"].shape[1]))
+    assert ref["layer0"].shape[-1] < ref["tokens"].shape[1] - 1  # it did evict
