@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import data as D
 from .. import ruler_data as R
-from ..display import paired_se
+from ..display import COLORS, paired_se, policy_name
 from .base import CacheConfig, Sample, Task, TokenizerAdapter, describe_file, is_reference, kvpress_policy, register_task, sample_order, split_csv
 
 #: The default length: prompt + RULER's tokens to generate, in tokens (see ``--ruler-length``).
@@ -280,7 +280,7 @@ class RulerTask(Task):
         for p in policies:
             pts = sorted((1 - c["requested_budget"], 100 * c["metrics"]["string_match"]) for c in cells
                          if (c.get("row") or c["policy"]) == p and c["kind"] == "budget")
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=policy_name(p), color=COLORS.get(p))
         if full is not None:
             ax.axhline(100 * full["metrics"]["string_match"], color="black", linestyle="--", label="full")
         ax.set_xlabel("compression ratio r (" + ("kvpress's protocol: share of the prompt removed, once)"
@@ -299,7 +299,7 @@ class RulerTask(Task):
         hm.set_xticks(range(len(subtasks)))
         hm.set_xticklabels(subtasks, rotation=40, ha="right", fontsize=7)
         hm.set_yticks(range(len(cells)))
-        hm.set_yticklabels([(c.get("row") or c["policy"]) + ("" if _reference(c) else f" r={1 - c['requested_budget']:.2f}")
+        hm.set_yticklabels([policy_name(c.get("row") or c["policy"]) + ("" if _reference(c) else f" r={1 - c['requested_budget']:.2f}")
                             for c in cells], fontsize=7)
         fig.colorbar(im, ax=hm, shrink=0.8, label="string match (%)")
         fig.suptitle(f"{task['title']}: {model}, n = {task['n_samples']} samples", fontsize=10)
