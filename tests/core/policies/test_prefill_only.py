@@ -101,3 +101,37 @@ def test_reads_like_its_scorer_and_refuses_what_it_cannot_run() -> None:
         prefill_only(Knorm(size=1), 1.0)
     with pytest.raises(ValueError, match="EvictionPolicy instance"):
         prefill_only("knorm", 0.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_real_model_compresses_every_layer_once_as_the_scorer_would() -> None:
+    """SmolLM2-135M (real weights, 30 layers, 3 KV heads, float32), a 200-token prompt at ratio
+    0.75: after the prompt every layer of ``prefill_only(Knorm, 0.75)`` keeps the 50 tokens a head
+    that ``Knorm(size=50)`` keeps there (the prompt's attention does not depend on the eviction that
+    follows it); after 6 greedy tokens it still holds those 50 plus every new token, where Knorm alone
+    stays at 50."""
+    pytest.importorskip("transformers")
+    from kvpolicy import models
+    from kvpolicy.hf import EvictingCache, cache_kwargs
+
+    model, tok = models.load("smollm2-135m")
+    text = " ".join(f"Note {i}: the crate in bay {i} holds {i * 7 % 13} blue boxes." for i in range(30))
+    ids = tok(text, return_tensors="pt")["input_ids"][:, :200]
+
+    def run(policy, steps):
+        cache = EvictingCache(policy, model)
+        with torch.no_grad():
+            out = model(ids, **cache_kwargs(model, cache))
+            after = [layer.store.positions[0].clone() for layer in cache.layers]
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(steps):
+                nxt = model(nxt, **cache_kwargs(model, cache)).logits[:, -1].argmax(-1, keepdim=True)
+        return after, [layer.store.positions[0].clone() for layer in cache.layers]
+
+    press_after, press_end = run(prefill_only(Knorm(size=1), 0.75), 6)
+    knorm_after, knorm_end = run(Knorm(size=50), 6)
+    assert len(press_after) == 30
+    for a, b, end, alone in zip(press_after, knorm_after, press_end, knorm_end):
+        assert a.shape == (3, 50) and torch.equal(a, b)
+        assert torch.equal(end, torch.cat([a, torch.arange(200, 206).expand(3, 6)], dim=1))
+        assert alone.shape[-1] == 50
