@@ -29,6 +29,10 @@ parameters; docs/policies.md gives their exact semantics):
   top-k over a scorer's scores, and the presets ``adakv_snapkv``, ``adakv_h2o``, ``adakv_keydiff``,
   ``adakv_tova``, ``adakv_expected_attention``.
 
+Not registered (planned from kvpress's ``compression_ratio``, not a budget): :func:`prefill_only`
+(:class:`PrefillOnly`), any scorer run as kvpress runs its presses: the context compressed once,
+every later token kept.
+
 Example:
     >>> import kvpolicy
     >>> p = kvpolicy.make_policy("buzz", budget=0.3, context_length=4096)
@@ -48,12 +52,14 @@ from .policies import (
     KeyDiff,
     Knorm,
     LocalWindow,
+    PrefillOnly,
     PyramidKV,
     Scissorhands,
     SnapKV,
     StreamingLLM,
     TOVA,
     compose,
+    prefill_only,
     estimate_threshold,
     fixed_point_middle,
     pyramid_sizes,
@@ -94,6 +100,7 @@ __all__ = [
     "PolicyError",
     "PolicyPlan",
     "Preset",
+    "PrefillOnly",
     "PyramidKV",
     "Ranking",
     "Scissorhands",
@@ -102,6 +109,7 @@ __all__ = [
     "TOVA",
     "available_policies",
     "compose",
+    "prefill_only",
     "create_policy",
     "declared_params",
     "estimate_threshold",

@@ -1,7 +1,7 @@
 """Built-in policies, one per module."""
 
 from ..registry import mark_builtin_policies, register_policy
-from .adakv import AdaKV, HeadExchange, ShardedAdaKV, headwise_keep
+from .adakv import AdaKV, HeadExchange, ShardedAdaKV, headwise_keep, keep_best
 from .buzz import BUZZ, estimate_threshold, fixed_point_middle, small_stride, threshold_ratio
 from .composition import Composed, compose
 from .expected_attention import ExpectedAttention
@@ -10,6 +10,7 @@ from .h2o import H2O
 from .keydiff import KeyDiff
 from .knorm import Knorm
 from .local import LocalWindow
+from .prefill_only import PrefillOnly, prefill_only
 from .pyramid import PyramidKV, pyramid_sizes
 from .scissorhands import Scissorhands
 from .snapkv import SnapKV
@@ -24,6 +25,7 @@ __all__ = [
     "HeadExchange",
     "ShardedAdaKV",
     "headwise_keep",
+    "keep_best",
     "BUZZ",
     "Composed",
     "ExpectedAttention",
@@ -32,6 +34,7 @@ __all__ = [
     "KeyDiff",
     "Knorm",
     "LocalWindow",
+    "PrefillOnly",
     "PyramidKV",
     "Scissorhands",
     "SnapKV",
@@ -42,5 +45,6 @@ __all__ = [
     "small_stride",
     "threshold_ratio",
     "compose",
+    "prefill_only",
     "pyramid_sizes",
 ]

@@ -11,7 +11,7 @@ from ..validation import check_float
 from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Ranking, SizeRule, WrappingPolicy
 from ..registry import get_policy, register_policy
 
-__all__ = ["AdaKV", "HeadExchange", "ShardedAdaKV", "headwise_keep"]
+__all__ = ["AdaKV", "HeadExchange", "ShardedAdaKV", "headwise_keep", "keep_best"]
 
 
 def _lexsort(keys: list[Array], xp: Any) -> Array:
@@ -70,6 +70,26 @@ def headwise_keep(view: CacheView, ranking: Ranking, budget: int, floor: int) ->
     widest = int(xp.max(xp.sum(xp.astype(kept, xp.int64), axis=-1)))
     slots = xp.where(kept, view.arange(n), -1)
     return xp.sort(slots, axis=-1)[..., n - widest :]
+
+
+def keep_best(view: CacheView, ranking: Ranking, k: int) -> Array:
+    """The keep array ``[batch, heads, k]`` in which every head keeps its ``k`` tokens that
+    ``ranking`` evicts last (protected tokens last of all; holes first): a scorer's own choice at a
+    per-head budget of ``k`` (``1 <= k <= n_cached``), e.g. :class:`~kvpolicy.PrefillOnly`'s.
+
+    Example:
+        >>> import numpy as np
+        >>> from kvpolicy import CacheView, Ranking
+        >>> s = np.array([[[0.9, 0.0, 0.1, 0.0], [0.3, 0.2, 0.25, 0.15]]])
+        >>> view = CacheView(np.broadcast_to(np.arange(4), (1, 2, 4)), s, 4)
+        >>> protect_last = np.broadcast_to(np.arange(4) == 3, (1, 2, 4))
+        >>> keep_best(view, Ranking(protect_last, (s, view.positions)), 2).tolist()
+        [[[0, 3], [0, 3]]]
+    """
+    xp = view.xp
+    held = view.held
+    order = _lexsort([xp.astype(held, xp.int8), xp.astype(ranking.protected & held, xp.int8), *ranking.keys], xp)
+    return xp.sort(order[..., view.n_cached - k :], axis=-1)
 
 
 @register_policy

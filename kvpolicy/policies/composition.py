@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..policy import KEY_STATISTICS, Array, CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling, WrappingPolicy
+from ..policy import KEY_STATISTICS, Array, CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling, ScoreStatistic, WrappingPolicy
 from ..registry import get_policy, register_policy
 
 __all__ = ["Composed", "compose"]
@@ -69,6 +69,23 @@ class Composed(WrappingPolicy):
                 f"prefill and decode must keep the same kind of score: {prefill!r} and {decode!r} do not (scores "
                 "computed from the keys, Knorm's or KeyDiff's, cannot serve a policy that ranks attention)"
             )
+        same_statistic = prefill.uses_scores and decode.uses_scores and prefill.score_statistic == decode.score_statistic
+        if same_statistic and (prefill.key_recent, prefill.score_history) != (decode.key_recent, decode.score_history):
+            # the backends compute one statistic per layer, with one anchor window / one history
+            raise ValueError(
+                f"prefill and decode must compute their {prefill.score_statistic!r} scores alike: {prefill!r} and "
+                f"{decode!r} differ in key_recent ({prefill.key_recent} vs {decode.key_recent}) or score_history "
+                f"({prefill.score_history} vs {decode.score_history}); give both the same recent/history"
+            )
+        if prefill.ragged_heads:
+            # its heads leave the prompt holding different numbers of tokens (holes): only AdaKV's
+            # own rule reads such a layer, and a fresh AdaKV would take the widest head for the mean
+            raise ValueError(
+                f"prefill must keep the same number of tokens on every head, got the head-wise {prefill!r}: AdaKV is "
+                "supported as the decode policy (compose(prefill=SnapKV(...), decode=AdaKV(...))), and compressing "
+                "the prompt once with it, keeping every later token, is kvpolicy.prefill_only(AdaKV(...), "
+                "compression_ratio)"
+            )
         if "expected_attention" in statistics:
             # its scores are computed by the backend with its own parameters (sink, future, ...),
             # which a composition would have to choose between
@@ -84,12 +101,49 @@ class Composed(WrappingPolicy):
     # ---------------------------------------------------------------- what backends read
     # (the rest is the decode policy's: WrappingPolicy)
     @property
+    def scorer(self) -> EvictionPolicy:
+        """The policy whose score statistic the backends compute for the composition: the
+        decode policy, or the prefill policy when the decode policy reads no scores (so
+        ``compose(prefill=Knorm(size=4), decode=FullCache())`` computes key norms; the
+        constructor refuses pairs whose statistics differ in a way one score cannot serve).
+
+        Example:
+            >>> from kvpolicy import FullCache, Knorm, compose
+            >>> p = compose(prefill=Knorm(size=4), decode=FullCache())
+            >>> p.scorer, p.score_statistic, p.captures_attention
+            (Knorm(size=4, recent=0), 'key_norm', False)
+        """
+        return self.prefill if self.prefill.uses_scores and not self.decode.uses_scores else self.decode
+
+    @property  # type: ignore[override]
+    def score_statistic(self) -> ScoreStatistic:
+        return self.scorer.score_statistic
+
+    @property
+    def statistic_policy(self) -> EvictionPolicy:
+        return self.scorer.statistic_policy
+
+    @property  # type: ignore[override]
+    def score_history(self) -> int | None:
+        return self.scorer.score_history
+
+    @property  # type: ignore[override]
+    def key_recent(self) -> int:
+        return self.scorer.key_recent
+
+    @property
     def prompt_rows(self) -> int | None:
         return self.prefill.prompt_rows
 
     @property  # type: ignore[override]
     def ragged_heads(self) -> bool:
-        return self.prefill.ragged_heads or self.decode.ragged_heads
+        return self.decode.ragged_heads  # (a head-wise prefill policy is refused)
+
+    def head_capacity(self, heads: int) -> int | None:
+        """Under a head-wise decode policy (:class:`~kvpolicy.AdaKV`): the most tokens one of
+        ``heads`` heads ever holds, the decode policy's (the prefill policy leaves every head the
+        same number); ``None`` otherwise, as for an unbounded policy."""
+        return self.decode.head_capacity(heads) if self.decode.ragged_heads else None  # type: ignore[attr-defined]
 
     @property  # type: ignore[override]
     def uses_scores(self) -> bool:

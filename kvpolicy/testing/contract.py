@@ -9,7 +9,8 @@ Four properties, each run on many drawn examples (see :mod:`kvpolicy.testing.pro
     back once evicted; ``selection="shared"`` keeps the same tokens on every head; the same input
     gives the same trace (no state kept on the policy object); the sizes do not depend on the
     scores (equal to :func:`kvpolicy.simulate_sizes`); the policy's own invariants hold after
-    every step.
+    every step; a composition (:class:`~kvpolicy.Composed`) keeps after the prompt only tokens
+    its prefill policy keeps alone on the same input (:func:`check_prefill_decision`).
 ``sizes``
     *Whether* to evict and *how many* to keep are host decisions, so the sizes can be checked
     exhaustively on placeholder scores, cheaply: every prompt length up to ``max_prompt``
@@ -53,7 +54,7 @@ from kvpolicy.validation import check_bool, check_int
 from kvpolicy.driver import PolicyError
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
 
-from .. import FullCache
+from .. import Composed, FullCache
 from ..budget import simulate_sizes
 from . import _format
 from ._driver import ContractViolation, NumpyCache, check_positions, example_inputs, held_per_head, run_replay, sequence_rows, trim_holes
@@ -68,6 +69,7 @@ __all__ = [
     "ContractReport",
     "ContractViolation",
     "check_policy",
+    "check_prefill_decision",
     "check_replay",
     "check_sizes",
     "compare_backends",
@@ -160,6 +162,7 @@ def check_replay(
                 f"after token {t}: backends capture no scores for it (they stay 0), so it would evict blind. "
                 "Declare uses_scores = True"
             )
+    check_prefill_decision(policy, logits, prompt_len)
     sim = simulate_sizes(policy, steps, prompt_len)
     if sim.tolist() != trace.sizes.tolist():
         raise ContractViolation(
@@ -167,6 +170,38 @@ def check_replay(
             f"policy on placeholder scores: {sim.tolist()}); decide *whether* and *how many* from host ints only"
         )
     return trace
+
+
+def check_prefill_decision(policy: EvictionPolicy, logits: np.ndarray, prompt_len: int) -> None:
+    """For a composition (:class:`~kvpolicy.Composed`; any other policy passes): right after a
+    prompt its prefill policy cuts (longer than the decode policy's ``capacity - 1``), each head
+    keeps only tokens the prefill policy keeps alone on the same input (the decode policy may
+    then evict some of them, never bring others back): the prefill decision is ranked by the
+    prefill policy's own score statistic. Skipped when the decode policy's log n scaling changes
+    the prompt's attention itself. Raises :class:`ContractViolation`.
+
+    Example:
+        >>> import numpy as np
+        >>> from kvpolicy import FullCache, Knorm, compose
+        >>> check_prefill_decision(compose(prefill=Knorm(size=3), decode=FullCache()), np.zeros((8, 2, 8)), 6)
+    """
+    if not isinstance(policy, Composed) or prompt_len < 2 or policy.log_n != policy.prefill.log_n:
+        return
+    prefill, cap = policy.prefill, policy.decode.capacity
+    if cap is not None and prompt_len <= cap - 1:
+        return  # the prefill policy is not asked: the prompt fits the decode policy
+    inputs = {**example_inputs(policy, logits), **example_inputs(prefill, logits)}  # (the same keys: seeded by the logits)
+    mine = kvpolicy_numpy.replay(policy, logits, prompt_len, **inputs).kept[prompt_len - 1]
+    alone = kvpolicy_numpy.replay(prefill, logits, prompt_len, **inputs).kept[prompt_len - 1]
+    for h in range(mine.shape[0]):
+        extra = sorted(set(mine[h].tolist()) - set(alone[h].tolist()) - {-1})
+        if extra:
+            raise ContractViolation(
+                f"{policy!r} kept {mine[h].tolist()} on head {h} after a {prompt_len}-token prompt, but its prefill policy "
+                f"{prefill!r} alone keeps {alone[h].tolist()}: positions {extra} were not its choice. The composition's "
+                f"scores ({policy.score_statistic!r}) must be what the prefill policy ranks ({prefill.score_statistic!r}) "
+                "when it decides"
+            )
 
 
 def check_sizes(

@@ -33,7 +33,7 @@ import numpy as np
 
 from kvpolicy.budget import PolicyPlan, plan_capacity, plan_policy, simulate_sizes
 from kvpolicy.driver import evict_until_done
-from kvpolicy.policies import BUZZ
+from kvpolicy.policies import BUZZ, prefill_only
 from kvpolicy.policies.buzz import estimate_threshold, window_for_size
 from kvpolicy.policy import EvictionPolicy
 from kvpolicy.registry import Preset, get_policy
@@ -60,6 +60,7 @@ __all__ = [
     "log_n_variant_of",
     "policy_class",
     "takes_threshold_ratio",
+    "kvpress_policy",
     "make_tasks",
     "parse_floats",
     "parse_ints",
@@ -199,6 +200,10 @@ class CacheConfig:
     variant_ratio: float | None = None
     #: Say the equalisation in the label (tasks that report both).
     show_equalise: bool = False
+    #: ``"decode"``: the policy planned for the budget over the decode steps (kvpolicy's own
+    #: protocol); ``"kvpress"``: the policy run as kvpress runs a press, ``prefill_only(policy,
+    #: 1 - budget)``: the prompt compressed once, every later token kept (:func:`kvpress_policy`).
+    protocol: str = "decode"
 
     @property
     def row(self) -> str:
@@ -209,6 +214,8 @@ class CacheConfig:
     def label(self) -> str:
         if is_reference(self.policy):
             return "full"
+        if self.protocol == "kvpress" and self.budget is not None:
+            return f"ratio {1 - self.budget:g}"
         if self.ratio is not None:
             return f"T/w={self.ratio:g}"
         if self.size is not None:
@@ -234,6 +241,13 @@ class CacheConfig:
             if self.chunk:
                 plan["prefill_chunk"] = self.chunk
             return policy, plan
+        if self.protocol == "kvpress" and self.budget is not None:
+            policy = kvpress_policy(self.policy, round(1 - self.budget, 12), prompt_length)
+            sizes = simulate_sizes(policy, context_length, prompt_length)
+            avg = float(np.mean(sizes))
+            d = PolicyPlan(policy, self.budget, avg / full_avg, context_length, prompt_length, avg, full_avg).as_dict()
+            d.update(protocol="kvpress", compression_ratio=policy.compression_ratio, kept_context_tokens=policy.kept_tokens(prompt_length))
+            return policy, d
         extra: dict[str, Any] = {"layers": layers}
         if self.variant_ratio is not None:
             extra["threshold_ratio"] = self.variant_ratio
@@ -270,6 +284,26 @@ class CacheConfig:
                  if self.chunk else simulate_sizes(policy, context_length, prompt_length))
         avg = float(np.mean(sizes))
         return policy, PolicyPlan(policy, None, avg / full_avg, context_length, prompt_length, avg, full_avg).as_dict()  # type: ignore[arg-type]
+
+
+def kvpress_policy(name: str, compression_ratio: float, context_tokens: int) -> EvictionPolicy:
+    """The registered policy ``name`` run as kvpress runs a press on a context of
+    ``context_tokens``: :func:`kvpolicy.prefill_only` over the policy planned to keep
+    ``int(context_tokens x (1 - compression_ratio))`` tokens (its ranking's parameters, e.g.
+    SnapKV's window, are those ``from_size`` gives). ``ValueError`` naming the policy when it
+    ranks no tokens (kvpress's protocol keeps each head's best by a score).
+
+    Example:
+        >>> p = kvpress_policy("knorm", 0.5, 1000)
+        >>> p.policy, p.kept_tokens(1000), p.capacity
+        (Knorm(size=500, recent=0), 500, None)
+    """
+    entry = get_policy(name)
+    kept = max(int(context_tokens * (1 - compression_ratio)), entry.min_size)
+    try:
+        return prefill_only(entry.from_size(kept), compression_ratio)
+    except ValueError as e:
+        raise ValueError(f"policy {name!r} cannot run under kvpress's protocol (--ruler-protocol kvpress): {e}") from None
 
 
 def budget_label(budget: float) -> str:

@@ -12,28 +12,47 @@ import numpy as np
 
 from .. import data as D
 from .. import ruler_data as R
-from ..display import paired_se
-from .base import Sample, Task, TokenizerAdapter, describe_file, register_task, sample_order, split_csv
+from ..display import COLORS, paired_se, policy_name
+from .base import CacheConfig, Sample, Task, TokenizerAdapter, describe_file, is_reference, kvpress_policy, register_task, sample_order, split_csv
 
 #: The default length: prompt + RULER's tokens to generate, in tokens (see ``--ruler-length``).
 DEFAULT_LENGTH = 1024
+#: ``--ruler-protocol``'s choices: kvpolicy's decode-time budgets (the default) or kvpress's.
+PROTOCOLS = ("decode", "kvpress")
+#: What the compression ratio ``r`` means under each protocol (the report's words).
+PROTOCOL_RATIO = {
+    "decode": "kvpolicy's decode-time protocol: each policy is planned so that its average cache over the decode "
+              "steps (the question's tokens and the answer's) is 1 - r of the full cache's; it keeps evicting through "
+              "the question and the answer. Ratio r = 1 - the requested budget (--budgets is the share kept)",
+    "kvpress": "kvpress's protocol: each layer's cache is compressed once, at the end of the prompt (the context; "
+               "with --ruler-question context, the context and the question), to int(n x (1 - r)) of its n tokens per "
+               "head, the ones the policy's ranking keeps (kvpolicy.prefill_only); the question and the answer are "
+               "never evicted. Ratio r = kvpress's compression_ratio, the share of the prompt removed, once",
+}
 
 
 @dataclass
 class RulerOptions:
     """``ruler``'s settings: the length (prompt plus RULER's tokens to generate), the subtasks
-    (``None``: the 11 synthetic ones, plus ``qa`` when QA data is given) and where the question
-    goes: ``"after"`` the compression (kvpress's default) or in the compressed ``"context"``."""
+    (``None``: the 11 synthetic ones, plus ``qa`` when QA data is given), where the question
+    goes: ``"after"`` the compression (kvpress's default) or in the compressed ``"context"``, and
+    the protocol: ``"decode"`` (kvpolicy's: each policy planned so its average cache over the
+    decode steps is ``1 - r`` of the full cache's, evicting through the question and the answer)
+    or ``"kvpress"`` (kvpress's: the prompt compressed once to ``int(n x (1 - r))`` tokens per
+    head, the question and the answer never evicted, :func:`kvpolicy.prefill_only`)."""
 
     length: int = DEFAULT_LENGTH
     subtasks: tuple[str, ...] | None = None
     question: str = "after"
+    protocol: str = "decode"
 
     def __post_init__(self) -> None:
         if isinstance(self.length, bool) or not isinstance(self.length, int) or not 256 <= self.length <= 131072:
             raise ValueError(f"--ruler-length must be an integer in [256, 131072], got {self.length!r}")
         if self.question not in ("after", "context"):
             raise ValueError(f"--ruler-question must be 'after' or 'context', got {self.question!r}")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"--ruler-protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
         if self.subtasks is not None:
             bad = [s for s in self.subtasks if s not in R.SUBTASKS]
             if bad or not self.subtasks:
@@ -78,13 +97,21 @@ class RulerTask(Task):
             help="ruler: 'after' (default, kvpress's query_aware=False): the context is prefilled and compressed, "
             "then the question is fed token by token, as decode steps (decode-time policies keep evicting; SnapKV, "
             "a prefill policy, keeps it all); 'context': the question is part of the compressed prefill")
+        group.add_argument(
+            "--ruler-protocol", choices=PROTOCOLS, default="decode",
+            help="ruler: 'decode' (default, kvpolicy's): each policy planned so its average cache over the decode steps "
+            "is 1 - r of the full cache's, evicting through the question and the answer; 'kvpress': kvpress's, the "
+            "prompt compressed once to int(n (1 - r)) tokens per head by the policy's ranking, the question and the "
+            "answer never evicted (kvpolicy.prefill_only; for the policies that rank tokens: h2o, tova, knorm, "
+            "keydiff, snapkv, expected_attention, adakv_*)")
 
     @classmethod
     def options_from_args(cls, args: Any) -> RulerOptions:
         subtasks = getattr(args, "ruler_subtasks", None)
         return RulerOptions(length=getattr(args, "ruler_length", DEFAULT_LENGTH),
                             subtasks=tuple(split_csv(subtasks)) if subtasks is not None else None,
-                            question=getattr(args, "ruler_question", "after"))
+                            question=getattr(args, "ruler_question", "after"),
+                            protocol=getattr(args, "ruler_protocol", "decode"))
 
     @property
     def subtasks(self) -> tuple[str, ...]:
@@ -94,8 +121,21 @@ class RulerTask(Task):
         has_qa = self.src.qa is not None or (self.src.paper and not self.src.hub)
         return R.SYNTHETIC_SUBTASKS + (R.QA_SUBTASKS if has_qa else ())
 
+    def configs(self, policies: Sequence[str], budgets: Sequence[float]) -> list[CacheConfig]:
+        """Every policy at every budget, under the chosen protocol (``--ruler-protocol``)."""
+        return [CacheConfig(c.policy, budget=c.budget, protocol=self.options.protocol) for c in super().configs(policies, budgets)]
+
+    def describe(self) -> dict[str, Any]:
+        """The task as results.json records it, with the protocol and what its ratio means."""
+        return {**super().describe(), "protocol": self.options.protocol, "ratio_definition": PROTOCOL_RATIO[self.options.protocol]}
+
     def check(self, policies: Sequence[str], budgets: Sequence[float]) -> None:
-        """Before the model loads: QA subtasks need QA data (``--data-dir`` or in-memory rows)."""
+        """Before the model loads: QA subtasks need QA data (``--data-dir`` or in-memory rows);
+        under kvpress's protocol every policy must rank tokens (``ValueError`` naming it)."""
+        if self.options.protocol == "kvpress":
+            for p in policies:
+                if not is_reference(p):
+                    kvpress_policy(p, 0.5, 64)
         if any(R.SUBTASKS[s].family == "qa" for s in self.subtasks) and self.src.qa is None and (
                 self.src.hub or not self.src.paper):
             raise ValueError("ruler's qa subtask needs --data-dir with nq-open-oracle.jsonl.gz (it has no hub loader)")
@@ -169,6 +209,7 @@ class RulerTask(Task):
                "the prefill's eviction, one token at a time as decode steps (kvpress's query_aware=False)" if after else
                "is part of the compressed prefill (kvpress's query_aware=True)")
         )
+        self.notes.append("protocol: " + PROTOCOL_RATIO[self.options.protocol])
         self.notes.append("score: RULER's string match (share of the reference answers found in the output, case-"
                           "insensitive; qa: 1 if any answer is found) per subtask; the headline is the mean over subtasks")
         return out
@@ -179,6 +220,8 @@ class RulerTask(Task):
 
     def cli_flags(self) -> list[str]:
         flags = [f"--ruler-length {self.options.length}", f"--ruler-question {self.options.question}"]
+        if self.options.protocol != "decode":
+            flags.append(f"--ruler-protocol {self.options.protocol}")
         if self.options.subtasks is not None:
             flags.append("--ruler-subtasks " + ",".join(self.options.subtasks))
         return flags
@@ -194,7 +237,7 @@ class RulerTask(Task):
             return []
         subtasks = list(cells[0]["groups"])
         full = next((c for c in cells if _reference(c)), None)
-        header = ["policy", "ratio (kvpress)", "budget (realised)"] + subtasks + ["mean", "vs full (paired s.e.)"]
+        header = ["policy", f"ratio ({task.get('protocol', 'decode')})", "budget (realised)"] + subtasks + ["mean", "vs full (paired s.e.)"]
         rows = []
         for c in cells:
             ratio = "0" if _reference(c) else (f"{1 - c['requested_budget']:.2f}" if c["requested_budget"] is not None else "-")
@@ -206,9 +249,10 @@ class RulerTask(Task):
                 gap = f"{100 * d:+.1f}" + (f" ({100 * se:.1f})" if se else "")
             rows.append([c.get("row") or c["policy"], ratio, f"{c['label']} ({_pct(c['realised_budget'])})"] + vals
                         + [f"**{_pct(c['metrics'].get('string_match'))}**", gap])
-        lines = ["RULER string match (%) per subtask. Compression ratio as kvpress reports it: the share of the cache "
-                 "removed, 1 - the requested budget (kvpolicy's --budgets is the share kept; the realised budget is the "
-                 "measured average cache over the decode steps). s.e.: paired over the samples.", ""]
+        protocol = task.get("protocol", "decode")
+        lines = [f"RULER string match (%) per subtask, under {PROTOCOL_RATIO[protocol]}. The realised budget is the "
+                 "measured average cache over the decode steps, the full cache's being 100%. s.e.: paired over the "
+                 "samples.", ""]
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "|".join("---" for _ in header) + "|")
         lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -235,10 +279,12 @@ class RulerTask(Task):
         for p in policies:
             pts = sorted((1 - c["requested_budget"], 100 * c["metrics"]["string_match"]) for c in cells
                          if (c.get("row") or c["policy"]) == p and c["kind"] == "budget")
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=policy_name(p), color=COLORS.get(p))
         if full is not None:
             ax.axhline(100 * full["metrics"]["string_match"], color="black", linestyle="--", label="full")
-        ax.set_xlabel("compression ratio (kvpress: 1 - budget)")
+        ax.set_xlabel("compression ratio r (" + ("kvpress's protocol: share of the prompt removed, once)"
+                                                  if task.get("protocol") == "kvpress" else
+                                                  "decode-time protocol: 1 - average share of the cache kept)"))
         ax.set_ylabel("mean string match (%)")
         ax.set_ylim(0, 100)
         ax.grid(True, alpha=0.3)
@@ -252,7 +298,7 @@ class RulerTask(Task):
         hm.set_xticks(range(len(subtasks)))
         hm.set_xticklabels(subtasks, rotation=40, ha="right", fontsize=7)
         hm.set_yticks(range(len(cells)))
-        hm.set_yticklabels([(c.get("row") or c["policy"]) + ("" if _reference(c) else f" r={1 - c['requested_budget']:.2f}")
+        hm.set_yticklabels([policy_name(c.get("row") or c["policy"]) + ("" if _reference(c) else f" r={1 - c['requested_budget']:.2f}")
                             for c in cells], fontsize=7)
         fig.colorbar(im, ax=hm, shrink=0.8, label="string match (%)")
         fig.suptitle(f"{task['title']}: {model}, n = {task['n_samples']} samples", fontsize=10)

@@ -147,3 +147,148 @@ def test_doc_worked_example() -> None:
     lists = [[int(x) for x in m.split()] for m in re.findall(r"`([\d ]+)`", body)]
     assert lists == [kept[0], sorted(set(kept[0]) - set(kept[1])), sorted(set(kept[1]) - set(kept[2])), kept[2]]
     assert [t for t, _, _ in trace.evictions] == [11, 12, 13] and section(text, "snapkv-setup")
+
+
+# ============================================================================ the score the prefill policy ranks
+def _shrinking_norms_case() -> tuple[np.ndarray, np.ndarray]:
+    """Issue 41's case: 10 steps, one head; keys whose norms shrink with position (not strictly),
+    a sink at token 0 (the smallest norm); the attention favours token 6 and, by accumulation
+    over the prompt's rows, the earliest tokens (so ranking by attention keeps 0, 1, 2, 6)."""
+    norms = np.array([0.1, 8, 7, 6, 3, 5, 2, 1, 4, 0.5])
+    keys = np.zeros((10, 1, 2))
+    keys[:, 0, 0] = norms
+    logits = np.zeros((10, 1, 10))
+    logits[:, :, 6] = 2.0
+    return logits, keys
+
+
+def test_a_prefill_policy_ranks_by_its_own_statistic_when_the_decode_policy_reads_no_scores() -> None:
+    """Issue 41: ``compose(prefill=Knorm(size=4), decode=FullCache())`` took FullCache's
+    statistic, so no backend computed key norms and Knorm ranked recorded attention totals
+    (it kept [0, 1, 2, 6]); now it keeps Knorm's own [0, 4, 6, 7] after the 8-token prompt, then
+    every later token."""
+    from kvpolicy import FullCache, Knorm
+
+    logits, keys = _shrinking_norms_case()
+    alone = kvpolicy_numpy.replay(Knorm(size=4), logits, 8, keys=keys)
+    p = compose(prefill=Knorm(size=4), decode=FullCache())
+    assert (p.scorer, p.score_statistic, p.captures_attention) == (Knorm(size=4), "key_norm", False)
+    trace = kvpolicy_numpy.replay(p, logits, 8, keys=keys)
+    assert alone.kept[7].tolist() == trace.kept[7].tolist() == [[0, 4, 6, 7]]
+    assert trace.kept[9].tolist() == [[0, 4, 6, 7, 8, 9]]
+    got = kvpolicy_torch.replay(p, logits, 8, keys=keys)
+    assert _kept(got) == _kept(trace)
+    # the same with the other decode policies that read no scores
+    streaming = compose(prefill=Knorm(size=4), decode=StreamingLLM(sink=1, window=6))
+    assert kvpolicy_numpy.replay(streaming, logits, 8, keys=keys).kept[7].tolist() == [[0, 4, 6, 7]]
+    assert compose(prefill=Knorm(size=4), decode=LocalWindow(7)).score_statistic == "key_norm"
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(2, 24), st.sampled_from(["knorm", "keydiff", "tova", "h2o"]),
+       st.sampled_from(["full", "streaming", "local"]))
+def test_numpy_and_torch_follow_the_prefill_policy_statistic(seed, prompt_len, prefill_name, decode_name) -> None:
+    """Drawn prefill policies (key norms, KeyDiff, TOVA's latest row, H2O) composed with a decode
+    policy that reads no scores: the NumPy reference and the torch replay keep the same tokens
+    at every step, and after a prompt longer than the decode policy's ``capacity - 1`` the
+    prefill policy's own choice (the 3 tokens it keeps fit the decode policy)."""
+    from kvpolicy import FullCache, H2O, KeyDiff, Knorm
+
+    rng = np.random.default_rng(seed)
+    steps, heads = prompt_len + 6, 2
+    logits = rng.normal(size=(steps, heads, steps)) * 2
+    keys = rng.normal(size=(steps, heads, 4))
+    prefill = {"knorm": Knorm(size=3), "keydiff": KeyDiff(size=3, recent=1), "tova": TOVA(size=3, selection="per_head"),
+               "h2o": H2O(heavy=2, recent=1)}[prefill_name]
+    decode = {"full": FullCache(), "streaming": StreamingLLM(sink=1, window=2), "local": LocalWindow(3)}[decode_name]
+    p = compose(prefill=prefill, decode=decode)
+    assert p.score_statistic == prefill.score_statistic and p.key_recent == prefill.key_recent
+    ref = kvpolicy_numpy.replay(p, logits, prompt_len, keys=keys)
+    assert _kept(kvpolicy_torch.replay(p, logits, prompt_len, keys=keys)) == _kept(ref)
+    if decode.capacity is None or prompt_len > decode.capacity - 1:
+        alone = kvpolicy_numpy.replay(prefill, logits, prompt_len, keys=keys)
+        assert ref.kept[prompt_len - 1].tolist() == alone.kept[prompt_len - 1].tolist()
+
+
+def test_the_transformers_cache_computes_key_norms_for_the_composition() -> None:
+    """A tiny random-weight Llama (float64, 2 layers, 4 KV heads): layer 0 of
+    ``EvictingCache(compose(prefill=Knorm(size=6), decode=FullCache()))`` after a 16-token
+    prompt and 4 greedy tokens keeps what kvpolicy_numpy.replay keeps on layer 0's logits and
+    keys: Knorm's own choice after the prompt, then every new token."""
+    pytest.importorskip("transformers")
+    from kvpolicy import FullCache, Knorm
+    from kvpolicy.hf import EvictingCache
+    from kvpolicy_tools.models import tiny_llama
+    from layer0 import greedy_tokens, layer0_logits_and_keys
+
+    model = tiny_llama(num_layers=2, heads=4, kv_heads=4, head_dim=8, vocab=96, seed=3).double()
+    ids = torch.randint(3, 96, (1, 16), generator=torch.Generator().manual_seed(5))
+    p = compose(prefill=Knorm(size=6), decode=FullCache())
+    cache = EvictingCache(p, model)
+    tokens = greedy_tokens(model, cache, ids, 4)
+    logits, keys = layer0_logits_and_keys(model, tokens)
+    trace = kvpolicy_numpy.replay(p, logits, prompt_len=16, keys=keys)
+    alone = kvpolicy_numpy.replay(Knorm(size=6), logits, prompt_len=16, keys=keys)
+    assert trace.kept[15].tolist() == alone.kept[15].tolist()
+    np.testing.assert_array_equal(cache.layers[0].store.positions[0].numpy(), trace.kept[-1])
+
+
+def test_pairs_one_score_cannot_serve_are_refused_by_name() -> None:
+    from kvpolicy import AdaKV, FullCache, KeyDiff, Knorm, Scissorhands
+
+    with pytest.raises(ValueError, match="same kind of score"):
+        compose(prefill=Knorm(size=4), decode=H2O(heavy=2, recent=2))
+    with pytest.raises(ValueError, match="key_recent"):
+        compose(prefill=KeyDiff(size=8, recent=1), decode=KeyDiff(size=8, recent=3))
+    with pytest.raises(ValueError, match="score_history"):
+        compose(prefill=Scissorhands(size=8, history=2, recent=2), decode=Scissorhands(size=8, history=4, recent=2))
+    with pytest.raises(ValueError, match="AdaKV is supported as the decode policy"):
+        compose(prefill=AdaKV(SnapKV(size=12, window=4)), decode=H2O(heavy=5, recent=6))
+    assert compose(prefill=KeyDiff(size=8, recent=2), decode=KeyDiff(size=6, recent=2)).key_recent == 2
+    with pytest.raises(ValueError, match="same number of tokens on every head"):
+        compose(prefill=AdaKV(H2O(4, 2)), decode=FullCache())
+
+
+def test_the_kit_fails_a_composition_that_ranks_by_the_wrong_statistic() -> None:
+    """The conformance kit's replay property holds a composition's prefill decision to its
+    prefill policy's own: a composition computing the decode policy's statistic (the bug of
+    issue 41) is caught; the fixed one passes."""
+    from hypothesis import settings
+
+    from kvpolicy import FullCache, Knorm
+    from kvpolicy.testing import ContractViolation, check_prefill_decision
+
+    class DecodeStatistic(Composed):
+        """The old rule: the scores are always the decode policy's (FullCache's: attention)."""
+
+        @property
+        def score_statistic(self):
+            return self.decode.score_statistic
+
+    logits, _ = _shrinking_norms_case()
+    wrong = DecodeStatistic(prefill=Knorm(size=4), decode=FullCache())
+    with pytest.raises(ContractViolation, match="not its choice"):
+        check_prefill_decision(wrong, logits, 8)
+    check_prefill_decision(compose(prefill=Knorm(size=4), decode=FullCache()), logits, 8)
+    with pytest.raises(ContractViolation, match="prefill policy"):
+        check_policy(st.just(wrong), checks=["replay"], torch=False, settings=settings(max_examples=50, database=None))
+    report = check_policy(st.just(compose(prefill=Knorm(size=4), decode=FullCache())), checks=["replay"], torch=False,
+                          settings=settings(max_examples=50, database=None))
+    assert report.passed == ["replay"]
+
+
+# ============================================================================ head-wise decode policies (issue 44, class 10)
+def test_adakv_as_the_decode_policy_runs_in_torch_and_as_the_prefill_policy_is_refused() -> None:
+    """AdaKV after SnapKV: the torch replay keeps the reference's tokens (holes included); the
+    torch cache allocates for the decode policy's widest head (``head_capacity``, once an
+    AttributeError). A head-wise prefill policy is refused by name."""
+    from kvpolicy import AdaKV
+
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(30, 3, 30))
+    p = compose(prefill=SnapKV(size=12, window=4), decode=AdaKV(H2O(heavy=5, recent=6), 0.2))
+    assert p.ragged_heads and p.head_capacity(3) == p.decode.head_capacity(3)
+    assert compose(prefill=SnapKV(size=12, window=4), decode=H2O(heavy=5, recent=6)).head_capacity(3) is None
+    ref = kvpolicy_numpy.replay(p, logits, 20)
+    assert _kept(kvpolicy_torch.replay(p, logits, 20)) == _kept(ref)
+    with pytest.raises(ValueError, match="same number of tokens on every head"):
+        compose(prefill=AdaKV(SnapKV(size=12, window=4)), decode=AdaKV(H2O(heavy=5, recent=6)))

@@ -307,3 +307,17 @@ def test_each_paper_table_belongs_to_one_task() -> None:
     tables = [cls.paper_table for cls in task_registry().values() if cls.paper_table]
     assert len(tables) == 3 and len({id(t) for t in tables}) == len(tables)
     assert sorted(t["rank"] for t in tables) == [0, 1, 2]
+
+
+def test_every_registered_policy_has_its_own_display_name_and_colour() -> None:
+    """Issue 41: the plots named scissorhands in lower case and drew PyramidKV's H2O in BUZZ (log n)'s
+    orange (matplotlib's next colour): every built-in registered name now has a display name and a
+    colour, no two alike."""
+    from kvpolicy import available_policies
+    from kvpolicy_tools.eval.display import COLORS, NAMES, policy_name
+
+    names = set(available_policies())
+    assert names <= set(NAMES) and names <= set(COLORS)
+    assert len({policy_name(n) for n in names}) == len(names) and all(policy_name(n) != n for n in names)
+    assert len({COLORS[n].lower() for n in names}) == len(names)
+    assert policy_name("scissorhands") == "Scissorhands" and COLORS["pyramid_h2o"] != COLORS["buzz_logn"]

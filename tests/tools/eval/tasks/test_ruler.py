@@ -26,13 +26,17 @@ def test_options_and_cli_errors(capsys):
 
     for kwargs, message in (({"length": 100}, "--ruler-length must be an integer in [256, 131072]"),
                             ({"question": "before"}, "--ruler-question must be 'after' or 'context'"),
-                            ({"subtasks": ("vt", "nope")}, "--ruler-subtasks takes names from")):
+                            ({"subtasks": ("vt", "nope")}, "--ruler-subtasks takes names from"),
+                            ({"protocol": "press"}, "--ruler-protocol must be one of decode, kvpress")):
         with pytest.raises(ValueError, match=re.escape(message)):
             RulerOptions(**kwargs)
     for argv, message in ((["--ruler-length", "100"], "--ruler-length must be"),
                           (["--compression-ratios", "0.5", "--budgets", "0.5"], "give one"),
                           (["--compression-ratios", "1.2"], "--compression-ratios must lie in (0, 1)"),
-                          (["--ruler-subtasks", "qa"], "ruler's qa subtask needs --data-dir")):
+                          (["--ruler-subtasks", "qa"], "ruler's qa subtask needs --data-dir"),
+                          (["--ruler-protocol", "kvpress", "--policies", "full,knorm,buzz", "--ruler-subtasks", "vt"],
+                           "policy 'buzz' cannot run under kvpress's protocol (--ruler-protocol kvpress): policy must rank "
+                           "tokens by a score")):
         rc = main(["compare", "--tasks", "ruler", "--model", "no-such-model-dir", "--no-progress", *argv])
         err = capsys.readouterr().err
         assert rc == 2 and err.startswith("kvpolicy: error: ") and message in err, err
@@ -135,7 +139,8 @@ def test_compare_ruler_end_to_end(tiny, tmp_path):
     assert 900 <= after["prompt_tokens"]["max"] <= 1000 - 30
     assert "--ruler-question after" in after["command"] and "--budgets 0.5" in after["command"]
     report = (tmp_path / "after" / "report.md").read_text()
-    assert "| policy | ratio (kvpress) |" in report and "| h2o | 0.50 |" in report
+    assert "| policy | ratio (decode) |" in report and "| h2o | 0.50 |" in report
+    assert "under kvpolicy's decode-time protocol" in report and after["protocol"] == "decode"
     assert (tmp_path / "after" / "ruler_subtasks.png").stat().st_size > 5000
     # the question fed after the eviction is decode steps: more of them than with the question inside
     inside = _run(tiny, tmp_path / "inside", "--ruler-question", "context", "--policies", "full",
@@ -166,3 +171,27 @@ def test_question_after_the_eviction_is_not_seen_by_it(tiny):
     qs = ("\nwhat is the first word?", "\nname the last one please?")
     assert kept["after", qs[0]] == kept["after", qs[1]]
     assert kept["inside", qs[0]] != kept["inside", qs[1]]
+
+
+def test_kvpress_protocol_compresses_the_context_once_and_keeps_the_question_and_answer(tiny, tmp_path):
+    """``--ruler-protocol kvpress``: each policy runs as kvpolicy.prefill_only at ratio r, so every
+    layer keeps int(n (1 - r)) of the n context tokens per head and then every question and answer
+    token: the average cache over the decode steps is that plus the steps' own tokens, exactly; the
+    report names the protocol and defines the ratio as kvpress does."""
+    res = _run(tiny, tmp_path / "kvpress", "--ruler-protocol", "kvpress", "--policies", "full,knorm,snapkv,adakv_keydiff",
+               "--ruler-subtasks", "niah_single_1")
+    assert res["protocol"] == "kvpress" and "compression_ratio" in res["ratio_definition"]
+    assert "--ruler-protocol kvpress" in res["command"]
+    steps = res["decode_steps_per_sample"]
+    for c in res["cells"]:
+        if c["policy"] == "full":
+            continue
+        (plan,) = c["plans"]
+        n = plan["prompt_length"]
+        k = int(n * 0.5)
+        assert (plan["protocol"], plan["compression_ratio"], plan["kept_context_tokens"], plan["capacity"]) == ("kvpress", 0.5, k, None)
+        assert plan["policy"] == "prefill_only" and c["label"] == "ratio 0.5"
+        # decode step i attends the k kept tokens, the i earlier steps' tokens and its own
+        assert c["average_cache"] == pytest.approx(k + (steps + 1) / 2)
+    report = (tmp_path / "kvpress" / "report.md").read_text()
+    assert "| policy | ratio (kvpress) |" in report and "under kvpress's protocol" in report
