@@ -184,6 +184,17 @@ def use_kvpolicy_attention(model: torch.nn.Module) -> None:
         _set_implementation(model, ATTENTION_NAME)
 
 
+def _switch_attention(config: PretrainedConfig, name: str) -> None:
+    """Set ``config``'s attention implementation for the forward in flight: the one place kvpolicy
+    writes transformers' ``config._attn_implementation`` (docs/design.md, "The attention switch").
+    The public ``model.set_attn_implementation`` validates the name and walks every submodule at
+    each call (about a millisecond on a 30-layer model) and cannot run inside a compiled step, so
+    the scope's hooks, which run at every forward (compiled ones included), write the config's
+    own setter directly; :func:`scope_attention` has validated both names once, through
+    ``set_attn_implementation``."""
+    config._attn_implementation = name
+
+
 def _set_implementation(model: torch.nn.Module, name: str) -> None:
     try:
         model.set_attn_implementation(name)
@@ -249,11 +260,11 @@ class _Scope:
         config = module.config
         self.owner, self.saved, self.cache = module, config._attn_implementation, cache
         self.thread = None if compiling else threading.get_ident()
-        config._attn_implementation = SCOPED_ATTENTION_NAME
+        _switch_attention(config, SCOPED_ATTENTION_NAME)
 
     def after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if self.owner is module and (self.thread is None or self.thread == threading.get_ident()):
-            module.config._attn_implementation = self.saved
+            _switch_attention(module.config, self.saved)
             if self.cache is not None and not torch.compiler.is_compiling():
                 self.cache.leave()
             self.owner, self.saved, self.cache, self.thread = None, None, None, None
