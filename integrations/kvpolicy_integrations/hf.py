@@ -269,6 +269,57 @@ class _Scope:
                 self.cache.leave()
             self.owner, self.saved, self.cache, self.thread = None, None, None, None
 
+    def interrupted(self, module: torch.nn.Module, error: BaseException) -> None:
+        """``module``'s forward ended by ``error`` that torch's ``always_call`` hooks do not see
+        (a ``KeyboardInterrupt``, a ``SystemExit``: not an ``Exception``): the model is put back as
+        :meth:`after` does, and the cache in flight, which holds part of that forward's step, is
+        marked so (:meth:`EvictingCache.interrupted`)."""
+        cache = self.cache if self.owner is module else None
+        self.after(module, (), {}, None)
+        if cache is not None:
+            cache.interrupted(error)
+
+
+class ScopedForward:
+    """The ``forward`` of a model under :func:`scope_attention`: the model's own, inside a
+    ``try`` whose handler puts the model back when the forward ends by an exception that is not an
+    ``Exception`` (``KeyboardInterrupt`` from Ctrl-C, ``SystemExit``). torch runs a module's
+    ``always_call`` forward hooks only for an ``Exception``; every other path goes through the
+    hooks (:func:`scope_attention`). ``inspect.signature`` sees the model's own forward
+    (``__wrapped__``), and a deep copy or a pickle of the model carries it (bound to the copy).
+
+    Example:
+        >>> import inspect
+        >>> from kvpolicy import H2O
+        >>> from kvpolicy_tools.models import tiny_llama
+        >>> model = tiny_llama()
+        >>> _ = EvictingCache(H2O(4, 4), model)
+        >>> isinstance(model.forward, ScopedForward), "attention_mask" in inspect.signature(model.forward).parameters
+        (True, True)
+    """
+
+    def __init__(self, module: torch.nn.Module, scope: _Scope) -> None:
+        self.module = module
+        self.scope = scope
+        #: a forward another library set on the instance before (accelerate's hooks), else ``None``
+        self.inner: Callable[..., Any] | None = module.__dict__.get("forward")
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        if torch.compiler.is_compiling():  # (traced: a compiled forward's switch is a side effect applied at its end)
+            return self.__wrapped__(*args, **kwargs)
+        try:
+            return self.__wrapped__(*args, **kwargs)
+        except Exception:
+            raise  # (torch's always_call hook puts the model back)
+        except BaseException as error:
+            self.scope.interrupted(module, error)
+            raise
+
 
 _SCOPED: "weakref.WeakKeyDictionary[torch.nn.Module, _Scope]" = weakref.WeakKeyDictionary()
 #: the attribute of a scoped model holding its scope, so that a deep copy of the model (which
@@ -317,6 +368,7 @@ def scope_attention(model: torch.nn.Module) -> None:
         for module in modules:
             module.register_forward_pre_hook(scope.before, with_kwargs=True)
             module.register_forward_hook(scope.after, with_kwargs=True, always_call=True)
+            module.forward = ScopedForward(module, scope)  # (the paths the always_call hook does not see)
         setattr(model, SCOPE_ATTRIBUTE, scope)
     _SCOPED[model] = scope
     for sub in model.modules():
@@ -877,6 +929,7 @@ class EvictingCache(Cache):
         self.padding = Padding()  # shared by the layers: the padding of the forward in flight
         self._busy = threading.Lock()  # one forward at a time (enter / leave)
         self._reported: set[int] = set()  # layers report_nonfinite has warned about since the last reset
+        self._interrupted: str | None = None  # what ended a forward mid-step (interrupted), until reset()
         shift_matrices = ShiftMatrices()  # shared by the layers: pos-shift rotations, built once a step
         n_layers = len(caps.layers)
         # shared by the layers: one victim search a decode step for all (static shapes search on the
@@ -932,6 +985,13 @@ class EvictingCache(Cache):
         all-ones mask). A one-token decode step reads nothing here (no host sync); a chunk
         without positions or mask whose tokens follow what the cache has seen is a continuation
         for the cache as for the model (transformers' caches cannot tell either)."""
+        if self._interrupted is not None:
+            raise RuntimeError(
+                f"this EvictingCache's last forward was interrupted mid-step ({self._interrupted}): its layers hold part "
+                "of that step (some appended, some not, scores half accumulated), so it cannot continue the sequence "
+                "exactly; call cache.reset() and run the prompt again (or make a new cache). The model was put back "
+                "as it was"
+            )
         if use_cache is False:
             raise ValueError(
                 "use_cache=False with an EvictingCache: transformers would feed the whole sequence to the cache at every "
@@ -978,6 +1038,13 @@ class EvictingCache(Cache):
                     f"token; generate() given a used cache would feed it only the prompt's tail): call cache.reset() "
                     f"(or make a new cache) for a new prompt"
                 )
+
+    def interrupted(self, error: BaseException) -> None:
+        """A forward using this cache ended by ``error`` that is not an ``Exception`` (Ctrl-C's
+        ``KeyboardInterrupt``), maybe mid-step (:class:`ScopedForward` calls this): the cache is
+        released, and its next forward is refused until :meth:`reset`."""
+        self._interrupted = type(error).__name__
+        self.leave()
 
     def enter(self) -> None:
         """A forward starts using this cache (its hooks call this): one at a time."""
@@ -1077,6 +1144,7 @@ class EvictingCache(Cache):
         attention not yet reported is reported first (:meth:`report_nonfinite`)."""
         self.report_nonfinite()
         self._reported = set()
+        self._interrupted = None
         super().reset()
 
     def lengths(self) -> list[int]:

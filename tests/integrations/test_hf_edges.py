@@ -1,0 +1,94 @@
+"""The transformers integration at its edges (issue 44, classes 8, 9, 19 and 20): the compiled decode
+step in a serving loop (prompts of many lengths, caches of many capacities), Ctrl-C in the middle
+of a forward, the keys of a left-padded batch, and ``cache.update()`` called by hand.
+
+The model is ``kvpolicy_tools.models.tiny_llama`` (random weights, 2 layers, GQA). Compiled steps
+use dynamo's ``"eager"`` backend: it traces and guards exactly as inductor does (recompiles and
+their limit included) without inductor's code generation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvpolicy import H2O, FullCache, StreamingLLM
+from kvpolicy.hf import EvictingCache, cache_kwargs, compile_decode_step, generate, greedy_decode
+from kvpolicy_tools.models import tiny_llama
+
+pytestmark = [pytest.mark.hf, pytest.mark.torch]
+
+SEED = 11
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=SEED)
+
+
+def _ids(n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+class _Tokenizer:
+    """A stand-in tokenizer: one token per character."""
+
+    chat_template = None
+
+    def __call__(self, text, return_tensors=None):
+        return {"input_ids": torch.tensor([[3 + ord(c) % 120 for c in text]])}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+@pytest.fixture
+def eager_backend():
+    """torch.compile's default backend set to dynamo's "eager" for the test (generate() compiles
+    with the default), then put back."""
+    before = torch.compiler.get_default_backend()
+    torch.compiler.set_default_backend("eager")
+    torch.compiler.reset()  # (a fresh recompile count for the model's forward)
+    yield
+    torch.compiler.set_default_backend(before)
+    torch.compiler.reset()
+
+
+# --------------------------------------------------------------------------- class 9: Ctrl-C mid-forward
+class _Interrupt:
+    """A forward hook on one decoder layer raising ``error`` (Ctrl-C arrives as KeyboardInterrupt)."""
+
+    def __init__(self, error: type[BaseException]) -> None:
+        self.error = error
+
+    def __call__(self, module, args, output):
+        raise self.error()
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("through", ["model", "base_model"])
+def test_an_interrupted_forward_leaves_the_model_as_found(error, through):
+    """A KeyboardInterrupt (or SystemExit: not an Exception, so torch's always_call hooks do not
+    run) raised inside a forward with an EvictingCache, after layer 0 appended: the model's next
+    plain DynamicCache forward equals a fresh model's (was: an error about differential attention),
+    and the half-updated cache is refused until reset(), after which it serves exactly."""
+    model, fresh = tiny_llama(seed=SEED), tiny_llama(seed=SEED)
+    ids = _ids(16)
+    runner = model if through == "model" else model.model
+    cache = EvictingCache(H2O(4, 4), model)
+    handle = model.model.layers[1].register_forward_hook(_Interrupt(error))
+    with pytest.raises(error), torch.no_grad():
+        runner(input_ids=ids, **cache_kwargs(model, cache))
+    handle.remove()
+    assert model.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        got = model(ids, cache=DynamicCache(config=model.config)).logits
+        want = fresh(ids, cache=DynamicCache(config=fresh.config)).logits
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match=rf"last forward was interrupted mid-step \({error.__name__}\).*cache.reset\(\)"):
+        with torch.no_grad():
+            model(ids, **cache_kwargs(model, cache))
+    cache.reset()
+    expected = greedy_decode(fresh, ids, EvictingCache(H2O(4, 4), fresh), 4)
+    assert torch.equal(greedy_decode(model, ids, cache, 4), expected)
