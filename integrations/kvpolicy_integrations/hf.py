@@ -527,6 +527,11 @@ class EvictingLayer(DynamicLayer):
     # transformers' base classes assign self.keys / self.values; they live in the store here.
     @property  # type: ignore[override]
     def keys(self) -> torch.Tensor | None:
+        """The kept keys in position order, transformers' shape ``[batch, kv_heads, length,
+        head_dim]`` (``None`` before the first update). ``length`` is the most any row keeps: after
+        a left-padded prompt a row keeping fewer has zeros in front of its keys, where
+        ``DynamicCache`` has its pad columns; :attr:`kept_mask` says which are kept tokens
+        (:attr:`kvpolicy_torch.LayerCache.keys`)."""
         return self.store.keys if self.store.is_initialized else None
 
     @keys.setter
@@ -536,7 +541,27 @@ class EvictingLayer(DynamicLayer):
 
     @property  # type: ignore[override]
     def values(self) -> torch.Tensor | None:
+        """The kept values, laid out as :attr:`keys`."""
         return self.store.values if self.store.is_initialized else None
+
+    @property
+    def kept_mask(self) -> torch.Tensor | None:
+        """``[batch, kv_heads, length]`` bool: which entries of :attr:`keys` and :attr:`values` are
+        kept tokens (False: a row or head that keeps fewer than the longest, e.g. after a
+        left-padded prompt); ``None`` before the first update.
+
+        Example:
+            >>> from kvpolicy import FullCache
+            >>> from kvpolicy_tools.models import tiny_llama
+            >>> model = tiny_llama()
+            >>> cache = EvictingCache(FullCache(), model)
+            >>> mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])  # row 0: two left pads
+            >>> _ = model(torch.arange(1, 11).view(2, 5), attention_mask=mask, **cache_kwargs(model, cache))
+            >>> layer = cache.layers[0]
+            >>> tuple(layer.keys.shape), layer.kept_mask[:, 0].long().tolist()
+            ((2, 2, 5, 16), [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+        """
+        return self.store.kept_mask if self.store.is_initialized else None
 
     @values.setter
     def values(self, value: Any) -> None:

@@ -92,3 +92,42 @@ def test_an_interrupted_forward_leaves_the_model_as_found(error, through):
     cache.reset()
     expected = greedy_decode(fresh, ids, EvictingCache(H2O(4, 4), fresh), 4)
     assert torch.equal(greedy_decode(model, ids, cache, 4), expected)
+
+
+# --------------------------------------------------------------------------- class 19: keys of a left-padded batch
+@pytest.mark.parametrize("policy", [FullCache(), H2O(5, 5), StreamingLLM(sink=2, window=6)], ids=repr)
+def test_keys_of_a_left_padded_batch_in_transformers_shape(model, policy):
+    """After a left-padded prompt (and decode steps) rows keep different numbers of tokens;
+    layer.keys / .values are [batch, kv_heads, longest, head_dim] with each row's kept tokens in
+    position order at the end and zeros in front, and layer.kept_mask says which are kept (was: a
+    ValueError 'rows differ in kept tokens'). For the full cache they equal DynamicCache's keys at
+    the real columns, pads where DynamicCache has its pad columns."""
+    ids = _ids(14, batch=3, seed=2)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    mask[2, :2] = 0
+    cache = EvictingCache(policy, model)
+    greedy_decode(model, ids, cache, 3, attention_mask=mask)
+    for layer in cache.layers:
+        keys, values, kept = layer.keys, layer.values, layer.kept_mask
+        lengths = layer.store.lengths
+        assert keys.shape == (3, 2, max(lengths), 16) and values.shape == keys.shape and kept.shape == keys.shape[:3]
+        for row, n in enumerate(lengths):
+            assert kept[row].sum(-1).tolist() == [n, n]
+            assert not kept[row, :, : max(lengths) - n].any() and kept[row, :, max(lengths) - n :].all()
+            assert not keys[row][~kept[row]].any() and not values[row][~kept[row]].any()
+            positions, _ = layer.store.kept(row)
+            assert torch.equal(layer.store.positions[row][kept[row]].view(2, n), positions)
+    if isinstance(policy, FullCache):  # against transformers' own cache, the same prompt and positions
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        full = DynamicCache(config=model.config)
+        fresh = EvictingCache(FullCache(), model)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, position_ids=positions, cache=full)
+            model(ids, attention_mask=mask, position_ids=positions, **cache_kwargs(model, fresh))
+        for ours, theirs in zip(fresh.layers, full.layers):
+            assert ours.keys.shape == theirs.keys.shape
+            real = mask.bool()[:, None, :].expand(-1, 2, -1)
+            assert torch.equal(ours.kept_mask, real)
+            torch.testing.assert_close(ours.keys[real], theirs.keys[real])
+            torch.testing.assert_close(ours.values[real], theirs.values[real])
