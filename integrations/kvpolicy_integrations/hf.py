@@ -1138,7 +1138,20 @@ class EvictingCache(Cache):
         """transformers' entry point: layer ``layer_idx`` appends (see :meth:`EvictingLayer.update`)."""
         if not 0 <= layer_idx < len(self.layers):
             raise ValueError(f"layer_idx {layer_idx} is out of range: this EvictingCache was built for {len(self.layers)} layers")
-        if not torch.compiler.is_compiling() and self.built_for is not None and not self._busy.locked():
+        outside = not torch.compiler.is_compiling() and not self._busy.locked()  # (no hooked forward holds it)
+        if outside and kwargs.get("kwargs") is None:
+            # transformers' attention passes its kwargs (the attention function finds its layer there): a call
+            # without them, outside a forward the hooks saw, is a direct one
+            raise RuntimeError(
+                f"layer {layer_idx}: EvictingCache.update() was called outside a model's forward, which is not "
+                "supported: an evicting cache appends a step's keys and values and then evicts by that step's "
+                "attention, which only the model's forward computes (update() is transformers' entry point for a "
+                "model's attention). Run the model with the cache (model(ids, cache=cache) or model.generate(..., "
+                "cache=cache)); to append keys and values by hand, use transformers' DynamicCache. (A model whose "
+                "attention calls cache.update() without kwargs=, as GPT-NeoX's does, is served when the cache is given "
+                "the model itself: EvictingCache(policy, model))"
+            )
+        if outside and self.built_for is not None:
             mine = self.built_for()
             raise RuntimeError(
                 f"layer {layer_idx}: a forward that did not go through the hooks of the model this EvictingCache was "

@@ -131,3 +131,20 @@ def test_keys_of_a_left_padded_batch_in_transformers_shape(model, policy):
             assert torch.equal(ours.kept_mask, real)
             torch.testing.assert_close(ours.keys[real], theirs.keys[real])
             torch.testing.assert_close(ours.values[real], theirs.values[real])
+
+
+# --------------------------------------------------------------------------- class 20: update() by hand
+@pytest.mark.parametrize("built_from", ["model", "config"])
+def test_update_outside_a_forward_is_refused_plainly(model, built_from):
+    """cache.update(k, v, layer) called by hand, outside a model's forward, is refused saying so
+    (was: advice to pass the model rather than its config, or about another model's hooks), and
+    the cache is left untouched."""
+    cache = EvictingCache(FullCache(), model if built_from == "model" else model.config)
+    k = torch.randn(1, 2, 3, 16)
+    with pytest.raises(RuntimeError, match=r"layer 0: EvictingCache.update\(\) was called outside a model's forward, "
+                                           r"which is not supported"):
+        cache.update(k, k, 0)
+    assert not cache.layers[0].store.is_initialized
+    with torch.no_grad():  # and the cache still serves a forward
+        model(_ids(8), **cache_kwargs(model, cache))
+    assert cache.layers[0].store.seen == [8]
