@@ -949,6 +949,8 @@ class EvictingCache(Cache):
         #: copy: pickle and deepcopy drop it, so a restored cache serves a model of the same shape)
         self.built_for: weakref.ref[torch.nn.Module] | None = weakref.ref(model) if isinstance(model, torch.nn.Module) else None
         self.policy = policy
+        #: whether a decode step keeps its shapes (the cache :func:`compile_decode_step` serves)
+        self.static_shapes = static_shapes
         self.positions_mode = positions
         self.capabilities: ModelCapabilities = caps
         self.padding = Padding()  # shared by the layers: the padding of the forward in flight
@@ -1214,20 +1216,59 @@ class EvictingCache(Cache):
         return total
 
 
-def compile_decode_step(model: torch.nn.Module, *, mode: str | None = None, backend: str = "inductor") -> Callable[..., Any]:
-    """``model`` compiled for decode steps: ``torch.compile(model, fullgraph=True, dynamic=False)``
-    (``mode="reduce-overhead"`` adds CUDA graphs on a GPU). With an ``EvictingCache(...,
-    static_shapes=True)`` a decode step is one graph for every policy whose decode eviction is a
-    :class:`~kvpolicy.DecodeEviction` (and for the others too, whose general evictions run between
-    steps: :meth:`EvictingCache.settle`). Compile once per model and reuse it across caches.
+def compile_decode_step(model: torch.nn.Module, *, mode: str | None = None, backend: str | None = None,
+                        dynamic: bool | None = None) -> Callable[..., Any]:
+    """``model`` compiled for decode steps: ``torch.compile(model, fullgraph=True)`` (``mode=
+    "reduce-overhead"`` adds CUDA graphs on a GPU; ``backend`` ``None``: torch's default backend,
+    inductor unless ``torch.compiler.set_default_backend`` says otherwise). With an
+    ``EvictingCache(..., static_shapes=True)`` a decode step is one graph for every policy whose
+    decode eviction is a :class:`~kvpolicy.DecodeEviction` (and for the others too, whose general
+    evictions run between steps: :meth:`EvictingCache.settle`).
+
+    Compile once per model and reuse it across caches and prompts: the first cache's step compiles
+    a graph for its exact shapes; the first cache whose storage size, capacity or batch differs
+    compiles one more, with those sizes dynamic (torch's automatic dynamic shapes), which then
+    serves every other size. So a serving loop over prompts of any length, with capacities
+    planned per prompt (:func:`generate` with ``compile=True``), runs on two graphs per policy
+    kind. Policies of other kinds (their decode step is other code) compile graphs of their own,
+    up to torch's recompile limit for the model's forward (``torch._dynamo.config.recompile_limit``,
+    8, shared by every compiled caller of the model): compile a copy of the model for more kinds.
+    ``dynamic=False`` specialises every graph to its cache (what a benchmark of one cache wants; at
+    most 8 caches of different sizes); ``dynamic`` is ``torch.compile``'s.
+
+    A cache built without ``static_shapes=True`` is refused (``ValueError``) before anything is
+    compiled: its decode step reads host bookkeeping that changes every step, so each step would
+    compile a graph of its own.
 
     Example:
+        >>> from kvpolicy import H2O
         >>> from kvpolicy_tools.models import tiny_llama
-        >>> step = compile_decode_step(tiny_llama(), backend="eager")
+        >>> model = tiny_llama()
+        >>> step = compile_decode_step(model, backend="eager")
         >>> callable(step)
         True
+        >>> step(input_ids=torch.tensor([[5]]), cache=EvictingCache(H2O(4, 4), model))
+        Traceback (most recent call last):
+        ...
+        ValueError: cache: compile_decode_step serves an EvictingCache built with static_shapes=True ...
     """
-    return torch.compile(model, fullgraph=True, dynamic=False, mode=mode, backend=backend)
+    if dynamic is not None:
+        dynamic = check_bool("dynamic", dynamic)
+    compiled = torch.compile(model, fullgraph=True, dynamic=dynamic, mode=mode, backend=backend)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, EvictingCache) and not cache.static_shapes:
+            raise ValueError(
+                "cache: compile_decode_step serves an EvictingCache built with static_shapes=True (one graph a "
+                "decode step); this one has static_shapes=False, whose decode step reads host bookkeeping that changes "
+                "every step (each step would compile a graph of its own, up to torch's recompile limit): build it with "
+                "EvictingCache(..., static_shapes=True), or run the decode steps eagerly (step=model)"
+            )
+        return compiled(*args, **kwargs)
+
+    step.__doc__ = f"{type(model).__name__} compiled for decode steps (kvpolicy_integrations.hf.compile_decode_step)."
+    return step
 
 
 def greedy_decode(

@@ -55,6 +55,53 @@ def eager_backend():
     torch.compiler.reset()
 
 
+# --------------------------------------------------------------------------- class 8: the compiled path in real use
+def test_generate_compiled_serves_a_loop_of_prompt_lengths(model, eager_backend):
+    """A serving loop: 12 prompts of different lengths through generate(compile=True), each with a
+    policy planned for its own length (so capacities and storage sizes differ), gives eager's
+    tokens (was: FailOnRecompileLimitHit at the ninth new length)."""
+    for i, n in enumerate(range(9, 33, 2)):
+        prompt = "".join(chr(97 + (5 * j + 3 * i) % 26) for j in range(n))
+        compiled = generate(model, _Tokenizer(), prompt, "h2o", budget=0.5, max_new_tokens=4, compile=True)
+        eager = generate(model, _Tokenizer(), prompt, "h2o", budget=0.5, max_new_tokens=4)
+        assert compiled.token_ids == eager.token_ids, (n, compiled.token_ids, eager.token_ids)
+
+
+@pytest.mark.slow
+def test_one_compiled_step_serves_caches_of_many_capacities(model):
+    """One compile_decode_step reused across caches of nine capacities (as its docstring
+    recommends) gives each cache eager's tokens (was: FailOnRecompileLimitHit at the ninth)."""
+    torch.compiler.reset()
+    step = compile_decode_step(model, backend="eager")
+    for capacity in range(4, 22, 2):
+        policy = H2O(capacity // 2, capacity - capacity // 2)
+        ids = _ids(capacity + 3, seed=capacity)
+        got = greedy_decode(model, ids, EvictingCache(policy, model, static_shapes=True, max_tokens=capacity + 8), 5,
+                            step=step)
+        assert torch.equal(got, greedy_decode(model, ids, EvictingCache(policy, model), 5)), capacity
+    torch.compiler.reset()
+
+
+def test_a_compiled_step_refuses_a_cache_without_static_shapes(model):
+    """A cache built without static_shapes=True is refused by name before anything compiles (its
+    host bookkeeping would compile a graph a step, up to the recompile limit)."""
+    from torch._dynamo.utils import counters
+
+    torch.compiler.reset()
+    counters.clear()
+    step = compile_decode_step(model, backend="eager")
+    cache = EvictingCache(StreamingLLM(sink=2, window=6), model)
+    ids = _ids(12)
+    with torch.no_grad():
+        model(ids, use_cache=True, **cache_kwargs(model, cache))
+        for kw in ("cache", "past_key_values"):
+            with pytest.raises(ValueError, match=r"^cache: compile_decode_step serves an EvictingCache built with "
+                                                 r"static_shapes=True .*static_shapes=False"):
+                step(input_ids=ids[:, -1:], position_ids=torch.tensor([[12]]), use_cache=True, **{kw: cache})
+    assert counters["stats"]["unique_graphs"] == 0
+    assert cache.layers[0].store.seen == [12]  # nothing was appended
+
+
 # --------------------------------------------------------------------------- class 9: Ctrl-C mid-forward
 class _Interrupt:
     """A forward hook on one decoder layer raising ``error`` (Ctrl-C arrives as KeyboardInterrupt)."""
