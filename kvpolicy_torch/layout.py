@@ -213,6 +213,19 @@ class SlotLayout:
             return torch.gather(t, 2, order[..., None].expand(*order.shape, t.shape[-1]))
         return torch.gather(t, 2, order)
 
+    def aligned(self, t: torch.Tensor, count: int, fill: float) -> torch.Tensor:
+        """``t`` (a tensor of :meth:`working`) at each row's and head's kept tokens in position
+        order, ``[batch, kv_heads, count]`` (``count``: the most any row keeps), right-aligned as in
+        a left-padded batch: a row or head keeping fewer has ``fill`` in front of its tokens."""
+        pos = self.working().positions
+        # holes (-1) sort first, positions are distinct: the last `count` are every kept token, in order
+        order = torch.argsort(pos, dim=-1, stable=True)[..., pos.shape[-1] - count :]
+        held = torch.gather(pos, 2, order) >= 0
+        if t.ndim == 4:
+            out = torch.gather(t, 2, order[..., None].expand(*order.shape, t.shape[-1]))
+            return out.masked_fill(~held[..., None], fill)
+        return torch.gather(t, 2, order).masked_fill(~held, fill)
+
     def kept(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(positions, scores)`` ``[kv_heads, n_row]`` of one row, in position order."""
         working = self.working()

@@ -152,30 +152,63 @@ class LayerReads:
         return per_token * sum(layout.rows.count)
 
     # ------------------------------------------------------------------ kept tokens in position order
+    # Rows of a left-padded batch (and heads under head-wise budgets) may keep different numbers of
+    # tokens: these reads then give transformers' shape [batch, kv_heads, length, ...] with `length`
+    # the most any row keeps, each row's tokens in position order at the end and filler in front
+    # (as a left-padded batch's pads), and `kept_mask` says which entries are kept tokens.
+    def _ordered(self, name: str, fill: float) -> torch.Tensor:
+        layout = self.synced()
+        if name == "keys":
+            layout.unshift()  # reads see original keys (the next decode append shifts them again)
+        t = getattr(layout.working(), name)
+        counts = layout.rows.count
+        if all(c == counts[0] for c in counts):
+            return layout.in_order(t, counts[0] if counts else 0)
+        return layout.aligned(t, max(counts), fill)
+
     @property
     def keys(self) -> torch.Tensor:
-        """Kept keys in position order ``[batch, kv_heads, length, head_dim]`` (a view when dense)."""
-        layout = self.synced()
-        layout.unshift()  # reads see original keys (the next decode append shifts them again)
-        return layout.in_order(layout.working().keys, self.length)
+        """Kept keys in position order ``[batch, kv_heads, length, head_dim]`` (a view when dense);
+        ``length`` the most any row keeps, a row keeping fewer (a left-padded batch) zeros in front
+        of its keys: :attr:`kept_mask` says which are kept tokens."""
+        return self._ordered("keys", 0.0)
 
     @property
     def values(self) -> torch.Tensor:
-        """Kept values in position order ``[batch, kv_heads, length, head_dim]``."""
-        layout = self.synced()
-        return layout.in_order(layout.working().values, self.length)
+        """Kept values in position order ``[batch, kv_heads, length, head_dim]``, laid out as :attr:`keys`."""
+        return self._ordered("values", 0.0)
 
     @property
     def positions(self) -> torch.Tensor:
-        """Original positions of the kept tokens, ascending ``[batch, kv_heads, length]``."""
-        layout = self.synced()
-        return layout.in_order(layout.working().positions, self.length)
+        """Original positions of the kept tokens, ascending ``[batch, kv_heads, length]``, laid out
+        as :attr:`keys` (``-1`` where a row keeping fewer has no token)."""
+        return self._ordered("positions", -1)
 
     @property
     def scores(self) -> torch.Tensor:
-        """Accumulated attention of the kept tokens, in position order ``[batch, kv_heads, length]``."""
-        layout = self.synced()
-        return layout.in_order(layout.working().scores, self.length)
+        """Accumulated attention of the kept tokens, in position order ``[batch, kv_heads, length]``,
+        laid out as :attr:`keys` (``0`` where a row keeping fewer has no token)."""
+        return self._ordered("scores", 0.0)
+
+    @property
+    def kept_mask(self) -> torch.Tensor:
+        """``[batch, kv_heads, length]`` bool: which entries of :attr:`keys`, :attr:`values`,
+        :attr:`positions` and :attr:`scores` are kept tokens (all True unless rows or heads keep
+        different numbers: a left-padded batch, head-wise budgets).
+
+        Example:
+            >>> from kvpolicy import FullCache
+            >>> from kvpolicy_torch import LayerCache
+            >>> layer = LayerCache(FullCache())
+            >>> valid = torch.tensor([[False, True, True], [True, True, True]])  # row 0: one left pad
+            >>> K, V = layer.append(torch.ones(2, 1, 3, 2), torch.ones(2, 1, 3, 2), valid=valid)
+            >>> layer.accumulate(torch.ones(2, 1, K.shape[2])); rounds = layer.evict()
+            >>> layer.lengths, tuple(layer.keys.shape), layer.kept_mask[:, 0].tolist()
+            ([2, 3], (2, 1, 3, 2), [[False, True, True], [True, True, True]])
+            >>> layer.keys[0, 0, :, 0].tolist(), layer.positions[0, 0].tolist()
+            ([0.0, 1.0, 1.0], [-1, 0, 1])
+        """
+        return self.positions >= 0
 
     def kept(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(positions, scores)`` ``[kv_heads, n_row]`` of one row, in position order (rows may differ)."""

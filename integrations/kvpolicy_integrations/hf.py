@@ -198,6 +198,17 @@ def use_kvpolicy_attention(model: torch.nn.Module) -> None:
         _set_implementation(model, ATTENTION_NAME)
 
 
+def _switch_attention(config: PretrainedConfig, name: str) -> None:
+    """Set ``config``'s attention implementation for the forward in flight: the one place kvpolicy
+    writes transformers' ``config._attn_implementation`` (docs/design.md, "The attention switch").
+    The public ``model.set_attn_implementation`` validates the name and walks every submodule at
+    each call (about a millisecond on a 30-layer model) and cannot run inside a compiled step, so
+    the scope's hooks, which run at every forward (compiled ones included), write the config's
+    own setter directly; :func:`scope_attention` has validated both names once, through
+    ``set_attn_implementation``."""
+    config._attn_implementation = name
+
+
 def _set_implementation(model: torch.nn.Module, name: str) -> None:
     try:
         model.set_attn_implementation(name)
@@ -263,14 +274,65 @@ class _Scope:
         config = module.config
         self.owner, self.saved, self.cache = module, config._attn_implementation, cache
         self.thread = None if compiling else threading.get_ident()
-        config._attn_implementation = SCOPED_ATTENTION_NAME
+        _switch_attention(config, SCOPED_ATTENTION_NAME)
 
     def after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if self.owner is module and (self.thread is None or self.thread == threading.get_ident()):
-            module.config._attn_implementation = self.saved
+            _switch_attention(module.config, self.saved)
             if self.cache is not None and not torch.compiler.is_compiling():
                 self.cache.leave()
             self.owner, self.saved, self.cache, self.thread = None, None, None, None
+
+    def interrupted(self, module: torch.nn.Module, error: BaseException) -> None:
+        """``module``'s forward ended by ``error`` that torch's ``always_call`` hooks do not see
+        (a ``KeyboardInterrupt``, a ``SystemExit``: not an ``Exception``): the model is put back as
+        :meth:`after` does, and the cache in flight, which holds part of that forward's step, is
+        marked so (:meth:`EvictingCache.interrupted`)."""
+        cache = self.cache if self.owner is module else None
+        self.after(module, (), {}, None)
+        if cache is not None:
+            cache.interrupted(error)
+
+
+class ScopedForward:
+    """The ``forward`` of a model under :func:`scope_attention`: the model's own, inside a
+    ``try`` whose handler puts the model back when the forward ends by an exception that is not an
+    ``Exception`` (``KeyboardInterrupt`` from Ctrl-C, ``SystemExit``). torch runs a module's
+    ``always_call`` forward hooks only for an ``Exception``; every other path goes through the
+    hooks (:func:`scope_attention`). ``inspect.signature`` sees the model's own forward
+    (``__wrapped__``), and a deep copy or a pickle of the model carries it (bound to the copy).
+
+    Example:
+        >>> import inspect
+        >>> from kvpolicy import H2O
+        >>> from kvpolicy_tools.models import tiny_llama
+        >>> model = tiny_llama()
+        >>> _ = EvictingCache(H2O(4, 4), model)
+        >>> isinstance(model.forward, ScopedForward), "attention_mask" in inspect.signature(model.forward).parameters
+        (True, True)
+    """
+
+    def __init__(self, module: torch.nn.Module, scope: _Scope) -> None:
+        self.module = module
+        self.scope = scope
+        #: a forward another library set on the instance before (accelerate's hooks), else ``None``
+        self.inner: Callable[..., Any] | None = module.__dict__.get("forward")
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        if torch.compiler.is_compiling():  # (traced: a compiled forward's switch is a side effect applied at its end)
+            return self.__wrapped__(*args, **kwargs)
+        try:
+            return self.__wrapped__(*args, **kwargs)
+        except Exception:
+            raise  # (torch's always_call hook puts the model back)
+        except BaseException as error:
+            self.scope.interrupted(module, error)
+            raise
 
 
 _SCOPED: "weakref.WeakKeyDictionary[torch.nn.Module, _Scope]" = weakref.WeakKeyDictionary()
@@ -320,6 +382,7 @@ def scope_attention(model: torch.nn.Module) -> None:
         for module in modules:
             module.register_forward_pre_hook(scope.before, with_kwargs=True)
             module.register_forward_hook(scope.after, with_kwargs=True, always_call=True)
+            module.forward = ScopedForward(module, scope)  # (the paths the always_call hook does not see)
         setattr(model, SCOPE_ATTRIBUTE, scope)
     _SCOPED[model] = scope
     for sub in model.modules():
@@ -478,6 +541,11 @@ class EvictingLayer(DynamicLayer):
     # transformers' base classes assign self.keys / self.values; they live in the store here.
     @property  # type: ignore[override]
     def keys(self) -> torch.Tensor | None:
+        """The kept keys in position order, transformers' shape ``[batch, kv_heads, length,
+        head_dim]`` (``None`` before the first update). ``length`` is the most any row keeps: after
+        a left-padded prompt a row keeping fewer has zeros in front of its keys, where
+        ``DynamicCache`` has its pad columns; :attr:`kept_mask` says which are kept tokens
+        (:attr:`kvpolicy_torch.LayerCache.keys`)."""
         return self.store.keys if self.store.is_initialized else None
 
     @keys.setter
@@ -487,7 +555,27 @@ class EvictingLayer(DynamicLayer):
 
     @property  # type: ignore[override]
     def values(self) -> torch.Tensor | None:
+        """The kept values, laid out as :attr:`keys`."""
         return self.store.values if self.store.is_initialized else None
+
+    @property
+    def kept_mask(self) -> torch.Tensor | None:
+        """``[batch, kv_heads, length]`` bool: which entries of :attr:`keys` and :attr:`values` are
+        kept tokens (False: a row or head that keeps fewer than the longest, e.g. after a
+        left-padded prompt); ``None`` before the first update.
+
+        Example:
+            >>> from kvpolicy import FullCache
+            >>> from kvpolicy_tools.models import tiny_llama
+            >>> model = tiny_llama()
+            >>> cache = EvictingCache(FullCache(), model)
+            >>> mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])  # row 0: two left pads
+            >>> _ = model(torch.arange(1, 11).view(2, 5), attention_mask=mask, **cache_kwargs(model, cache))
+            >>> layer = cache.layers[0]
+            >>> tuple(layer.keys.shape), layer.kept_mask[:, 0].long().tolist()
+            ((2, 2, 5, 16), [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+        """
+        return self.store.kept_mask if self.store.is_initialized else None
 
     @values.setter
     def values(self, value: Any) -> None:
@@ -875,11 +963,14 @@ class EvictingCache(Cache):
         #: copy: pickle and deepcopy drop it, so a restored cache serves a model of the same shape)
         self.built_for: weakref.ref[torch.nn.Module] | None = weakref.ref(model) if isinstance(model, torch.nn.Module) else None
         self.policy = policy
+        #: whether a decode step keeps its shapes (the cache :func:`compile_decode_step` serves)
+        self.static_shapes = static_shapes
         self.positions_mode = positions
         self.capabilities: ModelCapabilities = caps
         self.padding = Padding()  # shared by the layers: the padding of the forward in flight
         self._busy = threading.Lock()  # one forward at a time (enter / leave)
         self._reported: set[int] = set()  # layers report_nonfinite has warned about since the last reset
+        self._interrupted: str | None = None  # what ended a forward mid-step (interrupted), until reset()
         shift_matrices = ShiftMatrices()  # shared by the layers: pos-shift rotations, built once a step
         n_layers = len(caps.layers)
         # shared by the layers: one victim search a decode step for all (static shapes search on the
@@ -935,6 +1026,13 @@ class EvictingCache(Cache):
         all-ones mask). A one-token decode step reads nothing here (no host sync); a chunk
         without positions or mask whose tokens follow what the cache has seen is a continuation
         for the cache as for the model (transformers' caches cannot tell either)."""
+        if self._interrupted is not None:
+            raise RuntimeError(
+                f"this EvictingCache's last forward was interrupted mid-step ({self._interrupted}): its layers hold part "
+                "of that step (some appended, some not, scores half accumulated), so it cannot continue the sequence "
+                "exactly; call cache.reset() and run the prompt again (or make a new cache). The model was put back "
+                "as it was"
+            )
         if use_cache is False:
             raise ValueError(
                 "use_cache=False with an EvictingCache: transformers would feed the whole sequence to the cache at every "
@@ -981,6 +1079,13 @@ class EvictingCache(Cache):
                     f"token; generate() given a used cache would feed it only the prompt's tail): call cache.reset() "
                     f"(or make a new cache) for a new prompt"
                 )
+
+    def interrupted(self, error: BaseException) -> None:
+        """A forward using this cache ended by ``error`` that is not an ``Exception`` (Ctrl-C's
+        ``KeyboardInterrupt``), maybe mid-step (:class:`ScopedForward` calls this): the cache is
+        released, and its next forward is refused until :meth:`reset`."""
+        self._interrupted = type(error).__name__
+        self.leave()
 
     def enter(self) -> None:
         """A forward starts using this cache (its hooks call this): one at a time."""
@@ -1049,7 +1154,20 @@ class EvictingCache(Cache):
         """transformers' entry point: layer ``layer_idx`` appends (see :meth:`EvictingLayer.update`)."""
         if not 0 <= layer_idx < len(self.layers):
             raise ValueError(f"layer_idx {layer_idx} is out of range: this EvictingCache was built for {len(self.layers)} layers")
-        if not torch.compiler.is_compiling() and self.built_for is not None and not self._busy.locked():
+        outside = not torch.compiler.is_compiling() and not self._busy.locked()  # (no hooked forward holds it)
+        if outside and kwargs.get("kwargs") is None:
+            # transformers' attention passes its kwargs (the attention function finds its layer there): a call
+            # without them, outside a forward the hooks saw, is a direct one
+            raise RuntimeError(
+                f"layer {layer_idx}: EvictingCache.update() was called outside a model's forward, which is not "
+                "supported: an evicting cache appends a step's keys and values and then evicts by that step's "
+                "attention, which only the model's forward computes (update() is transformers' entry point for a "
+                "model's attention). Run the model with the cache (model(ids, cache=cache) or model.generate(..., "
+                "cache=cache)); to append keys and values by hand, use transformers' DynamicCache. (A model whose "
+                "attention calls cache.update() without kwargs=, as GPT-NeoX's does, is served when the cache is given "
+                "the model itself: EvictingCache(policy, model))"
+            )
+        if outside and self.built_for is not None:
             mine = self.built_for()
             raise RuntimeError(
                 f"layer {layer_idx}: a forward that did not go through the hooks of the model this EvictingCache was "
@@ -1080,6 +1198,7 @@ class EvictingCache(Cache):
         attention not yet reported is reported first (:meth:`report_nonfinite`)."""
         self.report_nonfinite()
         self._reported = set()
+        self._interrupted = None
         super().reset()
 
     def lengths(self) -> list[int]:
@@ -1111,20 +1230,59 @@ class EvictingCache(Cache):
         return total
 
 
-def compile_decode_step(model: torch.nn.Module, *, mode: str | None = None, backend: str = "inductor") -> Callable[..., Any]:
-    """``model`` compiled for decode steps: ``torch.compile(model, fullgraph=True, dynamic=False)``
-    (``mode="reduce-overhead"`` adds CUDA graphs on a GPU). With an ``EvictingCache(...,
-    static_shapes=True)`` a decode step is one graph for every policy whose decode eviction is a
-    :class:`~kvpolicy.DecodeEviction` (and for the others too, whose general evictions run between
-    steps: :meth:`EvictingCache.settle`). Compile once per model and reuse it across caches.
+def compile_decode_step(model: torch.nn.Module, *, mode: str | None = None, backend: str | None = None,
+                        dynamic: bool | None = None) -> Callable[..., Any]:
+    """``model`` compiled for decode steps: ``torch.compile(model, fullgraph=True)`` (``mode=
+    "reduce-overhead"`` adds CUDA graphs on a GPU; ``backend`` ``None``: torch's default backend,
+    inductor unless ``torch.compiler.set_default_backend`` says otherwise). With an
+    ``EvictingCache(..., static_shapes=True)`` a decode step is one graph for every policy whose
+    decode eviction is a :class:`~kvpolicy.DecodeEviction` (and for the others too, whose general
+    evictions run between steps: :meth:`EvictingCache.settle`).
+
+    Compile once per model and reuse it across caches and prompts: the first cache's step compiles
+    a graph for its exact shapes; the first cache whose storage size, capacity or batch differs
+    compiles one more, with those sizes dynamic (torch's automatic dynamic shapes), which then
+    serves every other size. So a serving loop over prompts of any length, with capacities
+    planned per prompt (:func:`generate` with ``compile=True``), runs on two graphs per policy
+    kind. Policies of other kinds (their decode step is other code) compile graphs of their own,
+    up to torch's recompile limit for the model's forward (``torch._dynamo.config.recompile_limit``,
+    8, shared by every compiled caller of the model): compile a copy of the model for more kinds.
+    ``dynamic=False`` specialises every graph to its cache (what a benchmark of one cache wants; at
+    most 8 caches of different sizes); ``dynamic`` is ``torch.compile``'s.
+
+    A cache built without ``static_shapes=True`` is refused (``ValueError``) before anything is
+    compiled: its decode step reads host bookkeeping that changes every step, so each step would
+    compile a graph of its own.
 
     Example:
+        >>> from kvpolicy import H2O
         >>> from kvpolicy_tools.models import tiny_llama
-        >>> step = compile_decode_step(tiny_llama(), backend="eager")
+        >>> model = tiny_llama()
+        >>> step = compile_decode_step(model, backend="eager")
         >>> callable(step)
         True
+        >>> step(input_ids=torch.tensor([[5]]), cache=EvictingCache(H2O(4, 4), model))
+        Traceback (most recent call last):
+        ...
+        ValueError: cache: compile_decode_step serves an EvictingCache built with static_shapes=True ...
     """
-    return torch.compile(model, fullgraph=True, dynamic=False, mode=mode, backend=backend)
+    if dynamic is not None:
+        dynamic = check_bool("dynamic", dynamic)
+    compiled = torch.compile(model, fullgraph=True, dynamic=dynamic, mode=mode, backend=backend)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, EvictingCache) and not cache.static_shapes:
+            raise ValueError(
+                "cache: compile_decode_step serves an EvictingCache built with static_shapes=True (one graph a "
+                "decode step); this one has static_shapes=False, whose decode step reads host bookkeeping that changes "
+                "every step (each step would compile a graph of its own, up to torch's recompile limit): build it with "
+                "EvictingCache(..., static_shapes=True), or run the decode steps eagerly (step=model)"
+            )
+        return compiled(*args, **kwargs)
+
+    step.__doc__ = f"{type(model).__name__} compiled for decode steps (kvpolicy_integrations.hf.compile_decode_step)."
+    return step
 
 
 def greedy_decode(

@@ -364,3 +364,49 @@ def test_rows_repeated_after_a_ready_tail_attend_to_their_own_tokens(policy) -> 
             keys, values = torch.stack([x for x, _ in seen[b]]), torch.stack([y for _, y in seen[b]])
             want = torch.softmax(keys @ q[b, 0, 0] * 0.5, 0) @ values
             assert torch.allclose(out[b, 0, 0], want, atol=1e-12), (step, b)
+
+
+def _rows_kv(rows: list[list[int]]) -> torch.Tensor:
+    """``[batch, heads, q, dim]``: row ``r``'s keys name the positions ``rows[r]`` (``-1``: a pad,
+    whose key names position 500, never kept)."""
+    return torch.stack([_kv([p if p >= 0 else 500 for p in row], 1)[0] for row in rows])
+
+
+@given(policy=st.one_of(policies, st.just(FullCache())), pads=st.lists(st.integers(0, 4), min_size=2, max_size=3),
+       steps=st.integers(0, 14))
+@settings(max_examples=60, deadline=None)
+def test_rows_keeping_different_counts_read_in_transformers_shape(policy, pads, steps) -> None:
+    """Issue 44, class 19: after a left-padded prompt rows keep different numbers of tokens (and
+    evict on their own schedules); ``keys``, ``values``, ``positions`` and ``scores`` are ``[batch,
+    heads, longest, ...]`` with each row's kept tokens in position order at the end and zeros
+    (position ``-1``) in front, and ``kept_mask`` is True exactly at the kept tokens (was: a
+    ``ValueError`` "rows differ in kept tokens"). Each row is held to the ordered model."""
+    q = 6
+    layer = LayerCache(policy)
+    rows = [[j - p if j >= p else -1 for j in range(q)] for p in pads]
+    valid = torch.tensor([[p >= 0 for p in row] for row in rows])
+    layer.append(_rows_kv(rows), _rows_kv(rows), valid=valid)
+    layer.evict()
+    seen = [q - p for p in pads]
+    states = [policy.init_state() for _ in pads]
+    kept = [_reference_evict(policy, list(range(s)), s, st_, "prefill") for s, st_ in zip(seen, states)]
+    for step in range(steps + 1):
+        longest = max(map(len, kept))
+        keys, values, positions, mask = layer.keys, layer.values, layer.positions, layer.kept_mask
+        assert keys.shape == values.shape == (len(pads), HEADS, longest, DIM) and mask.shape == positions.shape
+        for r, row in enumerate(kept):
+            front = longest - len(row)
+            assert positions[r].tolist() == [[-1] * front + row] * HEADS
+            assert mask[r].tolist() == [[False] * front + [True] * len(row)] * HEADS
+            torch.testing.assert_close(keys[r, :, front:], _kv(row, 1)[0])
+            torch.testing.assert_close(values[r, :, front:], _kv(row, 1)[0])
+            assert not keys[r, :, :front].any() and not values[r, :, :front].any()
+            assert not layer.scores[r, :, :front].any()
+        if step == steps:
+            break
+        new = [[s] for s in seen]
+        layer.append(_rows_kv(new), _rows_kv(new))
+        layer.evict()
+        for r in range(len(pads)):
+            seen[r] += 1
+            kept[r] = _reference_evict(policy, kept[r] + new[r], seen[r], states[r], "decode")
