@@ -46,9 +46,9 @@ def test_the_context_is_compressed_once_to_the_scorers_own_choice(seed, prompt_l
     logits = rng.normal(size=(steps, heads, steps)) * 2
     keys = rng.normal(size=(steps, heads, 4))
     k = max(1, int(prompt_len * (1 - ratio)))
-    own, wrapped = _scorer_at(name, k)
     if k < {"keydiff": 2, "h2o": 2, "snapkv": 3}.get(name, 1):
         return  # the scorer planned at k would keep more than k (its recent / window): no reference
+    own, wrapped = _scorer_at(name, k)
     p = prefill_only(wrapped, ratio)
     trace = kvpolicy_numpy.replay(p, logits, prompt_len, keys=keys)
     after = trace.kept[prompt_len - 1]
