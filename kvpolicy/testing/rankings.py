@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvpolicy.policies.adakv import headwise_keep
+from kvpolicy.policies.adakv import AdaKV, headwise_keep
 from kvpolicy.policy import CacheView, EvictionPolicy
 
 from ._driver import ContractViolation
@@ -166,8 +166,6 @@ def check_head_ties(
     ``[batch, heads, n]`` may lead a head with holes (``-1``). ``torch``: on a torch view too.
     Nothing to check for another policy, or where it does not evict.
     """
-    from kvpolicy.policies.adakv import AdaKV
-
     if not isinstance(policy, AdaKV):
         return
     scores = np.asarray(scores, dtype=np.float64)
@@ -182,7 +180,7 @@ def check_head_ties(
     want = documented_headwise_keep(view, ranking, positions.shape[1] * share, policy.floor_of(share))
     views: list[tuple[str, Any]] = [("NumPy", view)]
     if torch:
-        import torch as th
+        import torch as th  # (here: torch is optional for the kit, and heavy)
 
         views.append(("torch", CacheView(th.as_tensor(positions), th.as_tensor(scores), n_seen, policy.init_state(), phase)))
     for name, shown in views:
