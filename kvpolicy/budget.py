@@ -221,6 +221,8 @@ def smallest_size(name: str | type[EvictionPolicy] | Preset, limit: int, **overr
     hi, last = lo, first
     while last is not None:
         if hi >= limit:
+            if str(last) == str(first):
+                raise first  # refused alike at every size: the constructor's own message names the parameter
             named = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
             raise ValueError(
                 f"{named} cannot be planned for {entry.name}: no size from {entry.min_size} to {limit} accepts it "
