@@ -23,8 +23,13 @@ from .policies.buzz import BUZZ, check_ratio
 from .policy import EvictionPolicy
 from .registry import Preset, get_policy
 
-__all__ = ["PolicyPlan", "fit_capacity", "make_policy", "plan_policy", "plan_capacity", "replay_sizes", "simulate_sizes", "realised_budget",
-           "warn_mean_layer"]
+__all__ = ["PLAN_TOLERANCE", "PolicyPlan", "fit_capacity", "make_policy", "plan_policy", "plan_capacity", "replay_sizes",
+           "simulate_sizes", "realised_budget", "smallest_size", "warn_mean_layer"]
+
+#: How far (a fraction of the request) a plan's realised budget may be from the requested one
+#: before :func:`plan_policy` warns: a short run allows only a few sizes, so the nearest may be
+#: far from the request (``plan_policy("local", 0.01, context_length=100)`` realises 0.039).
+PLAN_TOLERANCE = 0.25
 
 
 def simulate_sizes(policy: EvictionPolicy, context_length: int, prompt_length: int = 0, *,
@@ -180,6 +185,60 @@ class PolicyPlan:
         )
 
 
+def smallest_size(name: str | type[EvictionPolicy] | Preset, limit: int, **overrides: Any) -> int:
+    """The smallest size, from the policy's ``min_size`` up to ``limit``, that ``from_size``
+    accepts with ``overrides`` (the size the planners start from): an override such as
+    ``recent=4`` needs a size that leaves room for it. ``ValueError`` naming the overrides when
+    no size up to ``limit`` accepts them, and for ``size=`` itself (the planners set it).
+
+    Example:
+        >>> smallest_size("knorm", 100), smallest_size("knorm", 100, recent=3)
+        (1, 4)
+    """
+    entry = _entry(name)
+    limit = check_int("limit", limit, minimum=1)
+    cls = entry.cls if isinstance(entry, Preset) else entry
+    if "size" in overrides:
+        raise ValueError(
+            f"size={overrides['size']!r} cannot be an override: size is what the planner sets from the budget (or "
+            f"capacity); pass the budget you want, or build the policy itself (e.g. {cls.__name__}.from_size(...))"
+        )
+
+    def refusal(size: int) -> ValueError | None:
+        try:
+            entry.from_size(size, **dict(overrides))
+        except ValueError as e:
+            return e
+        return None
+
+    lo = entry.min_size
+    first = refusal(lo)
+    if first is None or not overrides:
+        if first is not None:
+            raise first
+        return lo
+    # the sizes an override fits grow upwards (recent <= size - sink, ...): the first that fits
+    hi, last = lo, first
+    while last is not None:
+        if hi >= limit:
+            if str(last) == str(first):
+                raise first  # refused alike at every size: the constructor's own message names the parameter
+            named = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
+            raise ValueError(
+                f"{named} cannot be planned for {entry.name}: no size from {entry.min_size} to {limit} accepts it "
+                f"(at size {hi}: {last})"
+            )
+        lo, hi = hi, min(max(hi * 2, hi + 1), limit)
+        last = refusal(hi)
+    while hi - lo > 1:  # refused at lo, accepted at hi
+        mid = (lo + hi) // 2
+        if refusal(mid) is None:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 def _ratio_overrides(entry: Any, threshold_ratio: float | None, overrides: dict[str, Any]) -> dict[str, Any]:
     """``overrides`` plus a validated ``threshold_ratio`` (BUZZ only)."""
     if threshold_ratio is None:
@@ -250,7 +309,8 @@ def plan_policy(
         policy = entry(**overrides)
         return PolicyPlan(policy, 1.0, 1.0, context_length, prompt_length, full_avg, full_avg)
 
-    lo, hi = entry.min_size, max(entry.min_size, context_length)
+    lo = smallest = smallest_size(entry, max(entry.min_size, context_length), **overrides)
+    hi = max(lo, context_length)
     if evaluate(lo)[1] > budget + 0.05:
         fixed = _blocking_overrides(entry, budget, context_length, prompt_length, full_avg, overrides)
         if fixed:
@@ -283,12 +343,19 @@ def plan_policy(
         else:
             lo = mid + 1
         bisect = (hi - lo) * 2 > width  # interpolation stalled: halve next time
-    candidates = [evaluate(lo)] + ([evaluate(lo - 1)] if lo > entry.min_size else [])
+    candidates = [evaluate(lo)] + ([evaluate(lo - 1)] if lo > smallest else [])
     policy, realised, avg = min(candidates, key=lambda c: abs(c[1] - budget))
     if realised < budget - 0.05:
         warnings.warn(
             f"budget {budget} is out of reach for {title} on this {context_length}-token run: the most it realises "
             f"is {realised:.3f} ({policy!r}; per-layer budgets leave the smallest layers' budgets below the run)",
+            UserWarning, stacklevel=2,
+        )
+    elif abs(realised - budget) > PLAN_TOLERANCE * budget:
+        warnings.warn(
+            f"budget {budget} is far from what {title} can realise on this {context_length}-token run: the nearest "
+            f"plan, {policy!r}, realises {realised:.3f} ({realised / budget:.1f}x the request; more than "
+            f"{PLAN_TOLERANCE:.0%} off). A longer run (context_length) gives finer sizes",
             UserWarning, stacklevel=2,
         )
     if layers is None:
@@ -332,7 +399,7 @@ def _blocking_overrides(
     out alone, then all together): what an unreachable budget is to be blamed on."""
     def reachable(kept: dict[str, Any]) -> bool:
         try:
-            smallest = entry.from_size(entry.min_size, **kept)
+            smallest = entry.from_size(smallest_size(entry, max(entry.min_size, context_length), **kept), **kept)
         except ValueError:
             return False
         return float(np.mean(simulate_sizes(smallest, context_length, prompt_length))) / full_avg <= budget + 0.05
@@ -402,10 +469,12 @@ def fit_capacity(name: str | type[EvictionPolicy] | Preset, capacity: int, **ove
         c = entry.from_size(size, **dict(overrides)).capacity
         return math.inf if c is None else c
 
-    lo = entry.min_size
+    lo = smallest_size(entry, max(entry.min_size, capacity), **overrides)
     if cap(lo) > capacity:
+        named = "".join(f", {k}={v!r}" for k, v in overrides.items())
         raise ValueError(
-            f"capacity {capacity} is below the smallest {cls.name} can have ({cap(lo):g}); allowed range: >= {cap(lo):g}"
+            f"capacity {capacity} is below the smallest {cls.name}{named and ' with' + named[1:]} can have "
+            f"({cap(lo):g}); allowed range: >= {cap(lo):g}"
         )
     hi = max(lo, capacity)
     while cap(hi) <= capacity:  # capacities grow at least one token per size step for the built-ins

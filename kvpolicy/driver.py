@@ -220,7 +220,8 @@ def check_keep(policy: EvictionPolicy, keep: Any, positions: Any, *, values: boo
 
 def check_capacity_kept(policy: EvictionPolicy, n_cached: int, positions: Any = None) -> None:
     """:class:`PolicyError` when ``policy`` stopped evicting (``select`` returned ``None``) with
-    more than its :attr:`~kvpolicy.EvictionPolicy.capacity` tokens cached: per head, or, when
+    more than ``capacity - 1`` tokens cached (:attr:`~kvpolicy.EvictionPolicy.capacity` counts the
+    next token, which must fit: the torch backend has no slot for it): per head, or, when
     ``positions`` ``[batch, heads, n]`` are given and hold holes (head-wise budgets, whose capacity
     is per head on average), on average over a row's heads. Not for one process's share of a
     layer split over processes (:attr:`~kvpolicy.EvictionPolicy.sharded_heads`): its heads may
@@ -228,22 +229,23 @@ def check_capacity_kept(policy: EvictionPolicy, n_cached: int, positions: Any = 
 
     Example:
         >>> from kvpolicy import StreamingLLM
+        >>> check_capacity_kept(StreamingLLM(sink=1, window=2), 3)
         >>> check_capacity_kept(StreamingLLM(sink=1, window=2), 4)
-        >>> check_capacity_kept(StreamingLLM(sink=1, window=2), 5)
         Traceback (most recent call last):
         ...
-        kvpolicy.driver.PolicyError: StreamingLLM(sink=1, window=2) stopped evicting with 5 tokens cached, more than its capacity 4: select() must keep evicting (it is asked again after every round) until at most capacity - 1 tokens remain
+        kvpolicy.driver.PolicyError: StreamingLLM(sink=1, window=2) stopped evicting with 4 tokens cached, more than its capacity 4 allows between steps (3: the next token must fit): select() must keep evicting (it is asked again after every round) until at most capacity - 1 tokens remain
     """
     cap = policy.capacity
     if policy.sharded_heads:
         return  # the capacity bounds the mean over all of a layer's heads, of which this process holds a share
-    if cap is not None and n_cached > cap and positions is not None:
+    if cap is not None and n_cached >= cap and positions is not None:
         xp = array_namespace(positions)
         held = xp.sum(xp.astype(positions >= 0, xp.int64), axis=(1, 2))  # [batch] (a host read: rare)
         n_cached = -(-int(xp.max(held)) // int(positions.shape[1]))
-    if cap is not None and n_cached > cap:
+    if cap is not None and n_cached >= cap:
         raise PolicyError(
-            f"{policy!r} stopped evicting with {n_cached} tokens cached, more than its capacity {cap}: select() must "
+            f"{policy!r} stopped evicting with {n_cached} tokens cached, more than its capacity {cap} allows between "
+            f"steps ({cap - 1}: the next token must fit): select() must "
             "keep evicting (it is asked again after every round) until at most capacity - 1 tokens remain",
             n_cached=n_cached,
         )

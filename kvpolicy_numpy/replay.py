@@ -9,13 +9,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvpolicy.validation import check_int
+from kvpolicy.validation import check_choice, check_int
 from kvpolicy.budget import realised_budget
 from kvpolicy.driver import evict_until_done, log_n_scales, nonfinite_rows, softmax, warn_nonfinite
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy, check_eviction_policy
 from kvpolicy.statistics import Rotary, cache_scores, history_record, low_attention, query_moments, shift_history
 
-__all__ = ["Trace", "replay", "softmax", "validate_keys", "validate_logits", "validate_queries", "validate_values"]
+__all__ = ["Trace", "replay", "softmax", "validate_keys", "validate_logits", "validate_queries", "validate_rope", "validate_values"]
+
+
+#: The reference's attention (logits times the log-n scale, then the softmax) reports an overflow
+#: as the torch backend does: by one :class:`~kvpolicy.driver.NonFiniteWarning` naming the first
+#: step and head (``Trace.nonfinite`` lists every row), not by NumPy's anonymous floating-point
+#: warnings ("overflow encountered in multiply"); an overflow to ``-inf`` is only a probability of 0.
+def _attention_errors() -> np.errstate:
+    return np.errstate(over="ignore", invalid="ignore")
 
 
 @dataclass
@@ -161,7 +169,8 @@ def validate_keys(keys: object, steps: int, heads: int, policy: EvictionPolicy) 
 def validate_queries(queries: object, steps: int, heads: int, head_dim: int, policy: EvictionPolicy) -> np.ndarray | None:
     """``queries`` as a float64 ``[steps, heads, group, head_dim]`` array (``[steps, heads,
     head_dim]`` is one query head per head: ``group = 1``), ``None`` for a policy that reads no
-    queries, or ``ValueError`` (shape, complex; ``None`` for Expected Attention).
+    queries, or ``ValueError`` (shape, complex; ``None``, NaN or infinite for Expected Attention,
+    naming the first such entry's step and head, as :func:`validate_keys` does for keys).
 
     Example:
         >>> from kvpolicy import ExpectedAttention
@@ -183,7 +192,56 @@ def validate_queries(queries: object, steps: int, heads: int, head_dim: int, pol
             f"queries must have shape [steps, heads, head_dim] or [steps, heads, group, head_dim] = "
             f"[{steps}, {heads}, (group >= 1,) {head_dim}] (head_dim as the keys'), got {tuple(queries.shape)}"
         )
+    bad = ~np.isfinite(queries)  # a NaN query makes every score NaN: the policy would evict blind
+    if bad.any():
+        t, h, g, d = (int(i) for i in np.argwhere(bad)[0])
+        where = f"queries[{t}, {h}, {d}]" if queries.shape[2] == 1 else f"queries[{t}, {h}, {g}, {d}]"
+        raise ValueError(
+            f"queries must be finite for {policy!r}, whose scores come from the queries' moments: {where} is "
+            f"{queries[t, h, g, d]} (step {t}, head {h})"
+        )
     return queries
+
+
+def validate_rope(rope: object, head_dim: int) -> Rotary | None:
+    """``rope`` as a :class:`~kvpolicy.statistics.Rotary` with NumPy ``inv_freq``, for keys and
+    queries of ``head_dim`` dimensions (``None`` stays ``None``), or ``TypeError`` (not a
+    ``Rotary``) / ``ValueError`` naming the field: ``inv_freq`` a non-empty 1-D array of finite
+    reals, ``style`` ``"half"`` or ``"interleaved"``, ``rotary_dim`` (default ``2 *
+    len(inv_freq)``) equal to ``2 * len(inv_freq)`` (one frequency per pair of dimensions) and at
+    most ``head_dim``.
+
+    Example:
+        >>> from kvpolicy.statistics import Rotary
+        >>> validate_rope(Rotary(np.ones(4)), 6)
+        Traceback (most recent call last):
+        ...
+        ValueError: rope rotates 8 dimensions (rotary_dim, default 2 * len(inv_freq) = 2 * 4), more than the head_dim 6 of the keys and queries; allowed: rotary_dim <= 6
+    """
+    if rope is None:
+        return None
+    if not isinstance(rope, Rotary):
+        raise TypeError(f"rope must be a kvpolicy.statistics.Rotary(inv_freq, style, rotary_dim) or None, got {type(rope).__name__}")
+    inv_freq = _real_array("rope.inv_freq", np.asarray(rope.inv_freq.tolist() if hasattr(rope.inv_freq, "tolist") else rope.inv_freq))
+    if inv_freq.ndim != 1 or inv_freq.shape[0] == 0:
+        raise ValueError(f"rope.inv_freq must have shape [rotary_dim / 2] (1-D, at least one frequency), got {tuple(inv_freq.shape)}")
+    if not np.isfinite(inv_freq).all():
+        i = int(np.argwhere(~np.isfinite(inv_freq))[0][0])
+        raise ValueError(f"rope.inv_freq must be finite: rope.inv_freq[{i}] is {inv_freq[i]}")
+    style = check_choice("rope.style", rope.style, ("half", "interleaved"))
+    pairs = int(inv_freq.shape[0])
+    if rope.rotary_dim is not None:
+        rotary_dim = check_int("rope.rotary_dim", rope.rotary_dim, minimum=2)
+        if rotary_dim != 2 * pairs:
+            raise ValueError(
+                f"rope.rotary_dim must be 2 * len(inv_freq) = {2 * pairs} (one frequency per pair of dimensions), got {rotary_dim}"
+            )
+    if 2 * pairs > head_dim:
+        raise ValueError(
+            f"rope rotates {2 * pairs} dimensions (rotary_dim, default 2 * len(inv_freq) = 2 * {pairs}), more than the head_dim "
+            f"{head_dim} of the keys and queries; allowed: rotary_dim <= {head_dim}"
+        )
+    return Rotary(inv_freq, style, rope.rotary_dim)
 
 
 def replay(
@@ -213,7 +271,8 @@ def replay(
             Attention (with ``values``), ignored otherwise. Only its statistics read them: the
             attention itself comes from ``logits``.
         rope: the RoPE whose rotations Expected Attention averages over the next positions
-            (:class:`kvpolicy.statistics.Rotary`, NumPy ``inv_freq``); ``None``: no rotation.
+            (:class:`kvpolicy.statistics.Rotary`, NumPy ``inv_freq``; checked by :func:`validate_rope`);
+            ``None``: no rotation.
 
     Per step ``t``: key ``t`` is appended; query ``t`` attends with a softmax over the kept keys
     (logits times the policy's log-n scale, if any, with ``n`` the number of kept keys; prompt row
@@ -242,8 +301,9 @@ def replay(
     if values is not None:
         values = validate_values(values, steps, heads)
     keys = validate_keys(keys, steps, heads, policy)
-    if keys is not None:
-        queries = validate_queries(queries, steps, heads, keys.shape[2], policy)
+    # (queries without keys: a policy that reads no keys reads no queries either, and ignores them)
+    queries = None if keys is None else validate_queries(queries, steps, heads, keys.shape[2], policy)
+    rope = None if queries is None else validate_rope(rope, keys.shape[2])  # (read by Expected Attention only)
     if queries is not None and values is None:
         raise ValueError(f"values are required for {policy!r}: its scores multiply by the value norm; pass values=[steps, heads, d]")
     from_keys = policy.score_statistic in KEY_STATISTICS
@@ -275,9 +335,10 @@ def replay(
 
     if prompt_len:
         p = prompt_len
-        rows = logits[:p, :, :p] * log_n_scales(policy, np.arange(1, p + 1))[:, None, None]
         causal = np.tril(np.ones((p, p), dtype=bool))[:, None, :]
-        probs = softmax(np.where(causal, rows, -np.inf))  # [p, heads, p]
+        with _attention_errors():
+            rows = logits[:p, :, :p] * log_n_scales(policy, np.arange(1, p + 1))[:, None, None]
+            probs = softmax(np.where(causal, rows, -np.inf))  # [p, heads, p]
         nonfinite += nonfinite_rows(probs, 0)
         positions = np.broadcast_to(np.arange(p, dtype=np.int64), (1, heads, p)).copy()
         # policy.prompt_rows: only the prompt's last rows score it (TOVA: 1, SnapKV: its window)
@@ -307,8 +368,9 @@ def replay(
         held = cached >= 0
         sizes.append(int(held.sum()) // heads)
         # log n: n = the keys this query attends to, i.e. the kept ones (paper, section 3.5)
-        row = logits[t][head_index, cached] * log_n_scales(policy, np.asarray([cached.shape[-1]]))[0]
-        probs = softmax(row if held.all() else np.where(held, row, -np.inf))
+        with _attention_errors():
+            row = logits[t][head_index, cached] * log_n_scales(policy, np.asarray([cached.shape[-1]]))[0]
+            probs = softmax(row if held.all() else np.where(held, row, -np.inf))
         if not np.isfinite(probs).all():
             nonfinite += nonfinite_rows(probs[None], t)
         if policy.score_statistic == "latest":

@@ -9,7 +9,7 @@ from kvpolicy.validation import check_int
 from kvpolicy.policy import EvictionPolicy, check_eviction_policy
 from kvpolicy.driver import nonfinite_rows, warn_nonfinite
 from kvpolicy.statistics import Rotary, history_record, low_attention
-from kvpolicy_numpy.replay import Trace, validate_keys, validate_logits, validate_queries, validate_values
+from kvpolicy_numpy.replay import Trace, validate_keys, validate_logits, validate_queries, validate_rope, validate_values
 
 from .layer import LayerCache
 
@@ -75,6 +75,7 @@ def replay(
         raise ValueError(f"values are required for {policy!r}: its scores multiply by the value norm; pass values=[steps, heads, d]")
     # Expected Attention: the layer's running moments of the queries [steps, heads, group, d]
     queries_t = None if queries_np is None else torch.as_tensor(queries_np, dtype=dtype, device=device)
+    rope = None if queries_np is None else validate_rope(rope, keys_np.shape[2])  # type: ignore[union-attr]
     rotary = None if rope is None else Rotary(torch.as_tensor(np.asarray(rope.inv_freq), device=device), rope.style, rope.rotary_dim)
 
     def observe(a: int, b: int) -> None:  # the queries of steps a..b-1, as [1, q_heads, q, d]

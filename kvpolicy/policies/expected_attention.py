@@ -34,7 +34,8 @@ class ExpectedAttention(KeepHighest):
         recent: newest tokens never evicted (0 to ``size - sink``; default 0, as kvpress).
         sink: first tokens always kept, whose queries are left out of the statistics (kvpress's
             ``n_sink``; default 4, at most ``size - recent``).
-        future: the next positions whose RoPE rotations are averaged (``n_future_positions``, 512).
+        future: the next positions whose RoPE rotations are averaged (``n_future_positions``, 512;
+            1 to 65536: each eviction holds ``future`` rotations per row in memory).
         epsilon: added to the expected attention before the value norm multiplies it (0.0).
         covariance: use the queries' covariance, not only their mean (True).
         value_norm: multiply by the value's L2 norm (True).
@@ -55,7 +56,8 @@ class ExpectedAttention(KeepHighest):
     # (a DecodeEviction protects sinks only with victim="oldest").
     sink = Param(int, 4, minimum=0, maximum=lambda p: p.size - p.recent,
                  doc="first tokens always kept, their queries out of the statistics (kvpress's n_sink)")
-    future = Param(int, 512, minimum=1, doc="next positions whose RoPE rotations are averaged (n_future_positions)")
+    future = Param(int, 512, minimum=1, maximum=1 << 16,  # (each eviction averages `future` rotations per row: bounded memory)
+                   doc="next positions whose RoPE rotations are averaged (n_future_positions)")
     epsilon = Param(float, 0.0, minimum=0.0, high_open=True, shown="non-default", doc="added to the expected attention before the value norm")
     covariance = Param(bool, True, shown="non-default", doc="use the queries' covariance, not only their mean")
     value_norm = Param(bool, True, shown="non-default", doc="multiply by the value's L2 norm")

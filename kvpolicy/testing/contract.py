@@ -1,6 +1,6 @@
 """The eviction-policy contract as hypothesis properties: :func:`check_policy`.
 
-Four properties, each run on many drawn examples (see :mod:`kvpolicy.testing.profiles`):
+The properties (:data:`PROPERTIES`), each run on many drawn examples (see :mod:`kvpolicy.testing.profiles`):
 
 ``replay``
     On :func:`kvpolicy_numpy.replay` (the reference backend): the cache never holds more than
@@ -32,6 +32,14 @@ Four properties, each run on many drawn examples (see :mod:`kvpolicy.testing.pro
 ``stateful``
     A hypothesis ``RuleBasedStateMachine`` (:mod:`kvpolicy.testing.stateful`) appends tokens,
     prefills chunks, decodes and evicts in any order, checking everything after every step.
+``ranking``, ``head_ties``
+    A policy that ranks tokens (an AdaKV scorer) keeps with ``select`` what its ``ranking``
+    evicts last; AdaKV (and a subclass) shares out a layer's budget, ties between heads included,
+    as docs/policies.md says (:mod:`kvpolicy.testing.rankings`). Skipped for the policies they
+    do not apply to.
+
+Around every ``select()`` call the kit enforces ``settings.deadline`` (per call) and fails a
+policy that keeps state on its object or class (:mod:`kvpolicy.testing.watch`).
 
 A failure raises :class:`ContractViolation` whose message ends with Python code that replays the
 shrunk example, e.g. ``kvpolicy_numpy.replay(EveryKth(k=2, window=1, limit=2), np.array([...]),
@@ -55,12 +63,15 @@ from kvpolicy.driver import PolicyError
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
 
 from .. import Composed, FullCache
-from ..budget import simulate_sizes
+from ..budget import replay_sizes, simulate_sizes
+from ..policies.adakv import AdaKV
 from . import _format
 from ._driver import ContractViolation, NumpyCache, check_positions, example_inputs, held_per_head, run_replay, sequence_rows, trim_holes
 from ._util import torch_available
 from .invariants import Invariant, policy_invariants, run_invariants
 from .profiles import selected_settings
+from .rankings import check_head_ties, check_ranking, ranking_lengths
+from .watch import watched
 from .stateful import run_machine
 from .strategies import TIE_KINDS, LogitsSpec, gqa_shapes, last_refusal, logits_specs, padded_batches, policies, prompt_lengths
 
@@ -77,7 +88,7 @@ __all__ = [
 ]
 
 #: The properties :func:`check_policy` runs, in order.
-PROPERTIES = ("replay", "sizes", "full_cache", "backends", "stateful")
+PROPERTIES = ("replay", "sizes", "full_cache", "backends", "stateful", "ranking", "head_ties")
 
 
 # ============================================================================ single examples
@@ -164,6 +175,8 @@ def check_replay(
             )
     check_prefill_decision(policy, logits, prompt_len)
     sim = simulate_sizes(policy, steps, prompt_len)
+    if sim.tolist() != trace.sizes.tolist() and policy.size_rule() is not None:
+        _check_size_rule(policy, trace, steps, prompt_len, sim)
     if sim.tolist() != trace.sizes.tolist():
         raise ContractViolation(
             f"{policy!r}: the cache sizes depend on the score values (replay: {trace.sizes.tolist()}, the same "
@@ -202,6 +215,20 @@ def check_prefill_decision(policy: EvictionPolicy, logits: np.ndarray, prompt_le
                 f"scores ({policy.score_statistic!r}) must be what the prefill policy ranks ({prefill.score_statistic!r}) "
                 "when it decides"
             )
+
+
+def _check_size_rule(policy: EvictionPolicy, trace: Any, steps: int, prompt_len: int, rule: np.ndarray) -> None:
+    """The replay's sizes differ from the declared size rule's: when ``select`` on placeholder
+    scores gives the replay's sizes, the rule is what is wrong, and the message says so."""
+    selected = replay_sizes(policy, steps, prompt_len)
+    if selected.tolist() == trace.sizes.tolist():
+        i = int(np.argmax(rule != selected))
+        raise ContractViolation(
+            f"{policy!r}'s size_rule disagrees with its select: the rule says the decode step of token {prompt_len + i} "
+            f"(after a {prompt_len}-token prompt) attends {int(rule[i])} tokens, but select left {int(selected[i])} "
+            f"(sizes by the rule: {rule.tolist()}, by select: {selected.tolist()}, on any scores): plan_policy and "
+            "simulate_sizes plan with the rule, so it must give select's sizes at every length (or declare none)"
+        )
 
 
 def check_sizes(
@@ -473,7 +500,9 @@ def check_policy(
         torch: compare with the torch backend: ``None`` when installed, ``True`` required,
             ``False`` never.
         settings: hypothesis settings (default: the selected kit profile, see
-            :mod:`kvpolicy.testing.profiles`).
+            :mod:`kvpolicy.testing.profiles`). Its ``deadline`` bounds each ``select()`` call
+            (twice over it on the same view fails; see :mod:`kvpolicy.testing.watch`), not a whole
+            example; the kit's profiles set none.
         max_steps, max_heads, max_batch, max_group: bounds of the drawn sequences and shapes.
         max_prompt, long_steps: the ``sizes`` sweep: every prompt length up to ``max_prompt``
             and a decode run of ``long_steps`` tokens (placeholder scores, cheap).
@@ -488,7 +517,7 @@ def check_policy(
         >>> from kvpolicy import LocalWindow
         >>> report = check_policy(LocalWindow, {"window": st.integers(1, 4)}, torch=False,
         ...                       settings=settings(max_examples=5))
-        >>> report.passed
+        >>> report.passed  # (LocalWindow ranks no tokens: 'ranking' and 'head_ties' are skipped)
         ['replay', 'sizes', 'full_cache', 'backends', 'stateful']
     """
     chosen = list(PROPERTIES if checks is None else checks)
@@ -510,7 +539,7 @@ def check_policy(
     if use_torch and not torch_available():
         raise ImportError("check_policy(torch=True) needs torch installed")
     base = settings if settings is not None else selected_settings()
-    strategy = policies(policy_factory, params)
+    strategy = watched(policies(policy_factory, params), base.deadline)
     label = _label(policy_factory)
     report = ContractReport(label, max_examples=base.max_examples)
 
@@ -527,6 +556,14 @@ def check_policy(
             _run(_backends_property(strategy, invariants, use_torch, max_steps, max_heads, max_batch, max_group), label, prop, base)
         elif prop == "stateful":
             run_machine(strategy, invariants=invariants, torch=use_torch, settings=_prop_settings(base, f"{label}:stateful"), steps=stateful_steps, label=label)
+        elif prop in ("ranking", "head_ties"):
+            applied: list[bool] = []
+            build = _ranking_property(strategy, max_heads, applied) if prop == "ranking" else _head_ties_property(strategy, use_torch, max_heads, applied)
+            _run(build, label, prop, base)
+            if not applied:
+                report.results[prop] = "skipped: " + ("no drawn policy ranks tokens (ranking() and head_budget())" if prop == "ranking"
+                                                      else "no drawn policy has head-wise budgets (AdaKV)")
+                continue
         report.results[prop] = "passed"
     if "backends" in chosen and not use_torch:
         report.results["backends"] = "passed (NumPy only: torch is not installed)" if torch is None else "passed (NumPy only)"
@@ -641,5 +678,82 @@ def _backends_property(strategy, invariants, use_torch: bool, max_steps: int, ma
             lambda: compare_backends(policy, logits, prompt_len, group=group, invariants=invariants, torch=use_torch),
             replay_code,
         )
+
+    return prop
+
+
+def _ranking_property(strategy, max_heads: int, applied: list[bool]) -> Callable[..., None]:
+    """The ``ranking`` property (:func:`~kvpolicy.testing.rankings.check_ranking`) on drawn views:
+    a length at which the policy evicts, several heads, positions with gaps, tie-rich scores."""
+    def prop(data: st.DataObject) -> None:
+        policy = data.draw(strategy, label="policy")
+        if not policy.ranks_tokens:
+            return
+        phases = [p for p in ("decode", "prefill") if ranking_lengths(policy, p)]  # type: ignore[arg-type]
+        if not phases:
+            return
+        applied.append(True)
+        phase = data.draw(st.sampled_from(phases), label="phase")
+        n = data.draw(st.sampled_from(ranking_lengths(policy, phase)), label="n_cached")
+        batch = data.draw(st.integers(1, 2), label="batch")
+        heads = data.draw(st.integers(1, max_heads), label="heads")
+        level = st.one_of(st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0, float("nan")]), st.floats(-8.0, 8.0))
+        scores = np.asarray(data.draw(st.lists(level, min_size=batch * heads * n, max_size=batch * heads * n), label="scores"),
+                            dtype=np.float64).reshape(batch, heads, n)
+        width = data.draw(st.integers(n, 2 * n + 4), label="positions seen")
+        positions = np.asarray([sorted(data.draw(st.lists(st.integers(0, width - 1), min_size=n, max_size=n, unique=True)))
+                                for _ in range(batch * heads)], dtype=np.int64).reshape(batch, heads, n)
+
+        def replay_code() -> str:
+            def literal(a: np.ndarray) -> str:
+                return "np.array(" + repr(a.tolist()).replace("nan", "np.nan").replace("inf", "np.inf") + ")"
+
+            return _format.code_block(policy, [
+                f"kvpolicy.testing.rankings.check_ranking({_format.policy_expr(policy)}, {literal(scores)}, {literal(positions)}, "
+                f"n_seen={width}, phase={phase!r})  # raises this error",
+            ], extra_imports=("import kvpolicy.testing.rankings",))
+
+        _wrap("ranking", lambda: check_ranking(policy, scores, positions, width, phase), replay_code)
+
+    return prop
+
+
+def _head_ties_property(strategy, use_torch: bool, max_heads: int, applied: list[bool]) -> Callable[..., None]:
+    """The ``head_ties`` property (:func:`~kvpolicy.testing.rankings.check_head_ties`) on drawn
+    views: heads holding overlapping positions (some leading holes) with a few score levels."""
+    def prop(data: st.DataObject) -> None:
+        policy = data.draw(strategy, label="policy")
+        if not isinstance(policy, AdaKV):
+            return
+        phases = {p: ranking_lengths(policy.scorer, p, count=4) for p in ("decode", "prefill")}  # type: ignore[arg-type]
+        phases = {p: lengths for p, lengths in phases.items() if lengths}
+        if not phases:
+            return
+        applied.append(True)
+        phase = data.draw(st.sampled_from(sorted(phases)), label="phase")
+        n = data.draw(st.sampled_from(phases[phase]), label="n_cached")
+        batch = data.draw(st.integers(1, 2), label="batch")
+        heads = data.draw(st.integers(2, max(2, max_heads)), label="heads")
+        width = data.draw(st.integers(n, n + 3), label="positions seen")
+        rows = []
+        for _ in range(batch * heads):
+            held = data.draw(st.integers(max(1, n - 2), n), label="held")
+            kept = sorted(data.draw(st.lists(st.integers(0, width - 1), min_size=held, max_size=held, unique=True), label="positions"))
+            rows.append([-1] * (n - held) + kept)
+        positions = np.asarray(rows, dtype=np.int64).reshape(batch, heads, n)
+        # a token's score is a function of its position in most heads: equal keys across heads
+        levels = data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]), min_size=width, max_size=width), label="levels")
+        scores = np.where(positions >= 0, np.asarray(levels + [0.0])[positions], 0.0)
+        for i in data.draw(st.lists(st.integers(0, batch * heads * n - 1), max_size=3), label="changed"):
+            scores.reshape(-1)[i] = data.draw(st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0]), label="score")
+
+        def replay_code() -> str:
+            torch_arg = ", torch=True" if use_torch else ""
+            return _format.code_block(policy, [
+                f"kvpolicy.testing.rankings.check_head_ties({_format.policy_expr(policy)}, np.array({scores.tolist()!r}), "
+                f"np.array({positions.tolist()!r}), n_seen={width}, phase={phase!r}{torch_arg})  # raises this error",
+            ], extra_imports=("import kvpolicy.testing.rankings",))
+
+        _wrap("head_ties", lambda: check_head_ties(policy, scores, positions, width, phase, torch=use_torch), replay_code)
 
     return prop

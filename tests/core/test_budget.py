@@ -16,6 +16,7 @@ from kvpolicy import (
     BUZZ,
     H2O,
     EvictionPolicy,
+    Knorm,
     FullCache,
     LocalWindow,
     PolicyPlan,
@@ -28,7 +29,7 @@ from kvpolicy import (
     simulate_sizes,
     threshold_ratio,
 )
-from kvpolicy.budget import replay_sizes
+from kvpolicy.budget import PLAN_TOLERANCE, plan_capacity, replay_sizes, smallest_size
 from kvpolicy.policies import small_stride
 from kvpolicy.testing import example_inputs
 from kvpolicy_numpy import replay
@@ -443,3 +444,64 @@ def test_subclasses_are_replayed_not_simulated() -> None:
     p = EveryOther(sink=1, window=3)
     np.testing.assert_array_equal(simulate_sizes(p, 40, 5), replay_sizes(p, 40, 5))
     assert simulate_sizes(p, 40, 5).tolist() != simulate_sizes(StreamingLLM(sink=1, window=3), 40, 5).tolist()
+
+
+# ============================================================================ overrides the smallest size refuses (issue 44, class 7)
+@pytest.mark.parametrize("name", ["knorm", "tova", "keydiff", "h2o", "expected_attention", "adakv_h2o", "adakv_tova",
+                                  "adakv_keydiff", "adakv_expected_attention"])
+@given(recent=st.integers(1, 12))
+def test_an_override_plans_the_sizes_it_fits(name, recent) -> None:
+    """``recent=`` needs a size with room for it: the planners start from the smallest size that
+    accepts the override (they used to try ``min_size`` first and be refused, "recent must be
+    >= 0 and <= 0"), and the plan keeps the override."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a coarse plan on a short run may warn: not what this checks)
+        policy = make_policy(name, 0.4, context_length=100, recent=recent)
+        capped = plan_capacity(name, 40, context_length=100, recent=recent).policy
+    for p in (policy, capped):
+        assert getattr(getattr(p, "scorer", p), "recent") == recent
+    assert capped.capacity <= 40
+
+
+@pytest.mark.parametrize("plan", [lambda **kw: make_policy("knorm", 0.3, context_length=100, **kw),
+                                  lambda **kw: plan_capacity("knorm", 20, context_length=100, **kw)], ids=["budget", "capacity"])
+def test_overrides_the_planner_cannot_fit_are_refused_by_name(plan) -> None:
+    with pytest.raises(ValueError, match=r"size=5 cannot be an override: size is what the planner sets"):
+        plan(size=5)  # (was a raw TypeError: from_size() got multiple values for argument 'size')
+    with pytest.raises(ValueError, match=r"recent=-1 cannot be planned for knorm: .*recent must be >= 0"):
+        plan(recent=-1)
+
+
+def test_smallest_size_is_the_first_size_an_override_fits() -> None:
+    assert smallest_size("knorm", 100) == 1
+    for recent in range(1, 20):
+        first = smallest_size("knorm", 100, recent=recent)
+        Knorm.from_size(first, recent=recent)
+        with pytest.raises(ValueError):
+            Knorm.from_size(first - 1, recent=recent)
+
+
+def test_cli_plan_set_recent_plans(capsys) -> None:
+    from kvpolicy_tools.cli import main
+    assert main(["plan", "knorm", "--budget", "0.3", "--context", "100", "--set", "recent=1"]) == 0
+    assert "recent=1" in capsys.readouterr().out
+
+
+# ============================================================================ a plan far from its request (issue 44, class 13)
+def test_a_plan_far_from_its_request_warns() -> None:
+    with pytest.warns(UserWarning, match=r"budget 0.01 is far from what local can realise .* realises 0.039 \(3.9x"):
+        plan = plan_policy("local", 0.01, context_length=100)
+    assert plan.realised_budget == pytest.approx(0.0394, abs=1e-4)
+
+
+@given(budget=st.floats(0.05, 1.0), context=st.integers(50, 400))
+def test_a_plan_warns_exactly_when_it_is_far_from_its_request(budget, context) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            plan = plan_policy("h2o", budget, context_length=context)
+        except ValueError:
+            return  # below the smallest H2O reaches: refused, not planned
+    far = abs(plan.realised_budget - budget) > PLAN_TOLERANCE * budget
+    said = any("is far from what" in str(w.message) or "out of reach" in str(w.message) for w in caught)
+    assert said == (far or plan.realised_budget < budget - 0.05)

@@ -137,3 +137,107 @@ def test_non_finite_keys_of_a_key_scored_policy_are_refused(policy, bad) -> None
         with pytest.raises(ValueError, match=r"keys must be finite for .*keys\[7, 1, 2\] is .* \(step 7, head 1\)"):
             replay(policy, logits, keys=keys)
     kvpolicy_numpy.replay(H2O(2, 2), logits, keys=keys)  # ignored by a policy that does not read them
+
+
+# ---------------------------------------------------------------------------- issue 44: the edges
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("group", [1, 2])
+def test_non_finite_queries_of_expected_attention_are_refused(bad, group) -> None:
+    """Class 3: a NaN query made every Expected Attention score NaN, so the policy silently dropped
+    the oldest; both replays now refuse it by name, as they refuse a NaN key."""
+    import kvpolicy_torch
+    from kvpolicy import ExpectedAttention
+
+    rng = np.random.default_rng(0)
+    steps, heads, d = 12, 2, 4
+    keys, values = rng.normal(size=(steps, heads, d)), rng.normal(size=(steps, heads, d))
+    queries = rng.normal(size=(steps, heads, group, d))
+    queries[7, 1, group - 1, 2] = bad
+    where = r"queries\[7, 1, 2\]" if group == 1 else r"queries\[7, 1, 1, 2\]"
+    policy = ExpectedAttention(size=4, sink=1)
+    for replay in (kvpolicy_numpy.replay, kvpolicy_torch.replay):
+        with pytest.raises(ValueError, match=rf"queries must be finite for ExpectedAttention\(.*{where} is .* \(step 7, head 1\)"):
+            replay(policy, np.zeros((steps, heads, steps)), 3, values=values, keys=keys,
+                   queries=queries[:, :, 0] if group == 1 else queries)
+    kvpolicy_numpy.replay(H2O(2, 2), np.zeros((steps, heads, steps)), queries=queries)  # ignored by a policy that reads none
+
+
+@pytest.mark.parametrize("prompt_len", [0, 6])
+@pytest.mark.parametrize("value", [1e308, -1e308])
+def test_the_reference_reports_overflow_as_torch_does(prompt_len, value) -> None:
+    """Class 14: huge finite logits under log n: the reference said it with NumPy's anonymous
+    "overflow encountered in multiply" warnings next to (or, for an overflow to -inf, without) its
+    NonFiniteWarning; now it warns exactly what the torch backend warns."""
+    kvpolicy_torch = pytest.importorskip("kvpolicy_torch")
+    logits = np.zeros((10, 1, 10))
+    logits[:, :, 3] = value
+    said = {}
+    for name, replay in (("numpy", kvpolicy_numpy.replay), ("torch", kvpolicy_torch.replay)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trace = replay(LOGN, logits, prompt_len=prompt_len, values=np.ones((10, 1, 2)))
+        said[name] = ([(w.category, str(w.message)) for w in caught], trace.nonfinite)
+        if trace.nonfinite:  # NaN outputs are always said by name
+            assert np.isnan(np.asarray(trace.outputs)).any()
+    assert said["numpy"] == said["torch"]
+    assert all(category is NonFiniteWarning for category, _ in said["numpy"][0])
+
+
+class _NoRoom(StreamingLLM):
+    """StreamingLLM whose select keeps one token too many: ``capacity`` tokens, no room for the next."""
+
+    name = "no_room_test"
+    decode_eviction = None
+
+    def size_rule(self):  # noqa: F811 - no rule: the planner replays select
+        return None
+
+    def select(self, view):
+        n = view.n_cached
+        if n <= self.capacity:
+            return None
+        return view.keep(view.arange(self.sink), view.arange(n - self.capacity + self.sink, n))
+
+
+@pytest.mark.parametrize("prompt_len", [0, 9])
+def test_a_select_that_leaves_no_room_for_the_next_token_is_refused_on_both_backends(prompt_len) -> None:
+    """Class 15: the reference accepted a select that keeps ``capacity`` tokens (the next decode
+    step then attends ``capacity + 1``) while torch raised; both now raise the same PolicyError."""
+    kvpolicy_torch = pytest.importorskip("kvpolicy_torch")
+    policy = _NoRoom(sink=1, window=2)
+    messages = []
+    for replay in (kvpolicy_numpy.replay, kvpolicy_torch.replay):
+        with pytest.raises(PolicyError, match=r"_NoRoom\(sink=1, window=2\) stopped evicting with 4 tokens cached, "
+                                              r"more than its capacity 4 allows between steps \(3: the next token must fit\)") as e:
+            replay(policy, np.zeros((12, 2, 12)), prompt_len=prompt_len)
+        messages.append(str(e.value))
+    assert messages[0] == messages[1]
+    with pytest.raises(PolicyError, match="more than its capacity 4 allows"):
+        simulate_sizes(policy, 12)
+
+
+@pytest.mark.parametrize(("rope", "error", "message"), [
+    ("rope", TypeError, r"rope must be a kvpolicy.statistics.Rotary"),
+    (dict(inv_freq=np.ones(5)), ValueError, r"rope rotates 10 dimensions .* more than the head_dim 8 .* rotary_dim <= 8"),
+    (dict(inv_freq=np.ones((2, 2))), ValueError, r"rope.inv_freq must have shape \[rotary_dim / 2\] .* got \(2, 2\)"),
+    (dict(inv_freq=np.ones(0)), ValueError, r"rope.inv_freq must have shape \[rotary_dim / 2\] .* got \(0,\)"),
+    (dict(inv_freq=np.ones(3), rotary_dim=4), ValueError, r"rope.rotary_dim must be 2 \* len\(inv_freq\) = 6 .* got 4"),
+    (dict(inv_freq=np.array([1.0, np.nan])), ValueError, r"rope.inv_freq must be finite: rope.inv_freq\[1\] is nan"),
+    (dict(inv_freq=np.ones(2), style="x"), ValueError, r"rope.style must be one of 'half', 'interleaved'"),
+], ids=["type", "too_wide", "2d", "empty", "rotary_dim", "nan", "style"])
+def test_a_rope_that_cannot_rotate_the_keys_is_refused_by_name(rope, error, message) -> None:
+    """Class 11: a RoPE of the wrong shape or rotary dimension gave raw NumPy (or torch)
+    broadcasting errors from inside Expected Attention's scores; both replays now name the field."""
+    import kvpolicy_torch
+    from kvpolicy import ExpectedAttention
+    from kvpolicy.statistics import Rotary
+
+    rng = np.random.default_rng(0)
+    keys, values, queries = (rng.normal(size=(10, 2, 8)) for _ in range(3))
+    rope = Rotary(**rope) if isinstance(rope, dict) else rope
+    for replay in (kvpolicy_numpy.replay, kvpolicy_torch.replay):
+        with pytest.raises(error, match=message):
+            replay(ExpectedAttention(size=4, sink=1), np.zeros((10, 2, 10)), 3, values=values, keys=keys, queries=queries, rope=rope)
+    trace = kvpolicy_numpy.replay(ExpectedAttention(size=4, sink=1), np.zeros((10, 2, 10)), 3, values=values, keys=keys,
+                                  queries=queries, rope=Rotary(np.ones(3)))  # partial rotary: 6 of 8 dimensions
+    assert trace.kept[-1].shape == (2, 4)

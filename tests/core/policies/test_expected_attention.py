@@ -295,3 +295,12 @@ def test_docs_worked_example() -> None:
     prefill = kvpolicy_numpy.replay(policy, logits, prompt_len=4, **inputs)
     assert "cache holds `" + " ".join(map(str, prefill.kept[3][0].tolist())) + "`" in text.split("### Expected Attention")[1]
     assert queries[:4, 0].mean(axis=0).tolist() == [2.25, 1.75]  # the mean the text says the sink's query would give
+
+
+@pytest.mark.parametrize("future", [0, 65537, 10**12])
+def test_future_is_bounded(future) -> None:
+    """Issue 44, class 11: ``future=10**12`` was accepted, then the first eviction tried to hold a
+    trillion rotations per row; the documented range is 1 to 65536."""
+    with pytest.raises(ValueError, match=rf"future must be >= 1 and <= 65536, got {future}"):
+        ExpectedAttention(size=8, future=future)
+    assert ExpectedAttention(size=8, future=65536).future == 65536

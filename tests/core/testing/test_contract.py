@@ -50,7 +50,10 @@ def test_builtin_policy_keeps_the_contract(kvpolicy_contract, factory) -> None:
     """Each built-in, each property of the contract (the fixture parametrizes over them), with
     the policies' own promises (sink / window / recent kept, the full cache keeps all)."""
     report = kvpolicy_contract(factory, invariants=follows_builtin_rules)
-    assert list(report.results) and all(v.startswith("passed") for v in report.results.values())
+    # (ranking: for the policies that rank tokens; head_ties: for AdaKV, tests/core/policies/test_adakv.py)
+    scorer = factory in (H2O, TOVA, SnapKV, Knorm, KeyDiff, ExpectedAttention)
+    assert list(report.results) and all(v.startswith("passed") or (k == "head_ties" or (k == "ranking" and not scorer))
+                                        and v.startswith("skipped") for k, v in report.results.items()), report.results
 
 
 def test_the_lockstep_driver_is_the_reference_replay() -> None:
@@ -263,7 +266,7 @@ class SinkLoser(StreamingLLM):
     "policy_factory, params, check, expected",
     [
         (ScoreGated, {"window": st.integers(1, 4)}, "backends", "depends on the score values"),
-        (Forgetful, {"window": st.integers(2, 4)}, "replay", "is not deterministic"),
+        (Forgetful, {"window": st.integers(2, 4)}, "replay", "select() changed self.calls"),
         (Eager, {"sink": st.integers(1, 3), "window": st.integers(2, 5)}, "full_cache", "before its cache reached its capacity"),
         (Descending, {"window": st.integers(2, 5)}, "backends", "not strictly ascending"),
         (SinkLoser, {"sink": st.integers(2, 3), "window": st.integers(1, 3)}, "replay", "keeps_first('sink')"),

@@ -58,7 +58,7 @@ def test_plugin_fixture_runs_each_property_as_a_test(tmp_path) -> None:
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "7 passed, 3 skipped" in res.stdout, res.stdout
+    assert "7 passed, 7 skipped" in res.stdout, res.stdout  # (LocalWindow: no ranking, no head-wise budgets)
     for prop in ("replay", "sizes", "full_cache", "backends", "stateful"):
         assert f"test_local[contract-{prop}] PASSED" in res.stdout
     assert "test_only_two[contract-stateful] SKIPPED" in res.stdout
