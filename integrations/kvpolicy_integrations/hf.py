@@ -90,8 +90,8 @@ PositionsMode = Literal["original", "cache"]
 #: (their ``prefill_chunk``; ``None`` or ``0``: the whole prompt in one forward). An
 #: :class:`EvictingCache` given the same ``prefill_chunk`` (its default) then holds at most the
 #: policy's capacity plus one chunk during the prefill, whatever the prompt's length; a one-shot
-#: prefill holds the whole prompt for a moment. 512 tokens cost a 4,096-token prefill of
-#: SmolLM2-135M about 10% over one forward (docs/performance.md, "Prefill").
+#: prefill holds the whole prompt for a moment, and is faster (each later chunk attends through a
+#: mask over the tokens kept before it): docs/performance.md, "Prefill (time to first token)".
 PREFILL_CHUNK = 512
 
 
