@@ -24,18 +24,16 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, NamedTuple
+from typing import Any, Callable, ClassVar, Literal, NamedTuple
 
 from array_api_compat import array_namespace as _ns, device
 
 from .validation import check_choice, check_float, check_int
 from .params import Param, Selection, declared_params, make_init
 
-if TYPE_CHECKING:
-    from .statistics import CachedTokens
-
 __all__ = [
     "KEY_STATISTICS",
+    "CachedTokens",
     "CacheView",
     "DecodeEviction",
     "DeferredScoresView",
@@ -64,6 +62,33 @@ ScoreStatistic = Literal["accumulate", "latest", "low_history", "key_norm", "key
 #: seen (:class:`kvpolicy.statistics.QueryMoments`); ``"cache"`` is any other score a policy
 #: computes from the cached keys and values (docs/extending.md).
 KEY_STATISTICS: tuple[str, ...] = ("key_norm", "key_diff", "expected_attention", "cache")
+
+
+class CachedTokens(NamedTuple):
+    """What a score from the cache is computed from: the argument of
+    :meth:`kvpolicy.EvictionPolicy.cache_score` (arrays of one backend, NumPy or torch).
+
+    Attributes:
+        keys: ``[..., n, d]`` the cached keys, as cached (after RoPE in a model's cache).
+        values: ``[..., n, dv]`` the cached values (``None`` where a NumPy replay was given none).
+        positions: ``[..., n]`` their original positions, ``-1`` at a hole or pad.
+        n_seen: tokens seen so far: an int, or an array broadcastable to ``positions[..., :1]``
+            (one per row of a left-padded batch).
+        recent: the policy's :attr:`~kvpolicy.EvictionPolicy.key_recent` (tokens always kept,
+            which a statistic over the candidates may leave out, as KeyDiff's anchor does).
+        moments: the queries' running moments (:class:`kvpolicy.statistics.QueryMoments`), for a
+            policy that observes queries (``None`` else).
+        rotary: the layer's RoPE (:class:`kvpolicy.statistics.Rotary`), where a policy averages
+            over future rotations (``None`` else).
+    """
+
+    keys: Array
+    values: Array | None
+    positions: Array
+    n_seen: Any
+    recent: int = 0
+    moments: Any = None  #: a :class:`kvpolicy.statistics.QueryMoments`, or ``None``
+    rotary: Any = None  #: a :class:`kvpolicy.statistics.Rotary`, or ``None``
 
 
 def array_namespace(x: Array) -> Any:
@@ -534,7 +559,7 @@ class EvictionPolicy(ABC):
             cls.ranking = EvictionPolicy.ranking  # type: ignore[method-assign]
             cls.head_budget = EvictionPolicy.head_budget  # type: ignore[method-assign]
 
-    def cache_score(self, tokens: "CachedTokens") -> Array:
+    def cache_score(self, tokens: CachedTokens) -> Array:
         """Each cached token's score, for a policy whose :attr:`score_statistic` comes from the
         cache (:data:`KEY_STATISTICS`): the one method a new scorer defines, on array-API arrays
         (``array_namespace(tokens.keys)``), so it runs on every backend, eager and compiled.

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from array_api_compat import device
 
-from .policy import Array, array_namespace
+from .policy import Array, CachedTokens, array_namespace
 
 if TYPE_CHECKING:
     from .policy import EvictionPolicy
@@ -376,31 +376,6 @@ def expected_attention(
         probs = (probs + epsilon) * xp.sqrt(xp.sum(v * v, axis=-1))
     score = _round_bits(probs, SCORE_BITS)
     return xp.where(candidate, score, xp.full_like(score, xp.inf))
-
-
-class CachedTokens(NamedTuple):
-    """What a score from the cache is computed from: the argument of
-    :meth:`kvpolicy.EvictionPolicy.cache_score` (arrays of one backend, NumPy or torch).
-
-    Attributes:
-        keys: ``[..., n, d]`` the cached keys, as cached (after RoPE in a model's cache).
-        values: ``[..., n, dv]`` the cached values (``None`` where a NumPy replay was given none).
-        positions: ``[..., n]`` their original positions, ``-1`` at a hole or pad.
-        n_seen: tokens seen so far: an int, or an array broadcastable to ``positions[..., :1]``
-            (one per row of a left-padded batch).
-        recent: the policy's :attr:`~kvpolicy.EvictionPolicy.key_recent` (tokens always kept,
-            which a statistic over the candidates may leave out, as KeyDiff's anchor does).
-        moments: the queries' running moments, for a policy that observes queries (``None`` else).
-        rotary: the layer's RoPE, where a policy averages over future rotations (``None`` else).
-    """
-
-    keys: Array
-    values: Array | None
-    positions: Array
-    n_seen: Any
-    recent: int = 0
-    moments: "QueryMoments | None" = None
-    rotary: "Rotary | None" = None
 
 
 def cache_scores(

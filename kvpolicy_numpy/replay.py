@@ -252,6 +252,7 @@ def replay(
     keys: np.ndarray | None = None,
     queries: np.ndarray | None = None,
     rope: Rotary | None = None,
+    prompt_chunk: int | None = None,
 ) -> Trace:
     """Replay ``policy`` on pre-softmax attention logits of one sequence.
 
@@ -273,6 +274,12 @@ def replay(
         rope: the RoPE whose rotations Expected Attention averages over the next positions
             (:class:`kvpolicy.statistics.Rotary`, NumPy ``inv_freq``; checked by :func:`validate_rope`);
             ``None``: no rotation.
+        prompt_chunk: the prompt is prefilled in chunks of this many tokens (the last one
+            shorter), each evicted after it (``None``, default: the whole prompt at once). A
+            chunk's row ``i`` attends to the tokens kept before the chunk and causally to the
+            chunk's own (``n`` of its log-n scale: those kept plus ``i + 1``), and the chunk's
+            rows score every token held (its last ``policy.prompt_rows`` rows when set), as a
+            prompt's do; a chunk of one token is a decode step.
 
     Per step ``t``: key ``t`` is appended; query ``t`` attends with a softmax over the kept keys
     (logits times the policy's log-n scale, if any, with ``n`` the number of kept keys; prompt row
@@ -298,6 +305,7 @@ def replay(
     logits = validate_logits(logits)
     steps, heads, _ = logits.shape
     prompt_len = check_int("prompt_len", prompt_len, minimum=0, maximum=steps)
+    chunk = prompt_len if prompt_chunk is None else check_int("prompt_chunk", prompt_chunk, minimum=1)
     if values is not None:
         values = validate_values(values, steps, heads)
     keys = validate_keys(keys, steps, heads, policy)
@@ -333,7 +341,50 @@ def replay(
         positions, scores, rounds = evict_until_done(policy, positions, scores, t + 1, state, phase)
         evictions.extend((t, before, after) for before, after in rounds)
 
-    if prompt_len:
+    def score_rows(probs: np.ndarray, visible: np.ndarray) -> None:
+        """Fold a prompt chunk's probabilities ``[q, heads, n]`` (``visible``: the keys each row
+        sees) into the scores of the ``n`` tokens held, as :func:`replay` says."""
+        nonlocal scores
+        q = probs.shape[0]
+        # policy.prompt_rows: only the chunk's last rows score it (TOVA: 1, SnapKV: its window)
+        # Rows added one at a time, in order, here and in kvpolicy_torch's replay: keys whose
+        # probabilities are equal in every row then score the same bits on both backends, so the
+        # policy's tie rule decides between them (a vectorised sum may add a few columns in
+        # another order and part an exact tie by an ulp).
+        window = probs[max(0, q - (policy.prompt_rows or q)) :]
+        received = window[0].copy()
+        for row in window[1:]:
+            received = received + row
+        if policy.score_statistic == "low_history":  # each row is a query of the record (Scissorhands)
+            low = low_attention(probs, 1, kept=visible)  # [q, heads, n]
+            record = history_record(low.transpose(1, 0, 2), policy.score_history)[None]
+            scores = shift_history(scores, record, q, policy.score_history)  # type: ignore[arg-type]
+        elif policy.score_statistic == "latest":
+            scores = received[None]
+        else:
+            scores = scores + received[None]
+
+    if prompt_len and chunk < prompt_len:
+        for lo in range(0, prompt_len, chunk):
+            hi = min(prompt_len, lo + chunk)
+            q = hi - lo
+            before = positions[0]  # [heads, n_before]; -1: a hole (head-wise budgets)
+            held = np.concatenate([before, np.broadcast_to(np.arange(lo, hi, dtype=np.int64), (heads, q))], axis=-1)
+            positions = held[None].copy()
+            scores = np.concatenate([scores, np.zeros((1, heads, q))], axis=-1)
+            t = np.arange(lo, hi)
+            # row i sees the tokens kept before the chunk and the chunk's up to its own
+            visible = (held[None] >= 0) & (held[None] <= t[:, None, None])  # [q, heads, n]
+            rows = logits[lo:hi][:, np.arange(heads)[:, None], np.maximum(held, 0)]  # [q, heads, n]
+            rows = rows * log_n_scales(policy, before.shape[-1] + np.arange(1, q + 1))[:, None, None]
+            probs = softmax(np.where(visible, rows, -np.inf))
+            nonfinite += nonfinite_rows(probs, lo)
+            score_rows(probs, visible)
+            if outputs is not None:
+                outputs[lo:hi] = np.einsum("qhk,khd->qhd", probs, values[np.maximum(held, 0).T, np.arange(heads)[None, :]])
+            evict_until_stable(hi - 1, "prefill" if q > 1 else "decode")
+            kept[hi - 1] = positions[0].copy()
+    elif prompt_len:
         p = prompt_len
         causal = np.tril(np.ones((p, p), dtype=bool))[:, None, :]
         with _attention_errors():

@@ -35,6 +35,7 @@ import torch
 
 from kvpolicy.policy import EvictionPolicy
 from kvpolicy.statistics import Rotary
+from kvpolicy.validation import check_int
 
 from .checks import (
     check_append, check_batch_index, check_layer, check_like, check_query, check_received, check_step_kv, checked_valid,
@@ -86,6 +87,13 @@ class LayerCache(LayerReads):
             plain SDPA; :attr:`keys_shifted` says when. Every other read sees the original keys.
         group: a :class:`LayerGroup` shared by the layers of one cache: their one-token
             evictions by lowest score (H2O, TOVA) are found with one search per decode step.
+        prompt_chunk: the chunk size of a chunked prefill, if the prompt comes in chunks: a
+            bounded policy whose first append is a chunk of exactly this many tokens allocates
+            one chunk beyond its capacity, so each later chunk is written in place and a chunked
+            prefill never holds more than the capacity (plus spare slots) and one chunk
+            (:class:`~kvpolicy_torch.storage.SlotPlan`); ``None`` (default): no room (a chunk that
+            does not fit is held transiently beside the storage). Not with ``static_shapes``
+            (whose decode steps attend over every allocated slot).
 
     Example:
         >>> import torch
@@ -120,8 +128,10 @@ class LayerCache(LayerReads):
         reserve: int | None = None,
         key_shift: KeyShift | None = None,
         group: LayerGroup | None = None,
+        prompt_chunk: int | None = None,
     ) -> None:
         check_layer(policy, static_shapes=static_shapes, key_shift=key_shift, group=group)
+        self.prompt_chunk = None if prompt_chunk is None else check_int("prompt_chunk", prompt_chunk, minimum=1)
         self.policy = policy
         self.reduce_scores = reduce_scores
         self.static_shapes = bool(static_shapes)
@@ -136,6 +146,7 @@ class LayerCache(LayerReads):
         self._clear()
 
     def _clear(self) -> None:
+        self._peak = 0  # (peak_bytes)
         if self.group is not None:
             self.group.leave(self._group_index)
         rule, policy = self.rule, self.policy
@@ -155,7 +166,8 @@ class LayerCache(LayerReads):
                                   static=self.static_shapes, ragged=self._ragged)
         # static shapes: a decode step's bookkeeping in device tensors (kvpolicy_torch.static)
         self._static = StaticSteps(policy, self.reduce_scores) if self.static_shapes else None
-        plan = SlotPlan(policy.capacity, self.reserve, slack=rule is not None and rule.victim != "oldest" and not self.static_shapes)
+        plan = SlotPlan(policy.capacity, self.reserve, slack=rule is not None and rule.victim != "oldest" and not self.static_shapes,
+                        chunk=0 if self.static_shapes or self.prompt_chunk is None else self.prompt_chunk)
         self._slots = SlotAllocator(policy, plan, group=self.group, index=self._group_index, static=self._static, ragged=self._ragged)
         self._eviction = HostEviction(policy, self._victims, self._slots, self.reduce_scores)
         #: Expected Attention: the running moments of the queries seen (:meth:`observe_queries`)
@@ -260,11 +272,31 @@ class LayerCache(LayerReads):
             layout.unshift()
             self._slots.room_for_chunk(layout, q, chunk_bytes=chunk_bytes)
             layout.write_chunk(keys, values, valid, [q] * b if real is None else real)
+            held = layout.storage().nbytes + (0 if layout.extra is None else layout.extra.nbytes)
+            self._peak = max(self._peak, held)
         layout.phase = "prefill" if q > 1 else "decode"
         if layout.extra is not None:
             return layout.extra.keys, layout.extra.values
         views = layout.storage().range_views(layout.returned)  # (made once per range: every decode step reads them)
         return views.keys, views.values
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most bytes this layer's slots took at once since the last :meth:`reset`: its
+        storage (:attr:`nbytes`), plus, while a prompt chunk did not fit in it, the transient set
+        that held the kept tokens and the chunk beside it until the eviction. A chunked prefill
+        with room for its chunk (``prompt_chunk``) writes every chunk in place, so its peak is the
+        storage; a one-shot prompt longer than the storage peaks at the storage plus the prompt.
+
+        Example:
+            >>> from kvpolicy import StreamingLLM
+            >>> layer = LayerCache(StreamingLLM(sink=1, window=3))
+            >>> K, V = layer.append(torch.randn(1, 1, 10, 2), torch.randn(1, 1, 10, 2))
+            >>> rounds = layer.evict()
+            >>> layer.slots, layer.nbytes, layer.peak_bytes  # and 10 more slots while the prompt was evicted
+            (5, 160, 480)
+        """
+        return max(self._peak, self.nbytes)
 
     # ------------------------------------------------------------------ attend and accumulate
     def accumulate(self, received: torch.Tensor) -> None:

@@ -240,6 +240,28 @@ class LayerReads:
         chunk = self.synced(storage=False).chunk
         return chunk[2] if chunk is not None else None
 
+    @property
+    def chunk_causal(self) -> bool:
+        """Whether the chunk the last ``append`` added is the whole range it returned, with no pad:
+        the first chunk of a prompt (nothing held before it). Its :meth:`chunk_mask` is then plain
+        causal over the chunk's own keys, which attention may take as SDPA's ``is_causal=True``
+        (the causal kernel skips the masked blocks; an explicit mask makes it compute them all).
+
+        Example:
+            >>> from kvpolicy import FullCache
+            >>> from kvpolicy_torch import LayerCache
+            >>> layer = LayerCache(FullCache())
+            >>> K, V = layer.append(torch.randn(1, 1, 4, 2), torch.randn(1, 1, 4, 2))
+            >>> first = layer.chunk_causal
+            >>> rounds = layer.evict()
+            >>> K, V = layer.append(torch.randn(1, 1, 4, 2), torch.randn(1, 1, 4, 2))
+            >>> first, layer.chunk_causal
+            (True, False)
+        """
+        layout = self.synced(storage=False)
+        chunk = layout.chunk
+        return chunk is not None and chunk[0] == 0 and chunk[2] is None and layout.returned == chunk[1]
+
     def chunk_mask(self) -> torch.Tensor:
         """Boolean mask ``[batch | 1, 1, q, n]`` (True: attend) for the chunk the last ``append``
         added: every kept token before the chunk, causal inside it, pads attended by nobody (a pad

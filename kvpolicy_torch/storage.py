@@ -62,6 +62,11 @@ class SlotPlan:
         slack: whether holes accumulate below the frontier (a one-token ``"lowest"`` eviction in
             the eager layout), so spare slots save compactions.
         planned: the slots the layer may grow to (set by :meth:`first`).
+        chunk: a chunked prefill's chunk size (``0``: none): a bounded policy whose first append
+            is a chunk of exactly this many tokens allocates room for one more chunk beyond its
+            capacity, so that every later chunk is written in place and the storage is all a
+            chunked prefill ever holds (capacity, spare slots and one chunk), where a chunk that
+            did not fit would be copied with the kept tokens into a transient set beside it.
 
     Example:
         >>> plan = SlotPlan(capacity=1000, reserve=None, slack=True)
@@ -69,12 +74,15 @@ class SlotPlan:
         (1125, 1125)
         >>> SlotPlan(capacity=1000, reserve=100, slack=True).first(10, 768, 64, 8 << 20)
         101
+        >>> SlotPlan(capacity=1000, reserve=None, slack=False, chunk=512).first(512, 768, 64, 8 << 20)
+        1512
     """
 
     capacity: int | None
     reserve: int | None
     slack: bool
     planned: int = 0
+    chunk: int = 0
 
     def spare(self, per_slot: int, min_slack: int, chunk_bytes: int) -> int:
         """Spare slots over the capacity (``per_slot``: bytes of one slot over the heads)."""
@@ -97,8 +105,9 @@ class SlotPlan:
             slots = max(tokens, self.reserve or 0)
             self.planned = slots
             return slots
-        self.planned = max(self.capacity + self.spare(per_slot, min_slack, chunk_bytes), widest)
-        slots = self.capacity + self.spare(per_slot, min_slack, chunk_bytes)
+        room = self.chunk if self.chunk > 1 and tokens == self.chunk else 0  # (a chunked prefill's next chunk)
+        self.planned = max(self.capacity + self.spare(per_slot, min_slack, chunk_bytes) + room, widest)
+        slots = self.capacity + self.spare(per_slot, min_slack, chunk_bytes) + room
         if self.reserve is not None and max(tokens, self.reserve) + 1 < slots:
             # the run needs at most `reserve` tokens (generate(): the prompt plus the new tokens):
             # allocate those (and one spare a step appends into), growing only if more come

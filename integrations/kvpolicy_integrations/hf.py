@@ -32,6 +32,7 @@ distances between query and keys are distances between cache slots).
 
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
 import weakref
@@ -59,6 +60,7 @@ from .capabilities import (
 __all__ = [
     "ATTENTION_NAME",
     "LAYER_KWARG",
+    "PREFILL_CHUNK",
     "SCOPED_ATTENTION_NAME",
     "EvictingCache",
     "EvictingLayer",
@@ -84,6 +86,13 @@ SCOPED_ATTENTION_NAME = "kvpolicy_evicting"
 #: without any global state (and a compiled step traces it as a plain argument).
 LAYER_KWARG = "kvpolicy_layer"
 PositionsMode = Literal["original", "cache"]
+#: Tokens per forward when :func:`generate` and :func:`greedy_decode` prefill a longer prompt
+#: (their ``prefill_chunk``; ``None`` or ``0``: the whole prompt in one forward). An
+#: :class:`EvictingCache` given the same ``prefill_chunk`` (its default) then holds at most the
+#: policy's capacity plus one chunk during the prefill, whatever the prompt's length; a one-shot
+#: prefill holds the whole prompt for a moment, and is faster (each later chunk attends through a
+#: mask over the tokens kept before it): docs/performance.md, "Prefill (time to first token)".
+PREFILL_CHUNK = 512
 
 
 def kvpolicy_sdpa_attention(
@@ -507,6 +516,7 @@ class EvictingLayer(DynamicLayer):
         padding: Padding | None = None,
         shift_matrices: ShiftMatrices | None = None,
         group: LayerGroup | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         super().__init__()
         self.policy = policy
@@ -522,7 +532,7 @@ class EvictingLayer(DynamicLayer):
         # shift changes): the decode step then attends with plain SDPA
         self.store = LayerCache(
             policy, reduce_scores=reduce_scores, static_shapes=static_shapes, reserve=reserve,
-            key_shift=self._shift_keys if self.shifts else None, group=group,
+            key_shift=self._shift_keys if self.shifts else None, group=group, prompt_chunk=prefill_chunk,
         )
         self.shift_matrices = shift_matrices if shift_matrices is not None else ShiftMatrices()
         #: this layer's attention pattern (full, or a sliding or chunked window)
@@ -714,12 +724,18 @@ class EvictingLayer(DynamicLayer):
             out = store.attend(query, scale, extra_bias=window, row_scale=row_scale, prefix=prefix)
             self.finish_received(None)
             return out
-        mask = self.window_chunk_mask(store.chunk_mask())
+        # the first chunk of a prompt (no pads, nothing held before it, every key inside this
+        # layer's window): plain causal over its own keys, SDPA's causal kernel (an explicit mask
+        # costs a 2,048-token prefill ~2.4x the attention time: every masked block computed)
+        causal = store.chunk_causal and self._window_limits() is None
+        mask = None if causal else self.window_chunk_mask(store.chunk_mask())
         query_scale = None
         sdpa_query = query
         if log_n is not None:
             query_scale = _chunk_log_n_scales(log_n, store, q_len, query.device)
             sdpa_query = query * query_scale[:, None, :, None].to(query.dtype)
+        if causal:  # (the mask kvpolicy builds is causal whatever the module says)
+            kwargs = {**kwargs, "is_causal": True}
         out, _ = sdpa_attention_forward(module, sdpa_query, key, value, mask, dropout=dropout, scaling=scale, **kwargs)
         received = None
         if uses_scores:
@@ -901,6 +917,12 @@ class EvictingCache(Cache):
             a decode step's tensor shapes never change (``torch.compile``, CUDA graphs).
         max_tokens: tokens a layer will hold at most (prompt plus new tokens), if known: an
             unbounded policy (the full cache) allocates exactly that instead of growing.
+        prefill_chunk: the chunk size of a chunked prefill (default :data:`PREFILL_CHUNK`, what
+            :func:`generate` and :func:`greedy_decode` feed a long prompt in): when the first
+            forward brings exactly this many tokens, a bounded policy's layers allocate room for
+            one chunk beyond the capacity, so the cache never holds more than the capacity and one
+            chunk during the prefill (:class:`kvpolicy_torch.LayerCache`'s ``prompt_chunk``);
+            ``None``: no room (a chunk that does not fit is held beside the storage until evicted).
 
     Left-padded batches work for every policy: pads are never attended, scored or kept, and each
     row evicts on its own schedule (the 2-D ``attention_mask`` says which tokens are pads).
@@ -925,6 +947,7 @@ class EvictingCache(Cache):
         fused_decode: bool = True,
         static_shapes: bool = False,
         max_tokens: int | None = None,
+        prefill_chunk: int | None = PREFILL_CHUNK,
     ) -> None:
         if not isinstance(policy, EvictionPolicy):
             raise ValueError(f"policy must be an EvictionPolicy, got {policy!r}")
@@ -981,6 +1004,7 @@ class EvictingCache(Cache):
                 policy.for_layer(i, n_layers), i, positions=positions, rope=ropes[i], attention=caps.layers[i], reduce_scores=reduce_scores,
                 fused_decode=fused_decode, static_shapes=static_shapes, reserve=max_tokens, padding=self.padding,
                 shift_matrices=shift_matrices, group=group,
+                prefill_chunk=None if prefill_chunk is None else check_int("prefill_chunk", prefill_chunk, minimum=1),
             )
             for i in range(len(caps.layers))
         ]
@@ -1293,8 +1317,10 @@ def greedy_decode(
     *,
     attention_mask: torch.Tensor | None = None,
     step: Callable[..., Any] | None = None,
+    prefill_chunk: int | None = PREFILL_CHUNK,
 ) -> torch.Tensor:
-    """Greedy decoding with ``cache``: the prompt through ``model`` (eager), then one token a step
+    """Greedy decoding with ``cache``: the prompt through ``model`` (eager, in forwards of
+    ``prefill_chunk`` tokens), then one token a step
     through ``step`` (default ``model``; e.g. :func:`compile_decode_step`), with
     :meth:`EvictingCache.settle` between steps when the cache asks for it.
 
@@ -1305,6 +1331,10 @@ def greedy_decode(
     Args:
         input_ids: ``[batch, prompt]``; ``attention_mask`` ``[batch, prompt]`` (0: a left pad).
         step: the callable that runs a decode step (a compiled model).
+        prefill_chunk: tokens per prompt forward (default :data:`PREFILL_CHUNK`): a longer
+            prompt is fed in chunks, so an :class:`EvictingCache` holds at most its policy's
+            capacity plus one chunk during the prefill; ``None`` or ``0``: the whole prompt in
+            one forward.
 
     Returns:
         ``[batch, max_new_tokens]``: the new tokens.
@@ -1322,6 +1352,7 @@ def greedy_decode(
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if input_ids.ndim != 2 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must be [batch, prompt] with a prompt of at least one token, got {tuple(input_ids.shape)}")
+    chunk = input_ids.shape[1] if not prefill_chunk else check_int("prefill_chunk", prefill_chunk, minimum=1)
     ours = isinstance(cache, EvictingCache)
     step = step if step is not None else model
     if attention_mask is None:
@@ -1330,9 +1361,12 @@ def greedy_decode(
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
     settle = ours and cache.needs_settle
     out = []
+    last = _last_logits_kwargs(model)
     with torch.no_grad():
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
-                       **cache_kwargs(model, cache)).logits[:, -1]
+        for lo in range(0, input_ids.shape[1], chunk):  # (the mask covers every column so far)
+            hi = min(input_ids.shape[1], lo + chunk)
+            logits = model(input_ids=input_ids[:, lo:hi], attention_mask=None if attention_mask is None else attention_mask[:, :hi],
+                           position_ids=positions[:, lo:hi], use_cache=True, **last, **cache_kwargs(model, cache)).logits[:, -1]
         pos = positions[:, -1:] + 1
         mask = attention_mask
         for k in range(max_new_tokens):
@@ -1351,6 +1385,16 @@ def greedy_decode(
     if ours:
         cache.report_nonfinite()
     return torch.cat(out, dim=1)
+
+
+def _last_logits_kwargs(model: torch.nn.Module) -> dict[str, Any]:
+    """``{"logits_to_keep": 1}`` for a model whose forward takes it (a prompt forward then
+    projects only its last position onto the vocabulary, as ``generate`` asks), else ``{}``."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
 
 
 @dataclass
@@ -1387,6 +1431,7 @@ def generate(
     chat: bool | None = None,
     positions: PositionsMode | None = None,
     compile: bool = False,
+    prefill_chunk: int | None = PREFILL_CHUNK,
     **overrides: Any,
 ) -> GenerationResult:
     """Greedy generation of ``prompt`` with an evicting cache, in one call.
@@ -1398,7 +1443,10 @@ def generate(
     them rather than being ignored. ``chat`` applies the tokenizer's
     chat template (default: when it has one). ``compile=True`` runs the decode steps compiled
     (:func:`compile_decode_step`, one graph a step, on a static-shaped cache; compiling takes a
-    while, so it pays for long generations) with :func:`greedy_decode`.
+    while, so it pays for long generations) with :func:`greedy_decode`. A prompt longer than
+    ``prefill_chunk`` tokens (default :data:`PREFILL_CHUNK`) is prefilled in chunks of that many,
+    so the cache holds at most the policy's capacity plus one chunk however long the prompt is
+    (``None`` or ``0``: one forward of the whole prompt, faster and holding all of it for a moment).
 
     Example:
         >>> from kvpolicy_tools.models import tiny_llama
@@ -1432,6 +1480,7 @@ def generate(
             )
     elif budget is None:
         budget = 0.3
+    chunk = None if not prefill_chunk else check_int("prefill_chunk", prefill_chunk, minimum=1)
     chat = check_bool("chat", chat, allow_none=True)
     use_chat = chat if chat is not None else bool(getattr(tokenizer, "chat_template", None))
     if use_chat:
@@ -1452,10 +1501,11 @@ def generate(
             **overrides,
         )
     compile = check_bool("compile", compile)
-    cache = EvictingCache(policy, model, positions=positions, max_tokens=n_prompt + max_new_tokens, static_shapes=compile)
+    cache = EvictingCache(policy, model, positions=positions, max_tokens=n_prompt + max_new_tokens, static_shapes=compile,
+                          prefill_chunk=chunk)
     if compile:
         new = greedy_decode(model, input_ids, cache, max_new_tokens, attention_mask=torch.ones_like(input_ids),
-                            step=compile_decode_step(model))
+                            step=compile_decode_step(model), prefill_chunk=chunk)
         out = torch.cat([input_ids, new], dim=1)
     else:
         out = model.generate(
@@ -1463,6 +1513,7 @@ def generate(
             attention_mask=torch.ones_like(input_ids),
             max_new_tokens=max_new_tokens,
             do_sample=False,
+            prefill_chunk_size=chunk if chunk is not None and n_prompt > chunk else None,
             **cache_kwargs(model, cache),
             pad_token_id=getattr(tokenizer, "pad_token_id", None) or getattr(tokenizer, "eos_token_id", None),
         )

@@ -11,6 +11,10 @@ Three parts (``--what``, default all):
   round (:mod:`kvpolicy_tools.perf.decode`).
 * ``breakdown``: where a decode step's time goes (attention, score product, accumulation,
   eviction, cache update, the rest of the model).
+* ``prefill`` (not in the default set): the time to first token, a prompt's prefill through each
+  policy's cache in one forward and in chunks of :data:`kvpolicy.hf.PREFILL_CHUNK` tokens against
+  a plain ``DynamicCache`` one, with each cache's peak bytes, at each context and the budget
+  nearest 25% (:mod:`kvpolicy_tools.perf.prefill`).
 
 Output (``--out``, default ``bench-results``): ``report.md`` (tables, slopes, machine, command),
 ``results.json`` (every number) and PNG plots.
@@ -379,6 +383,26 @@ def _decode(
     }
 
 
+def _prefill(args: argparse.Namespace, progress: _Progress, contexts: list[int], specs: list[Any], budgets: list[float],
+             rounds: int) -> dict[str, Any]:
+    """``--what prefill``: :func:`kvpolicy_tools.perf.prefill.measure_prefill` at the budget nearest 25%."""
+    from kvpolicy.hf import PREFILL_CHUNK  # here: torch and transformers (the hf extra); every verb's parser imports this module
+
+    from .prefill import measure_prefill  # here: as above
+
+    if args.model == "tiny-llama":  # a 2-layer random model: exercises the pipeline in seconds
+        from ..models import tiny_llama  # here: as above
+
+        model = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, max_position_embeddings=8192)
+    else:
+        from ..models import load  # here: as above
+
+        model, _ = load(args.model, progress=False)
+    budget = min(budgets, key=lambda b: abs(b - 0.25))
+    rows = measure_prefill(model, contexts, specs, budget=budget, rounds=rounds, chunk=PREFILL_CHUNK, on_step=progress)
+    return {"rows": rows, "budget": budget, "chunk": PREFILL_CHUNK, "rounds": rounds}
+
+
 def share_cell(share: float | None, interval: Sequence[float] | None) -> str:
     """A share of the limit as the decode table prints it: the median over rounds and, in
     brackets, its 95% confidence interval (:func:`~kvpolicy_tools.perf.report.median_interval`).
@@ -455,9 +479,9 @@ def run(args: argparse.Namespace) -> int:
     """Run ``kvpolicy bench``; returns the exit status."""
     defaults = QUICK if args.quick else FULL
     what = {w.strip() for w in args.what.split(",") if w.strip()}
-    unknown = what - {"complexity", "decode", "breakdown"}
+    unknown = what - {"complexity", "decode", "breakdown", "prefill"}
     if unknown or not what:
-        raise ValueError(f"--what takes complexity, decode, breakdown; got {', '.join(sorted(unknown)) or repr(args.what)}")
+        raise ValueError(f"--what takes complexity, decode, breakdown, prefill; got {', '.join(sorted(unknown)) or repr(args.what)}")
     # a flag given empty is an error, not the default (`is None`: only a flag left out takes it)
     def given(value: str | None, key: str) -> str:
         return defaults[key] if value is None else value
@@ -509,6 +533,8 @@ def run(args: argparse.Namespace) -> int:
     total = n_series + len(plan)
     for cands, sub in plan.values():
         total += (len(cands) * decode_rounds if "decode" in what else 0) + len(sub) * _BREAKDOWN_ROUNDS
+    if "prefill" in what:  # per context and round: the plain forward, each policy one-shot and chunked
+        total += len(contexts) * decode_rounds * (1 + 2 * len(specs))
     progress = _Progress(total, not args.no_progress)
     started = time.time()
     data: dict[str, Any] = {"machine": host, "command": "kvpolicy bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "bench" else "kvpolicy bench"}
@@ -521,6 +547,8 @@ def run(args: argparse.Namespace) -> int:
                 )
         if what & {"decode", "breakdown"}:
             data["decode"] = _decode(args, progress, plan, budgets, steps, decode_rounds, what)
+        if "prefill" in what:
+            data["prefill"] = _prefill(args, progress, contexts, specs, budgets, decode_rounds)
     finally:
         progress.close()
     data["seconds"] = time.time() - started
@@ -541,6 +569,11 @@ def run(args: argparse.Namespace) -> int:
         lines += ["## Eviction cost of the other --policy policies", ""] + bench_report(data["policy_complexity"], out, plots)
     if "decode" in data:
         lines += ["## Decode speed, memory and breakdown", ""] + _decode_report(data["decode"], out, plots)
+    if "prefill" in data:
+        from .prefill import prefill_report  # here: it needs torch and transformers (the hf extra)
+
+        prefill = data["prefill"]
+        lines += ["## Prefill (time to first token)", ""] + prefill_report(prefill["rows"], prefill["chunk"], prefill["budget"])
     (out / "report.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out / 'report.md'} and {out / 'results.json'}" + ("" if args.no_plots else " (+ PNG plots)"))
     return 0

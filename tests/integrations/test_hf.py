@@ -69,6 +69,41 @@ def test_logits_match_dynamic_cache_chunked_prefill_and_decode(model, policy):
             tok = a[:, -1:].argmax(-1)
 
 
+@pytest.mark.parametrize("policy", [FullCache(), StreamingLLM(2, 10), H2O(8, 8), BUZZ(2, 6, 4, 12, log_n=True, log_base=8.0)], ids=repr)
+def test_first_prompt_chunk_takes_the_causal_kernel(model, policy, monkeypatch):
+    """A prompt's first chunk (no pads, nothing cached) runs SDPA with is_causal=True and no mask,
+    as a plain DynamicCache prefill does (an explicit causal mask makes SDPA's CPU kernel compute
+    every masked block: 2.4x the attention time at 2,048 tokens); a later chunk, or a padded
+    one, is masked from the slots. The logits are DynamicCache's, bit for bit, where the policy
+    does not change the attention (log n does)."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, *args, is_causal=False, **kwargs):
+        calls.append((query.shape[2], attn_mask is None, is_causal))
+        return sdpa(query, key, value, attn_mask, *args, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    ids = _ids(batch=1, length=40)
+    with torch.no_grad():
+        want = model(ids[:, :24], **cache_kwargs(model, DynamicCache(config=model.config))).logits
+        cache = EvictingCache(policy, model)  # (pos-shift measures the RoPE layout with a forward)
+        calls.clear()
+        got = model(ids[:, :24], **cache_kwargs(model, cache)).logits
+        assert calls == [(24, True, True)] * 2  # both layers
+        if policy.log_n is None:
+            assert torch.equal(got, want)
+        calls.clear()
+        model(ids[:, 24:], position_ids=torch.arange(24, 40)[None], **cache_kwargs(model, cache))
+        assert calls == [(16, False, False)] * 2
+        padded = EvictingCache(policy, model)
+        mask = torch.ones(2, 12, dtype=torch.long)
+        mask[1, :3] = 0
+        calls.clear()
+        model(_ids(batch=2, length=12), attention_mask=mask, **cache_kwargs(model, padded))
+        assert calls == [(12, False, False)] * 2
+
+
 def test_mask_function_hands_padding_to_the_cache_and_serves_other_caches(model):
     """The mask function registered under our name builds no 4-D mask for an EvictingCache (its
     slots define what each query sees) but takes the forward's 2-D padding; any other cache on the
@@ -142,6 +177,72 @@ def test_kept_positions_equal_numpy_replay(policy):
     trace = kvpolicy_numpy.replay(policy, _layer0_logits(model, seq), prompt_len=ids.shape[1])
     got = cache.layers[0].store.positions[0].numpy()
     np.testing.assert_array_equal(got, trace.kept[-1])
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [BUZZ(2, 5, 3, 8), BUZZ(2, 6, 4, 12, log_n=True, log_base=8.0), H2O(6, 6), StreamingLLM(2, 9), LocalWindow(9),
+     TOVA(12), SnapKV(12, window=4), compose(prefill=SnapKV(12, window=3), decode=H2O(5, 6)),
+     Scissorhands(12, history=5, drop=0.25, recent=2)],
+    ids=repr,
+)
+@pytest.mark.parametrize("chunk", [7, 16])
+def test_chunked_prefill_keeps_what_the_numpy_replay_keeps(policy, chunk):
+    """Differential: a prompt prefilled in chunks (greedy_decode's prefill_chunk) keeps, in layer 0,
+    what the reference keeps for the same chunking (kvpolicy_numpy.replay's prompt_chunk), through
+    the decode steps that follow (float64 tiny random model, as above)."""
+    model = tiny_llama(num_layers=2, heads=4, kv_heads=4, head_dim=8, vocab=96, seed=3).double()
+    ids = _ids(batch=1, length=37, seed=5) % 96
+    cache = EvictingCache(policy, model, prefill_chunk=chunk)
+    new = greedy_decode(model, ids, cache, 12, prefill_chunk=chunk)
+    seq = torch.cat([ids, new[:, :-1]], dim=1)  # the last generated token never enters the cache
+    trace = kvpolicy_numpy.replay(policy, _layer0_logits(model, seq), prompt_len=ids.shape[1], prompt_chunk=chunk)
+    np.testing.assert_array_equal(cache.layers[0].store.positions[0].numpy(), trace.kept[-1])
+    assert cache.layers[0].store.evictions > 0
+
+
+def test_greedy_decode_prefills_in_chunks_with_the_same_tokens(model):
+    """greedy_decode feeds a long prompt in chunks by default; with a cache that evicts nothing the
+    new tokens are those of a one-shot prefill (and of DynamicCache), a left-padded batch too."""
+    ids = _ids(batch=2, length=70)
+    mask = torch.ones_like(ids)
+    mask[1, :40] = 0  # more pads than a chunk: the second row's first chunk is all pads
+    for attention_mask in (None, mask):
+        want = greedy_decode(model, ids, DynamicCache(config=model.config), 6, attention_mask=attention_mask, prefill_chunk=None)
+        for chunk in (None, 0, 16, 32):
+            got = greedy_decode(model, ids, EvictingCache(FullCache(), model, prefill_chunk=chunk or None), 6,
+                                attention_mask=attention_mask, prefill_chunk=chunk)
+            assert torch.equal(got, want), (chunk, attention_mask is None)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        greedy_decode(model, ids, EvictingCache(FullCache(), model), 2, prefill_chunk=-3)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        EvictingCache(FullCache(), model, prefill_chunk=2.5)
+
+
+@pytest.mark.parametrize("policy", [H2O(12, 12), BUZZ(2, 6, 3, 10), StreamingLLM(2, 20), TOVA(24)], ids=repr)
+def test_chunked_prefill_holds_the_capacity_and_one_chunk(model, policy):
+    """A chunked prefill's cache never allocates more than its storage without the room (the
+    policy's capacity plus the spare slots of a one-token eviction by score) and one chunk,
+    however long the prompt; without the room each chunk that does not fit is copied, with the
+    kept tokens, into a transient set beside the storage."""
+    ids, chunk = _ids(batch=1, length=200), 16
+
+    def peak(cache):
+        with torch.no_grad():
+            for lo in range(0, ids.shape[1], chunk):
+                hi = min(lo + chunk, ids.shape[1])
+                model(input_ids=ids[:, lo:hi], position_ids=torch.arange(lo, hi)[None], use_cache=True, **cache_kwargs(model, cache))
+        assert max(cache.lengths()) <= policy.capacity
+        return [layer.store.peak_bytes for layer in cache.layers]
+
+    roomless = EvictingCache(policy, model, prefill_chunk=None)
+    beside = peak(roomless)
+    storage = roomless.layers[0].store.slots  # the capacity and its spare slots
+    per_slot = roomless.layers[0].store.nbytes // storage
+    assert storage < policy.capacity + chunk
+    bounded = peak(EvictingCache(policy, model, prefill_chunk=chunk))
+    assert bounded == [per_slot * (storage + chunk)] * len(roomless.layers)
+    assert all(b > per_slot * (storage + chunk) for b in beside)
 
 
 def test_manual_loop_positions_follow_tokens_seen(model):
@@ -240,6 +341,31 @@ def test_generate_helper_reports_sizes(model):
     assert res.policy == plan_policy
     assert 0 < res.cache_ratio < 1
     assert max(res.cache_lengths) <= plan_policy.capacity
+
+
+def test_generate_prefills_a_long_prompt_in_chunks(model):
+    """generate() hands prefill_chunk to transformers' chunked prefill: the tokens are greedy_decode's
+    with the same chunks, and for a cache that evicts nothing those of a one-shot prefill."""
+    class Tok:
+        chat_template = None
+        pad_token_id = 0
+
+        def __call__(self, text, return_tensors=None):
+            return {"input_ids": torch.tensor([[3 + ord(c) % 100 for c in text]])}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    prompt = "the quick brown fox jumps over the lazy dog " * 2  # 88 tokens
+    ids = Tok()(prompt)["input_ids"]
+    one_shot = generate(model, Tok(), prompt, FullCache(), max_new_tokens=6, prefill_chunk=None).token_ids
+    assert generate(model, Tok(), prompt, FullCache(), max_new_tokens=6, prefill_chunk=16).token_ids == one_shot
+    policy = H2O(10, 10)
+    got = generate(model, Tok(), prompt, policy, max_new_tokens=6, prefill_chunk=16).token_ids
+    want = greedy_decode(model, ids, EvictingCache(policy, model, prefill_chunk=16), 6, prefill_chunk=16)
+    assert got == want[0].tolist()
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        generate(model, Tok(), prompt, policy, prefill_chunk=True)
 
 
 def test_full_cache_allocates_what_it_needs(model):

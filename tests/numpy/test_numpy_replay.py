@@ -151,6 +151,40 @@ def test_logits_of_the_wrong_shape(shape) -> None:
         replay(BUZZ(sink=1, window=2, stride=3, threshold=3), np.zeros(shape))
 
 
+def _same_kept(a, b, first: int) -> bool:
+    return all(x is not None and y is not None and np.array_equal(x, y) for x, y in zip(a.kept[first:], b.kept[first:]))
+
+
+@given(replay_cases(st.one_of(buzz_policies(), h2o_policies(), tova_policies(), snapkv_policies(), streaming_policies())),
+       st.integers(1, 40))
+def test_prompt_chunks_of_one_token_are_decode_steps_and_one_chunk_is_the_prompt(case, extra) -> None:
+    """prompt_chunk: a chunk of one token is a decode step (the whole prompt in chunks of one
+    replays like no prompt at all), and a chunk at least as long as the prompt is the prompt."""
+    policy, logits, prompt_len = case
+    steps = logits.shape[0]
+    one_shot = replay(policy, logits, prompt_len)
+    assert _same_kept(replay(policy, logits, prompt_len, prompt_chunk=prompt_len + extra - 1 if prompt_len else extra), one_shot,
+                      max(prompt_len - 1, 0))
+    by_token = replay(policy, logits, prompt_len, prompt_chunk=1)
+    decode = replay(policy, logits, 0)
+    assert _same_kept(by_token, decode, 0)
+    assert by_token.evictions == decode.evictions and steps == len(by_token.kept)
+
+
+def test_prompt_chunks_score_what_each_chunk_sees() -> None:
+    """A chunked prompt, by hand: H2O(heavy=1, recent=1) (2 tokens) with prompt chunks of 2. The
+    first chunk keeps both tokens (token 0: 1.5, token 1: 0.5); the second chunk's rows see them
+    and, causally, their own, and give token 1 nearly 2 more: it is the heavy hitter."""
+    logits = np.full((4, 1, 4), -30.0)
+    logits[:2, 0, 0] = logits[1, 0, 1] = 0.0  # row 0 on token 0, row 1 halved between tokens 0 and 1
+    logits[2:, 0, 1] = 5.0  # the second chunk's rows on token 1
+    trace = replay(H2O(heavy=1, recent=1), logits, prompt_len=4, prompt_chunk=2)
+    assert trace.kept[1].tolist() == [[0, 1]]  # nothing to evict after the first chunk
+    assert trace.kept[3].tolist() == [[1, 3]]
+    with pytest.raises(ValueError, match="prompt_chunk must be >= 1"):
+        replay(H2O(heavy=1, recent=1), logits, prompt_len=4, prompt_chunk=0)
+
+
 def test_prompt_len_out_of_range() -> None:
     with pytest.raises(ValueError, match="prompt_len must be >= 0 and <= 5, got 6"):
         replay(LocalWindow(2), np.zeros((5, 1, 5)), prompt_len=6)

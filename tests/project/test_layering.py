@@ -52,7 +52,7 @@ THIRD_PARTY = {
 
 #: Imports inside a function that may stay there: heavy dependencies some paths of a module do without.
 OPTIONAL = {"torch", "transformers", "deepspeed", "matplotlib", "tqdm", "rouge_score", "datasets", "psutil", "kvpress",
-            "kvpolicy_torch", "kvpolicy.hf", "kvpolicy_tools.models", "kvpolicy_tools.perf.decode", "kvpolicy_tools.eval.engine",
+            "kvpolicy_torch", "kvpolicy.hf", "kvpolicy_tools.models", "kvpolicy_tools.perf.decode", "kvpolicy_tools.perf.prefill", "kvpolicy_tools.eval.engine",
             # the kit's pytest plugin loads in every pytest session: hypothesis (the testing extra) and the
             # timing machinery only when a test asks for a fixture
             "kvpolicy.testing.contract", "kvpolicy.testing.timing"}
