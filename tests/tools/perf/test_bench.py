@@ -99,7 +99,7 @@ _TINY = ["--what", "complexity", "--sizes", "64", "--configs", "1x1", "--rounds"
     (["--contexts", "0", "--what", "decode"], "--contexts values must be >= 1, got 0"),
     (["--sizes", ""], "--sizes is empty"),
     (["--sizes", "8"], "--sizes values must be >= 16, got 8"),
-    (["--what", ","], "--what takes complexity, decode, breakdown; got ','"),
+    (["--what", ","], "--what takes complexity, decode, breakdown, prefill; got ','"),
     (["--backends", "cuda"], "--backends takes torch, numpy; got 'cuda'"),
     (["--contexts", "48", "--breakdown-contexts", "64", "--what", "breakdown"], "--breakdown-contexts 64 is not among --contexts (48)"),
 ], ids=["threads 0", "threads -1", "configs 1x0", "contexts 0", "sizes empty", "sizes 8", "what empty", "backends cuda",
