@@ -125,7 +125,7 @@ class HostEviction:
         seen: Any = seen_rows[0]
         if any(s != seen for s in seen_rows):
             seen = torch.tensor(seen_rows, device=working.positions.device).view(-1, 1, 1)
-        working.scores.copy_(held_scores(self.policy, running, working, seen, layout.phase))
+        working.scores.copy_(held_scores(self.policy, running, working, seen, layout.phase, max(seen_rows)))
 
     def general(self, layout: SlotLayout, *, chunk_bytes: int) -> list[tuple[int, int]]:
         """The policy's ``select`` (:func:`~kvpolicy_torch.general.select_rounds`), then the

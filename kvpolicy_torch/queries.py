@@ -56,6 +56,8 @@ class RunningMoments:
         self.moments: QueryMoments | None = None
         self.rotary: Rotary | None = None
         self.scored_seen: torch.Tensor | None = None
+        #: the most tokens a row had seen at the last scoring, when decided on the host (eager)
+        self.scored_host: int | None = None
 
     def observe(self, queries: torch.Tensor, positions: torch.Tensor, kv_heads: int, rotary: Rotary | None = None) -> None:
         """Add ``queries`` ``[batch, q_heads, q, head_dim]`` (before RoPE) at ``positions``
@@ -68,7 +70,19 @@ class RunningMoments:
             raise ValueError(f"query heads ({hq}) must be a multiple of kv_heads ({kv_heads})")
         if tuple(positions.shape) != (b, q):
             raise ValueError(f"positions must have shape [batch, q] = [{b}, {q}], got {tuple(positions.shape)}")
-        step = query_moments(queries.reshape(b, kv_heads, hq // kv_heads, q, d), positions.to(queries.device) >= self.sink)
+        counted = positions.to(queries.device) >= self.sink
+        moments = self.moments
+        if q == 1 and moments is not None and moments.total.shape == (b, kv_heads, hq // kv_heads, d):
+            # a decode step: its one query added in place (three kernels, no temporary [.., d, d])
+            w = counted.reshape(b).to(torch.float64)
+            q64 = queries.reshape(b * hq, d).to(torch.float64)
+            weighted = q64 * w.repeat_interleave(hq)[:, None]
+            moments.count.add_(w)
+            moments.total.view(b * hq, d).add_(weighted)
+            moments.outer.view(b * hq, d, d).baddbmm_(weighted[:, :, None], q64[:, None, :])
+            self.rotary = rotary
+            return
+        step = query_moments(queries.reshape(b, kv_heads, hq // kv_heads, q, d), counted)
         if self.moments is None:
             self.moments = step
         elif self.moments.total.shape != step.total.shape:
@@ -87,22 +101,24 @@ class RunningMoments:
             self.moments = QueryMoments(*(t.index_select(0, index.to(t.device)) for t in self.moments))
         if self.scored_seen is not None:
             self.scored_seen = self.scored_seen.index_select(0, index.to(self.scored_seen.device))
+            self.scored_host = None  # (the rows' most may change: read back once, at the next step)
 
     def reset(self) -> None:
         """Forget every query."""
         self.moments = None
-        self.scored_seen = None
+        self.scored_seen = self.scored_host = None
 
 
 def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: Storage, seen: Any,
-                phase: str = "decode") -> torch.Tensor:
+                phase: str = "decode", seen_max: int | None = None) -> torch.Tensor:
     """The scores of a statistic from the cache (Knorm, KeyDiff, Expected Attention) for every
     token ``slots`` hold (:func:`kvpolicy.statistics.cache_scores`; holes and pads ``+inf``), from
     the keys, values and, for Expected Attention, the ``running`` moments of the queries seen.
     ``seen``: tokens seen, an int or a per-row tensor ``[batch, 1, 1]``; ``phase``: the layer's
     (``"prefill"`` after a prompt chunk). Under a refresh interval, at a decode step between two
     scorings: the held scores, with the tokens appended since the last scoring
-    :data:`~kvpolicy.statistics.UNSCORED` (see the module docstring)."""
+    :data:`~kvpolicy.statistics.UNSCORED` (see the module docstring); ``seen_max``: the most
+    tokens a row has seen, when the host knows it (eager: the step is chosen without a read)."""
     if running is None:
         return cache_scores(policy, slots.keys, slots.values, slots.positions, seen)
     if running.moments is None:
@@ -118,22 +134,31 @@ def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: S
     refresh = refresh_interval(policy)
     if refresh == 1:
         return fresh()
-    batch, device = slots.positions.shape[0], slots.positions.device
-    rows = (seen.reshape(-1) if isinstance(seen, torch.Tensor) else torch.full((1,), seen, device=device)).to(device, torch.int64)
-    rows = rows.expand(batch)
-    last = running.scored_seen
+    positions = slots.positions
+    rows = seen.reshape(-1) if isinstance(seen, torch.Tensor) else torch.full((1,), seen, device=positions.device)
+    rows = rows.to(positions.device, torch.int64).expand(positions.shape[0])
+    last, compiling = running.scored_seen, torch.compiler.is_compiling()
     if phase != "decode" or last is None or last.shape != rows.shape:  # after a prompt, or the first time
         running.scored_seen = rows.clone(memory_format=torch.contiguous_format)
+        running.scored_host = seen_max
         return fresh()
-    due = refresh_due(refresh, rows, last).any()
     sink = int(policy.statistic_policy.sink)  # type: ignore[attr-defined]
 
     def stale() -> torch.Tensor:
-        return mark_unscored(slots.scores, slots.positions, last.view(-1, 1, 1), sink)
+        return mark_unscored(slots.scores, positions, last.view(-1, 1, 1), sink)
 
-    if torch.compiler.is_compiling():  # both branches in the one graph of a compiled step
+    if not compiling and seen_max is not None and running.scored_host is not None:  # eager: host ints decide
+        if not refresh_due(refresh, seen_max, running.scored_host):
+            return stale()
+        last.copy_(rows)
+        running.scored_host = seen_max
+        return fresh()
+    due = refresh_due(refresh, rows, last).any()
+    if compiling:  # both branches in the one graph of a compiled step
         scores = torch.cond(due, lambda: fresh().to(slots.scores.dtype), lambda: stale().clone(), ())
     else:  # one read of the flag: the step computes one branch
         scores = fresh() if bool(due) else stale()
     last.copy_(torch.where(due, rows, last))  # (in place: a compiled step mutates the tensor it was given)
+    # decided on the device: the host knows when only by reading it (eager, once; then host ints decide)
+    running.scored_host = int(last.max()) if not compiling and seen_max is not None else None
     return scores
