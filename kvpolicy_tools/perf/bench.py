@@ -45,7 +45,7 @@ from typing import Any, Sequence
 
 from kvpolicy.budget import plan_policy
 from kvpolicy.policy import EvictionPolicy
-from kvpolicy.registry import Preset
+from kvpolicy.registry import Preset, available_policies
 from kvpolicy.testing.timing import bench_report, bench_specs, bench_steps
 from kvpolicy_tools.command import run_command
 from kvpolicy_tools.perf.eviction import POLICIES, measure_complexity
@@ -144,8 +144,6 @@ def decoding_policy_names() -> list[str]:
         >>> "expected_attention" in names and "adakv_expected_attention" in names, "snapkv" in names, "full" in names
         (True, False, False)
     """
-    from kvpolicy.registry import available_policies  # (the registry with entry points loaded)
-
     names = []
     for name, entry in available_policies().items():
         try:
