@@ -125,7 +125,9 @@ class HostEviction:
         seen: Any = seen_rows[0]
         if any(s != seen for s in seen_rows):
             seen = torch.tensor(seen_rows, device=working.positions.device).view(-1, 1, 1)
-        working.scores.copy_(held_scores(self.policy, running, working, seen, layout.phase, max(seen_rows)))
+        scores = held_scores(self.policy, running, working, seen, layout.phase, max(seen_rows))
+        if scores is not working.scores:  # (between two scorings of a refresh interval: updated in place)
+            working.scores.copy_(scores)
 
     def general(self, layout: SlotLayout, *, chunk_bytes: int) -> list[tuple[int, int]]:
         """The policy's ``select`` (:func:`~kvpolicy_torch.general.select_rounds`), then the

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvpolicy.policy import EvictionPolicy
-from kvpolicy.statistics import QueryMoments, Rotary, cache_scores, mark_unscored, query_moments, refresh_due, refresh_interval
+from kvpolicy.statistics import UNSCORED, QueryMoments, Rotary, cache_scores, mark_unscored, query_moments, refresh_due, refresh_interval
 
 from .storage import Storage
 
@@ -56,8 +56,10 @@ class RunningMoments:
         self.moments: QueryMoments | None = None
         self.rotary: Rotary | None = None
         self.scored_seen: torch.Tensor | None = None
-        #: the most tokens a row had seen at the last scoring, when decided on the host (eager)
+        #: the most tokens a row had seen at the last scoring, when decided on the host (eager),
+        #: and at the last step that marked the tokens appended since (:func:`held_scores`)
         self.scored_host: int | None = None
+        self.marked_host: int | None = None
 
     def observe(self, queries: torch.Tensor, positions: torch.Tensor, kv_heads: int, rotary: Rotary | None = None) -> None:
         """Add ``queries`` ``[batch, q_heads, q, head_dim]`` (before RoPE) at ``positions``
@@ -101,12 +103,12 @@ class RunningMoments:
             self.moments = QueryMoments(*(t.index_select(0, index.to(t.device)) for t in self.moments))
         if self.scored_seen is not None:
             self.scored_seen = self.scored_seen.index_select(0, index.to(self.scored_seen.device))
-            self.scored_host = None  # (the rows' most may change: read back once, at the next step)
+            self.scored_host = self.marked_host = None  # (the rows' most may change: read back once, at the next step)
 
     def reset(self) -> None:
         """Forget every query."""
         self.moments = None
-        self.scored_seen = self.scored_host = None
+        self.scored_seen = self.scored_host = self.marked_host = None
 
 
 def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: Storage, seen: Any,
@@ -117,8 +119,10 @@ def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: S
     ``seen``: tokens seen, an int or a per-row tensor ``[batch, 1, 1]``; ``phase``: the layer's
     (``"prefill"`` after a prompt chunk). Under a refresh interval, at a decode step between two
     scorings: the held scores, with the tokens appended since the last scoring
-    :data:`~kvpolicy.statistics.UNSCORED` (see the module docstring); ``seen_max``: the most
-    tokens a row has seen, when the host knows it (eager: the step is chosen without a read)."""
+    :data:`~kvpolicy.statistics.UNSCORED` (see the module docstring; eager, the held scores
+    themselves, updated in place); ``seen_max``: the most tokens a row has seen, when the host
+    knows it (eager: the step is chosen without a read). Under a refresh interval every decode
+    step must come here (the layer's eviction calls it at each)."""
     if running is None:
         return cache_scores(policy, slots.keys, slots.values, slots.positions, seen)
     if running.moments is None:
@@ -140,7 +144,7 @@ def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: S
     last, compiling = running.scored_seen, torch.compiler.is_compiling()
     if phase != "decode" or last is None or last.shape != rows.shape:  # after a prompt, or the first time
         running.scored_seen = rows.clone(memory_format=torch.contiguous_format)
-        running.scored_host = seen_max
+        running.scored_host = running.marked_host = seen_max
         return fresh()
     sink = int(policy.statistic_policy.sink)  # type: ignore[attr-defined]
 
@@ -149,9 +153,15 @@ def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: S
 
     if not compiling and seen_max is not None and running.scored_host is not None:  # eager: host ints decide
         if not refresh_due(refresh, seen_max, running.scored_host):
+            marked, running.marked_host = running.marked_host, seen_max
+            if isinstance(seen, int) and marked in (seen - 1, seen) and seen - 1 >= max(sink, running.scored_host):
+                # The last step came here too, so the tokens appended since the last scoring were
+                # marked at their own steps: only the newest is new (two kernels, in place, not O(n) several)
+                slots.scores.masked_fill_(positions == seen - 1, UNSCORED)
+                return slots.scores
             return stale()
         last.copy_(rows)
-        running.scored_host = seen_max
+        running.scored_host = running.marked_host = seen_max
         return fresh()
     due = refresh_due(refresh, rows, last).any()
     if compiling:  # both branches in the one graph of a compiled step
@@ -161,4 +171,5 @@ def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: S
     last.copy_(torch.where(due, rows, last))  # (in place: a compiled step mutates the tensor it was given)
     # decided on the device: the host knows when only by reading it (eager, once; then host ints decide)
     running.scored_host = int(last.max()) if not compiling and seen_max is not None else None
+    running.marked_host = seen_max if not compiling else None
     return scores
