@@ -300,7 +300,7 @@ def _layer0(model, tokens):
 @pytest.mark.parametrize(
     "policy",
     [ExpectedAttention(12, sink=2, future=16), ExpectedAttention(10, recent=2, selection="shared"),
-     ExpectedAttention(11, sink=0, epsilon=0.01, covariance=False)],
+     ExpectedAttention(11, sink=0, epsilon=0.01, covariance=False), ExpectedAttention(12, sink=2, future=16, refresh=5)],
     ids=repr,
 )
 def test_evicting_cache_keeps_what_the_reference_keeps_on_layer0(policy, no_score_capture) -> None:
