@@ -1,7 +1,8 @@
 """The fixed per-layer cost of a decode step: ``EvictingLayer.update`` plus kvpolicy's attention
 function for H2O, StreamingLLM (pos-shift, sinks rotated in the storage), the local window, and
 Knorm and KeyDiff (scores recomputed from the held keys at every step that evicts), and Expected
-Attention (the query's running moments updated, every held token's score recomputed),
+Attention (the query's running moments updated, every held token's score recomputed; with
+``refresh=16``, at every 16th step),
 over ``--layers`` layers sharing one cache's ``ShiftMatrices`` and ``LayerGroup``, on SmolLM2-135M's shapes (3 KV
 heads, 9 query heads, head_dim 64) with ``--keys`` cached keys; against a plain cache (``torch.cat``
 of the new key and value, then SDPA). Microseconds per layer and step, one thread; no model, so
@@ -85,6 +86,7 @@ def main() -> None:
         "Knorm": lambda: _policy_step(Knorm(size=n), n, args.layers, args.steps),
         "KeyDiff": lambda: _policy_step(KeyDiff(size=n), n, args.layers, args.steps),
         "Expected Attention": lambda: _policy_step(ExpectedAttention(size=n), n, args.layers, args.steps),
+        "EA refresh=16": lambda: _policy_step(ExpectedAttention(size=n, refresh=16), n, args.layers, args.steps),
     }
     for label, run in cases.items():
         print(f"{label:20s} {min(run() for _ in range(args.repeats)):6.1f} us per layer and step")

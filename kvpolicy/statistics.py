@@ -53,9 +53,9 @@ if TYPE_CHECKING:
     from .policy import EvictionPolicy
 
 __all__ = [
-    "COSINE_GRID", "KEY_EPS", "LOW_MARGIN", "MAX_HISTORY", "SCORE_BITS", "CachedTokens", "QueryMoments", "Rotary", "average_rotation",
-    "cache_scores", "expected_attention", "history_counts", "history_record", "key_scores", "low_attention",
-    "query_moments", "shift_history",
+    "COSINE_GRID", "KEY_EPS", "LOW_MARGIN", "MAX_HISTORY", "SCORE_BITS", "UNSCORED", "CachedTokens", "QueryMoments", "Rotary",
+    "average_rotation", "cache_scores", "expected_attention", "history_counts", "history_record", "key_scores",
+    "low_attention", "mark_unscored", "query_moments", "refresh_due", "refresh_interval", "shift_history",
 ]
 
 #: KeyDiff's cosines are rounded to multiples of this (``2 ** -30``, far below the float32 precision
@@ -359,11 +359,15 @@ def expected_attention(
         k = rotate_pairs(k, xp.astype(cos, xp.float64), -xp.astype(sin, xp.float64), rotary.style, rotary.rotary_dim)
     count = xp.clip(xp.astype(moments.count, xp.float64), min=1.0)[:, None, None, None]  # [batch, 1, 1, 1]
     mean = moments.total / count  # [batch, kv_heads, group, d]
-    k5 = k[:, :, None, :, :]  # [batch, kv_heads, 1, n, d]
-    z = xp.matmul(k5, mean[..., None])[..., 0] / math.sqrt(d)  # [batch, kv_heads, group, n]
+    # One product per KV head over its whole group ([n, d] x [d, group * d]), not one per query
+    # head against the keys repeated (a broadcast matmul copies them group times): 4-5x faster.
+    batch, kv_heads, group = (int(x) for x in mean.shape[:3])
+    z = xp.matrix_transpose(xp.matmul(k, xp.matrix_transpose(mean))) / math.sqrt(d)  # [batch, kv_heads, group, n]
     if covariance:
         cov = moments.outer / count[..., None] - mean[..., :, None] * mean[..., None, :]
-        z = z + xp.sum(xp.matmul(k5, cov) * k5, axis=-1) / (2 * d)
+        side = xp.reshape(xp.permute_dims(cov, (0, 1, 3, 2, 4)), (batch, kv_heads, d, group * d))  # [.., d, group * d]
+        ks = xp.reshape(xp.matmul(k, side), (batch, kv_heads, -1, group, d))  # k^T S_j per token and query head
+        z = z + xp.matrix_transpose(xp.sum(ks * k[:, :, :, None, :], axis=-1)) / (2 * d)
     mask = candidate[:, :, None, :]
     z = xp.where(mask, z, xp.full_like(z, -xp.inf))
     top = xp.max(z, axis=-1, keepdims=True)
@@ -376,6 +380,60 @@ def expected_attention(
         probs = (probs + epsilon) * xp.sqrt(xp.sum(v * v, axis=-1))
     score = _round_bits(probs, SCORE_BITS)
     return xp.where(candidate, score, xp.full_like(score, xp.inf))
+
+
+# ---------------------------------------------------------------------------- refresh interval
+#: The score a token appended since the last scoring holds until the next one, when scores are
+#: recomputed only every ``refresh`` decode steps (Expected Attention's ``refresh``,
+#: :func:`mark_unscored`): above any score a scoring gives (a probability plus ``epsilon``, times
+#: a value norm), below the sinks' and holes' ``+inf``; so such tokens are kept before every scored
+#: one, the earliest of them goes first (the victim rule's tie), and a shared selection's sum of
+#: it over the heads stays finite, below the sinks.
+UNSCORED = 2.0**1000
+
+
+def refresh_interval(policy: "EvictionPolicy") -> int:
+    """Decode steps between two scorings of a policy whose scores come from the cache: its (or its
+    wrapper's scorer's) ``refresh`` (Expected Attention), 1 for any other (every step).
+
+    Example:
+        >>> from kvpolicy import ExpectedAttention, Knorm
+        >>> refresh_interval(ExpectedAttention(size=8, refresh=4)), refresh_interval(Knorm(size=8))
+        (4, 1)
+    """
+    return int(getattr(policy.statistic_policy, "refresh", 1))
+
+
+def refresh_due(refresh: int, n_seen: Any, scored_seen: Any) -> Any:
+    """Whether scores last computed when ``scored_seen`` tokens had been seen are computed afresh at
+    a decode step with ``n_seen`` seen: once ``refresh`` tokens were seen since (every
+    ``refresh``-th decode step), or when ``n_seen`` went back below it (a restored snapshot). Ints
+    (a bool), or arrays per row (an array: the caller rescores when any row is due; the rows of
+    a batch advance together). After a prompt, and at the first decision, scores are always
+    computed (the caller's rule).
+
+    Example:
+        >>> [refresh_due(3, n, 10) for n in (9, 10, 11, 12, 13)]
+        [True, False, False, False, True]
+    """
+    return (n_seen - scored_seen >= refresh) | (n_seen < scored_seen)
+
+
+def mark_unscored(scores: Array, positions: Array, scored_seen: Any, sink: int) -> Array:
+    """``scores`` between two scorings: the tokens appended since the last one (positions at or
+    after ``scored_seen``, an int or an array broadcastable per row) score :data:`UNSCORED`, or
+    ``+inf`` if they are sinks (positions below ``sink``, as a scoring gives them); the rest keep
+    the scores that scoring gave them.
+
+    Example:
+        >>> import numpy as np
+        >>> s = mark_unscored(np.array([np.inf, 0.5, 0.0, 0.0, np.inf]), np.array([0, 1, 2, 3, -1]), 2, sink=3)
+        >>> s.tolist() == [np.inf, 0.5, np.inf, UNSCORED, np.inf]
+        True
+    """
+    xp = array_namespace(scores)
+    new = xp.where(positions >= sink, xp.full_like(scores, UNSCORED), xp.full_like(scores, xp.inf))
+    return xp.where(positions >= scored_seen, new, scores)
 
 
 def cache_scores(

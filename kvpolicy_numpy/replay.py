@@ -13,7 +13,9 @@ from kvpolicy.validation import check_choice, check_int
 from kvpolicy.budget import realised_budget
 from kvpolicy.driver import evict_until_done, log_n_scales, nonfinite_rows, softmax, warn_nonfinite
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy, check_eviction_policy
-from kvpolicy.statistics import Rotary, cache_scores, history_record, low_attention, query_moments, shift_history
+from kvpolicy.statistics import (
+    Rotary, cache_scores, history_record, low_attention, mark_unscored, query_moments, refresh_due, refresh_interval, shift_history,
+)
 
 __all__ = ["Trace", "replay", "softmax", "validate_keys", "validate_logits", "validate_queries", "validate_rope", "validate_values"]
 
@@ -292,7 +294,10 @@ def replay(
     recomputed from the kept tokens' keys right before each eviction
     (:func:`kvpolicy.statistics.key_scores`, with ``n_seen = t + 1`` and the policy's
     ``key_recent``; Expected Attention: :func:`kvpolicy.statistics.expected_attention` with the
-    moments of the queries of steps ``sink .. t``, every one seen, kept or not, summed afresh).
+    moments of the queries of steps ``sink .. t``, every one seen, kept or not, summed afresh);
+    with a ``refresh`` interval above 1 only after the prompt and at every ``refresh``-th decode
+    step after the last scoring, the tokens appended in between scoring
+    :data:`kvpolicy.statistics.UNSCORED` (:func:`kvpolicy.statistics.mark_unscored`).
 
     Example:
         >>> import numpy as np
@@ -326,9 +331,14 @@ def replay(
     outputs = np.zeros((steps, heads, values.shape[2])) if values is not None else None
     nonfinite: list[tuple[int, int]] = []  # (step, head) rows whose probabilities overflowed
 
+    refresh = refresh_interval(policy)
+    scored_seen: int | None = None  # tokens seen at the last scoring (refresh > 1)
+
     def evict_until_stable(t: int, phase: str) -> None:
-        nonlocal positions, scores
-        if from_keys:  # the scores of the kept tokens, from their keys [heads, n, d]
+        nonlocal positions, scores, scored_seen
+        if from_keys and refresh > 1 and phase == "decode" and scored_seen is not None and not refresh_due(refresh, t + 1, scored_seen):
+            scores = mark_unscored(scores, positions, scored_seen, sink)  # between two scorings
+        elif from_keys:  # the scores of the kept tokens, from their keys [heads, n, d]
             cached = keys[positions[0], np.arange(heads)[:, None]]  # type: ignore[index]
             # the kept values (zeros of width 1 without values, as the torch backend holds them)
             source = values if values is not None else np.zeros((steps, heads, 1))
@@ -338,6 +348,7 @@ def replay(
                 counted = (np.arange(t + 1) >= sink).astype(np.float64)[None]
                 moments = query_moments(queries[: t + 1].transpose(1, 2, 0, 3)[None], counted)
             scores = cache_scores(policy, cached[None], held, positions, t + 1, moments, rope)
+            scored_seen = t + 1
         positions, scores, rounds = evict_until_done(policy, positions, scores, t + 1, state, phase)
         evictions.extend((t, before, after) for before, after in rounds)
 
@@ -428,7 +439,7 @@ def replay(
             scores = probs[None]
         elif policy.score_statistic == "low_history":
             scores = shift_history(scores, low_attention(probs, 1)[None].astype(np.float64), 1, policy.score_history)
-        else:
+        elif not from_keys:  # (a key statistic's scores come from the cache, below)
             scores = scores + probs[None]
         if outputs is not None:
             outputs[t] = np.einsum("hk,khd->hd", probs, values[cached.T, np.arange(heads)[None, :]])

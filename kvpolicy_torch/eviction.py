@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
+from kvpolicy.statistics import refresh_interval
 
 from .allocation import SlotAllocator
 from .general import declines, select_rounds
@@ -75,6 +76,7 @@ class HostEviction:
         self.policy, self.victims, self.slots = policy, victims, slots
         self.reduce_scores = reduce_scores
         self.rule = policy.decode_eviction
+        self.refresh = refresh_interval(policy)  # decode steps between two scorings from the cache
         # a policy without one-token evictions (BUZZ) that declares its size rule: a decode step
         # at which the rule keeps every token skips the policy's call (host integers only)
         self.size_rule = policy.size_rule() if self.rule is None else None
@@ -99,8 +101,10 @@ class HostEviction:
         ``min_scores``: the candidate search's (:class:`~kvpolicy_torch.victims.CandidateSearch`)."""
         rule, count = self.rule, layout.rows.count
         one_token = layout.phase == "decode" and rule is not None and layout.extra is None
-        if self.policy.score_statistic in KEY_STATISTICS and (not one_token or max(count) > rule.limit):  # type: ignore[union-attr]
-            self.score_keys(layout, running)  # (a decode step under the rule's limit evicts nothing: no scores needed)
+        if self.policy.score_statistic in KEY_STATISTICS and (not one_token or max(count) > rule.limit or self.refresh > 1):  # type: ignore[union-attr]
+            # (a decode step under the rule's limit evicts nothing: no scores needed, unless a
+            # refresh interval counts the steps between two scorings)
+            self.score_keys(layout, running)
         if not one_token:
             return [] if self.declines(layout) else self.general(layout, chunk_bytes=chunk_bytes)
         over = rule.limit + 1  # type: ignore[union-attr]
@@ -121,7 +125,9 @@ class HostEviction:
         seen: Any = seen_rows[0]
         if any(s != seen for s in seen_rows):
             seen = torch.tensor(seen_rows, device=working.positions.device).view(-1, 1, 1)
-        working.scores.copy_(held_scores(self.policy, running, working, seen))
+        scores = held_scores(self.policy, running, working, seen, layout.phase, max(seen_rows))
+        if scores is not working.scores:  # (between two scorings of a refresh interval: updated in place)
+            working.scores.copy_(scores)
 
     def general(self, layout: SlotLayout, *, chunk_bytes: int) -> list[tuple[int, int]]:
         """The policy's ``select`` (:func:`~kvpolicy_torch.general.select_rounds`), then the

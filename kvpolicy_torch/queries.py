@@ -6,6 +6,13 @@ sum and sum of outer products, float64): each prompt chunk and each decode step 
 at positions ``>= sink`` (pads never), so at every eviction the mean and covariance are those of
 every query seen since the sinks, exactly as the NumPy reference computes them afresh. The sums
 are updated in place (no host read), so a static-shaped decode step stays one graph.
+
+With a refresh interval (Expected Attention's ``refresh > 1``) :func:`held_scores` computes the
+scores after a prompt and at every ``refresh``-th decode step only, and marks the tokens appended
+in between :data:`~kvpolicy.statistics.UNSCORED` (the NumPy reference's rule,
+:func:`kvpolicy.statistics.refresh_due`); :attr:`RunningMoments.scored_seen` remembers when, on
+the device. Eager, the step's choice reads one flag from the device; a compiled step takes both
+branches into its one graph (``torch.cond``).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from typing import Any
 import torch
 
 from kvpolicy.policy import EvictionPolicy
-from kvpolicy.statistics import QueryMoments, Rotary, cache_scores, query_moments
+from kvpolicy.statistics import UNSCORED, QueryMoments, Rotary, cache_scores, mark_unscored, query_moments, refresh_due, refresh_interval
 
 from .storage import Storage
 
@@ -32,6 +39,8 @@ class RunningMoments:
         moments: the sums so far (``None`` before the first query).
         rotary: the RoPE the queries were rotated back from (:class:`~kvpolicy.statistics.Rotary`,
             ``None``: no rotation), as the last :meth:`observe` gave it.
+        scored_seen: int64 ``[batch]`` tokens each row had seen when the scores were last
+            computed (``None`` before; kept by :func:`held_scores` under a refresh interval).
 
     Example:
         >>> running = RunningMoments(sink=1)
@@ -46,6 +55,11 @@ class RunningMoments:
         self.sink = sink
         self.moments: QueryMoments | None = None
         self.rotary: Rotary | None = None
+        self.scored_seen: torch.Tensor | None = None
+        #: the most tokens a row had seen at the last scoring, when decided on the host (eager),
+        #: and at the last step that marked the tokens appended since (:func:`held_scores`)
+        self.scored_host: int | None = None
+        self.marked_host: int | None = None
 
     def observe(self, queries: torch.Tensor, positions: torch.Tensor, kv_heads: int, rotary: Rotary | None = None) -> None:
         """Add ``queries`` ``[batch, q_heads, q, head_dim]`` (before RoPE) at ``positions``
@@ -58,7 +72,19 @@ class RunningMoments:
             raise ValueError(f"query heads ({hq}) must be a multiple of kv_heads ({kv_heads})")
         if tuple(positions.shape) != (b, q):
             raise ValueError(f"positions must have shape [batch, q] = [{b}, {q}], got {tuple(positions.shape)}")
-        step = query_moments(queries.reshape(b, kv_heads, hq // kv_heads, q, d), positions.to(queries.device) >= self.sink)
+        counted = positions.to(queries.device) >= self.sink
+        moments = self.moments
+        if q == 1 and moments is not None and moments.total.shape == (b, kv_heads, hq // kv_heads, d):
+            # a decode step: its one query added in place (three kernels, no temporary [.., d, d])
+            w = counted.reshape(b).to(torch.float64)
+            q64 = queries.reshape(b * hq, d).to(torch.float64)
+            weighted = q64 * w.repeat_interleave(hq)[:, None]
+            moments.count.add_(w)
+            moments.total.view(b * hq, d).add_(weighted)
+            moments.outer.view(b * hq, d, d).baddbmm_(weighted[:, :, None], q64[:, None, :])
+            self.rotary = rotary
+            return
+        step = query_moments(queries.reshape(b, kv_heads, hq // kv_heads, q, d), counted)
         if self.moments is None:
             self.moments = step
         elif self.moments.total.shape != step.total.shape:
@@ -75,17 +101,28 @@ class RunningMoments:
         """Keep (or repeat) rows by ``index`` (beam search)."""
         if self.moments is not None:
             self.moments = QueryMoments(*(t.index_select(0, index.to(t.device)) for t in self.moments))
+        if self.scored_seen is not None:
+            self.scored_seen = self.scored_seen.index_select(0, index.to(self.scored_seen.device))
+            self.scored_host = self.marked_host = None  # (the rows' most may change: read back once, at the next step)
 
     def reset(self) -> None:
         """Forget every query."""
         self.moments = None
+        self.scored_seen = self.scored_host = self.marked_host = None
 
 
-def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: Storage, seen: Any) -> torch.Tensor:
+def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: Storage, seen: Any,
+                phase: str = "decode", seen_max: int | None = None) -> torch.Tensor:
     """The scores of a statistic from the cache (Knorm, KeyDiff, Expected Attention) for every
     token ``slots`` hold (:func:`kvpolicy.statistics.cache_scores`; holes and pads ``+inf``), from
     the keys, values and, for Expected Attention, the ``running`` moments of the queries seen.
-    ``seen``: tokens seen, an int or a per-row tensor ``[batch, 1, 1]``."""
+    ``seen``: tokens seen, an int or a per-row tensor ``[batch, 1, 1]``; ``phase``: the layer's
+    (``"prefill"`` after a prompt chunk). Under a refresh interval, at a decode step between two
+    scorings: the held scores, with the tokens appended since the last scoring
+    :data:`~kvpolicy.statistics.UNSCORED` (see the module docstring; eager, the held scores
+    themselves, updated in place); ``seen_max``: the most tokens a row has seen, when the host
+    knows it (eager: the step is chosen without a read). Under a refresh interval every decode
+    step must come here (the layer's eviction calls it at each)."""
     if running is None:
         return cache_scores(policy, slots.keys, slots.values, slots.positions, seen)
     if running.moments is None:
@@ -93,4 +130,46 @@ def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: S
             f"{policy!r} scores from the queries' moments, and no query was observed: call observe_queries() "
             f"with each step's queries before evict() (the transformers cache does)"
         )
-    return cache_scores(policy, slots.keys, slots.values, slots.positions, seen, running.moments, running.rotary)
+    moments, rotary = running.moments, running.rotary
+
+    def fresh() -> torch.Tensor:
+        return cache_scores(policy, slots.keys, slots.values, slots.positions, seen, moments, rotary)
+
+    refresh = refresh_interval(policy)
+    if refresh == 1:
+        return fresh()
+    positions = slots.positions
+    rows = seen.reshape(-1) if isinstance(seen, torch.Tensor) else torch.full((1,), seen, device=positions.device)
+    rows = rows.to(positions.device, torch.int64).expand(positions.shape[0])
+    last, compiling = running.scored_seen, torch.compiler.is_compiling()
+    if phase != "decode" or last is None or last.shape != rows.shape:  # after a prompt, or the first time
+        running.scored_seen = rows.clone(memory_format=torch.contiguous_format)
+        running.scored_host = running.marked_host = seen_max
+        return fresh()
+    sink = int(policy.statistic_policy.sink)  # type: ignore[attr-defined]
+
+    def stale() -> torch.Tensor:
+        return mark_unscored(slots.scores, positions, last.view(-1, 1, 1), sink)
+
+    if not compiling and seen_max is not None and running.scored_host is not None:  # eager: host ints decide
+        if not refresh_due(refresh, seen_max, running.scored_host):
+            marked, running.marked_host = running.marked_host, seen_max
+            if isinstance(seen, int) and marked in (seen - 1, seen) and seen - 1 >= max(sink, running.scored_host):
+                # The last step came here too, so the tokens appended since the last scoring were
+                # marked at their own steps: only the newest is new (two kernels, in place, not O(n) several)
+                slots.scores.masked_fill_(positions == seen - 1, UNSCORED)
+                return slots.scores
+            return stale()
+        last.copy_(rows)
+        running.scored_host = running.marked_host = seen_max
+        return fresh()
+    due = refresh_due(refresh, rows, last).any()
+    if compiling:  # both branches in the one graph of a compiled step
+        scores = torch.cond(due, lambda: fresh().to(slots.scores.dtype), lambda: stale().clone(), ())
+    else:  # one read of the flag: the step computes one branch
+        scores = fresh() if bool(due) else stale()
+    last.copy_(torch.where(due, rows, last))  # (in place: a compiled step mutates the tensor it was given)
+    # decided on the device: the host knows when only by reading it (eager, once; then host ints decide)
+    running.scored_host = int(last.max()) if not compiling and seen_max is not None else None
+    running.marked_host = seen_max if not compiling else None
+    return scores

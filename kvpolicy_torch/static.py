@@ -337,7 +337,7 @@ class StaticSteps:
             return False
         policy = self.policy
         if policy.score_statistic in KEY_STATISTICS:  # scores from the cache (Knorm, KeyDiff, Expected Attention)
-            store.scores.copy_(held_scores(policy, running, store, self.state.seen.view(-1, 1, 1)))  # type: ignore[union-attr]
+            store.scores.copy_(held_scores(policy, running, store, self.state.seen.view(-1, 1, 1), "decode"))  # type: ignore[union-attr]
         self.state.evict(store, self.rule, policy.selection == "shared", self.reduce_scores)  # type: ignore[union-attr]
         return True
 

@@ -23,7 +23,12 @@ class ExpectedAttention(KeepHighest):
     that plus ``epsilon``, times the norm of the token's value (``score_statistic =
     "expected_attention"``, :func:`kvpolicy.statistics.expected_attention`). Backends recompute
     the scores before every eviction decision (the statistics move with every query), so
-    attention is never captured. The first ``sink`` tokens are always kept. While the cache holds
+    attention is never captured; with ``refresh = N > 1`` only after a prompt and at every
+    ``N``-th decode step (as kvpress's ``DecodingPress`` compresses every ``N`` steps): in between
+    the held tokens keep the scores of the last scoring, and a token appended since scores
+    :data:`~kvpolicy.statistics.UNSCORED` (kept before every scored token; when none is left
+    outside the sinks and the recent window, the earliest unscored goes), which makes a step
+    about ``N`` times cheaper (docs/policies.md gives the cost in quality). The first ``sink`` tokens are always kept. While the cache holds
     more than ``size`` tokens, the lowest score outside the newest ``recent`` goes (ties: the
     earliest position): one token per decode step; after a prompt longer than ``size``, the
     ``size`` highest scores in one decision: kvpress's ``ExpectedAttentionPress`` (whose defaults
@@ -39,6 +44,8 @@ class ExpectedAttention(KeepHighest):
         epsilon: added to the expected attention before the value norm multiplies it (0.0).
         covariance: use the queries' covariance, not only their mean (True).
         value_norm: multiply by the value's L2 norm (True).
+        refresh: decode steps between two scorings (>= 1; default 1: every step, the paper's and
+            kvpress's rule).
         selection: ``"per_head"`` (default): every KV head keeps its own tokens;
             ``"shared"``: scores summed over the heads of the layer, the same tokens on every head.
 
@@ -47,6 +54,8 @@ class ExpectedAttention(KeepHighest):
         >>> p = ExpectedAttention(size=64)
         >>> p.capacity, p.sink, p.future, p.captures_attention
         (65, 4, 512, False)
+        >>> ExpectedAttention(size=64, refresh=8)
+        ExpectedAttention(size=64, recent=0, sink=4, future=512, refresh=8)
     """
 
     name = "expected_attention"
@@ -61,6 +70,7 @@ class ExpectedAttention(KeepHighest):
     epsilon = Param(float, 0.0, minimum=0.0, high_open=True, shown="non-default", doc="added to the expected attention before the value norm")
     covariance = Param(bool, True, shown="non-default", doc="use the queries' covariance, not only their mean")
     value_norm = Param(bool, True, shown="non-default", doc="multiply by the value's L2 norm")
+    refresh = Param(int, 1, minimum=1, shown="non-default", doc="decode steps between two scorings (1: every step)")
 
     min_size = 5  # the default sink (4) and one token to evict
 

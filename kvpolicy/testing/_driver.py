@@ -18,7 +18,9 @@ import numpy as np
 
 from kvpolicy.driver import evict_until_done, log_n_scales, read_only, softmax  # the reference's own, so the same bits
 from kvpolicy.policy import KEY_STATISTICS, CacheView, EvictionPolicy
-from kvpolicy.statistics import cache_scores, history_record, low_attention, query_moments, shift_history
+from kvpolicy.statistics import (
+    cache_scores, history_record, low_attention, mark_unscored, query_moments, refresh_due, refresh_interval, shift_history,
+)
 
 __all__ = ["ContractViolation", "NumpyCache", "TorchCache", "Lockstep", "example_inputs", "example_keys", "seeded_keys", "softmax"]
 
@@ -230,6 +232,7 @@ class NumpyCache:
         self.n_seen = 0
         self.rows = 1
         self.phase = "decode"
+        self.scored_seen: int | None = None  # tokens seen at the last scoring from the cache
         self._evicting_rounds = 0  # in the current evict() call, against MAX_ROUNDS
         self.all_keys = np.zeros((batch, heads, 0, KEY_DIM))  # by position (a policy scoring keys)
 
@@ -256,12 +259,17 @@ class NumpyCache:
             self.scores = received.copy()
         elif statistic == "low_history":
             self.scores = shift_history(self.scores, received, self.rows, self.policy.score_history)  # type: ignore[arg-type]
-        else:
+        elif statistic not in KEY_STATISTICS:  # (a key statistic's scores come from the cache: evict())
             self.scores = self.scores + received
 
     def evict(self) -> list[tuple[int, int]]:
         self._evicting_rounds = 0
-        if self.policy.score_statistic in KEY_STATISTICS:  # scores from the kept tokens' keys
+        refresh = refresh_interval(self.policy)
+        if refresh > 1 and self.phase == "decode" and self.scored_seen is not None and not refresh_due(refresh, self.n_seen, self.scored_seen):
+            # between two scorings (a refresh interval): the tokens appended since are unscored
+            self.scores = mark_unscored(self.scores, self.positions, self.scored_seen, self.policy.statistic_policy.sink)  # type: ignore[attr-defined]
+        elif self.policy.score_statistic in KEY_STATISTICS:  # scores from the kept tokens' keys
+            self.scored_seen = self.n_seen or None  # (an evict() before any token scores nothing: as torch's)
             cached = np.take_along_axis(self.all_keys, self.positions[..., None], axis=2)
             moments = None
             if self.policy.observes_queries:  # each token's vector is its query too

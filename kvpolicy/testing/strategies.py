@@ -166,7 +166,7 @@ def key_policies(draw: st.DrawFn, kind: type = Knorm, **fixed: Any) -> EvictionP
 def expected_attention_policies(draw: st.DrawFn, **fixed: Any) -> ExpectedAttention:
     """:class:`~kvpolicy.ExpectedAttention` with size 1-12, recent 0 half the time (else 0 to
     size - 1), sink 0 to what fits (0 or 1 half the time), future 1-16, epsilon 0 or 0.5,
-    covariance and value norm on or off, both selections."""
+    covariance and value norm on or off, both selections, refresh 1 half the time (else 2 to 4)."""
     size = fixed.get("size", draw(st.integers(1, 12)))
     recent = fixed.get("recent", draw(st.one_of(st.just(0), st.integers(0, size - 1))))
     kw = {
@@ -178,6 +178,7 @@ def expected_attention_policies(draw: st.DrawFn, **fixed: Any) -> ExpectedAttent
         "covariance": draw(st.booleans()),
         "value_norm": draw(st.booleans()),
         "selection": draw(selections),
+        "refresh": draw(st.one_of(st.just(1), st.integers(2, 4))),
     }
     return _build(ExpectedAttention, kw, fixed)  # type: ignore[return-value]
 

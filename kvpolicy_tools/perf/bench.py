@@ -19,7 +19,8 @@ Three parts (``--what``, default all):
 Output (``--out``, default ``bench-results``): ``report.md`` (tables, slopes, machine, command),
 ``results.json`` (every number) and PNG plots.
 
-Policies (``--policy``, repeatable) are registry names, or ``package.module:Factory`` for a
+Policies (``--policy``, repeatable) are registry names, ``all`` (every registered policy that
+evicts during decode, :func:`decoding_policy_names`), or ``package.module:Factory`` for a
 third-party policy: an :class:`~kvpolicy.EvictionPolicy` subclass (or registry preset) with
 ``from_size`` is planned per budget like the built-ins; a policy *instance* is measured as is; any
 other callable is called as ``Factory(budget=..., context_length=..., prompt_length=...)`` and
@@ -50,13 +51,13 @@ from typing import Any, Sequence
 
 from kvpolicy.budget import plan_policy
 from kvpolicy.policy import EvictionPolicy
-from kvpolicy.registry import Preset, normalize_name
+from kvpolicy.registry import Preset, available_policies, normalize_name
 from kvpolicy.testing.timing import bench_report, bench_specs, bench_steps
 from kvpolicy_tools.command import run_command
 from kvpolicy_tools.perf.eviction import POLICIES, measure_complexity
 from kvpolicy_tools.perf.report import machine, machine_line, markdown_table, plot_breakdown, plot_complexity, plot_decode, slopes
 
-__all__ = ["add_arguments", "resolve_policy", "run"]
+__all__ = ["add_arguments", "decoding_policy_names", "resolve_policy", "run"]
 
 QUICK = {
     "sizes": "256,1024,4096",
@@ -98,7 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         metavar="NAME|MODULE:FACTORY",
-        help="policy to measure (repeatable; default streaming_llm, h2o, buzz); MODULE:FACTORY loads a third-party policy",
+        help="policy to measure (repeatable; default streaming_llm, h2o, buzz); 'all': every registered policy that "
+        "evicts during decode; MODULE:FACTORY loads a third-party policy",
     )
     g.add_argument("--steps", type=int, default=None, help="decode steps per candidate per round (default 8; quick 4)")
     g.add_argument("--decode-rounds", type=int, default=None, help="interleaved rounds (default 3)")
@@ -146,6 +148,30 @@ def _configs(text: str) -> list[tuple[int, int]]:
             raise ValueError(f"--configs: batch and KV heads must be >= 1, got {item.strip()!r}")
         out.append((int(b), int(h)))
     return out
+
+
+def decoding_policy_names() -> list[str]:
+    """Every registered policy that evicts during decode (``--policy all``): the names whose policy,
+    planned from a budget alone (25% of a 1,024-token prompt and 256 decoded tokens), holds a
+    bounded cache. Left out: the full cache, the prompt-only compressions (SnapKV, PyramidKV,
+    AdaKV over SnapKV: unbounded during decode) and the generic names that plan only with a
+    scorer or base named (``adakv``, ``compose``, ``pyramid``: their presets stand for them).
+    Third-party policies registered by the time of the call are included by the same rule.
+
+    Example:
+        >>> names = decoding_policy_names()
+        >>> "expected_attention" in names and "adakv_expected_attention" in names, "snapkv" in names, "full" in names
+        (True, False, False)
+    """
+    names = []
+    for name, entry in available_policies().items():
+        try:
+            policy = plan_policy(entry, 0.25, context_length=1024 + 256, prompt_length=1024).policy
+        except ValueError:  # (needs a scorer or base named, or a budget of 1: see above)
+            continue
+        if policy.capacity is not None:
+            names.append(name)
+    return names
 
 
 def resolve_policy(spec: str) -> Any:
@@ -511,7 +537,10 @@ def run(args: argparse.Namespace) -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends or set(backends) - {"torch", "numpy"}:
         raise ValueError(f"--backends takes torch, numpy; got {args.backends!r}")
-    specs = [resolve_policy(p) for p in (args.policy or ["streaming_llm", "h2o", "buzz"])]
+    names = args.policy or ["streaming_llm", "h2o", "buzz"]
+    if "all" in names:  # every registered policy that evicts during decode, in the registry's order, once
+        names = list(dict.fromkeys(n for p in names for n in (decoding_policy_names() if p == "all" else [p])))
+    specs = [resolve_policy(p) for p in names]
 
     if args.threads is not None:
         import torch  # here: only when --threads is given
@@ -525,7 +554,7 @@ def run(args: argparse.Namespace) -> int:
     n_series = 0
     # The --policy policies the complexity table does not measure (package.module:Factory, and
     # registered names outside POLICIES, e.g. knorm) are timed too, through kvpolicy.testing.timing.
-    third_party = [p for p in (args.policy or []) if ":" in p or normalize_name(p) not in POLICIES]
+    third_party = [p for p in (names if args.policy else []) if ":" in p or normalize_name(p) not in POLICIES]
     if "complexity" in what:
         n_series = len(POLICIES) * len(configs) * len(backends) + bench_steps(third_party, sizes, backends, rounds)
     plan = _decode_plan(args, contexts, budgets, specs, steps, decode_rounds, breakdown_contexts, what) if what & {"decode", "breakdown"} else {}

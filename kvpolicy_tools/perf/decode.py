@@ -7,7 +7,8 @@ The measurement, for one model and one context length:
    evicting cache the loaded prompt gets placeholder scores and is evicted once, exactly as a real
    prefill would leave it *in size and state*: the built-in policies decide how many tokens to keep
    from counts only, and the speed of a decode step depends on how many tokens are kept, not on
-   which. (Prefilling an 8k prompt takes minutes on a small CPU; doing it once per context
+   which. A policy that scores from the queries' moments (Expected Attention, AdaKV over it) is
+   given placeholder prompt queries the same way. (Prefilling an 8k prompt takes minutes on a small CPU; doing it once per context
    instead of once per candidate is what makes the benchmark affordable.)
 2. **Interleaved decode.** Every candidate keeps its own cache and decodes the same fixed random
    token sequence (so every candidate does the same work). The candidates take turns token by
@@ -225,6 +226,14 @@ def build_cache(model: Any, candidate: Candidate, pre: Prefill, *, score_seed: i
                 shape = tuple(store.scores.shape)
                 received = torch.rand(shape, generator=g) * (2.0 * model.config.num_attention_heads / shape[1])
                 store.accumulate(received.to(store.scores.device))
+            if candidate.policy.observes_queries:
+                # Expected Attention (or a wrapper scoring with it) scores from the moments of the
+                # queries seen, and the prefill kept none: placeholder queries (before RoPE), one
+                # per prompt token and query head, as for the scores above (a step's work does
+                # not depend on their values; the decode steps' own queries are added to them).
+                b, _, n, d = k.shape
+                queries = torch.randn(b, text_config(model).num_attention_heads, n, d, generator=g)
+                store.observe_queries(queries.to(device=k.device, dtype=k.dtype))
             store.evict()
     return cache
 

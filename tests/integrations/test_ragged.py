@@ -39,6 +39,8 @@ POLICIES = [
     KeyDiff(12, selection="shared"),
     ExpectedAttention(12, sink=2, future=32),  # scores from keys, values and the queries' running moments
     ExpectedAttention(11, recent=2, selection="shared"),
+    ExpectedAttention(12, sink=2, future=32, refresh=3),  # scored every 3rd step: the rows' seen differ, the steps not
+    AdaKV(ExpectedAttention(11, sink=2, future=16, refresh=4), 0.2),
     AdaKV(H2O(6, 6), 0.2),  # head-wise budgets: heads hold different numbers of tokens
     AdaKV(KeyDiff(11, recent=2), 0.0),
     AdaKV(SnapKV(12, window=4), 0.5),

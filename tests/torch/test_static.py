@@ -46,6 +46,7 @@ POLICIES = {
     "buzz": lambda: BUZZ(sink=2, window=12, stride=3),
     "keydiff": lambda: KeyDiff(size=24),
     "expected_attention": lambda: ExpectedAttention(size=24, future=64),  # running query moments on the device
+    "expected_attention_refresh": lambda: ExpectedAttention(size=24, future=64, refresh=3),  # torch.cond in the graph
 }
 
 

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import kvpolicy_numpy
 from kvpolicy import ExpectedAttention, compose, make_policy
-from kvpolicy.statistics import QueryMoments, Rotary, average_rotation, expected_attention, query_moments
+from kvpolicy.statistics import UNSCORED, QueryMoments, Rotary, average_rotation, expected_attention, query_moments
 from oracle import keep_highest_oracle
 from strategies import expected_attention_policies, logits_arrays, prompt_lengths
 
@@ -90,11 +90,12 @@ def oracle(policy, keys, values, queries, prompt_len: int, inv_freq=None) -> lis
 
 
 @st.composite
-def cases(draw, integer_levels: bool = True):
+def cases(draw, integer_levels: bool = True, **fixed):
     """(policy, logits, keys, values, queries [steps, heads, group, d], prompt_len, rope): keys,
     values and queries of small integer levels (exact ties) or normal draws; RoPE none, half-split,
     interleaved or partial, with frequencies spanning slow and fast."""
-    policy = draw(expected_attention_policies())
+    fixed = {k: draw(v) if isinstance(v, st.SearchStrategy) else v for k, v in fixed.items()}  # (a value or a strategy)
+    policy = draw(expected_attention_policies(**fixed))
     logits = draw(logits_arrays(max_steps=20, max_heads=3))
     steps, heads, _ = logits.shape
     d = draw(st.sampled_from([2, 4, 6, 8]))
@@ -119,7 +120,7 @@ def cases(draw, integer_levels: bool = True):
 
 
 @settings(max_examples=120, deadline=None)
-@given(cases(integer_levels=False))
+@given(cases(integer_levels=False, refresh=1))
 def test_reference_equals_kvpress_procedure(case) -> None:
     """The reference's scores, re-estimated at every eviction from every query seen, keep what
     kvpress's procedure keeps (normal draws: no exact ties, which the oracle breaks unrounded)."""
@@ -132,6 +133,81 @@ def test_reference_equals_kvpress_procedure(case) -> None:
         assert (ref.kept[t] is None) == (want is None), f"step {t}"
         if want is not None:
             assert ref.kept[t].tolist() == want, f"step {t}"
+
+
+def refresh_oracle(policy, keys, values, queries, prompt_len: int, inv_freq=None) -> list[list[list[int]] | None]:
+    """Kept positions per step and head under a refresh interval, literally: kvpress's scores of
+    the held tokens after the prompt and at every ``refresh``-th decode step since the last
+    scoring, kept per position in between; a token appended since scores ``UNSCORED`` (a sink
+    ``+inf``); then, while more than ``size`` are held, the lowest score outside the newest
+    ``recent`` goes (the earliest of a tie; ``"shared"``: scores summed over heads)."""
+    steps, heads, _ = keys.shape
+    kept: list[list[list[int]] | None] = [None] * steps
+    cached: list[list[int]] = [[] for _ in range(heads)]
+    stored: list[dict[int, float]] = [{} for _ in range(heads)]
+    scored_at = None
+
+    def evict(t: int, prompt: bool) -> None:
+        nonlocal scored_at
+        if prompt or scored_at is None or t + 1 - scored_at >= policy.refresh:
+            for h in range(heads):
+                stored[h] = dict(zip(cached[h], kvpress_scores(policy, keys[:, h], values[:, h], queries[:, h], cached[h], t, inv_freq)))
+            scored_at = t + 1
+        n = len(cached[0])
+        if n <= policy.size:
+            return
+        scores = [[stored[h].get(p, UNSCORED if p >= policy.sink else math.inf) for p in cached[h]] for h in range(heads)]
+        if policy.selection == "shared":
+            scores = [[sum(s[i] for s in scores) for i in range(n)]] * heads
+        for h in range(heads):
+            drop = sorted(range(n - policy.recent), key=lambda i: (scores[h][i], i))[: n - policy.size]
+            cached[h] = [p for i, p in enumerate(cached[h]) if i not in drop]
+
+    if prompt_len:
+        cached = [list(range(prompt_len)) for _ in range(heads)]
+        evict(prompt_len - 1, prompt_len > 1)
+        kept[prompt_len - 1] = [list(c) for c in cached]
+    for t in range(prompt_len, steps):
+        for c in cached:
+            c.append(t)
+        evict(t, False)
+        kept[t] = [list(c) for c in cached]
+    return kept
+
+
+@settings(max_examples=120, deadline=None)
+@given(cases(integer_levels=False, refresh=st.integers(2, 5)))
+def test_reference_with_a_refresh_interval_equals_the_literal_rule(case) -> None:
+    """``refresh = N``: the reference keeps what the rule says literally (scores from kvpress's
+    procedure after the prompt and every N-th decode step, held in between, the new tokens
+    ``UNSCORED``); and it differs from ``refresh = 1`` somewhere in these draws (see the last test)."""
+    policy, logits, keys, values, queries, prompt_len, rope = case
+    if rope is not None and (rope.style != "half" or rope.rotary_dim != keys.shape[-1]):
+        rope = Rotary(1.0 / 10000.0 ** (np.arange(0, keys.shape[-1], 2) / keys.shape[-1]))  # kvpress's layout
+    ref = kvpolicy_numpy.replay(policy, logits, prompt_len, values=values, keys=keys, queries=queries, rope=rope)
+    lit = refresh_oracle(policy, keys, values, queries, prompt_len, None if rope is None else rope.inv_freq)
+    for t, want in enumerate(lit):
+        assert (ref.kept[t] is None) == (want is None), f"step {t}"
+        if want is not None:
+            assert ref.kept[t].tolist() == want, f"step {t}"
+
+
+def test_a_refresh_interval_changes_what_is_kept_and_keeps_sinks() -> None:
+    """On one sequence (random keys, 40 steps, size 8), ``refresh=4`` keeps other tokens than
+    ``refresh=1`` (the scores between scorings are old), yet the sinks always, and when the
+    scored tokens run out (``size - sink < refresh``) the earliest unscored one goes."""
+    rng = np.random.default_rng(7)
+    steps, heads, d = 40, 1, 8
+    keys, values, queries = rng.normal(size=(steps, heads, d)), rng.normal(size=(steps, heads, 3)), rng.normal(size=(steps, heads, d))
+    kw = dict(values=values, keys=keys, queries=queries)
+    logits = np.zeros((steps, heads, steps))
+    every = kvpolicy_numpy.replay(ExpectedAttention(size=8, sink=2), logits, 10, **kw)
+    sparse = kvpolicy_numpy.replay(ExpectedAttention(size=8, sink=2, refresh=4), logits, 10, **kw)
+    assert any(a.tolist() != b.tolist() for a, b in zip(every.kept[10:], sparse.kept[10:]))
+    assert all({0, 1} <= set(k[0].tolist()) for k in sparse.kept[9:])
+    tight = kvpolicy_numpy.replay(ExpectedAttention(size=3, sink=2, refresh=4), logits, 10, **kw)
+    # scored at the prompt (t=9) and at t=13: in between, each step's earlier token is unscored
+    assert [tight.kept[t][0].tolist() for t in (10, 11, 12)] == [[0, 1, 10], [0, 1, 11], [0, 1, 12]]
 
 
 @settings(max_examples=150, deadline=None)
@@ -224,7 +300,7 @@ def _layer0(model, tokens):
 @pytest.mark.parametrize(
     "policy",
     [ExpectedAttention(12, sink=2, future=16), ExpectedAttention(10, recent=2, selection="shared"),
-     ExpectedAttention(11, sink=0, epsilon=0.01, covariance=False)],
+     ExpectedAttention(11, sink=0, epsilon=0.01, covariance=False), ExpectedAttention(12, sink=2, future=16, refresh=5)],
     ids=repr,
 )
 def test_evicting_cache_keeps_what_the_reference_keeps_on_layer0(policy, no_score_capture) -> None:

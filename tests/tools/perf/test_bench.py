@@ -127,3 +127,38 @@ def test_bench_complexity_times_a_registered_policy_outside_its_table(tmp_path) 
     assert timed["spec"] == "knorm" and {r["size"] for r in timed["rows"]} == {64, 128}
     assert {r["policy"] for r in data["complexity"]["rows"]} == set(POLICIES)
     assert "### `knorm` (Knorm)" in (tmp_path / "report.md").read_text()
+
+
+def test_decoding_policy_names_are_the_registered_policies_that_evict_during_decode() -> None:
+    """``--policy all``: every registered name whose planned policy is bounded; left out only the full
+    cache, the prompt-only compressions and the generic names that need a scorer or base."""
+    from kvpolicy.registry import available_policies
+    from kvpolicy_tools.perf.bench import decoding_policy_names
+
+    names = decoding_policy_names()
+    left_out = set(available_policies()) - set(names)
+    assert left_out == {"full", "snapkv", "pyramidkv", "adakv_snapkv", "adakv", "compose", "pyramid"}
+    for name in ("expected_attention", "adakv_expected_attention", "knorm", "keydiff", "scissorhands", "tova", "h2o",
+                 "streaming_llm", "local", "buzz", "snapkv_h2o", "pyramid_h2o", "adakv_h2o", "adakv_keydiff"):
+        assert name in names, name
+
+
+def test_bench_policy_all_measures_every_decoding_policy(tmp_path) -> None:
+    """``kvpolicy bench --what decode --policy all`` on the tiny random-weight model (2 layers, one
+    step): a row for every registered policy that evicts during decode, Expected Attention
+    included (it scores from the queries' moments, which a loaded prefill does not observe: the
+    bench gives it placeholder queries), each with a share of its limit, holding fewer than the prompt."""
+    from kvpolicy_tools.perf.bench import decoding_policy_names, main
+
+    assert main([
+        "--what", "decode", "--out", str(tmp_path), "--model", "tiny-llama", "--contexts", "48", "--steps", "1",
+        "--decode-rounds", "1", "--budgets", "0.25", "--policy", "all", "--policy", "h2o", "--no-unfused",
+        "--no-progress", "--no-plots",
+    ]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["decode"]["results"]
+    measured = {r["label"].rsplit(" ", 1)[0]: r for r in rows if r.get("budget") is not None and not r["label"].startswith("limit")}
+    from kvpolicy_tools.perf.decode import POLICY_LABELS
+
+    assert set(measured) == {POLICY_LABELS.get(n, n) for n in decoding_policy_names()}  # (h2o named twice: measured once)
+    for label, row in measured.items():  # timed against its own limit (BUZZ evicts every stride: none in one step)
+        assert row["share_of_limit"] > 0 and row["kept"] < 48, label

@@ -1,0 +1,52 @@
+"""Expected Attention with a refresh interval, against the exact rule: its speed (``kvpolicy bench``)
+and its quality (``kvpolicy compare``), docs/policies.md (Expected Attention).
+
+Speed, as ``module:factory`` policies planned per budget like the built-ins::
+
+    PYTHONPATH=benchmarks kvpolicy bench --what decode --threads 1 --contexts 2048 --budgets 0.25 \\
+        --steps 4 --decode-rounds 3 --policy h2o --policy expected_attention \\
+        --policy ea_refresh:ea_refresh16 --policy ea_refresh:ea_refresh64 --no-unfused
+
+Quality: this script registers ``expected_attention_r4``, ``_r16`` and ``_r64`` as presets, then
+runs ``kvpolicy compare`` with the arguments given::
+
+    PYTHONPATH=.:integrations .venv/bin/python benchmarks/ea_refresh.py --tasks stream --budgets none \\
+        --cache-sizes 64 --stream-tokens 192 --samples 2 --equalise mean --threads 1 \\
+        --policies full,expected_attention,expected_attention_r4,expected_attention_r16
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+from kvpolicy import EvictionPolicy, ExpectedAttention, plan_policy, register_policy
+from kvpolicy.registry import Preset
+
+REFRESH = (4, 16, 64)
+
+
+def planned(refresh: int) -> Callable[..., EvictionPolicy]:
+    """A ``kvpolicy bench`` factory: Expected Attention with ``refresh``, planned for the budget."""
+
+    def plan(budget: Any, context_length: int, prompt_length: int) -> EvictionPolicy:
+        preset = Preset(ExpectedAttention, {"refresh": refresh})
+        return plan_policy(preset, budget, context_length=context_length, prompt_length=prompt_length).policy
+
+    plan.__name__ = f"ea_refresh{refresh}"
+    return plan
+
+
+ea_refresh4, ea_refresh16, ea_refresh64 = (planned(n) for n in REFRESH)
+
+
+def main(argv: list[str]) -> int:
+    from kvpolicy_tools.eval.compare import main as compare  # here: the bench imports this module too
+
+    for n in REFRESH:
+        register_policy(ExpectedAttention, name=f"expected_attention_r{n}", preset={"refresh": n})
+    return compare(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
