@@ -41,3 +41,14 @@ def no_score_capture(monkeypatch):
         raise AssertionError("a policy scoring from the cache must not capture attention")
 
     monkeypatch.setattr(hf, "received_attention", refuse)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_policy_registry():
+    """Every test's policy registrations (a docstring example's, docs/extending.md's, a test's own
+    policy) end with the test: the tests that walk every registered policy (display names, `bench
+    --policy all`) must see the library's, whatever ran before them."""
+    from kvpolicy.registry import isolated_registry
+
+    with isolated_registry():
+        yield
