@@ -84,7 +84,9 @@ def _check_overrides(name: str, overrides: dict[str, Any]) -> Any:
     entry = get_policy(name)
     known = [p for p, _, _ in _entry_params(entry)]
     unknown = sorted(set(overrides) - set(known))
-    if unknown:
+    # a policy over a scorer (AdaKV's presets) hands its scorer the parameters it does not take
+    # itself, as make_policy does: the planner checks those against the scorer
+    if unknown and "scorer" not in known:
         raise CLIError(
             f"unknown parameter{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} for policy "
             f"{name!r}; its parameters: {', '.join(known) or '(none)'}"

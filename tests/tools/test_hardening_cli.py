@@ -270,3 +270,13 @@ def test_bench_complexity_refuses_a_policy_scoring_from_queries(tmp_path) -> Non
 
     assert bench(["--what", "complexity", "--sizes", "64", "--configs", "1x1", "--rounds", "1", "--backends", "numpy",
                   "--no-plots", "--no-progress", "--out", str(tmp_path), "--policy", "expected_attention"]) == 2
+
+
+def test_plan_set_hands_an_adakv_presets_scorer_its_parameters(capsys) -> None:
+    """Issue 44's re-probe: `plan adakv_tova --set recent=2` was refused as an unknown parameter
+    while make_policy("adakv_tova", ..., recent=2) plans it (the scorer's); a parameter the scorer
+    does not take either is still refused by name."""
+    rc, _ = run(capsys, "plan", "adakv_tova", "--context", "100", "--budget", "0.3", "--set", "recent=2")
+    assert rc == 0
+    err = refused(capsys, "plan", "adakv_tova", "--context", "100", "--budget", "0.3", "--set", "bogus=2")
+    assert "unknown parameter bogus for TOVA" in err, err
