@@ -124,13 +124,22 @@ def validate_logits(logits: object) -> np.ndarray:
     return logits
 
 
-def validate_values(values: object, steps: int, heads: int) -> np.ndarray:
-    """``values`` as a float64 ``[steps, heads, d]`` array, or ``ValueError`` (shape, complex)."""
+def validate_values(values: object, steps: int, heads: int, policy: EvictionPolicy | None = None) -> np.ndarray:
+    """``values`` as a float64 ``[steps, heads, d]`` array, or ``ValueError`` (shape, complex; NaN or
+    infinite for a ``policy`` whose scores come from the cache, which reads them)."""
     values = _real_array("values", values)
     if values.ndim != 3 or values.shape[:2] != (steps, heads):
         raise ValueError(
             f"values must have shape [steps, heads, d] = [{steps}, {heads}, d], got {tuple(values.shape)}"
         )
+    if policy is not None and policy.score_statistic in KEY_STATISTICS:  # a NaN value would score silently
+        bad = ~np.isfinite(values)
+        if bad.any():
+            t, h, d = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"values must be finite for {policy!r}, whose scores come from the cache: values[{t}, {h}, {d}] is "
+                f"{values[t, h, d]} (step {t}, head {h})"
+            )
     return values
 
 
@@ -312,7 +321,7 @@ def replay(
     prompt_len = check_int("prompt_len", prompt_len, minimum=0, maximum=steps)
     chunk = prompt_len if prompt_chunk is None else check_int("prompt_chunk", prompt_chunk, minimum=1)
     if values is not None:
-        values = validate_values(values, steps, heads)
+        values = validate_values(values, steps, heads, policy)
     keys = validate_keys(keys, steps, heads, policy)
     # (queries without keys: a policy that reads no keys reads no queries either, and ignores them)
     queries = None if keys is None else validate_queries(queries, steps, heads, keys.shape[2], policy)

@@ -84,7 +84,9 @@ def _check_overrides(name: str, overrides: dict[str, Any]) -> Any:
     entry = get_policy(name)
     known = [p for p, _, _ in _entry_params(entry)]
     unknown = sorted(set(overrides) - set(known))
-    if unknown:
+    # a policy over a scorer (AdaKV's presets) hands its scorer the parameters it does not take
+    # itself, as make_policy does: the planner checks those against the scorer
+    if unknown and "scorer" not in known:
         raise CLIError(
             f"unknown parameter{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} for policy "
             f"{name!r}; its parameters: {', '.join(known) or '(none)'}"
@@ -272,8 +274,8 @@ def _add_trace(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="registered policy name (see `kvpolicy policies`)")
     p.add_argument("--budget", type=float, default=None, help="plan the parameters from a budget (default 0.3 unless --set is given)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="set a parameter, e.g. --set window=16")
-    p.add_argument("--steps", type=int, default=200, help="tokens to replay (default 200)")
-    p.add_argument("--heads", type=int, default=1, help="KV heads, one panel each (default 1)")
+    p.add_argument("--steps", type=int, default=None, help="tokens to replay (default 200; with --logits, theirs)")
+    p.add_argument("--heads", type=int, default=None, help="KV heads, one panel each (default 1; with --logits, theirs)")
     p.add_argument("--prompt", type=int, default=0, help="tokens prefilled at once (default 0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic logits")
     p.add_argument("--logits", type=Path, default=None, help=".npy logits [steps, heads, steps] (or [steps, steps]) instead of synthetic ones")
@@ -346,6 +348,9 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     check_output_file(args.out, "--out")
     _check_image_suffix(args.out)
     if args.logits is not None:
+        given = [f"--{k} {getattr(args, k)}" for k in ("steps", "heads") if getattr(args, k) is not None]
+        if given:  # the logits' own shape decides both; a different number would be dropped without a word
+            raise CLIError(f"{', '.join(given)}: --logits gives the steps and heads (its shape); leave them out")
         logits = _load_array(args.logits, "logits")
         loaded = tuple(np.shape(logits))
         if logits.ndim == 2:
@@ -356,10 +361,12 @@ def _cmd_trace(args: argparse.Namespace) -> int:
                 f"got {loaded}"
             )
     else:
+        args.steps = 200 if args.steps is None else args.steps
+        args.heads = 1 if args.heads is None else args.heads
         if args.steps < 1:
-            raise CLIError(f"steps must be >= 1, got {args.steps}")
+            raise CLIError(f"--steps must be >= 1, got {args.steps}")
         if args.heads < 1:
-            raise CLIError(f"heads must be >= 1, got {args.heads}")
+            raise CLIError(f"--heads must be >= 1, got {args.heads}")
         logits = synthetic_logits(args.steps, args.heads, args.seed)
     steps = int(logits.shape[0]) if logits.ndim >= 1 else 0
 

@@ -63,7 +63,7 @@ def replay(
     steps, heads, _ = logits_t.shape
     prompt_len = check_int("prompt_len", prompt_len, minimum=0, maximum=steps)
     if values is not None:
-        values_t = torch.as_tensor(validate_values(_host(values), steps, heads), dtype=dtype, device=device)
+        values_t = torch.as_tensor(validate_values(_host(values), steps, heads, policy), dtype=dtype, device=device)
     else:
         values_t = torch.zeros(steps, heads, 1, dtype=dtype, device=device)
     keys_np = validate_keys(None if keys is None else _host(keys), steps, heads, policy)

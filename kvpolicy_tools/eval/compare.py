@@ -204,6 +204,9 @@ def task_names(text: str | None) -> list[str]:
         key = t.lower()
         expand = {"paper": list(PAPER_TASKS), "all": list(task_registry()), "default": list(DEFAULT_TASKS)}.get(key, [key])
         names += [n for n in expand if n not in names]
+    if not names:  # an empty report and exit 0 read as "every task passed"
+        raise ValueError(f"--tasks names no task ({text!r}); leave it out for the default set, or name tasks: "
+                         f"{', '.join(task_registry())}")
     return names
 
 

@@ -241,3 +241,16 @@ def test_a_rope_that_cannot_rotate_the_keys_is_refused_by_name(rope, error, mess
     trace = kvpolicy_numpy.replay(ExpectedAttention(size=4, sink=1), np.zeros((10, 2, 10)), 3, values=values, keys=keys,
                                   queries=queries, rope=Rotary(np.ones(3)))  # partial rotary: 6 of 8 dimensions
     assert trace.kept[-1].shape == (2, 4)
+
+
+def test_non_finite_values_of_a_cache_score_are_refused() -> None:
+    """Issue 44's re-probe: a NaN value given to Expected Attention (whose score multiplies by the
+    value norm) was accepted, and its token silently scored as a zero value; both replays refuse it."""
+    import kvpolicy_numpy
+    from kvpolicy import ExpectedAttention
+
+    r = np.random.default_rng(0)
+    logits, keys, values, queries = (r.normal(size=s) for s in ((12, 2, 12), (12, 2, 4), (12, 2, 4), (12, 2, 4)))
+    values[10, 1, :] = np.nan
+    with pytest.raises(ValueError, match=r"values must be finite for ExpectedAttention.*values\[10, 1, 0\] is nan"):
+        kvpolicy_numpy.replay(ExpectedAttention(size=5, sink=1, future=8), logits, 0, values=values, keys=keys, queries=queries)

@@ -231,3 +231,52 @@ def test_compare_refuses_a_value_that_would_vanish(capsys, tmp_path, argv, messa
     named here does not exist: reaching it would be another error)."""
     err = refused(capsys, "compare", "--model", str(tmp_path / "no-model"), "--no-progress", "--out", str(tmp_path / "r"), *argv)
     assert message in err and "loading" not in err, err
+
+
+# ---------------------------------------------------------------------------- issue 44: the re-probe's new inputs
+@pytest.mark.parametrize("argv,message", [
+    (["--tasks", ","], "--tasks names no task (','); leave it out for the default set"),
+    (["--tasks", "needle", "--needle-depths=-0.5,1.5"], "--needle-depths must be in [0, 1] (a fraction of the haystack), got -0.5, 1.5"),
+    (["--tasks", "needle", "--needle-lengths", "0"], "--needle-lengths must be >= 1 token, got 0"),
+    (["--tasks", "kv", "--kv-pairs", "0"], "--kv-pairs must be >= 1 (the gold pair included), got 0"),
+    (["--tasks", "ppl", "--cache-sizes", "0", "--budgets", "none"], "--cache-sizes must be >= 1 token, got 0"),
+    (["--tasks", "stream", "--cache-sizes", "-5"], "--cache-sizes must be >= 1 token, got -5"),
+], ids=["tasks empty", "needle depths outside", "needle length 0", "kv pairs 0", "ppl cache size 0", "stream cache size -5"])
+def test_compare_refuses_values_found_by_the_re_probe(capsys, tmp_path, argv, message) -> None:
+    """Issue 44's re-probe: `--tasks ,` exited 0 with an empty report; `--needle-depths=-0.5,1.5` put
+    the needle at 50% and at the end under labels -50% and 150%; `--kv-pairs 0` ran all 75 pairs;
+    `--cache-sizes 0` blamed the budget after the model loaded. Each is refused naming the flag,
+    before the model loads (the model named here does not exist)."""
+    if "kv" in argv:  # (the kv task needs its data folder before it reads its flags)
+        from eval_files import shared
+
+        argv = ["--data-dir", str(shared("kv-retrieval-75_keys.jsonl.gz").parent), *argv]
+    err = refused(capsys, "compare", "--model", str(tmp_path / "no-model"), "--no-progress", "--out", str(tmp_path / "r"), *argv)
+    assert message in err and "loading" not in err, err
+
+
+def test_trace_refuses_steps_or_heads_beside_logits(capsys, tmp_path) -> None:
+    """Issue 44's re-probe: `trace --logits L.npy --steps 50` replayed the logits' 30 steps without a word."""
+    path = tmp_path / "L.npy"
+    np.save(path, np.zeros((30, 2, 30)))
+    err = refused(capsys, "trace", "h2o", "--logits", str(path), "--steps", "50", "--out", str(tmp_path / "t.png"))
+    assert "--steps 50: --logits gives the steps and heads (its shape); leave them out" in err, err
+
+
+def test_bench_complexity_refuses_a_policy_scoring_from_queries(tmp_path) -> None:
+    """Issue 44's re-probe: `bench --what complexity --policy expected_attention` was a raw
+    RuntimeError traceback from the backend; it is refused by name, pointing to --what decode."""
+    from kvpolicy_tools.perf.bench import main as bench
+
+    assert bench(["--what", "complexity", "--sizes", "64", "--configs", "1x1", "--rounds", "1", "--backends", "numpy",
+                  "--no-plots", "--no-progress", "--out", str(tmp_path), "--policy", "expected_attention"]) == 2
+
+
+def test_plan_set_hands_an_adakv_presets_scorer_its_parameters(capsys) -> None:
+    """Issue 44's re-probe: `plan adakv_tova --set recent=2` was refused as an unknown parameter
+    while make_policy("adakv_tova", ..., recent=2) plans it (the scorer's); a parameter the scorer
+    does not take either is still refused by name."""
+    rc, _ = run(capsys, "plan", "adakv_tova", "--context", "100", "--budget", "0.3", "--set", "recent=2")
+    assert rc == 0
+    err = refused(capsys, "plan", "adakv_tova", "--context", "100", "--budget", "0.3", "--set", "bogus=2")
+    assert "unknown parameter bogus for TOVA" in err, err

@@ -48,12 +48,19 @@ def load_kv_retrieval(
     for i in select_rows(len(rows), limit, seed):
         line, r = rows[i]
         with record_errors(p, line):
+            for field in ("key", "value"):  # a list or a number would become its repr: an answer nobody writes
+                if not isinstance(r[field], str):
+                    raise ValueError(f"{field!r} must be a string, got {type(r[field]).__name__} {r[field]!r}")
             records = [(str(k), str(v)) for k, v in r["ordered_kv_records"]]
-            r = {**r, "key": str(r["key"]), "value": str(r["value"])}
         keys = [k for k, _ in records]
         if r["key"] not in keys:
             raise ValueError(f"{p}:{line}: key {r['key']!r} is not among the record's ordered_kv_records")
         pos = keys.index(r["key"])
+        if records[pos][1] != r["value"]:  # the gold answer is the value the context gives the key
+            raise ValueError(
+                f"{p}:{line}: value {r['value']!r} is not the value of key {r['key']!r} in ordered_kv_records "
+                f"({records[pos][1]!r})"
+            )
         if gold_index is not None:
             if not 0 <= gold_index < len(records):
                 raise ValueError(f"gold_index {gold_index} outside [0, {len(records)})")

@@ -40,6 +40,8 @@ def load_xsum(
                 raise ValueError(f"{p}:{line}: the record lacks 'article'/'summary_gt' (keys: {sorted(r)})")
             if not (isinstance(r["article"], str) and isinstance(r["summary_gt"], str)):
                 raise ValueError(f"{p}:{line}: 'article' and 'summary_gt' must be strings")
+            if not r["article"].strip():  # an empty prompt surfaced later as a budget error naming no row
+                raise ValueError(f"{p}:{line}: 'article' is empty")
             gen = {k: r[k] for k in ("max_tokens", "temperature", "top_p", "stop", "n") if k in r}
             out.append(
                 SummaryExample(

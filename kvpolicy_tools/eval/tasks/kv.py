@@ -40,7 +40,10 @@ class KVRetrievalTask(Task):
 
     @classmethod
     def options_from_args(cls, args: Any) -> KVOptions:
-        return KVOptions(kv_pairs=getattr(args, "kv_pairs", None))
+        pairs = getattr(args, "kv_pairs", None)
+        if pairs is not None and pairs < 1:  # 0 read as "not given" ran all 75 pairs
+            raise ValueError(f"--kv-pairs must be >= 1 (the gold pair included), got {pairs}")
+        return KVOptions(kv_pairs=pairs)
 
     def _examples(self) -> list[D.RetrievalExample]:
         if self.src.kv is not None:

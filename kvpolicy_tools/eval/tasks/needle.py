@@ -57,10 +57,14 @@ class NeedleTask(Task):
 
     @classmethod
     def options_from_args(cls, args: Any) -> NeedleOptions:
-        return NeedleOptions(
-            needle_lengths=tuple(parse_ints(getattr(args, "needle_lengths", "1024"), "--needle-lengths")),
-            needle_depths=tuple(parse_floats(getattr(args, "needle_depths", "0.1,0.5,0.9"), "--needle-depths")),
-        )
+        depths = tuple(parse_floats(getattr(args, "needle_depths", "0.1,0.5,0.9"), "--needle-depths"))
+        bad = [d for d in depths if not 0.0 <= d <= 1.0]
+        if bad:  # a negative depth slices from the end, one above 1 clamps: both were run under their own label
+            raise ValueError(f"--needle-depths must be in [0, 1] (a fraction of the haystack), got {', '.join(map(str, bad))}")
+        lengths = tuple(parse_ints(getattr(args, "needle_lengths", "1024"), "--needle-lengths"))
+        if any(n < 1 for n in lengths):
+            raise ValueError(f"--needle-lengths must be >= 1 token, got {', '.join(str(n) for n in lengths if n < 1)}")
+        return NeedleOptions(needle_lengths=lengths, needle_depths=depths)
 
     def _haystack(self) -> list[D.TextDoc]:
         if self.src.haystack is not None:

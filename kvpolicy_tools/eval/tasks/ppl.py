@@ -104,9 +104,10 @@ class PerplexityTask(Task):
 
     @classmethod
     def options_from_args(cls, args: Any) -> PerplexityOptions:
-        sizes = getattr(args, "cache_sizes", None)
-        return PerplexityOptions(ppl_tokens=getattr(args, "ppl_tokens", 24),
-                                 cache_sizes=tuple(parse_ints(sizes or "none", "--cache-sizes")))
+        sizes = tuple(parse_ints(getattr(args, "cache_sizes", None) or "none", "--cache-sizes"))
+        if any(z < 1 for z in sizes):  # (it was read as a budget of 0 and blamed the budget, after the model loaded)
+            raise ValueError(f"--cache-sizes must be >= 1 token, got {', '.join(str(z) for z in sizes if z < 1)}")
+        return PerplexityOptions(ppl_tokens=getattr(args, "ppl_tokens", 24), cache_sizes=sizes)
 
     def check(self, policies: Sequence[str], budgets: Sequence[float]) -> None:
         if not budgets and not self.options.cache_sizes and not all(is_reference(p) for p in policies):

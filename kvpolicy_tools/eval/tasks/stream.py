@@ -75,7 +75,7 @@ class StreamTask(PerplexityTask):
         return StreamOptions(
             stream_tokens=getattr(args, "stream_tokens", None),
             stream_prefill=getattr(args, "stream_prefill", 32),
-            stream_sizes=None if sizes is None else tuple(parse_ints(sizes, "--cache-sizes")),
+            stream_sizes=None if sizes is None else positive_sizes(parse_ints(sizes, "--cache-sizes")),
             stream_ratios=(2.5,) if ratios is None else tuple(parse_floats(ratios, "--tw-ratios")),
             # the default run's short stream: the paper's equal mean only (both doubles its time)
             equalise=getattr(args, "equalise", None) or ("mean" if short else "both"),
@@ -236,3 +236,15 @@ class StreamTask(PerplexityTask):
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return [path]
+
+
+def positive_sizes(sizes: list[int]) -> tuple[int, ...]:
+    """``--cache-sizes`` for the stream: each at least one token, or ``ValueError`` naming the flag.
+
+    Example:
+        >>> positive_sizes([50, 100])
+        (50, 100)
+    """
+    if any(z < 1 for z in sizes):
+        raise ValueError(f"--cache-sizes must be >= 1 token, got {', '.join(str(z) for z in sizes if z < 1)}")
+    return tuple(sizes)

@@ -44,3 +44,16 @@ def test_real_kv_retrieval() -> None:
         assert f'"{e.key}": "{e.value}"' in e.context
         assert format_kv_prompt(e).endswith(f'Key: "{e.key}"\nCorresponding value:')
     assert [e.meta["gold_index"] for e in load_kv_retrieval(p, limit=5, gold_index=0)] == [0] * 5
+
+
+@pytest.mark.parametrize("value,message", [
+    ("zzz", "value 'zzz' is not the value of key 'a' in ordered_kv_records ('b')"),
+    (["b"], "'value' must be a string, got list ['b']"),
+])
+def test_a_row_whose_answer_is_not_its_keys_value_is_refused(tmp_path: Path, value, message) -> None:
+    """Issue 44's re-probe: a row whose `value` is not what the context gives its key (or a list,
+    read as its repr) was accepted, so a correct generation scored 0."""
+    p = write_jsonl(tmp_path / "kv.jsonl", [{"ordered_kv_records": [["a", "b"], ["c", "d"]], "key": "a", "value": value}])
+    with pytest.raises(ValueError, match="kv.jsonl:1: ") as e:
+        load_kv_retrieval(p)
+    assert message in str(e.value)

@@ -44,3 +44,14 @@ def test_real_xsum() -> None:
     assert len(ex) == 1000
     assert all(e.is_prompt and e.prompt_or_article.rstrip().endswith("Summarize the above article in 1 sentence.") for e in ex)
     assert all(e.reference for e in ex)
+
+
+def test_an_empty_article_is_refused_naming_file_and_line(tmp_path: Path) -> None:
+    """Issue 44's re-probe: an empty `article` loaded, and `compare` later blamed the budget ("below
+    the smallest h2o reaches on a 2-token run"), naming neither file nor row."""
+    import json
+
+    p = tmp_path / "xsum_0shot.jsonl"
+    p.write_text(json.dumps({"article": "x", "summary_gt": "y"}) + "\n" + json.dumps({"article": "  ", "summary_gt": "y"}) + "\n")
+    with pytest.raises(ValueError, match=r"xsum_0shot.jsonl:2: 'article' is empty"):
+        load_xsum(p)
