@@ -556,8 +556,6 @@ def run(args: argparse.Namespace) -> int:
     # registered names outside POLICIES, e.g. knorm) are timed too, through kvpolicy.testing.timing.
     third_party = [p for p in (names if args.policy else []) if ":" in p or normalize_name(p) not in POLICIES]
     if "complexity" in what:
-        from kvpolicy import plan_policy
-
         # the complexity timing drives a layer with keys and scores only: a policy scoring from the
         # queries' moments (Expected Attention) has none there; the decode benchmark feeds them
         observing = [p for p in third_party if ":" not in p and plan_policy(p, 0.5, context_length=256).policy.observes_queries]
