@@ -320,9 +320,13 @@ def plan_policy(
                 f"{context_length}-token run, above the requested budget {budget}: lower {' and '.join(fixed)} or "
                 "leave it out so the budget sets it"
             )
+        floor = evaluate(lo)[1]
+        # a policy that compresses only a prompt (SnapKV) keeps every token of a run without one
+        hint = (" (it keeps every token of a run without a prompt: give prompt_length, `kvpolicy plan --prompt N`)"
+                if prompt_length == 0 and floor >= 1.0 else "")
         raise ValueError(
             f"budget {budget} is below the smallest {title} reaches on a {context_length}-token run "
-            f"({evaluate(lo)[1]:.3f}); allowed range: [{evaluate(lo)[1]:.3f}, 1]"
+            f"({floor:.3f}); allowed range: [{floor:.3f}, 1]{hint}"
         )
     # Find the smallest size whose realised budget reaches the request. The realised budget is
     # close to linear in size, so probe by interpolation inside the bracket (a few simulations

@@ -505,3 +505,15 @@ def test_a_plan_warns_exactly_when_it_is_far_from_its_request(budget, context) -
     far = abs(plan.realised_budget - budget) > PLAN_TOLERANCE * budget
     said = any("is far from what" in str(w.message) or "out of reach" in str(w.message) for w in caught)
     assert said == (far or plan.realised_budget < budget - 0.05)
+
+
+def test_a_prompt_only_policy_planned_without_a_prompt_says_why() -> None:
+    """Issue 44's re-probe: `plan snapkv --context 100 --budget 0.3` said only "allowed range: [1.000,
+    1]"; SnapKV compresses a prompt, so a run without one keeps everything: the error says so."""
+    import pytest
+
+    from kvpolicy import plan_policy
+
+    with pytest.raises(ValueError, match=r"allowed range: \[1.000, 1\] \(it keeps every token of a run without a prompt: give prompt_length"):
+        plan_policy("snapkv", 0.3, context_length=100)
+    assert abs(plan_policy("snapkv", 0.3, context_length=100, prompt_length=80).realised_budget - 0.3) < 0.05
