@@ -17,7 +17,7 @@ from kvpolicy.statistics import (
     Rotary, cache_scores, history_record, low_attention, mark_unscored, query_moments, refresh_due, refresh_interval, shift_history,
 )
 
-__all__ = ["Trace", "replay", "softmax", "validate_keys", "validate_logits", "validate_queries", "validate_rope", "validate_values"]
+__all__ = ["Trace", "replay", "require_finite", "softmax", "validate_keys", "validate_logits", "validate_queries", "validate_rope", "validate_values"]
 
 
 #: The reference's attention (logits times the log-n scale, then the softmax) reports an overflow
@@ -124,6 +124,28 @@ def validate_logits(logits: object) -> np.ndarray:
     return logits
 
 
+def require_finite(name: str, array: np.ndarray, policy: EvictionPolicy, source: str,
+                   shown: tuple[int, ...] | None = None) -> None:
+    """``ValueError`` naming the first NaN or infinite entry of ``array`` (``[step, head, ...]``) that
+    ``policy``'s scores come from (``source``); ``shown``: which axes of its index the message names.
+
+    Example:
+        >>> from kvpolicy import Knorm
+        >>> require_finite("keys", np.array([[[1.0, np.nan]]]), Knorm(size=2), "the keys")
+        Traceback (most recent call last):
+        ...
+        ValueError: keys must be finite for Knorm(size=2, recent=0), whose scores come from the keys: keys[0, 0, 1] is nan (step 0, head 0)
+    """
+    bad = ~np.isfinite(array)
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        named = index if shown is None else tuple(index[a] for a in shown)
+        raise ValueError(
+            f"{name} must be finite for {policy!r}, whose scores come from {source}: {name}[{', '.join(map(str, named))}] "
+            f"is {array[index]} (step {index[0]}, head {index[1]})"
+        )
+
+
 def validate_values(values: object, steps: int, heads: int, policy: EvictionPolicy | None = None) -> np.ndarray:
     """``values`` as a float64 ``[steps, heads, d]`` array, or ``ValueError`` (shape, complex; NaN or
     infinite for a ``policy`` whose scores come from the cache, which reads them)."""
@@ -133,13 +155,7 @@ def validate_values(values: object, steps: int, heads: int, policy: EvictionPoli
             f"values must have shape [steps, heads, d] = [{steps}, {heads}, d], got {tuple(values.shape)}"
         )
     if policy is not None and policy.score_statistic in KEY_STATISTICS:  # a NaN value would score silently
-        bad = ~np.isfinite(values)
-        if bad.any():
-            t, h, d = (int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(
-                f"values must be finite for {policy!r}, whose scores come from the cache: values[{t}, {h}, {d}] is "
-                f"{values[t, h, d]} (step {t}, head {h})"
-            )
+        require_finite("values", values, policy, "the cache")
     return values
 
 
@@ -167,13 +183,7 @@ def validate_keys(keys: object, steps: int, heads: int, policy: EvictionPolicy) 
             f"keys must have shape [steps, heads, head_dim] = [{steps}, {heads}, head_dim >= 1], got {tuple(keys.shape)}"
         )
     if policy.score_statistic in KEY_STATISTICS:  # (else ignored) scores from NaN keys would decide silently
-        bad = ~np.isfinite(keys)
-        if bad.any():
-            t, h, d = (int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(
-                f"keys must be finite for {policy!r}, whose scores come from the keys: keys[{t}, {h}, {d}] is "
-                f"{keys[t, h, d]} (step {t}, head {h})"
-            )
+        require_finite("keys", keys, policy, "the keys")
     return keys
 
 
@@ -188,7 +198,7 @@ def validate_queries(queries: object, steps: int, heads: int, head_dim: int, pol
         >>> validate_queries(np.zeros((4, 2, 3)), 4, 2, 3, ExpectedAttention(size=2, sink=0)).shape
         (4, 2, 1, 3)
     """
-    if policy.score_statistic != "expected_attention":
+    if not policy.observes_queries:
         return None
     if queries is None:
         raise ValueError(
@@ -203,14 +213,9 @@ def validate_queries(queries: object, steps: int, heads: int, head_dim: int, pol
             f"queries must have shape [steps, heads, head_dim] or [steps, heads, group, head_dim] = "
             f"[{steps}, {heads}, (group >= 1,) {head_dim}] (head_dim as the keys'), got {tuple(queries.shape)}"
         )
-    bad = ~np.isfinite(queries)  # a NaN query makes every score NaN: the policy would evict blind
-    if bad.any():
-        t, h, g, d = (int(i) for i in np.argwhere(bad)[0])
-        where = f"queries[{t}, {h}, {d}]" if queries.shape[2] == 1 else f"queries[{t}, {h}, {g}, {d}]"
-        raise ValueError(
-            f"queries must be finite for {policy!r}, whose scores come from the queries' moments: {where} is "
-            f"{queries[t, h, g, d]} (step {t}, head {h})"
-        )
+    # a NaN query makes every score NaN: the policy would evict blind (one query head a head: its
+    # index as the caller gave it, [step, head, dim])
+    require_finite("queries", queries, policy, "the queries' moments", shown=(0, 1, 3) if queries.shape[2] == 1 else None)
     return queries
 
 
