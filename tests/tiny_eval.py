@@ -25,6 +25,23 @@ class CharTokenizer:
         return "".join(ALPHA[i - 3] if 3 <= i < 3 + len(ALPHA) else "" for i in ids)
 
 
+class CallTokenizer:
+    """A stand-in for a Hugging Face tokenizer called as ``tokenizer(text, return_tensors="pt")``
+    (what ``kvpolicy.hf.generate`` calls): one id per character, ``3 + ord(c) % 100`` (inside a tiny
+    model's vocabulary), no chat template, no end-of-sequence token."""
+
+    chat_template = None
+    pad_token_id = 0
+
+    def __call__(self, text, return_tensors=None):
+        import torch
+
+        return {"input_ids": torch.tensor([[3 + ord(c) % 100 for c in text]])}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
 WORDS = "the cat sat on a mat while dogs bark and birds sing over green hills near old towns".split()
 
 

@@ -4,25 +4,15 @@ through transformers' own SDPA. The ``--tiny --device cpu`` dry run exercises ev
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def gpu():
-    spec = importlib.util.spec_from_file_location("gpu_decode", ROOT / "benchmarks" / "gpu_decode.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def gpu(benchmark_module):
+    return benchmark_module("gpu_decode")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -5,9 +5,7 @@ file even when the deadline leaves no decode row time to run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,28 +13,18 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.mark.slow
-def test_exactness_phase_holds_on_cpu() -> None:
-    rows = _load("gpu_first").exactness("cpu", ("float32", "bfloat16"))
-    assert len(rows) == 2 * len(_load("gpu_first").EXACTNESS_POLICIES)
+def test_exactness_phase_holds_on_cpu(benchmark_module) -> None:
+    rows = benchmark_module("gpu_first").exactness("cpu", ("float32", "bfloat16"))
+    assert len(rows) == 2 * len(benchmark_module("gpu_first").EXACTNESS_POLICIES)
     bad = [r for r in rows if r.get("same") is not True]
     assert not bad, bad
 
 
 @pytest.mark.slow
-def test_a_run_past_its_deadline_still_writes_every_phase(tmp_path: Path, monkeypatch) -> None:
-    first = _load("gpu_first")
+def test_a_run_past_its_deadline_still_writes_every_phase(tmp_path: Path, monkeypatch, benchmark_module) -> None:
+    first = benchmark_module("gpu_first")
     monkeypatch.setattr(first, "EXACTNESS_POLICIES", first.EXACTNESS_POLICIES[:1])
     assert first.main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--deadline", "0.001"]) == 0
     status = json.loads((tmp_path / "status.json").read_text())
@@ -48,10 +36,10 @@ def test_a_run_past_its_deadline_still_writes_every_phase(tmp_path: Path, monkey
     assert all("tokens_per_s" in r or r["skipped"].startswith("not run: past the") for r in rows), rows
 
 
-def test_order_is_parsed_and_checked() -> None:
-    decode = _load("gpu_decode")
+def test_order_is_parsed_and_checked(benchmark_module) -> None:
+    decode = benchmark_module("gpu_decode")
     assert decode.parse(["--order", "1x2048,8x32768c"]).order == [(1, 2048, False), (8, 32768, True)]
     with pytest.raises(SystemExit):
         decode.parse(["--order", "1x0"])
     with pytest.raises(ValueError, match="--deadline must be > 0"):
-        _load("gpu_first").main(["--deadline", "0"])
+        benchmark_module("gpu_first").main(["--deadline", "0"])

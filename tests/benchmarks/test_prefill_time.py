@@ -4,25 +4,17 @@ short prompt and two layers (no model)."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def prefill_time():
-    spec = importlib.util.spec_from_file_location("prefill_time", ROOT / "benchmarks" / "prefill_time.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def prefill_time(benchmark_module):
+    return benchmark_module("prefill_time")
 
 
 def test_memory_mode_peaks(prefill_time, capsys):

@@ -18,6 +18,7 @@ import torch
 from kvpolicy import BUZZ, H2O, TOVA, FullCache, StreamingLLM, make_policy
 from kvpolicy.hf import EvictingCache, cache_kwargs, greedy_decode
 from kvpolicy_tools.models import tiny_llama
+from tiny_eval import CallTokenizer
 
 pytestmark = [pytest.mark.hf, pytest.mark.torch]
 
@@ -258,17 +259,6 @@ def test_a_deep_copy_of_a_model_serves_its_own_caches(model):
 
 
 # ---------------------------------------------------------------------------- issue 44
-class _Tok:
-    """A stand-in tokenizer: one id per character (no chat template)."""
-
-    chat_template = None
-    pad_token_id = 0
-
-    def __call__(self, text, return_tensors=None):
-        return {"input_ids": torch.tensor([[3 + ord(c) % 100 for c in text]])}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 def test_generate_refuses_what_a_policy_object_would_ignore(model):
@@ -281,15 +271,15 @@ def test_generate_refuses_what_a_policy_object_would_ignore(model):
     obj = H2O(heavy=4, recent=4)
     with pytest.raises(ValueError, match=r"^heavy=2: budget and parameter overrides plan a registered policy name, and "
                                          r"policy H2O\(heavy=4, recent=4\) is an object, used as it is: .* \('h2o'\)"):
-        generate(model, _Tok(), prompt, obj, heavy=2, max_new_tokens=2)
+        generate(model, CallTokenizer(), prompt, obj, heavy=2, max_new_tokens=2)
     with pytest.raises(ValueError, match=r"^budget=0\.5: budget and parameter overrides plan a registered policy name"):
-        generate(model, _Tok(), prompt, obj, budget=0.5, max_new_tokens=2)
+        generate(model, CallTokenizer(), prompt, obj, budget=0.5, max_new_tokens=2)
     for policy in (obj, "h2o"):
         with pytest.raises(ValueError, match=r"^budget must be in \(0\.0, 1\.0\], got 7\.0"):
-            generate(model, _Tok(), prompt, policy, budget=7.0, max_new_tokens=2)
-    assert generate(model, _Tok(), prompt, obj, max_new_tokens=2).policy == obj
-    assert generate(model, _Tok(), prompt, "h2o", budget=0.5, recent=3, max_new_tokens=2).policy.recent == 3
-    assert generate(model, _Tok(), prompt, "h2o", max_new_tokens=2).policy == make_policy(
+            generate(model, CallTokenizer(), prompt, policy, budget=7.0, max_new_tokens=2)
+    assert generate(model, CallTokenizer(), prompt, obj, max_new_tokens=2).policy == obj
+    assert generate(model, CallTokenizer(), prompt, "h2o", budget=0.5, recent=3, max_new_tokens=2).policy.recent == 3
+    assert generate(model, CallTokenizer(), prompt, "h2o", max_new_tokens=2).policy == make_policy(
         "h2o", 0.3, context_length=len(prompt) + 2, prompt_length=len(prompt), layers=2)  # the default budget
 
 

@@ -17,6 +17,7 @@ from transformers import DynamicCache  # noqa: E402
 import kvpolicy_numpy  # noqa: E402
 from kvpolicy import BUZZ, H2O, TOVA, ExpectedAttention, FullCache, LocalWindow, Scissorhands, SnapKV, StreamingLLM, compose, make_policy  # noqa: E402
 from kvpolicy_tools.models import tiny_llama  # noqa: E402
+from tiny_eval import CallTokenizer
 from kvpolicy_integrations.hf import EvictingCache, cache_kwargs, generate, greedy_decode  # noqa: E402
 
 COVERING = [FullCache(), BUZZ(4, 64, 5, 300), H2O(100, 100), StreamingLLM(4, 100), LocalWindow(100)]
@@ -346,26 +347,16 @@ def test_generate_helper_reports_sizes(model):
 def test_generate_prefills_a_long_prompt_in_chunks(model):
     """generate() hands prefill_chunk to transformers' chunked prefill: the tokens are greedy_decode's
     with the same chunks, and for a cache that evicts nothing those of a one-shot prefill."""
-    class Tok:
-        chat_template = None
-        pad_token_id = 0
-
-        def __call__(self, text, return_tensors=None):
-            return {"input_ids": torch.tensor([[3 + ord(c) % 100 for c in text]])}
-
-        def decode(self, ids, skip_special_tokens=True):
-            return " ".join(map(str, ids))
-
     prompt = "the quick brown fox jumps over the lazy dog " * 2  # 88 tokens
-    ids = Tok()(prompt)["input_ids"]
-    one_shot = generate(model, Tok(), prompt, FullCache(), max_new_tokens=6, prefill_chunk=None).token_ids
-    assert generate(model, Tok(), prompt, FullCache(), max_new_tokens=6, prefill_chunk=16).token_ids == one_shot
+    ids = CallTokenizer()(prompt)["input_ids"]
+    one_shot = generate(model, CallTokenizer(), prompt, FullCache(), max_new_tokens=6, prefill_chunk=None).token_ids
+    assert generate(model, CallTokenizer(), prompt, FullCache(), max_new_tokens=6, prefill_chunk=16).token_ids == one_shot
     policy = H2O(10, 10)
-    got = generate(model, Tok(), prompt, policy, max_new_tokens=6, prefill_chunk=16).token_ids
+    got = generate(model, CallTokenizer(), prompt, policy, max_new_tokens=6, prefill_chunk=16).token_ids
     want = greedy_decode(model, ids, EvictingCache(policy, model, prefill_chunk=16), 6, prefill_chunk=16)
     assert got == want[0].tolist()
     with pytest.raises(ValueError, match="prefill_chunk"):
-        generate(model, Tok(), prompt, policy, prefill_chunk=True)
+        generate(model, CallTokenizer(), prompt, policy, prefill_chunk=True)
 
 
 def test_full_cache_allocates_what_it_needs(model):

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from kvpolicy import H2O, FullCache, StreamingLLM
 from kvpolicy.hf import EvictingCache, cache_kwargs, compile_decode_step, generate, greedy_decode
 from kvpolicy_tools.models import tiny_llama
+from tiny_eval import CallTokenizer
 
 pytestmark = [pytest.mark.hf, pytest.mark.torch]
 
@@ -29,18 +30,6 @@ def model():
 
 def _ids(n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
-
-
-class _Tokenizer:
-    """A stand-in tokenizer: one token per character."""
-
-    chat_template = None
-
-    def __call__(self, text, return_tensors=None):
-        return {"input_ids": torch.tensor([[3 + ord(c) % 120 for c in text]])}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 @pytest.fixture
@@ -62,8 +51,8 @@ def test_generate_compiled_serves_a_loop_of_prompt_lengths(model, eager_backend)
     tokens (was: FailOnRecompileLimitHit at the ninth new length)."""
     for i, n in enumerate(range(9, 33, 2)):
         prompt = "".join(chr(97 + (5 * j + 3 * i) % 26) for j in range(n))
-        compiled = generate(model, _Tokenizer(), prompt, "h2o", budget=0.5, max_new_tokens=4, compile=True)
-        eager = generate(model, _Tokenizer(), prompt, "h2o", budget=0.5, max_new_tokens=4)
+        compiled = generate(model, CallTokenizer(), prompt, "h2o", budget=0.5, max_new_tokens=4, compile=True)
+        eager = generate(model, CallTokenizer(), prompt, "h2o", budget=0.5, max_new_tokens=4)
         assert compiled.token_ids == eager.token_ids, (n, compiled.token_ids, eager.token_ids)
 
 

@@ -124,11 +124,17 @@ def cases(draw, integer_levels: bool = True, **fixed):
 def test_reference_equals_kvpress_procedure(case) -> None:
     """The reference's scores, re-estimated at every eviction from every query seen, keep what
     kvpress's procedure keeps (normal draws: no exact ties, which the oracle breaks unrounded)."""
+    _reference_keeps_what(oracle, case)
+
+
+def _reference_keeps_what(literal, case) -> None:
+    """The reference's kept positions equal ``literal``'s (an oracle of this file) at every step,
+    with kvpress's RoPE layout where the drawn one differs."""
     policy, logits, keys, values, queries, prompt_len, rope = case
     if rope is not None and (rope.style != "half" or rope.rotary_dim != keys.shape[-1]):
         rope = Rotary(1.0 / 10000.0 ** (np.arange(0, keys.shape[-1], 2) / keys.shape[-1]))  # kvpress's layout
     ref = kvpolicy_numpy.replay(policy, logits, prompt_len, values=values, keys=keys, queries=queries, rope=rope)
-    lit = oracle(policy, keys, values, queries, prompt_len, None if rope is None else rope.inv_freq)
+    lit = literal(policy, keys, values, queries, prompt_len, None if rope is None else rope.inv_freq)
     for t, want in enumerate(lit):
         assert (ref.kept[t] is None) == (want is None), f"step {t}"
         if want is not None:
@@ -181,15 +187,7 @@ def test_reference_with_a_refresh_interval_equals_the_literal_rule(case) -> None
     """``refresh = N``: the reference keeps what the rule says literally (scores from kvpress's
     procedure after the prompt and every N-th decode step, held in between, the new tokens
     ``UNSCORED``); and it differs from ``refresh = 1`` somewhere in these draws (see the last test)."""
-    policy, logits, keys, values, queries, prompt_len, rope = case
-    if rope is not None and (rope.style != "half" or rope.rotary_dim != keys.shape[-1]):
-        rope = Rotary(1.0 / 10000.0 ** (np.arange(0, keys.shape[-1], 2) / keys.shape[-1]))  # kvpress's layout
-    ref = kvpolicy_numpy.replay(policy, logits, prompt_len, values=values, keys=keys, queries=queries, rope=rope)
-    lit = refresh_oracle(policy, keys, values, queries, prompt_len, None if rope is None else rope.inv_freq)
-    for t, want in enumerate(lit):
-        assert (ref.kept[t] is None) == (want is None), f"step {t}"
-        if want is not None:
-            assert ref.kept[t].tolist() == want, f"step {t}"
+    _reference_keeps_what(refresh_oracle, case)
 
 
 def test_a_refresh_interval_changes_what_is_kept_and_keeps_sinks() -> None:
