@@ -621,6 +621,15 @@ class EvictionPolicy(ABC):
     #: For a key statistic (:data:`KEY_STATISTICS`): the newest tokens that are no candidates of
     #: the statistic (KeyDiff's anchor is the mean over the candidates' keys only). ``0``: all.
     key_recent: int = 0
+    #: For a score from the cache (:meth:`cache_score`): ``True`` declares that a token's score
+    #: depends on that token alone (its key, value and position: Knorm's key norm), never on the
+    #: other tokens, the tokens seen or the queries. A backend then scores each decode token
+    #: once, when it is cached, and keeps the score, as it keeps accumulated attention, instead
+    #: of rescoring every held token before each decision
+    #: (:func:`kvpolicy.statistics.scored_once`). ``False`` (default): rescored every time
+    #: (KeyDiff's anchor, Expected Attention's moments change at every step). The NumPy reference
+    #: rescores every time either way, so the conformance kit fails a wrong declaration.
+    score_once: ClassVar[bool] = False
 
     @property
     def prompt_rows(self) -> int | None:

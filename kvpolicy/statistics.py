@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from array_api_compat import device
 
-from .policy import Array, CachedTokens, array_namespace
+from .policy import KEY_STATISTICS, Array, CachedTokens, array_namespace
 
 if TYPE_CHECKING:
     from .policy import EvictionPolicy
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COSINE_GRID", "KEY_EPS", "LOW_MARGIN", "MAX_HISTORY", "SCORE_BITS", "UNSCORED", "CachedTokens", "QueryMoments", "Rotary",
     "average_rotation", "cache_scores", "expected_attention", "history_counts", "history_record", "key_scores",
-    "low_attention", "mark_unscored", "query_moments", "refresh_due", "refresh_interval", "shift_history",
+    "low_attention", "mark_unscored", "query_moments", "refresh_due", "refresh_interval", "scored_once", "shift_history",
 ]
 
 #: KeyDiff's cosines are rounded to multiples of this (``2 ** -30``, far below the float32 precision
@@ -156,17 +156,20 @@ def key_scores(statistic: str, keys: Array, positions: Array, n_seen: Any, recen
     xp = array_namespace(keys)
     k = xp.astype(keys, xp.float64)
     kept = positions >= 0
-    norm = xp.sqrt(xp.sum(k * k, axis=-1))
+    norm = xp.linalg.vector_norm(k, axis=-1)  # (one kernel: Knorm scores every decode token with it)
     if statistic == "key_norm":
         score = -norm
     elif statistic == "key_diff":
-        unit = k / xp.clip(norm, min=KEY_EPS)[..., None]
+        # unit keys are never formed: the anchor is the candidates' keys weighted by their inverse
+        # norms, the cosine a key's product with it over its norm (two matrix products over the
+        # keys instead of five elementwise passes: a decode step rescores every held key)
+        inverse = 1.0 / xp.clip(norm, min=KEY_EPS)
         candidate = kept & (positions < n_seen - recent)
         weight = xp.astype(candidate, xp.float64)
         count = xp.clip(xp.sum(weight, axis=-1, keepdims=True), min=1.0)
-        anchor = xp.sum(unit * weight[..., None], axis=-2) / count  # [..., d]
-        anchor = anchor / xp.clip(xp.sqrt(xp.sum(anchor * anchor, axis=-1, keepdims=True)), min=KEY_EPS)
-        cosine = xp.sum(unit * anchor[..., None, :], axis=-1)
+        anchor = xp.matmul((weight * inverse)[..., None, :], k)[..., 0, :] / count  # [..., d]
+        anchor = anchor / xp.clip(xp.linalg.vector_norm(anchor, axis=-1, keepdims=True), min=KEY_EPS)
+        cosine = xp.matmul(k, anchor[..., :, None])[..., 0] * inverse
         score = -xp.round(cosine / COSINE_GRID) * COSINE_GRID
     else:
         raise ValueError(f"statistic must be one of key_norm, key_diff, got {statistic!r}")
@@ -390,6 +393,20 @@ def expected_attention(
 #: one, the earliest of them goes first (the victim rule's tie), and a shared selection's sum of
 #: it over the heads stays finite, below the sinks.
 UNSCORED = 2.0**1000
+
+
+def scored_once(policy: "EvictionPolicy") -> bool:
+    """Whether a backend scores each decode token of ``policy`` once, when it is cached, and keeps
+    the score: its score comes from the cache and its scorer declares it token-local
+    (:attr:`~kvpolicy.EvictionPolicy.score_once`: Knorm). Prompt chunks and general evictions
+    still score every held token (the same values).
+
+    Example:
+        >>> from kvpolicy import H2O, KeyDiff, Knorm
+        >>> scored_once(Knorm(size=8)), scored_once(KeyDiff(size=8)), scored_once(H2O(heavy=2, recent=2))
+        (True, False, False)
+    """
+    return policy.score_statistic in KEY_STATISTICS and bool(policy.statistic_policy.score_once)
 
 
 def refresh_interval(policy: "EvictionPolicy") -> int:

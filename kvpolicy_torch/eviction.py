@@ -15,8 +15,10 @@ from host integers only, which of three things runs:
    The transient working set of an overflowing chunk is then put back, and under head-wise
    budgets the storage follows the widest head.
 
-A statistic computed from the keys (Knorm, KeyDiff, Expected Attention) is recomputed over the held
-tokens first, unless the step evicts nothing by rule.
+A statistic computed from the keys (KeyDiff, Expected Attention) is recomputed over the held tokens
+first, unless the step evicts nothing by rule; one the policy declares token-local (Knorm:
+:func:`kvpolicy.statistics.scored_once`) only for a prompt chunk or a general eviction, a decode
+token having been scored when it was cached.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
-from kvpolicy.statistics import refresh_interval
+from kvpolicy.statistics import refresh_interval, scored_once
 
 from .allocation import SlotAllocator
 from .general import declines, select_rounds
@@ -77,6 +79,7 @@ class HostEviction:
         self.reduce_scores = reduce_scores
         self.rule = policy.decode_eviction
         self.refresh = refresh_interval(policy)  # decode steps between two scorings from the cache
+        self.once = scored_once(policy)  # decode tokens scored when cached, never rescored
         # a policy without one-token evictions (BUZZ) that declares its size rule: a decode step
         # at which the rule keeps every token skips the policy's call (host integers only)
         self.size_rule = policy.size_rule() if self.rule is None else None
@@ -101,9 +104,10 @@ class HostEviction:
         ``min_scores``: the candidate search's (:class:`~kvpolicy_torch.victims.CandidateSearch`)."""
         rule, count = self.rule, layout.rows.count
         one_token = layout.phase == "decode" and rule is not None and layout.extra is None
-        if self.policy.score_statistic in KEY_STATISTICS and (not one_token or max(count) > rule.limit or self.refresh > 1):  # type: ignore[union-attr]
+        if self.policy.score_statistic in KEY_STATISTICS and (not one_token or (not self.once and (max(count) > rule.limit or self.refresh > 1))):  # type: ignore[union-attr]
             # (a decode step under the rule's limit evicts nothing: no scores needed, unless a
-            # refresh interval counts the steps between two scorings)
+            # refresh interval counts the steps between two scorings; a token-local score was
+            # given to the decode token when it was cached: LayerCache.append)
             self.score_keys(layout, running)
         if not one_token:
             return [] if self.declines(layout) else self.general(layout, chunk_bytes=chunk_bytes)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvpolicy.policy import EvictionPolicy
-from kvpolicy.statistics import Rotary
+from kvpolicy.statistics import Rotary, scored_once
 from kvpolicy.validation import check_int
 
 from .checks import (
@@ -45,7 +45,7 @@ from .eviction import HostEviction
 from .group import LayerGroup
 from .layout import SlotLayout
 from .posshift import KeyShift, PrefixShift, SinkShift
-from .queries import RunningMoments
+from .queries import RunningMoments, token_scores
 from .reads import LayerReads
 from .rows import LayerSnapshot
 from .static import StaticSteps, StepOptions
@@ -137,6 +137,7 @@ class LayerCache(LayerReads):
         self.static_shapes = bool(static_shapes)
         self.reserve = reserve
         self.rule = policy.decode_eviction
+        self._once = scored_once(policy)  # (kvpolicy.statistics.scored_once: decode tokens scored when cached)
         # head-wise budgets (AdaKV): a row's count is its widest head's, the others hold holes
         self._ragged = bool(policy.ragged_heads)
         self._key_shift = key_shift
@@ -153,7 +154,8 @@ class LayerCache(LayerReads):
         # the one-token eviction: its victims among candidates (large CPU caches, H2O) or left to
         # the group (LayerGroup: one search for every layer)
         self._victims = None if rule is None else OneTokenEviction(
-            rule, shared=policy.selection == "shared", grows=policy.score_statistic == "accumulate",
+            # (scores that only grow, or never change once given: the candidates' bound holds)
+            rule, shared=policy.selection == "shared", grows=policy.score_statistic == "accumulate" or self._once,
             reduce_scores=self.reduce_scores, group=None if self.static_shapes else self.group, index=self._group_index,
         )
         # only the sinks of an "oldest" rule are shifted (a PrefixShift); other layouts shift per slot
@@ -265,7 +267,9 @@ class LayerCache(LayerReads):
             valid, real = checked_valid(valid, real, keys)
         if q == 1:
             self._slots.room_for_token(layout, chunk_bytes=chunk_bytes)
-            layout.write_one(keys, values)
+            # a score from the cache that is the token's own (Knorm): computed once, here
+            score = token_scores(self.policy, keys, values, layout.rows.seen, layout.store.scores.dtype) if self._once else None
+            layout.write_one(keys, values, score)
             if layout.sink_shift is not None:
                 layout.shift_sinks()
         else:

@@ -163,10 +163,11 @@ class SlotLayout:
             return [] if front[0] < slots or free[0] else [0]
         return [r for r, f in enumerate(front) if f >= slots and not free[r]]
 
-    def write_one(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write_one(self, keys: torch.Tensor, values: torch.Tensor, score: torch.Tensor | None = None) -> None:
         """Write one decode token per row ``[batch, kv_heads, 1, head_dim]`` (every row has room:
         :meth:`rows_at_end` is empty); the range returned is the slots up to the furthest frontier
-        (every slot under static shapes)."""
+        (every slot under static shapes). ``score`` ``[batch, kv_heads, 1]``: the token's score
+        where the policy scores it once (else 0)."""
         store, rows = self.storage(), self.rows
         one = rows.batch == 1 and not self.static
         if one and rows.free[0]:
@@ -176,7 +177,7 @@ class SlotLayout:
             # on can hold their position, score and bias ahead of time (three writes fewer a step)
             ready_tail(store, rows.front[0], rows.seen[0])
             self.tail_ready = True
-        write_token(store, rows, keys, values, tail_ready=one and self.tail_ready)
+        write_token(store, rows, keys, values, tail_ready=one and self.tail_ready, score=score)
         self.chunk = None
         self.returned = store.slots if self.static else max(rows.front)
         self.bias_needed = self.needs_bias()

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from kvpolicy.policy import EvictionPolicy
-from kvpolicy.statistics import UNSCORED, QueryMoments, Rotary, cache_scores, mark_unscored, query_moments, refresh_due, refresh_interval
+from kvpolicy.statistics import UNSCORED, CachedTokens, QueryMoments, Rotary, cache_scores, mark_unscored, query_moments, refresh_due, refresh_interval
 
 from .storage import Storage
 
-__all__ = ["RunningMoments", "held_scores"]
+__all__ = ["RunningMoments", "held_scores", "token_scores"]
 
 
 class RunningMoments:
@@ -109,6 +109,39 @@ class RunningMoments:
         """Forget every query."""
         self.moments = None
         self.scored_seen = self.scored_host = self.marked_host = None
+
+
+def token_scores(policy: EvictionPolicy, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | list[int],
+                 dtype: torch.dtype) -> torch.Tensor:
+    """``[batch, kv_heads, q]`` in ``dtype``: the scores of ``q`` tokens about to be cached
+    (``keys`` ``[batch, kv_heads, q, head_dim]``), for a policy that scores each token once
+    (:func:`kvpolicy.statistics.scored_once`); ``positions``: their original positions, a tensor
+    broadcastable to ``[batch, kv_heads, q]`` or one int per row (decode).
+
+    Example:
+        >>> from kvpolicy import Knorm
+        >>> token_scores(Knorm(size=4), torch.tensor([[[[3.0, 4.0]]]]), torch.zeros(1, 1, 1, 2), [7], torch.float32).tolist()
+        [[[-5.0]]]
+    """
+    b, h, q, _ = keys.shape
+    n_seen: Any
+    if isinstance(positions, list) and all(p == positions[0] for p in positions):
+        positions, n_seen = torch.full((b, h, q), positions[0], device=keys.device), positions[0] + 1
+    else:
+        if isinstance(positions, list):
+            positions = torch.tensor(positions, device=keys.device).view(-1, 1, 1)
+        positions = positions.expand(b, h, q)
+        n_seen = positions + 1
+    # (the policy's own score, called directly: a token being cached is no hole, so cache_scores'
+    # masking is not needed, and a decode step pays for every kernel; the shape check stays)
+    scorer = policy.statistic_policy
+    score = scorer.cache_score(CachedTokens(keys, values, positions, n_seen, policy.key_recent))
+    if score.shape != positions.shape:
+        raise ValueError(
+            f"{scorer!r}.cache_score must return one score per cached token, shape {tuple(positions.shape)}; "
+            f"got {tuple(score.shape)}"
+        )
+    return score.to(dtype)
 
 
 def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: Storage, seen: Any,

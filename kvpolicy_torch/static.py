@@ -36,12 +36,12 @@ import math
 import torch
 
 from kvpolicy.policy import KEY_STATISTICS, DecodeEviction, EvictionPolicy
-from kvpolicy.statistics import low_attention
+from kvpolicy.statistics import low_attention, scored_once
 
 from .attention import rope_rotate
 from .compaction import sort_by_position
 from .layout import SlotLayout
-from .queries import RunningMoments, held_scores
+from .queries import RunningMoments, held_scores, token_scores
 from .rows import Rows
 from .scores import fold_received
 from .storage import Storage, fixed_addresses
@@ -162,9 +162,10 @@ class DecodeState:
 
     # ------------------------------------------------------------------ update
     def append(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor,
-               may_overflow: bool = True) -> None:
+               may_overflow: bool = True, score: torch.Tensor | None = None) -> None:
         """Write one token per row ``[batch, kv_heads, 1, head_dim]`` at each row's free slot:
-        key, value, position ``seen``; score 0 (a first statistic for every rule).
+        key, value, position ``seen``; score 0 (a first statistic for every rule), or ``score``
+        ``[batch, kv_heads, 1]`` (a score the policy gives each token once, when it is cached).
         ``may_overflow=False``: the layer knows no row can run out of slots (a one-token eviction
         frees one at every step from ``limit + 1`` tokens on, and the storage holds more), so the
         check is left out of the step."""
@@ -176,7 +177,7 @@ class DecodeState:
         k.scatter_(2, at[..., None].expand(*at.shape, k.shape[-1]), keys)
         v.scatter_(2, at[..., None].expand(*at.shape, v.shape[-1]), values)
         pos.scatter_(2, at, self.seen[:, None, None].expand_as(at))
-        scores.scatter_(2, at, torch.zeros_like(at, dtype=scores.dtype))
+        scores.scatter_(2, at, torch.zeros_like(at, dtype=scores.dtype) if score is None else score.to(scores.dtype))
         self.seen += 1
         self.count += 1
         self.free += 1  # the next free slot, unless an eviction frees one (evict sets it)
@@ -292,6 +293,7 @@ class StaticSteps:
     def __init__(self, policy: EvictionPolicy, reduce_scores=None) -> None:  # type: ignore[no-untyped-def]
         self.policy = policy
         self.rule = policy.decode_eviction
+        self.once = scored_once(policy)  # decode tokens scored when cached (Knorm), never rescored
         self.reduce_scores = reduce_scores
         self.state: DecodeState | None = None
         #: the device ran decode steps the host layout has not seen yet
@@ -315,9 +317,13 @@ class StaticSteps:
 
     def append(self, store: Storage, keys: torch.Tensor, values: torch.Tensor) -> None:
         """A decode token written at each row's free slot (:meth:`DecodeState.append`)."""
+        state = self.state
+        assert state is not None  # (takes() said so)
+        # a score from the cache that is the token's own (Knorm): computed once, here
+        score = token_scores(self.policy, keys, values, state.seen.view(-1, 1, 1), store.scores.dtype) if self.once else None
         # a one-token eviction keeps every row at or below limit + 1 tokens: no overflow while the
         # storage holds more than the limit
-        self.state.append(store, keys, values, may_overflow=self.rule is None or store.slots <= self.rule.limit)  # type: ignore[union-attr]
+        state.append(store, keys, values, may_overflow=self.rule is None or store.slots <= self.rule.limit, score=score)
         self.newer = True
 
     def attend(self, store: Storage, query: torch.Tensor, scaling: float, options: StepOptions) -> torch.Tensor:
@@ -336,7 +342,7 @@ class StaticSteps:
         if self.rule is None:
             return False
         policy = self.policy
-        if policy.score_statistic in KEY_STATISTICS:  # scores from the cache (Knorm, KeyDiff, Expected Attention)
+        if policy.score_statistic in KEY_STATISTICS and not self.once:  # scores from the cache (KeyDiff, Expected Attention)
             store.scores.copy_(held_scores(policy, running, store, self.state.seen.view(-1, 1, 1), "decode"))  # type: ignore[union-attr]
         self.state.evict(store, self.rule, policy.selection == "shared", self.reduce_scores)  # type: ignore[union-attr]
         return True

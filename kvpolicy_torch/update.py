@@ -18,10 +18,14 @@ from .storage import Storage
 __all__ = ["chunk_tokens", "ready_tail", "write_token"]
 
 
-def write_token(store: Storage, rows: Rows, keys: torch.Tensor, values: torch.Tensor, *, tail_ready: bool) -> None:
+def write_token(store: Storage, rows: Rows, keys: torch.Tensor, values: torch.Tensor, *, tail_ready: bool,
+                score: torch.Tensor | None = None) -> None:
     """Write one token per row ``[batch, kv_heads, 1, head_dim]`` at each row's target slot (its
     last freed slot, else its frontier) and update ``rows``: key, value, position ``seen``, and
     score and bias 0. Every row needs room (the caller grew or compacted the storage).
+
+    ``score``: ``[batch, kv_heads, 1]``, the new token's score instead of 0 (a score the policy
+    computes once per token: :func:`kvpolicy.statistics.scored_once`).
 
     ``tail_ready``: one row whose slots from the frontier on already hold the position, score and
     bias a frontier write gives them (:func:`ready_tail`), so such a write stores only the key and
@@ -44,6 +48,8 @@ def write_token(store: Storage, rows: Rows, keys: torch.Tensor, values: torch.Te
             store.positions.select(2, s).fill_(seen[0])
             store.scores.select(2, s).fill_(0)
             store.bias.select(2, s).fill_(0)
+        if score is not None:
+            store.scores.narrow(2, s, 1).copy_(score)
         if s == front[0]:
             front[0] = s + 1
         seen[0] += 1
@@ -60,7 +66,10 @@ def write_token(store: Storage, rows: Rows, keys: torch.Tensor, values: torch.Te
             store.positions.select(2, s).fill_(seen[0])  # a host scalar: no index tensor
         else:
             store.positions.select(2, s).copy_(torch.tensor(seen, device=store.positions.device)[:, None])
-        store.scores.select(2, s).fill_(0)
+        if score is None:
+            store.scores.select(2, s).fill_(0)
+        else:
+            store.scores.narrow(2, s, 1).copy_(score)
         store.bias.select(2, s).fill_(0)
     else:  # rows on their own schedules: one slot per row
         dev = store.keys.device
@@ -69,7 +78,7 @@ def write_token(store: Storage, rows: Rows, keys: torch.Tensor, values: torch.Te
         store.keys[index, :, at] = keys[:, :, 0]
         store.values[index, :, at] = values[:, :, 0]
         store.positions[index, :, at] = torch.tensor(seen, device=dev)[:, None]
-        store.scores[index, :, at] = 0
+        store.scores[index, :, at] = 0 if score is None else score[:, :, 0].to(store.scores.dtype)
         store.bias[index, :, at] = 0
     for r in range(rows.batch):
         if free[r]:

@@ -15,7 +15,8 @@ class Knorm(KeepHighest):
 
     A token's score is minus the L2 norm of its cached key (``score_statistic = "key_norm"``,
     :func:`kvpolicy.statistics.key_scores`): the backends compute it from the keys they hold, so
-    attention is never captured (decode takes plain SDPA). While the cache holds more than
+    attention is never captured (decode takes plain SDPA); a norm depends on its key alone
+    (``score_once``), so a decode token is scored once, when it is cached. While the cache holds more than
     ``size`` tokens, the token with the largest key norm outside the newest ``recent`` goes (ties:
     the earliest position): one token per decode step; after a prompt longer than ``size``, the
     ``size`` smallest norms are kept in one decision. Norms are of the keys as cached (after RoPE
@@ -36,6 +37,7 @@ class Knorm(KeepHighest):
 
     name = "knorm"
     score_statistic = "key_norm"
+    score_once = True  # a key's norm is its own: scored once, when the key is cached
 
     def cache_score(self, tokens: CachedTokens) -> Array:
         """Minus the L2 norm of each cached key (:func:`kvpolicy.statistics.key_scores`)."""

@@ -56,6 +56,55 @@ def test_the_kit_holds_the_declared_score_numpy_equal_torch() -> None:
     assert report.results["backends"] == "passed" and report.results["replay"] == "passed", report.results
 
 
+class OnceValueNorm(ValueNorm):
+    """The same score declared token-local (``score_once``): a value's norm is its own (test only)."""
+
+    name = "once_value_norm_test"
+    score_once = True
+
+
+class StaleKeyDiff(KeepHighest):
+    """KeyDiff's cosine to the mean key, wrongly declared token-local: the mean moves with every
+    token, so scores given once go stale (test only: the kit must catch the false declaration)."""
+
+    name = "stale_keydiff_test"
+    score_statistic = "cache"
+    score_once = True
+
+    def cache_score(self, tokens: CachedTokens) -> Array:
+        from kvpolicy.statistics import key_scores
+
+        return key_scores("key_diff", tokens.keys, tokens.positions, tokens.n_seen)
+
+
+def test_a_token_local_score_declared_once_passes_the_kit() -> None:
+    pytest.importorskip("torch")
+    from hypothesis import HealthCheck, settings
+
+    from kvpolicy.statistics import scored_once
+    from kvpolicy.testing import check_policy
+
+    assert scored_once(OnceValueNorm(size=2)) and not scored_once(ValueNorm(size=2))
+    quick = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    report = check_policy(OnceValueNorm, {"size": st.integers(1, 6), "recent": st.just(0)}, checks=["backends", "replay"],
+                          torch=True, settings=quick)
+    assert report.results["backends"] == "passed", report.results
+
+
+def test_the_kit_fails_a_score_wrongly_declared_token_local() -> None:
+    """The torch backend trusts ``score_once`` (a decode token scored when cached, never again);
+    the NumPy reference rescores every time: their kept tokens part, and the kit says so."""
+    pytest.importorskip("torch")
+    from hypothesis import HealthCheck, settings
+
+    from kvpolicy.testing import ContractViolation, check_policy
+
+    quick = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    with pytest.raises(ContractViolation, match="backends"):
+        check_policy(StaleKeyDiff, {"size": st.integers(2, 6), "recent": st.just(0)}, checks=["backends"], torch=True,
+                     settings=quick)
+
+
 def test_the_reference_scores_from_the_values_it_is_given() -> None:
     import kvpolicy_numpy
 
