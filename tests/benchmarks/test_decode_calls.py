@@ -1,0 +1,29 @@
+"""benchmarks/decode_calls.py: the counts of one decode step's project calls (issue 43), on tiny
+random-weight Llamas. A ratchet: the eager and the static step may not wander further than they
+did when the count was first taken (2026-11-27: H2O eager 50 calls in 15 modules a layer, static
+33 in 8); lower them when a change takes calls out."""
+
+from __future__ import annotations
+
+import pytest
+
+#: The most calls and modules one layer's decode step may take (today's counts).
+CEILINGS = {("h2o", False): (50, 15), ("h2o", True): (33, 8), ("knorm", False): (62, 19), ("knorm", True): (36, 10)}
+
+
+@pytest.mark.parametrize("policy,static", sorted(CEILINGS))
+def test_one_layers_decode_step_stays_within_its_count(benchmark_module, policy: str, static: bool) -> None:
+    row = benchmark_module("decode_calls").count(policy, static=static)
+    calls, modules = CEILINGS[(policy, static)]
+    assert 0 < row["calls_per_layer"] <= calls, row["layer_calls"]
+    assert 0 < row["modules_per_layer"] <= modules, row["modules"]
+    # the layer's segment is its own: its cache update first, its eviction's work inside
+    assert row["layer_calls"][:2] == ["update", "update"]
+
+
+def test_the_script_prints_a_row_per_policy_and_layout(benchmark_module, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = benchmark_module("decode_calls").main(["--policies", "streaming_llm"])
+    assert [(r["policy"], r["static_shapes"]) for r in rows] == [("streaming_llm", False), ("streaming_llm", True)]
+    assert "streaming_llm" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown"):
+        benchmark_module("decode_calls").main(["--policies", "nope"])
