@@ -37,7 +37,8 @@ import time
 from typing import Any
 
 #: kvpress presses by the name of the kvpolicy policy that keeps the same tokens (docs/results.md, section 9)
-PRESSES = ("streaming_llm", "snapkv", "tova", "knorm", "keydiff", "expected_attention")
+PRESSES = ("streaming_llm", "snapkv", "tova", "knorm", "keydiff", "expected_attention", "adakv_snapkv",
+           "adakv_expected_attention")
 
 
 def export(args: argparse.Namespace) -> int:
@@ -61,9 +62,11 @@ def export(args: argparse.Namespace) -> int:
         n = s.prompt_length - (s.question_length or 0)
         if not s.question_length:
             raise ValueError("export needs the question after the compression (--ruler-question after)")
-        rows.append({"id": s.id, "subtask": s.target["subtask"], "context_ids": s.input_ids[:n],
-                     "question_ids": s.input_ids[n:], "answers": s.target["answers"], "metric": s.target["metric"],
-                     "max_new_tokens": s.max_new_tokens})
+        t = s.target
+        rows.append({"id": s.id, "subtask": t["subtask"], "context_ids": s.input_ids[:n],
+                     "question_ids": s.input_ids[n:], "answers": t["answers"], "metric": t["metric"],
+                     "max_new_tokens": s.max_new_tokens, "context": t["context"], "question": t["question"],
+                     "answer_prefix": t["answer_prefix"]})
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump({"flags": vars(args) | {"func": None}, "samples": rows}, fh)
     print(f"{len(rows)} samples -> {args.out}")
@@ -71,55 +74,56 @@ def export(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Step 2 (kvpress's venv): each sample without a press and through each press and ratio."""
+    """Step 2 (kvpress's venv): each sample through kvpress's own ``KVPressTextGenerationPipeline``,
+    without a press and with each press at each ratio (``query_aware=False``: the question is not
+    part of the compressed context). The pipeline is given the sample's text (context, question,
+    answer prefix) and tokenises it itself; its token ids are checked against the ones kvpolicy
+    fed (the export's), so both libraries run the same tokens."""
     import torch
     from kvpress import (
-        ExpectedAttentionPress, KeyDiffPress, KnormPress, SnapKVPress, StreamingLLMPress, TOVAPress,
+        AdaKVPress, ExpectedAttentionPress, KeyDiffPress, KnormPress, SnapKVPress, StreamingLLMPress, TOVAPress,
     )
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, pipeline
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
     samples = json.load(open(args.samples_json, encoding="utf-8"))["samples"]
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
     ratios = [float(r) for r in args.ratios.split(",")]
     make = {"streaming_llm": lambda r: StreamingLLMPress(compression_ratio=r),
             "snapkv": lambda r: SnapKVPress(compression_ratio=r),
             "tova": lambda r: TOVAPress(compression_ratio=r),
             "knorm": lambda r: KnormPress(compression_ratio=r),
             "keydiff": lambda r: KeyDiffPress(compression_ratio=r),
-            "expected_attention": lambda r: ExpectedAttentionPress(compression_ratio=r)}
+            "expected_attention": lambda r: ExpectedAttentionPress(compression_ratio=r),
+            "adakv_snapkv": lambda r: AdaKVPress(SnapKVPress(compression_ratio=r)),
+            "adakv_expected_attention": lambda r: AdaKVPress(ExpectedAttentionPress(compression_ratio=r))}
+    unknown = sorted(set(args.presses.split(",")) - set(make))
+    if unknown:
+        raise SystemExit(f"--presses: unknown {unknown}; choose from {', '.join(make)}")
     configs = [("full", 0.0)] + [(p, r) for p in args.presses.split(",") for r in ratios]
     out: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     for k, s in enumerate(samples):
-        ctx = torch.tensor([s["context_ids"]])
-        q = torch.tensor([s["question_ids"]])
+        ids = pipe.preprocess(s["context"], [s["question"]], s["answer_prefix"], max_context_length=10**9)
+        fed = (ids["context_ids"][0].tolist(), ids["questions_ids"][0][0].tolist())
+        if fed != (s["context_ids"], s["question_ids"]):
+            raise SystemExit(f"{s['id']}: kvpress's pipeline tokenises the sample differently from kvpolicy's export "
+                             f"(context {len(fed[0])} vs {len(s['context_ids'])} ids, question {len(fed[1])} vs "
+                             f"{len(s['question_ids'])}): not the same tokens, nothing to compare")
         for name, ratio in configs:
             cache = DynamicCache()
             press = None if name == "full" else make[name](ratio)
             with torch.no_grad():
-                if press is None:
-                    model.model(input_ids=ctx, past_key_values=cache)
-                else:
-                    with press(model):
-                        model.model(input_ids=ctx, past_key_values=cache)
-                kept = int(cache.layers[0].keys.shape[2])
-                pos = torch.arange(ctx.shape[1], ctx.shape[1] + q.shape[1])[None]
-                logits = model(input_ids=q, past_key_values=cache, position_ids=pos, logits_to_keep=1).logits
-                ids = [int(logits[0, -1].argmax())]
-                nxt = pos[:, -1:] + 1
-                for i in range(s["max_new_tokens"] - 1):
-                    if ids[-1] in eos:
-                        break
-                    logits = model(input_ids=torch.tensor([[ids[-1]]]), past_key_values=cache, position_ids=nxt + i).logits
-                    ids.append(int(logits[0, -1].argmax()))
-            text = args_tokenizer_decode(args.model_dir, ids)
+                answer = pipe(s["context"], question=s["question"], answer_prefix=s["answer_prefix"], press=press,
+                              max_new_tokens=s["max_new_tokens"], cache=cache)["answer"]
+            # (the pipeline cuts the answer back out of the cache: what is left is the compressed context)
+            kept = int(cache.layers[0].keys.shape[2])
             out.append({"id": s["id"], "subtask": s["subtask"], "press": name, "ratio": ratio, "kept_context": kept,
-                        "context": int(ctx.shape[1]), "text": text})
+                        "context": len(s["context_ids"]), "text": answer})
         print(f"[{k + 1}/{len(samples)}] {s['id']} {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         _write(args.out, out, args.threads, time.perf_counter() - t0)  # after every sample: a cut run keeps its part
     print(f"{len(out)} outputs -> {args.out}")
@@ -131,18 +135,6 @@ def _write(path: str, outputs: list[dict[str, Any]], threads: int, seconds: floa
 
     with open(path, "w", encoding="utf-8") as fh:
         json.dump({"kvpress": version("kvpress"), "threads": threads, "seconds": seconds, "outputs": outputs}, fh)
-
-
-_TOKENIZERS: dict[str, Any] = {}
-
-
-def args_tokenizer_decode(model_dir: str, ids: list[int]) -> str:
-    """Decode ``ids`` with the model folder's tokenizer (special tokens skipped, as both sides do)."""
-    if model_dir not in _TOKENIZERS:
-        from transformers import AutoTokenizer
-
-        _TOKENIZERS[model_dir] = AutoTokenizer.from_pretrained(model_dir)
-    return str(_TOKENIZERS[model_dir].decode(ids, skip_special_tokens=True))
 
 
 def score(args: argparse.Namespace) -> int:
@@ -184,7 +176,40 @@ def score(args: argparse.Namespace) -> int:
             print(f"- {c['policy']} ratio {ratio:g} ({len(both)} samples): kvpolicy {100 * _mean([mine[k] for k in both]):.1f} "
                   f"(realised budget {100 * c['realised_budget']:.1f}% over the whole run), kvpress "
                   f"{100 * _mean([theirs[k] for k in both]):.1f}; difference {100 * _mean(d):+.1f} (s.e. {100 * _se(d):.1f})")
+        same, total, differ = identical_answers(ours, outputs)
+        print(f"\nThe same answer as kvpress's pipeline (text equal, per sample, method and ratio): {same} of {total}"
+              + (f" ({100 * same / total:.1f}%)" if total else ""))
+        for line in differ:
+            print(f"- differs: {line}")
     return 0
+
+
+def identical_answers(cells: list[dict[str, Any]], outputs: list[dict[str, Any]]) -> tuple[int, int, list[str]]:
+    """``(same, total, differing)``: of the (sample, method, ratio) triples both runs have, how many
+    answers are the same text; ``differing`` names the others (with both texts' starts). The
+    ratio of a kvpolicy cell is ``1 - requested_budget`` (run with ``--ruler-protocol kvpress``).
+
+    Example:
+        >>> cells = [{"kind": "budget", "policy": "knorm", "requested_budget": 0.75, "samples": [{"id": "a", "text": "x"}]}]
+        >>> identical_answers(cells, [{"id": "a", "press": "knorm", "ratio": 0.25, "text": "x"}])
+        (1, 1, [])
+    """
+    theirs = {(o["id"], o["press"], round(float(o["ratio"]), 6)): o["text"] for o in outputs}
+    same, total, differ = 0, 0, []
+    for c in cells:
+        if c["kind"] != "budget" or c["policy"] not in PRESSES:
+            continue
+        ratio = round(1 - c["requested_budget"], 6)
+        for e in c["samples"]:
+            other = theirs.get((e["id"], c["policy"], ratio))
+            if other is None or "text" not in e:
+                continue
+            total += 1
+            if e["text"] == other:
+                same += 1
+            else:
+                differ.append(f"{e['id']} {c['policy']} {ratio:g}: kvpolicy {e['text'][:40]!r}, kvpress {other[:40]!r}")
+    return same, total, differ
 
 
 def _mean(x: list[float]) -> float:

@@ -198,7 +198,9 @@ class RulerTask(Task):
             out.append(Sample(id=f"ruler-{subtask}-{i}", kind="gen", input_ids=head + tail, prompt_length=len(head) + len(tail),
                               max_new_tokens=max_new, question_length=len(tail) if after else 0,
                               target={"answers": list(ex.answers), "metric": ex.metric, "subtask": subtask,
-                                      "haystack_size": ex.size},
+                                      "haystack_size": ex.size,
+                                      # the text parts, as kvpress's pipeline takes them (benchmarks/peers/ruler_kvpress.py)
+                                      "context": ex.context, "question": ex.question, "answer_prefix": ex.answer_prefix},
                               group=(subtask,)))
         lengths = [s.prompt_length for s in out]
         questions = [len(s.input_ids) - s.prefill_length for s in out]
