@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COSINE_GRID", "KEY_EPS", "LOW_MARGIN", "MAX_HISTORY", "SCORE_BITS", "UNSCORED", "CachedTokens", "QueryMoments", "Rotary",
     "average_rotation", "cache_scores", "expected_attention", "history_counts", "history_record", "key_scores",
-    "low_attention", "mark_unscored", "query_moments", "refresh_due", "refresh_interval", "scored_once", "shift_history",
+    "low_attention", "mark_unscored", "query_moments", "refresh_due", "refresh_interval", "refresh_sink", "scored_once", "shift_history",
 ]
 
 #: KeyDiff's cosines are rounded to multiples of this (``2 ** -30``, far below the float32 precision
@@ -411,13 +411,17 @@ def scored_once(policy: "EvictionPolicy") -> bool:
 
 def refresh_interval(policy: "EvictionPolicy") -> int:
     """Decode steps between two scorings of a policy whose scores come from the cache: its (or its
-    wrapper's scorer's) ``refresh`` (Expected Attention), 1 for any other (every step).
+    wrapper's scorer's) ``refresh`` parameter (Expected Attention's, KeyDiff's, or any scorer that
+    declares one), 1 for any other (every step), and 1 for a score declared token-local
+    (:func:`scored_once`: it never goes stale).
 
     Example:
         >>> from kvpolicy import ExpectedAttention, Knorm
         >>> refresh_interval(ExpectedAttention(size=8, refresh=4)), refresh_interval(Knorm(size=8))
         (4, 1)
     """
+    if scored_once(policy):
+        return 1
     return int(getattr(policy.statistic_policy, "refresh", 1))
 
 
@@ -434,6 +438,19 @@ def refresh_due(refresh: int, n_seen: Any, scored_seen: Any) -> Any:
         [True, False, False, False, True]
     """
     return (n_seen - scored_seen >= refresh) | (n_seen < scored_seen)
+
+
+def refresh_sink(policy: "EvictionPolicy") -> int:
+    """The first positions a refresh interval leaves scored ``+inf`` between two scorings (what a
+    scoring gives them): Expected Attention's ``sink`` (its scorer's under a wrapper), 0 for a
+    policy without one (KeyDiff).
+
+    Example:
+        >>> from kvpolicy import ExpectedAttention, KeyDiff
+        >>> refresh_sink(ExpectedAttention(size=8, sink=2)), refresh_sink(KeyDiff(size=8))
+        (2, 0)
+    """
+    return int(getattr(policy.statistic_policy, "sink", 0)) if policy.observes_queries else 0
 
 
 def mark_unscored(scores: Array, positions: Array, scored_seen: Any, sink: int) -> Array:

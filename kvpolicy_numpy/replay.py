@@ -14,7 +14,8 @@ from kvpolicy.budget import realised_budget
 from kvpolicy.driver import evict_until_done, log_n_scales, nonfinite_rows, softmax, warn_nonfinite
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy, check_eviction_policy
 from kvpolicy.statistics import (
-    Rotary, cache_scores, history_record, low_attention, mark_unscored, query_moments, refresh_due, refresh_interval, shift_history,
+    Rotary, cache_scores, history_record, low_attention, mark_unscored, query_moments, refresh_due, refresh_interval, refresh_sink,
+    shift_history,
 )
 
 __all__ = ["Trace", "replay", "require_finite", "softmax", "validate_keys", "validate_logits", "validate_queries", "validate_rope", "validate_values"]
@@ -334,7 +335,7 @@ def replay(
     if queries is not None and values is None:
         raise ValueError(f"values are required for {policy!r}: its scores multiply by the value norm; pass values=[steps, heads, d]")
     from_keys = policy.score_statistic in KEY_STATISTICS
-    sink = getattr(policy.statistic_policy, "sink", 0) if policy.observes_queries else 0  # (Expected Attention's, or its wrapper's scorer's)
+    sink = refresh_sink(policy)  # (Expected Attention's, or its wrapper's scorer's; 0 for any other)
 
     state = policy.init_state()
     positions = np.zeros((1, heads, 0), dtype=np.int64)

@@ -33,8 +33,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kvpolicy.policy import EvictionPolicy
-from kvpolicy.statistics import Rotary, scored_once
+from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
+from kvpolicy.statistics import Rotary, refresh_interval, refresh_sink, scored_once
 from kvpolicy.validation import check_int
 
 from .checks import (
@@ -173,7 +173,9 @@ class LayerCache(LayerReads):
         self._slots = SlotAllocator(policy, plan, group=self.group, index=self._group_index, static=self._static, ragged=self._ragged)
         self._eviction = HostEviction(policy, self._victims, self._slots, self.reduce_scores)
         #: Expected Attention: the running moments of the queries seen (:meth:`observe_queries`)
-        self.running_queries = RunningMoments(policy.statistic_policy.sink) if policy.observes_queries else None  # type: ignore[attr-defined]
+        #: (and a refresh interval's bookkeeping for any score from the cache that declares one)
+        refreshes = policy.score_statistic in KEY_STATISTICS and refresh_interval(policy) > 1
+        self.running_queries = RunningMoments(refresh_sink(policy)) if policy.observes_queries or refreshes else None
 
     # ------------------------------------------------------------------ copies (pickle, deepcopy, torch.save)
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -487,7 +489,7 @@ class LayerCache(LayerReads):
             >>> layer.length, layer.running_queries.moments.count.tolist()
             (2, [4.0])
         """
-        if self.running_queries is None:
+        if self.running_queries is None or not self.policy.observes_queries:
             return
         store = self._layout.store
         if store is None:

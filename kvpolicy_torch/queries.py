@@ -22,7 +22,10 @@ from typing import Any
 import torch
 
 from kvpolicy.policy import EvictionPolicy
-from kvpolicy.statistics import UNSCORED, CachedTokens, QueryMoments, Rotary, cache_scores, mark_unscored, query_moments, refresh_due, refresh_interval
+from kvpolicy.statistics import (
+    UNSCORED, CachedTokens, QueryMoments, Rotary, cache_scores, mark_unscored, query_moments, refresh_due, refresh_interval,
+    refresh_sink,
+)
 
 from .storage import Storage
 
@@ -30,7 +33,10 @@ __all__ = ["RunningMoments", "held_scores", "token_scores"]
 
 
 class RunningMoments:
-    """The running :class:`~kvpolicy.statistics.QueryMoments` of one layer's queries.
+    """The running :class:`~kvpolicy.statistics.QueryMoments` of one layer's queries (Expected
+    Attention), and the bookkeeping of a refresh interval (:func:`held_scores`) for any score from
+    the cache that declares one (KeyDiff's ``refresh``: then no query is observed, ``moments``
+    stays ``None``).
 
     Args:
         sink: queries at positions below this are not counted (the policy's ``sink``).
@@ -158,7 +164,7 @@ def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: S
     step must come here (the layer's eviction calls it at each)."""
     if running is None:
         return cache_scores(policy, slots.keys, slots.values, slots.positions, seen)
-    if running.moments is None:
+    if running.moments is None and policy.observes_queries:
         raise RuntimeError(
             f"{policy!r} scores from the queries' moments, and no query was observed: call observe_queries() "
             f"with each step's queries before evict() (the transformers cache does)"
@@ -179,7 +185,7 @@ def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: S
         running.scored_seen = rows.clone(memory_format=torch.contiguous_format)
         running.scored_host = running.marked_host = seen_max
         return fresh()
-    sink = int(policy.statistic_policy.sink)  # type: ignore[attr-defined]
+    sink = refresh_sink(policy)
 
     def stale() -> torch.Tensor:
         return mark_unscored(slots.scores, positions, last.view(-1, 1, 1), sink)

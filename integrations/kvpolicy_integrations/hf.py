@@ -691,7 +691,7 @@ class EvictingLayer(DynamicLayer):
         self.pending = False
         store = self.store
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        if store.running_queries is not None:  # Expected Attention: the queries' running moments, before evict()
+        if self.policy.observes_queries:  # Expected Attention: the queries' running moments, before evict()
             self.observe_queries(query, kwargs.get("position_ids"))
         if store.on_device:  # a static-shaped decode step: one graph (kvpolicy_torch.static)
             if dropout or not _fusable(kwargs):

@@ -28,6 +28,12 @@ class KeyDiff(KeepHighest):
         size: tokens kept between steps (>= 1).
         recent: newest tokens never evicted and not in the anchor (0 to ``size - 1``; default 0,
             the paper's rule).
+        refresh: decode steps between two scorings (>= 1; default 1: every step, the paper's
+            rule). With ``N > 1`` the keys are scored after a prompt and at every ``N``-th decode
+            step (as kvpress's ``DecodingPress`` compresses every ``N`` steps); in between the held
+            tokens keep their scores and a token appended since scores
+            :data:`~kvpolicy.statistics.UNSCORED` (kept before every scored one), as Expected
+            Attention's ``refresh``: a decode step no longer rescores every held key.
         selection: ``"per_head"`` (default): every KV head keeps its own tokens (its own anchor);
             ``"shared"``: scores summed over the heads of the layer, the same tokens on every head.
 
@@ -36,6 +42,8 @@ class KeyDiff(KeepHighest):
         >>> p = KeyDiff(size=64, recent=4)
         >>> p.capacity, p.key_recent, p.captures_attention
         (65, 4, False)
+        >>> KeyDiff(size=64, refresh=8)
+        KeyDiff(size=64, recent=0, refresh=8)
     """
 
     name = "keydiff"
@@ -43,6 +51,7 @@ class KeyDiff(KeepHighest):
 
     recent = Param(int, 0, minimum=0, maximum=lambda p: p.size - 1,
                    doc="most recent tokens always kept, outside the anchor (0: the paper's rule)")
+    refresh = Param(int, 1, minimum=1, shown="non-default", doc="decode steps between two scorings (1: every step)")
 
     @property  # type: ignore[override]
     def key_recent(self) -> int:

@@ -36,7 +36,10 @@ class PrefillOnly(WrappingPolicy):
     Parameters:
         policy: the scorer, a policy that ranks tokens (H2O, TOVA, Knorm, KeyDiff, SnapKV,
             Expected Attention: :attr:`~kvpolicy.EvictionPolicy.ranks_tokens`) or AdaKV over one;
-            its size does not matter, only how it ranks (e.g. SnapKV's window and kernel).
+            its size does not matter, only how it ranks (e.g. SnapKV's window and kernel). Or a
+            policy that keeps positions (StreamingLLM, the local window: a decode rule that evicts
+            the oldest after ``sink``): its first ``sink`` and the newest ``k - sink`` are kept,
+            kvpress's ``StreamingLLMPress``.
         compression_ratio: the share of the context removed, in ``[0, 1)``.
 
     Example:
@@ -52,10 +55,11 @@ class PrefillOnly(WrappingPolicy):
         if not isinstance(policy, EvictionPolicy):
             raise ValueError(f"policy must be an EvictionPolicy instance (e.g. Knorm(size=64)), got {policy!r}")
         scorer = policy.scorer if isinstance(policy, AdaKV) else policy
-        if not scorer.ranks_tokens:
+        if not scorer.ranks_tokens and _sinks(policy) is None:
             raise ValueError(
                 f"policy must rank tokens by a score (declare ranking(): H2O, TOVA, Knorm, KeyDiff, SnapKV, Expected "
-                f"Attention, or AdaKV over one), got {policy!r}: kvpress's protocol keeps each head's best tokens by it"
+                f"Attention, or AdaKV over one) or keep the newest tokens after its sinks (StreamingLLM, the local "
+                f"window), got {policy!r}: kvpress's protocol keeps each head's best tokens by it"
             )
         self.compression_ratio = check_float("compression_ratio", compression_ratio, low=0.0, high=1.0, high_open=True)
         super().__init__(selection=policy.selection)
@@ -64,6 +68,13 @@ class PrefillOnly(WrappingPolicy):
 
     # ---------------------------------------------------------------- what backends read
     # (the rest is the wrapped policy's: WrappingPolicy)
+    @property  # type: ignore[override]
+    def default_positions(self) -> str:
+        """``"original"``: kvpress's pipeline keeps every key at the position it was computed at
+        (its StreamingLLMPress does not re-rotate the kept keys), whatever the wrapped policy's
+        own default (StreamingLLM's pos-shift)."""
+        return "original"
+
     @property
     def capacity(self) -> int | None:
         return None  # the question and the answer are never evicted
@@ -88,6 +99,11 @@ class PrefillOnly(WrappingPolicy):
         k = self.kept_tokens(view.n_cached)
         if k >= view.n_cached:
             return None
+        sinks = _sinks(self.policy)
+        if sinks is not None:  # kvpress's StreamingLLMPress: the first `sink`, then the newest
+            first = min(sinks, k)
+            newest = view.arange(view.n_cached - (k - first), view.n_cached)
+            return view.keep(view.arange(first), newest) if first else view.keep(newest)
         if isinstance(self.policy, AdaKV):
             ada = self.policy
             ranking = ada.scorer.ranking(view)
@@ -108,6 +124,13 @@ class PrefillOnly(WrappingPolicy):
 
     def __hash__(self) -> int:
         return hash(("PrefillOnly", self.policy, self.compression_ratio))
+
+
+def _sinks(policy: EvictionPolicy) -> int | None:
+    """The sinks of a policy that keeps positions, not scores (its decode rule evicts the oldest
+    after the first ``sink``: StreamingLLM, the local window with 0), else ``None``."""
+    rule = policy.decode_eviction
+    return rule.sink if rule is not None and rule.victim == "oldest" else None
 
 
 def prefill_only(policy: EvictionPolicy, compression_ratio: float) -> PrefillOnly:

@@ -19,7 +19,8 @@ import numpy as np
 from kvpolicy.driver import evict_until_done, log_n_scales, read_only, softmax  # the reference's own, so the same bits
 from kvpolicy.policy import KEY_STATISTICS, CacheView, EvictionPolicy
 from kvpolicy.statistics import (
-    cache_scores, history_record, low_attention, mark_unscored, query_moments, refresh_due, refresh_interval, shift_history,
+    cache_scores, history_record, low_attention, mark_unscored, query_moments, refresh_due, refresh_interval, refresh_sink,
+    shift_history,
 )
 
 __all__ = ["ContractViolation", "NumpyCache", "TorchCache", "Lockstep", "example_inputs", "example_keys", "seeded_keys", "softmax"]
@@ -267,7 +268,7 @@ class NumpyCache:
         refresh = refresh_interval(self.policy)
         if refresh > 1 and self.phase == "decode" and self.scored_seen is not None and not refresh_due(refresh, self.n_seen, self.scored_seen):
             # between two scorings (a refresh interval): the tokens appended since are unscored
-            self.scores = mark_unscored(self.scores, self.positions, self.scored_seen, self.policy.statistic_policy.sink)  # type: ignore[attr-defined]
+            self.scores = mark_unscored(self.scores, self.positions, self.scored_seen, refresh_sink(self.policy))
         elif self.policy.score_statistic in KEY_STATISTICS:  # scores from the kept tokens' keys
             self.scored_seen = self.n_seen or None  # (an evict() before any token scores nothing: as torch's)
             cached = np.take_along_axis(self.all_keys, self.positions[..., None], axis=2)

@@ -37,6 +37,7 @@ POLICIES = [
     Knorm(12),  # scores from keys: no score capture
     KeyDiff(11, recent=2),
     KeyDiff(12, selection="shared"),
+    KeyDiff(12, refresh=3),  # scored every 3rd step, without query moments
     ExpectedAttention(12, sink=2, future=32),  # scores from keys, values and the queries' running moments
     ExpectedAttention(11, recent=2, selection="shared"),
     ExpectedAttention(12, sink=2, future=32, refresh=3),  # scored every 3rd step: the rows' seen differ, the steps not

@@ -53,7 +53,6 @@ EXCEPTIONS = {
     "kvpolicy.policies.local": "tests/core/test_policy.py (score-free policies), tests/torch/test_layer.py (the ring)",
     "kvpolicy.policies.streaming": "tests/core/test_policy.py (score-free policies), tests/torch/test_layer.py (the ring)",
     "kvpolicy.policies.knorm": "tests/core/test_statistics.py (key_norm on every backend)",
-    "kvpolicy.policies.keydiff": "tests/core/test_statistics.py (key_diff on every backend)",
     "kvpolicy.policies.lowest": "the base of H2O/TOVA/Scissorhands: their files and tests/core/test_policy.py",
     # kvpolicy.testing: the kit, held as one by its contract tests.
     "kvpolicy.testing._driver": "tests/core/testing/test_contract.py (the kit's drivers)",

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from kvpolicy import BUZZ, H2O, TOVA, ExpectedAttention, FullCache, KeyDiff, LocalWindow, SnapKV, StreamingLLM, make_policy
+from kvpolicy import BUZZ, H2O, TOVA, ExpectedAttention, FullCache, KeyDiff, Knorm, LocalWindow, SnapKV, StreamingLLM, make_policy
 from kvpolicy.hf import EvictingCache, cache_kwargs, compile_decode_step, greedy_decode
 from kvpolicy_tools.models import tiny_llama
 
@@ -45,6 +45,8 @@ POLICIES = {
     "pyramid_h2o": lambda: make_policy("pyramid_h2o", 0.1, context_length=PROMPT + STEPS, layers=2),  # tiny_llama: 2 layers
     "buzz": lambda: BUZZ(sink=2, window=12, stride=3),
     "keydiff": lambda: KeyDiff(size=24),
+    "keydiff_refresh": lambda: KeyDiff(size=24, refresh=3),  # a refresh interval without query moments
+    "knorm": lambda: Knorm(size=24),  # a token-local score, given when the token is written on the device
     "expected_attention": lambda: ExpectedAttention(size=24, future=64),  # running query moments on the device
     "expected_attention_refresh": lambda: ExpectedAttention(size=24, future=64, refresh=3),  # torch.cond in the graph
 }

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvpolicy_numpy
-from kvpolicy import H2O, TOVA, AdaKV, KeyDiff, Knorm, PrefillOnly, SnapKV, StreamingLLM, prefill_only
+from kvpolicy import BUZZ, H2O, TOVA, AdaKV, KeyDiff, Knorm, LocalWindow, PrefillOnly, SnapKV, StreamingLLM, prefill_only
 from kvpolicy.testing import check_policy
 
 torch = pytest.importorskip("torch")
@@ -88,6 +88,22 @@ def test_keeps_the_contract() -> None:
     assert report.passed == ["replay", "sizes", "full_cache", "backends", "stateful"]
 
 
+@pytest.mark.parametrize("sink,ratio", [(2, 0.5), (4, 0.25), (3, 0.8), (0, 0.5)])
+def test_a_positional_policy_keeps_its_sinks_and_the_newest_as_kvpress_streamingllm_press(sink: int, ratio: float) -> None:
+    """StreamingLLM (and the local window, ``sink=0``) under kvpress's protocol: the first ``sink``
+    and the newest ``int(n (1 - ratio)) - sink`` context tokens, as kvpress's StreamingLLMPress
+    keeps them; the question and the answer after it are never evicted."""
+    n, steps = 20, 26
+    policy = prefill_only(StreamingLLM(sink=sink, window=4) if sink else LocalWindow(window=4), ratio)
+    trace = kvpolicy_numpy.replay(policy, np.zeros((steps, 1, steps)), n)
+    k = max(1, int(n * (1 - ratio)))
+    first = min(sink, k)
+    want = list(range(first)) + list(range(n - (k - first), n))
+    assert trace.kept[n - 1][0].tolist() == want
+    assert trace.kept[-1][0].tolist() == want + list(range(n, steps))
+    assert policy.default_positions == "original"  # kvpress's pipeline re-rotates no key
+
+
 def test_reads_like_its_scorer_and_refuses_what_it_cannot_run() -> None:
     p = prefill_only(SnapKV(size=64, window=16, kernel=5), 0.5)
     assert (p.prompt_rows, p.score_statistic, p.capacity, p.selection, p.kept_tokens(1000)) == (16, "accumulate", None, "per_head", 500)
@@ -96,7 +112,7 @@ def test_reads_like_its_scorer_and_refuses_what_it_cannot_run() -> None:
                                      "selection": "per_head"}, "compression_ratio": 0.5}
     assert prefill_only(Knorm(size=1), 0.9).kept_tokens(5) == 1  # at least one token a head
     with pytest.raises(ValueError, match="rank tokens by a score"):
-        prefill_only(StreamingLLM(sink=1, window=4), 0.5)
+        prefill_only(BUZZ(sink=1, window=4, stride=3), 0.5)
     with pytest.raises(ValueError, match=r"compression_ratio must be in \[0.0, 1.0\)"):
         prefill_only(Knorm(size=1), 1.0)
     with pytest.raises(ValueError, match="EvictionPolicy instance"):
