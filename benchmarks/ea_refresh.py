@@ -1,5 +1,7 @@
-"""Expected Attention with a refresh interval, against the exact rule: its speed (``kvpolicy bench``)
-and its quality (``kvpolicy compare``), docs/policies.md (Expected Attention).
+"""Expected Attention (and KeyDiff) with a refresh interval, against the exact rule: its speed
+(``kvpolicy bench``) and its quality (``kvpolicy compare``), docs/policies.md (Expected Attention,
+KeyDiff). KeyDiff's factories are ``keydiff_refresh4``, ``_16``, ``_64``; its presets
+``keydiff_r4``, ``_r16``, ``_r64``.
 
 Speed, as ``module:factory`` policies planned per budget like the built-ins::
 
@@ -20,24 +22,25 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-from kvpolicy import EvictionPolicy, ExpectedAttention, plan_policy, register_policy
+from kvpolicy import EvictionPolicy, ExpectedAttention, KeyDiff, plan_policy, register_policy
 from kvpolicy.registry import Preset
 
 REFRESH = (4, 16, 64)
 
 
-def planned(refresh: int) -> Callable[..., EvictionPolicy]:
-    """A ``kvpolicy bench`` factory: Expected Attention with ``refresh``, planned for the budget."""
+def planned(refresh: int, cls: type = ExpectedAttention, prefix: str = "ea_refresh") -> Callable[..., EvictionPolicy]:
+    """A ``kvpolicy bench`` factory: ``cls`` (Expected Attention) with ``refresh``, planned for the budget."""
 
     def plan(budget: Any, context_length: int, prompt_length: int) -> EvictionPolicy:
-        preset = Preset(ExpectedAttention, {"refresh": refresh})
+        preset = Preset(cls, {"refresh": refresh})
         return plan_policy(preset, budget, context_length=context_length, prompt_length=prompt_length).policy
 
-    plan.__name__ = f"ea_refresh{refresh}"
+    plan.__name__ = f"{prefix}{refresh}"
     return plan
 
 
 ea_refresh4, ea_refresh16, ea_refresh64 = (planned(n) for n in REFRESH)
+keydiff_refresh4, keydiff_refresh16, keydiff_refresh64 = (planned(n, KeyDiff, "keydiff_refresh") for n in REFRESH)
 
 
 def main(argv: list[str]) -> int:
@@ -45,6 +48,7 @@ def main(argv: list[str]) -> int:
 
     for n in REFRESH:
         register_policy(ExpectedAttention, name=f"expected_attention_r{n}", preset={"refresh": n})
+        register_policy(KeyDiff, name=f"keydiff_r{n}", preset={"refresh": n})
     return compare(argv)
 
 
