@@ -160,16 +160,17 @@ def key_scores(statistic: str, keys: Array, positions: Array, n_seen: Any, recen
     if statistic == "key_norm":
         score = -norm
     elif statistic == "key_diff":
-        # unit keys are never formed: the anchor is the candidates' keys weighted by their inverse
-        # norms, the cosine a key's product with it over its norm (two matrix products over the
-        # keys instead of five elementwise passes: a decode step rescores every held key)
-        inverse = 1.0 / xp.clip(norm, min=KEY_EPS)
+        # The unit keys by division (a one-dimensional key is then exactly +-1, and opposite keys
+        # cancel to an anchor of exactly 0, as the rule says; multiplying by an inverse norm
+        # would not), then two matrix products over them instead of three elementwise passes
+        # (a decode step rescores every held key)
+        unit = k / xp.clip(norm, min=KEY_EPS)[..., None]
         candidate = kept & (positions < n_seen - recent)
         weight = xp.astype(candidate, xp.float64)
         count = xp.clip(xp.sum(weight, axis=-1, keepdims=True), min=1.0)
-        anchor = xp.matmul((weight * inverse)[..., None, :], k)[..., 0, :] / count  # [..., d]
+        anchor = xp.matmul(weight[..., None, :], unit)[..., 0, :] / count  # [..., d]
         anchor = anchor / xp.clip(xp.linalg.vector_norm(anchor, axis=-1, keepdims=True), min=KEY_EPS)
-        cosine = xp.matmul(k, anchor[..., :, None])[..., 0] * inverse
+        cosine = xp.matmul(unit, anchor[..., :, None])[..., 0]
         score = -xp.round(cosine / COSINE_GRID) * COSINE_GRID
     else:
         raise ValueError(f"statistic must be one of key_norm, key_diff, got {statistic!r}")

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kvpolicy_numpy
@@ -68,6 +68,8 @@ def key_cases(draw):
 
 @settings(max_examples=150, deadline=None)
 @given(key_cases())
+@example((KeyDiff(size=1), np.array([[[3.0, 1.0, 0.5]], [[0.0, 0.0, -2.0]], [[-2.0, -2.0, -2.0]]]),
+          np.array([[[0.00012573]], [[-0.0001321]], [[0.00064042]]]), 0))  # opposite 1-d keys: an anchor of exactly 0
 def test_reference_and_torch_equal_the_oracle(case) -> None:
     policy, logits, keys, prompt_len = case
     ref = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=keys)
