@@ -441,7 +441,7 @@ def keep_at_most(limit: int) -> SizeRule:
 
 
 #: The rules a policy declares beside :meth:`EvictionPolicy.select`, which describe what it keeps.
-DECLARED_RULES = ("decode_eviction", "size_rule")
+DECLARED_RULES = ("decode_eviction", "size_rule", "decode_size_rule")
 
 
 def check_inherited_rules(cls: type) -> None:
@@ -489,6 +489,11 @@ def check_inherited_rules(cls: type) -> None:
             f"or go without ({', '.join(f'{a} = None' for a in missing)}: backends then call select at every step and "
             "the planner replays it)"
         )
+
+
+def _no_decode_size_rule(self: "EvictionPolicy") -> None:
+    """What ``decode_size_rule = None`` in a class body declares: no decode size rule."""
+    return None
 
 
 class EvictionPolicy(ABC):
@@ -546,6 +551,8 @@ class EvictionPolicy(ABC):
             cls.__init__ = make_init(cls, cls.parameters, EvictionPolicy.__init__)  # type: ignore[method-assign]
         if cls.__dict__.get("size_rule", EvictionPolicy.size_rule) is None:  # `size_rule = None`: none, explicitly
             cls.size_rule = EvictionPolicy.size_rule  # type: ignore[method-assign]
+        if "decode_size_rule" in cls.__dict__ and cls.__dict__["decode_size_rule"] is None:  # (likewise)
+            cls.decode_size_rule = _no_decode_size_rule  # type: ignore[method-assign]
         check_inherited_rules(cls)
         # a score from the cache is declared by the policy itself, or no backend could compute it
         statistic = cls.__dict__.get("score_statistic", None)
@@ -720,6 +727,27 @@ class EvictionPolicy(ABC):
             (3, 3)
         """
         return None
+
+    def decode_size_rule(self) -> SizeRule | None:
+        """The size rule of a decode step: ``rule(n_cached, state) -> n_after`` after a decode
+        step brought the cache to ``n_cached`` tokens, on host integers, updating ``state`` as
+        :meth:`select` would; by default :meth:`size_rule` (a rule of both phases). A policy that
+        evicts a prompt otherwise than its decode steps, and so declares no :meth:`size_rule`,
+        may declare this one alone: SnapKV never evicts at a decode step, a composition's decode
+        steps are its decode policy's. The torch backend skips asking :meth:`evict` at a decode
+        step where it keeps every token (asking took snapkv_buzz ~35 us a layer and step more, on
+        SmolLM2-135M's shapes); the conformance kit holds it to
+        ``select`` (:func:`kvpolicy.testing.check_sizes`). ``decode_size_rule = None``: none.
+
+        Example:
+            >>> from kvpolicy import BUZZ, SnapKV, compose
+            >>> SnapKV(size=8, window=2).size_rule() is None, SnapKV(size=8, window=2).decode_size_rule()(50, {})
+            (True, 50)
+            >>> rule = compose(prefill=SnapKV(size=8, window=2), decode=BUZZ(sink=1, window=2, stride=3, threshold=6)).decode_size_rule()
+            >>> rule(8, {"decode.n_old": 0}), rule(9, {"decode.n_old": 0})  # (BUZZ's middle reaches 6 at 9 tokens)
+            (8, 5)
+        """
+        return self.size_rule()
 
     #: The ``selection`` a policy declaring :class:`~kvpolicy.Param` s gets when none is given (its
     #: derived constructor's default): ``"per_head"`` for every built-in but TOVA, whose paper

@@ -80,9 +80,10 @@ class HostEviction:
         self.rule = policy.decode_eviction
         self.refresh = refresh_interval(policy)  # decode steps between two scorings from the cache
         self.once = scored_once(policy)  # decode tokens scored when cached, never rescored
-        # a policy without one-token evictions (BUZZ) that declares its size rule: a decode step
-        # at which the rule keeps every token skips the policy's call (host integers only)
-        self.size_rule = policy.size_rule() if self.rule is None else None
+        # a policy without one-token evictions (BUZZ, SnapKV and its compositions) that declares
+        # its decode steps' size rule: a decode step at which the rule keeps every token skips the
+        # policy's call (host integers only)
+        self.size_rule = policy.decode_size_rule() if self.rule is None else None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -91,7 +92,7 @@ class HostEviction:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.size_rule = self.policy.size_rule() if self.rule is None else None
+        self.size_rule = self.policy.decode_size_rule() if self.rule is None else None
 
     def declines(self, layout: SlotLayout) -> bool:
         """Whether the policy's size rule keeps every row at this decode step (it is not asked)."""

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kvpolicy.policy import EvictionPolicy
-from kvpolicy.statistics import low_attention
+from kvpolicy.statistics import LOW_MARGIN, low_attention
 
 from .attention import decode_attention, grouped_decode
 from .layout import SlotLayout
@@ -81,10 +81,13 @@ def attend_slots(
     the policy captures attention. Returns ``[batch, 1, q_heads, head_dim]``."""
     store = layout.storage()
     hi = layout.returned
+    statistic = policy.score_statistic
+    plain = extra_bias is None and row_scale is None and prefix is None and query.dtype == store.keys.dtype
+    if plain and statistic == "low_history" and not layout.bias_needed and policy.uses_scores:
+        return _attend_low_history(layout, policy, query, scaling)
     if (
-        extra_bias is None and row_scale is None and prefix is None and not layout.search.active
-        and query.dtype == store.scores.dtype == store.keys.dtype
-        and policy.score_statistic in ("accumulate", "latest") and policy.uses_scores
+        plain and not layout.search.active and query.dtype == store.scores.dtype
+        and statistic in ("accumulate", "latest") and policy.uses_scores
     ):
         # the common step (H2O, BUZZ, TOVA) on the storage's grouped views: grouped_decode, then
         # the probabilities summed per KV head into the scores
@@ -97,7 +100,7 @@ def attend_slots(
         # fold_received's two rules inlined (no candidates to void, dtypes equal, the sum a fresh
         # tensor: NaN made -inf in place): the hot path of every H2O, BUZZ and TOVA decode step
         received = probs3.view(b, bh // b, r, hi).sum(dim=2).nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
-        if policy.score_statistic == "accumulate":
+        if statistic == "accumulate":
             views.scores.add_(received)
         else:  # "latest" (TOVA): this query's attention replaces the scores; holes keep +inf
             views.scores.copy_(received.masked_fill_(views.positions < 0, math.inf))
@@ -111,3 +114,27 @@ def attend_slots(
         record = query_record(layout, policy, received, query.shape[1] // key.shape[1])
         add_received(layout, policy, store.scores.narrow(2, 0, hi), record)
     return out
+
+
+def _attend_low_history(layout: SlotLayout, policy: EvictionPolicy, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """:func:`attend_slots` for a ``"low_history"`` policy (Scissorhands) whose returned slots hold
+    no hole: the query's record of low attention shifted into the scores in place, four ops
+    where :func:`query_record` and :func:`add_received` took about twenty (docs/performance.md,
+    issue 43: Scissorhands' share of the limit). The same bits as they give:
+    every one of the ``hi`` slots is attended, so the average is ``group / hi``
+    (:func:`kvpolicy.statistics.low_attention`), and a record shifted by one query is
+    ``(score % 2 ** (history - 1)) * 2 + low`` (:func:`kvpolicy.statistics.shift_history`), exact in
+    float64 for the finite records that slots without holes hold."""
+    store = layout.storage()
+    hi = layout.returned
+    b, hq, _, d = query.shape
+    views = store.range_views(hi)
+    bh = views.keys3t.shape[0]
+    r = hq * b // bh
+    out3, probs3 = grouped_decode(query.reshape(bh, r, d), views.keys3t, views.values3, scaling)
+    received = probs3.view(b, bh // b, r, hi).sum(dim=2)
+    # (a NaN is no low event, as in low_attention; the threshold as it computes it, in float64)
+    low = received.to(torch.float64) < (1 - LOW_MARGIN) * r / hi
+    history = policy.score_history
+    torch.add(low, views.scores.fmod_(2.0 ** (history - 1)), alpha=2.0, out=views.scores)  # type: ignore[operator]
+    return out3.view(b, 1, hq, -1)

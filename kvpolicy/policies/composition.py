@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..policy import KEY_STATISTICS, Array, CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling, ScoreStatistic, WrappingPolicy
+from ..policy import KEY_STATISTICS, Array, CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling, ScoreStatistic, SizeRule, WrappingPolicy
 from ..registry import get_policy, register_policy
 
 __all__ = ["Composed", "compose"]
@@ -158,6 +158,22 @@ class Composed(WrappingPolicy):
         if rule is not None and rule.victim == "oldest" and rule.sink:
             return None
         return rule
+
+    def decode_size_rule(self) -> SizeRule | None:
+        """The decode policy's decode size rule, on its ``decode.`` part of the state: a decode
+        step is the decode policy's alone (the prefill policy cuts only a prompt, so the
+        composition declares no :meth:`size_rule` of both phases)."""
+        rule = self.decode.decode_size_rule()
+        if rule is None:
+            return None
+
+        def decode_step(n: int, state: dict[str, int]) -> int:
+            sub = {k[len("decode.") :]: v for k, v in state.items() if k.startswith("decode.")}
+            after = rule(n, sub)
+            state.update({f"decode.{k}": v for k, v in sub.items()})
+            return after
+
+        return decode_step
 
     # ---------------------------------------------------------------- the rule
     def init_state(self) -> dict[str, int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..params import Param
-from ..policy import Array, CacheView, EvictionPolicy, Ranking
+from ..policy import Array, CacheView, EvictionPolicy, Ranking, SizeRule
 from ..registry import register_policy
 
 
@@ -129,6 +129,10 @@ class SnapKV(EvictionPolicy):
     @property
     def prompt_rows(self) -> int:
         return self.window
+
+    def decode_size_rule(self) -> SizeRule:
+        """A decode step never evicts (:meth:`select` cuts a prompt only)."""
+        return lambda n, state: n
 
     def select(self, view: CacheView) -> Array | None:
         n = view.n_cached

@@ -245,7 +245,8 @@ def check_sizes(
     decode run after a ``prompt_len`` prompt, the cache holds at most ``capacity - 1`` tokens once
     evicted and at most ``capacity`` during a decode step's attention; every ``select`` result is
     valid; a declared :meth:`~kvpolicy.EvictionPolicy.size_rule` gives the sizes ``select`` gave
-    at each of those steps. Raises :class:`ContractViolation` with the replay that shows it."""
+    at each of those steps, and a declared :meth:`~kvpolicy.EvictionPolicy.decode_size_rule` at
+    each decode step. Raises :class:`ContractViolation` with the replay that shows it."""
     cap = policy.capacity
 
     prompt = 0  # the prompt length of the run being checked (for the replay in the message)
@@ -271,8 +272,11 @@ def check_sizes(
                 cache,
             )
 
+    decode_rule = policy.decode_size_rule()
+
     def decode(cache: NumpyCache) -> int:
-        """One decode step; returns the tokens it attended."""
+        """One decode step; returns the tokens it attended. A declared decode size rule (what the
+        torch backend skips asking ``select`` by) says the tokens ``select`` kept."""
         cache.append(1)
         attended = cache.length
         if cap is not None and attended > cap:
@@ -281,7 +285,15 @@ def check_sizes(
                 f"capacity {cap}",
                 cache,
             )
+        said = None if decode_rule is None else decode_rule(attended, dict(cache.state))
         stable(cache, f"the decode step of token {cache.n_seen - 1}")
+        if said is not None and said != cache.length:
+            raise violation(
+                f"{policy!r}'s decode_size_rule says the decode step of token {cache.n_seen - 1} keeps {said} of its "
+                f"{attended} tokens, but its select left {cache.length}: the torch backend skips asking select at a "
+                "decode step where the rule keeps every token, so it must give select's sizes (or declare none)",
+                cache,
+            )
         return attended
 
     declared = policy.size_rule() is not None

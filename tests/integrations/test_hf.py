@@ -428,3 +428,36 @@ def test_fused_path_is_taken_in_decode_only(monkeypatch) -> None:
         with torch.no_grad():
             model.generate(torch.arange(3, 23)[None], max_new_tokens=4, do_sample=False, **cache_kwargs(model, cache))
         assert calls == expected, policy
+
+
+def test_log_n_of_rows_alike_is_one_logit_scale(monkeypatch) -> None:
+    """BUZZ with log n: a decode step whose rows attend to as many keys (one row, always) folds the
+    log n scale into the logit scale, so the store takes its grouped step (a tensor of row scales
+    took the general one, ~7 more ops a layer); rows of different lengths still pass one scale
+    per row (tiny random model)."""
+    from kvpolicy_torch import LayerCache
+
+    model = tiny_llama(num_layers=1, seed=2)
+    policy = BUZZ(2, 6, 4, 12, log_n=True, log_base=8.0)
+    seen = []
+    original = LayerCache.attend
+
+    def spy(self, query, scaling, **k):
+        seen.append((scaling, k.get("row_scale")))
+        return original(self, query, scaling, **k)
+
+    monkeypatch.setattr(LayerCache, "attend", spy)
+    plain = model.config.head_dim ** -0.5
+    for mask in (None, torch.tensor([[1] * 20, [0] * 5 + [1] * 15])):
+        seen.clear()
+        ids = torch.arange(3, 23)[None].expand(1 if mask is None else 2, -1)
+        cache = EvictingCache(policy, model)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids) if mask is None else mask, max_new_tokens=4,
+                           do_sample=False, **cache_kwargs(model, cache))
+        assert len(seen) == 3
+        for scaling, row_scale in seen:
+            if mask is None:
+                assert row_scale is None and scaling != plain
+            else:  # (the padded row holds 5 tokens fewer: its own scale)
+                assert scaling == plain and row_scale.shape == (2,) and row_scale[0] != row_scale[1]

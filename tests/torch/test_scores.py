@@ -180,6 +180,36 @@ def test_attend_is_decode_attention_then_accumulate_query(policy, b, g, r, promp
         slow.evict()
 
 
+def _attend_ops(policy) -> int:
+    """Top-level ATen ops of one eager decode step's attend() (GQA 9 / 3 heads, 40 cached tokens)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvpolicy_torch import LayerCache
+
+    layer, gen = LayerCache(policy), torch.Generator().manual_seed(0)
+    kv = torch.randn(1, 3, 40, 16, generator=gen)
+    layer.append(kv, kv)
+    layer.accumulate(torch.rand(1, 3, 40, generator=gen))
+    layer.evict()
+    for _ in range(3):
+        kv = torch.randn(1, 3, 1, 16, generator=gen)
+        layer.append(kv, kv)
+        query = torch.randn(1, 9, 1, 16, generator=gen)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            layer.attend(query, 0.25)
+        layer.evict()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+
+
+def test_a_scissorhands_decode_step_costs_about_an_h2o_step() -> None:
+    """Scissorhands' record of low attention is shifted into the scores in place on the grouped
+    step (its attend took 37 ops to H2O's 10, 86% of the limit at 2,048 tokens on SmolLM2-135M);
+    its bits are held to the general path by the test above."""
+    from kvpolicy import H2O, Scissorhands
+
+    assert _attend_ops(Scissorhands(size=64, history=16, recent=4)) <= _attend_ops(H2O(heavy=30, recent=30)) + 2
+
+
 # ---------------------------------------------------------------------------- the decode path (one query) against the 5-D einsum it replaced
 from kvpolicy_torch.scores import group_query_heads  # noqa: E402
 

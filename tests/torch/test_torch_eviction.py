@@ -76,6 +76,35 @@ def test_declining_by_the_size_rule_keeps_what_asking_every_step_keeps(sink, win
 
 
 @settings(max_examples=30, deadline=None)
+@given(sink=st.integers(1, 3), window=st.integers(1, 4), stride=st.integers(3, 5), prompt=st.integers(1, 40),
+       steps=st.integers(1, 60), seed=st.integers(0, 2**16))
+def test_a_composition_declines_by_its_decode_policys_size_rule(sink, window, stride, prompt, steps, seed) -> None:
+    """SnapKV then BUZZ (snapkv_buzz) declares no size rule of both phases (SnapKV cuts a prompt
+    only) but its decode steps' (BUZZ's): a decode step at which BUZZ keeps every token does not
+    ask select (it was asked at every step: ~35 us a layer more, SmolLM2-135M shapes, 2,048-token prompt),
+    and the layer keeps what asking every step keeps."""
+    from kvpolicy import SnapKV, compose
+
+    CALLS.clear()
+    params = dict(sink=sink, window=window, stride=stride)
+    cap = CountedBUZZ(**params).capacity
+    declining, every = (LayerCache(compose(prefill=SnapKV(size=cap - 1, window=1), decode=decode(**params)))
+                        for decode in (CountedBUZZ, AskedEveryStep))
+    gen = torch.Generator().manual_seed(seed)
+    for q in [prompt] + [1] * steps:
+        k = torch.randn(1, 2, q, 4, generator=gen)
+        scores = torch.rand(1, 2, declining.length + q, generator=gen)
+        asked = dict(CALLS)
+        rounds = _step(declining, k, scores)
+        assert rounds == _step(every, k, scores)
+        assert torch.equal(declining.positions, every.positions)
+        asked = {name: CALLS.get(name, 0) - asked.get(name, 0) for name in ("declining", "every")}
+        if q == 1:
+            # BUZZ keeping every token is not asked (the other is, in vain); evicting, asked alike
+            assert asked == ({"declining": 0, "every": 1} if not rounds else {"declining": len(rounds) + 1, "every": len(rounds) + 1})
+
+
+@settings(max_examples=30, deadline=None)
 @given(heavy=st.integers(1, 4), recent=st.integers(1, 4), pads=st.integers(1, 6), prompt=st.integers(2, 12),
        steps=st.integers(1, 20), seed=st.integers(0, 2**16))
 def test_a_one_token_rule_evicts_one_token_in_each_row_at_its_limit_only(heavy, recent, pads, prompt, steps, seed) -> None:

@@ -56,6 +56,8 @@ class _AllRows(SnapKV):
 class _NoPooling(SnapKV):
     """SnapKV ranking the raw scores (the pooling forgotten)."""
 
+    decode_size_rule = SnapKV.decode_size_rule  # (it still evicts a prompt only)
+
     def select(self, view):
         kernel, self.kernel = self.kernel, 1
         try:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import kvpolicy.policies
 import kvpolicy_numpy
 from kvpolicy import BUZZ, H2O, TOVA, EvictionPolicy, ExpectedAttention, FullCache, KeyDiff, Knorm, LocalWindow, Param, PolicyError, Scissorhands, SnapKV, StreamingLLM, get_policy
+from kvpolicy.policy import DECLARED_RULES
 from kvpolicy.validation import check_int
 from kvpolicy.testing import (
     ContractViolation,
@@ -487,7 +488,7 @@ def test_redefining_select_never_loses_an_inherited_rule_silently(parent) -> Non
     """A subclass that redefines select (or evict) of a built-in with a declared rule says what
     becomes of it: none (``= None``), the parent's, or its own; saying nothing is a TypeError at
     class creation naming what it would lose and the three ways out."""
-    declared = [a for a in ("decode_eviction", "size_rule") if getattr(parent, a) is not getattr(EvictionPolicy, a)]
+    declared = [a for a in DECLARED_RULES if getattr(parent, a) is not getattr(EvictionPolicy, a)]
     for method in ("select", "evict"):
         body = {method: lambda self, *args: None}
         if declared:
@@ -498,6 +499,8 @@ def test_redefining_select_never_loses_an_inherited_rule_silently(parent) -> Non
         none = type("WithoutRules", (parent,), {**body, **{a: None for a in declared}})
         assert none.decode_eviction is None if "decode_eviction" in declared else True
         assert none.size_rule(object.__new__(none)) is None  # `size_rule = None` reads as the base's (none)
+        if "decode_size_rule" in declared:  # (likewise; a policy not declaring it takes its size_rule)
+            assert none.decode_size_rule(object.__new__(none)) is None
         kept = type("KeepsRules", (parent,), {**body, **{a: getattr(parent, a) for a in declared}})
         assert all(getattr(kept, a) is getattr(parent, a) for a in declared)
     # a subclass that keeps select keeps the rules without a word
@@ -546,6 +549,23 @@ def test_a_size_rule_wrong_only_for_long_prompts_is_caught() -> None:
     check_sizes(_LowestOf(limit=4, recent=1))
     with pytest.raises(ContractViolation, match="size_rule says the decode step of token 31"):
         check_sizes(LongPromptsWhole(limit=4, recent=1))
+
+
+def test_a_wrong_decode_size_rule_is_caught() -> None:
+    """A declared decode size rule is what the torch backend skips asking select by: the sizes
+    property holds it to select's sizes at every decode step (SnapKV's, that a decode step never
+    evicts, and a composition's, its decode policy's, hold)."""
+    from kvpolicy import compose
+    from kvpolicy.testing import check_sizes
+
+    class CutsDecodeSteps(SnapKV):
+        def decode_size_rule(self):
+            return lambda n, state: min(n, 5)
+
+    check_sizes(SnapKV(size=4, window=1))
+    check_sizes(compose(prefill=SnapKV(size=8, window=2), decode=BUZZ(sink=1, window=2, stride=3, threshold=6)))
+    with pytest.raises(ContractViolation, match="decode_size_rule says the decode step of token 5 keeps 5 of its 6 tokens"):
+        check_sizes(CutsDecodeSteps(size=4, window=1))
 
 
 def test_a_policy_reading_scores_it_says_it_does_not_use_is_caught() -> None:
