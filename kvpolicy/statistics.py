@@ -55,7 +55,8 @@ if TYPE_CHECKING:
 __all__ = [
     "COSINE_GRID", "KEY_EPS", "LOW_MARGIN", "MAX_HISTORY", "SCORE_BITS", "UNSCORED", "CachedTokens", "QueryMoments", "Rotary",
     "average_rotation", "cache_scores", "expected_attention", "history_counts", "history_record", "key_scores",
-    "low_attention", "mark_unscored", "query_moments", "refresh_due", "refresh_interval", "shift_history",
+    "low_attention", "mark_unscored", "query_moments", "reconstruction_scores", "refresh_due", "refresh_interval",
+    "shift_history",
 ]
 
 #: KeyDiff's cosines are rounded to multiples of this (``2 ** -30``, far below the float32 precision
@@ -469,3 +470,37 @@ def cache_scores(
         )
     score = xp.astype(score, xp.float64)
     return xp.where(positions >= 0, score, xp.full_like(score, xp.inf))
+
+
+# ============================================================================ context reconstruction
+def reconstruction_scores(logits: Array, visible: Array, context: int) -> Array:
+    """Float64 ``[..., context]``: KVzip's score of each context token (Kim et al., 2025), the most
+    attention it receives from any query of the reconstruction (the model fed a repeat prompt and
+    the context again after the context) in any query head of its KV head.
+
+    Args:
+        logits: ``[..., group, rows, m]`` the reconstruction queries' logits (scaled, after RoPE)
+            over ``m`` keys whose first ``context`` are the context tokens scored and the rest the
+            reconstruction's own; ``group``: the query heads of a KV head; computed in their dtype
+            (a model's, as kvpress's ``KVzipPress`` computes them).
+        visible: bool, broadcastable to ``logits``: the keys each row attends to (the context
+            columns, and its own and earlier reconstruction tokens: causal).
+        context: the leading columns scored.
+
+    The softmax of each row over its visible keys, then the maximum over ``rows`` and ``group``.
+
+    Example:
+        >>> import numpy as np
+        >>> logits = np.log(np.array([[[[1.0, 3.0, 4.0, 9.0], [2.0, 2.0, 4.0, 2.0]]]]))  # 1 head, 2 rows, 4 keys
+        >>> causal = np.array([[True, True, True, False], [True, True, True, True]])  # 2 context keys, then 2 own
+        >>> reconstruction_scores(logits, causal, 2).round(6).tolist()  # row 0: [1, 3] / 8; row 1: [2, 2] / 10
+        [[0.2, 0.375]]
+    """
+    xp = array_namespace(logits)
+    masked = xp.where(visible, logits, xp.full_like(logits, -xp.inf))
+    top = xp.max(masked, axis=-1, keepdims=True)
+    top = xp.where(xp.isfinite(top), top, xp.zeros_like(top))
+    e = xp.where(visible, xp.exp(masked - top), xp.zeros_like(logits))
+    total = xp.sum(e, axis=-1, keepdims=True)
+    probs = e[..., :context] / xp.where(total > 0, total, xp.ones_like(total))
+    return xp.astype(xp.max(xp.max(probs, axis=-2), axis=-2), xp.float64)

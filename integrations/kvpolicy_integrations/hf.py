@@ -1318,6 +1318,7 @@ def greedy_decode(
     attention_mask: torch.Tensor | None = None,
     step: Callable[..., Any] | None = None,
     prefill_chunk: int | None = PREFILL_CHUNK,
+    after_prompt: Callable[[], Any] | None = None,
 ) -> torch.Tensor:
     """Greedy decoding with ``cache``: the prompt through ``model`` (eager, in forwards of
     ``prefill_chunk`` tokens), then one token a step
@@ -1335,6 +1336,10 @@ def greedy_decode(
             prompt is fed in chunks, so an :class:`EvictingCache` holds at most its policy's
             capacity plus one chunk during the prefill; ``None`` or ``0``: the whole prompt in
             one forward.
+        after_prompt: called once the prompt is in the cache, before the first decode step:
+            required for a policy scored by a context reconstruction (KVzip: e.g. ``lambda:
+            reconstruct(model, cache, input_ids, repeat_prompts(tokenizer))``,
+            :mod:`kvpolicy_integrations.reconstruction`), which :func:`generate` passes.
 
     Returns:
         ``[batch, max_new_tokens]``: the new tokens.
@@ -1354,6 +1359,12 @@ def greedy_decode(
         raise ValueError(f"input_ids must be [batch, prompt] with a prompt of at least one token, got {tuple(input_ids.shape)}")
     chunk = input_ids.shape[1] if not prefill_chunk else check_int("prefill_chunk", prefill_chunk, minimum=1)
     ours = isinstance(cache, EvictingCache)
+    if ours and after_prompt is None and cache.policy.needs_reconstruction:
+        raise ValueError(
+            f"{cache.policy!r} scores the prompt by a context reconstruction: pass after_prompt=lambda: "
+            "kvpolicy_integrations.reconstruction.reconstruct(model, cache, input_ids, repeat_prompts(tokenizer)) "
+            "(kvpolicy_integrations.hf.generate does)"
+        )
     step = step if step is not None else model
     if attention_mask is None:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
@@ -1367,6 +1378,8 @@ def greedy_decode(
             hi = min(input_ids.shape[1], lo + chunk)
             logits = model(input_ids=input_ids[:, lo:hi], attention_mask=None if attention_mask is None else attention_mask[:, :hi],
                            position_ids=positions[:, lo:hi], use_cache=True, **last, **cache_kwargs(model, cache)).logits[:, -1]
+        if after_prompt is not None:
+            after_prompt()
         pos = positions[:, -1:] + 1
         mask = attention_mask
         for k in range(max_new_tokens):
@@ -1447,6 +1460,10 @@ def generate(
     ``prefill_chunk`` tokens (default :data:`PREFILL_CHUNK`) is prefilled in chunks of that many,
     so the cache holds at most the policy's capacity plus one chunk however long the prompt is
     (``None`` or ``0``: one forward of the whole prompt, faster and holding all of it for a moment).
+    A policy scored by a context reconstruction (KVzip) gets it after the prompt
+    (:func:`kvpolicy_integrations.reconstruction.reconstruct`, with the tokenizer's repeat prompts;
+    a chat template's prefix is not repeated) and decodes with :func:`greedy_decode`, which does not
+    stop at an end-of-sequence token.
 
     Example:
         >>> from kvpolicy_tools.models import tiny_llama
@@ -1503,9 +1520,17 @@ def generate(
     compile = check_bool("compile", compile)
     cache = EvictingCache(policy, model, positions=positions, max_tokens=n_prompt + max_new_tokens, static_shapes=compile,
                           prefill_chunk=chunk)
-    if compile:
+    after_prompt = None
+    if policy.needs_reconstruction:
+        from .reconstruction import reconstruct, repeat_prompts  # (it builds on this module)
+
+        prompts = repeat_prompts(tokenizer)
+        start = prompts.prefix if use_chat else 0
+        after_prompt = lambda: reconstruct(model, cache, input_ids, prompts, start=start)  # noqa: E731
+    if compile or after_prompt is not None:
         new = greedy_decode(model, input_ids, cache, max_new_tokens, attention_mask=torch.ones_like(input_ids),
-                            step=compile_decode_step(model), prefill_chunk=chunk)
+                            step=compile_decode_step(model) if compile else None, prefill_chunk=chunk,
+                            after_prompt=after_prompt)
         out = torch.cat([input_ids, new], dim=1)
     else:
         out = model.generate(

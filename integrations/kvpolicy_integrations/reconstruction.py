@@ -1,0 +1,237 @@
+"""KVzip's context reconstruction on a transformers model (Kim et al., 2025, "KVzip: Query-Agnostic
+KV Cache Compression with Context Reconstruction"; the rule of kvpress's ``KVzipPress``).
+
+After the prompt (the context) is in an :class:`~kvpolicy_integrations.hf.EvictingCache` whose
+policy is scored by a reconstruction (:attr:`kvpolicy.EvictionPolicy.needs_reconstruction`:
+:class:`kvpolicy.KVzip`, ``kvzip_headwise``, :func:`kvpolicy.prefill_only` over either),
+:func:`reconstruct` feeds the model, on a copy of that cache, a repeat prompt and the context
+again, in chunks of :data:`CHUNK` tokens (each chunk on the context alone: its tokens are never
+kept), records what each context token receives (:func:`kvpolicy.statistics.reconstruction_scores`:
+the most over the chunk's queries and its KV head's query heads) and lets every layer evict once
+on those scores (:meth:`kvpolicy_torch.LayerCache.evict_reconstructed`).
+
+The cost: one more forward over about the context's length (plus a dozen tokens a chunk), with
+attention over the context: about the prompt's prefill again (docs/policies.md, "KVzip").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvpolicy.statistics import reconstruction_scores
+from kvpolicy.validation import check_int
+
+from .capabilities import cache_kwargs
+from .hf import EvictingCache
+
+__all__ = ["CHUNK", "OVERLAP", "PART_PROMPT", "RECONSTRUCTION_ATTENTION", "REPEAT_PROMPT", "RepeatPrompts", "reconstruct",
+           "repeat_prompts"]
+
+#: The first chunk's repeat prompt (kvpress's, the paper's).
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
+#: A later chunk's, followed by the previous chunk's last :data:`OVERLAP` tokens.
+PART_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+#: Context tokens a reconstruction forward repeats at most (kvpress's ``chunk_size``).
+CHUNK = 2048
+#: The previous chunk's last tokens a later chunk's prompt quotes (kvpress's ``prev_postfix_size``).
+OVERLAP = 8
+#: The attention implementation a reconstruction forward runs under (SDPA, and the scores).
+RECONSTRUCTION_ATTENTION = "kvpolicy_reconstruction"
+#: The keyword a reconstruction forward hands its attention (a :class:`_Recorder`).
+RECORDER_KWARG = "kvpolicy_reconstruction"
+
+
+@dataclass(frozen=True)
+class RepeatPrompts:
+    """The token ids a reconstruction adds around the context (:func:`repeat_prompts`).
+
+    Attributes:
+        first: the first chunk's repeat prompt (:data:`REPEAT_PROMPT`).
+        part: a later chunk's (:data:`PART_PROMPT`), before the previous chunk's last tokens.
+        suffix: after the prompt, before the repeated chunk: the chat template's assistant turn,
+            ``"\\n"`` without a template (kvpress's ``suffix_text``).
+        prefix: the tokens a chat template puts before a user's message (kvpress's
+            ``prefix_length``): a context built with the template starts with them, and they are
+            not repeated.
+    """
+
+    first: list[int]
+    part: list[int]
+    suffix: list[int]
+    prefix: int = 0
+
+
+def repeat_prompts(tokenizer: Any) -> RepeatPrompts:
+    """The :class:`RepeatPrompts` of ``tokenizer``, as kvpress's ``KVzipPress`` builds them: with a
+    chat template, the suffix and the prefix length come from a dummy user message.
+
+    Example:
+        >>> class Tok:  # a stand-in tokenizer, one id per character
+        ...     chat_template = None
+        ...     def encode(self, text, add_special_tokens=False):
+        ...         return [ord(c) for c in text]
+        >>> p = repeat_prompts(Tok())
+        >>> p.suffix, p.prefix, len(p.first) == len(REPEAT_PROMPT)
+        ([10], 0, True)
+    """
+
+    def encode(text: str) -> list[int]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+
+    if getattr(tokenizer, "chat_template", None) is None:
+        prefix_text, suffix_text = "", "\n"
+    else:
+        dummy = "dummy context"
+        separator = "\n" + "#" * len(dummy)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": dummy + separator}], add_generation_prompt=True, tokenize=False,
+        )
+        context, suffix_text = text.split(separator)
+        prefix_text = context.split(dummy)[0]
+    return RepeatPrompts(encode(REPEAT_PROMPT), encode(PART_PROMPT), encode(suffix_text), len(encode(prefix_text)))
+
+
+class _Recorder:
+    """What one reconstruction forward records: per layer, the scores of the chunk's context tokens."""
+
+    def __init__(self, layers: int, batch: int, kv_heads: list[int], n: int, lo: int, hi: int, sinks: list[int],
+                 device: torch.device) -> None:
+        self.lo, self.hi, self.sinks = lo, hi, sinks
+        self.scores = [torch.zeros(batch, kv_heads[i], n, dtype=torch.float64, device=device) for i in range(layers)]
+
+
+def _reconstruction_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """SDPA, and (in a reconstruction forward) the chunk's context tokens' scores: the queries
+    ``[batch, q_heads, r, d]`` (after RoPE) over the layer's sinks before the chunk, the chunk,
+    and their own tokens (causal), as kvpress's ``KVzipPress.score_kvzip`` attends."""
+    recorder = kwargs.pop(RECORDER_KWARG, None)
+    out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if recorder is None:
+        return out, None
+    layer = int(module.layer_idx)
+    lo, hi = recorder.lo, recorder.hi
+    sink = min(recorder.sinks[layer], lo)
+    r = query.shape[2]
+    n = key.shape[2] - r  # the context (the cache before this forward)
+    batch, q_heads, _, d = query.shape
+    kv_heads = key.shape[1]
+    columns = torch.cat([torch.arange(sink), torch.arange(lo, hi), torch.arange(n, n + r)]).to(key.device)
+    scale = scaling if scaling is not None else d**-0.5
+    ctx = sink + hi - lo
+    own = torch.arange(r, device=key.device)
+    visible = torch.cat([torch.ones(r, ctx, dtype=torch.bool, device=key.device), own[None, :] <= own[:, None]], dim=1)
+    grouped = query.view(batch, kv_heads, q_heads // kv_heads, r, d)
+    scores = recorder.scores[layer]
+    for h in range(kv_heads):  # one KV head at a time: [batch, group, r, ctx + r] logits, not every head's at once
+        logits = torch.matmul(grouped[:, h], key[:, h, columns].transpose(-1, -2)[:, None]) * scale
+        scores[:, h, lo:hi] = reconstruction_scores(logits[:, None], visible, ctx)[:, 0, sink:]
+    return out, None
+
+
+AttentionInterface.register(RECONSTRUCTION_ATTENTION, _reconstruction_attention)
+AttentionMaskInterface.register(RECONSTRUCTION_ATTENTION, sdpa_mask)
+
+
+def reconstruct(
+    model: torch.nn.Module, cache: EvictingCache, prompt_ids: torch.Tensor, prompts: RepeatPrompts, *, start: int = 0,
+    chunk: int = CHUNK,
+) -> list[list[tuple[int, int]]]:
+    """KVzip's context reconstruction (module docstring): score the prompt ``cache`` holds by
+    what the model attends to while it repeats ``prompt_ids[:, start:]``, then let each layer of
+    ``cache`` evict once; returns each layer's eviction rounds.
+
+    Args:
+        model: the model that filled ``cache`` with ``prompt_ids``.
+        cache: an :class:`~kvpolicy_integrations.hf.EvictingCache` whose policy is scored by a
+            reconstruction, holding exactly the prompt (every row whole: no pads, nothing evicted,
+            nothing after it).
+        prompt_ids: ``[batch, n]`` the prompt.
+        prompts: the repeat prompts (:func:`repeat_prompts` of the model's tokenizer).
+        start: the prompt's first token repeated (a chat template's prefix, ``prompts.prefix``,
+            when the prompt was built with it): tokens before it score 0 (the policy's sinks
+            are kept whatever they score).
+        chunk: context tokens repeated per forward (kvpress's 2,048): each chunk's queries attend
+            to the policy's sinks, the chunk and their own tokens.
+
+    Example:
+        >>> from kvpolicy import KVzip
+        >>> from kvpolicy_tools.models import tiny_llama
+        >>> model = tiny_llama()
+        >>> ids = torch.arange(1, 41)[None]
+        >>> cache = EvictingCache(KVzip(size=10), model)
+        >>> _ = model(ids, **cache_kwargs(model, cache))
+        >>> rounds = reconstruct(model, cache, ids, RepeatPrompts([5, 6, 7], [8, 9], [10]))
+        >>> rounds[0], cache.lengths()
+        ([(40, 10)], [10, 10])
+    """
+    chunk = check_int("chunk", chunk, minimum=1)
+    if not isinstance(cache, EvictingCache):
+        raise ValueError(f"cache must be an EvictingCache, got {type(cache).__name__}")
+    layers = cache.layers
+    for layer in layers:
+        if not layer.policy.needs_reconstruction:
+            raise ValueError(f"layer {layer.layer_idx}'s policy {layer.policy!r} is not scored by a context reconstruction (KVzip)")
+    if prompt_ids.ndim != 2 or prompt_ids.shape[1] < 2:
+        raise ValueError(f"prompt_ids must be [batch, n] with n >= 2 (a context to reconstruct), got {tuple(prompt_ids.shape)}")
+    batch, n = (int(x) for x in prompt_ids.shape)
+    start = check_int("start", start, minimum=0, maximum=n - 1)
+    for layer in layers:
+        store = layer.store
+        if not store.is_initialized or store.lengths != [n] * batch or store.seen != [n] * batch or store.batch != batch:
+            raise ValueError(
+                f"layer {layer.layer_idx} must hold exactly the prompt ({batch} rows of {n} tokens, nothing evicted, "
+                f"nothing after it) before its reconstruction; it holds {store.lengths if store.is_initialized else []}"
+            )
+        if layer.positions_mode != "original":
+            raise NotImplementedError(f"a context reconstruction runs with positions='original' (keys at the positions they were computed at), not {layer.positions_mode!r}")
+    device = prompt_ids.device
+    context = prompt_ids[:, start:]
+    pieces = [(lo, min(lo + chunk, n - start)) for lo in range(0, n - start, chunk)]
+    sinks = [int(getattr(layer.policy.statistic_policy, "sink", 0)) for layer in layers]
+    kv_heads = [int(layer.keys.shape[1]) for layer in layers]
+    full = [torch.zeros(batch, kv_heads[i], n, dtype=torch.float64, device=device) for i in range(len(layers))]
+    config = model.config
+    saved = config._attn_implementation
+    model.set_attn_implementation(RECONSTRUCTION_ATTENTION)
+    try:
+        with torch.no_grad():
+            for i, (lo, hi) in enumerate(pieces):
+                head = prompts.first
+                if i:  # a later chunk quotes the previous chunk's last tokens (one prompt for the batch)
+                    quoted = context[:, max(lo - OVERLAP, pieces[i - 1][0]):lo]
+                    if not bool((quoted == quoted[:1]).all()):
+                        raise NotImplementedError(
+                            "a chunked reconstruction of a batch quotes the previous chunk's last tokens, which differ between "
+                            "rows here: reconstruct the rows one at a time (or a larger chunk)"
+                        )
+                    head = prompts.part + quoted[0].tolist()
+                added = torch.tensor(head + prompts.suffix, dtype=prompt_ids.dtype, device=device).expand(batch, -1)
+                ids = torch.cat([added, context[:, lo:hi]], dim=1)
+                copy = DynamicCache(config=config)
+                for j, layer in enumerate(layers):
+                    copy.update(layer.keys, layer.values, j)
+                recorder = _Recorder(len(layers), batch, kv_heads, n, start + lo, start + hi, sinks, device)
+                positions = torch.arange(n, n + ids.shape[1], device=device).expand(batch, -1)
+                model(input_ids=ids, position_ids=positions, use_cache=True, **cache_kwargs(model, copy),
+                      **{RECORDER_KWARG: recorder})
+                for j in range(len(layers)):
+                    full[j][..., start + lo:start + hi] = recorder.scores[j][..., start + lo:start + hi]
+    finally:
+        model.set_attn_implementation(saved)
+    return [layer.store.evict_reconstructed(full[j]) for j, layer in enumerate(layers)]
