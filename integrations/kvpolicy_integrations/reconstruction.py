@@ -31,7 +31,7 @@ from .capabilities import cache_kwargs
 from .hf import EvictingCache
 
 __all__ = ["CHUNK", "OVERLAP", "PART_PROMPT", "RECONSTRUCTION_ATTENTION", "REPEAT_PROMPT", "RepeatPrompts", "reconstruct",
-           "repeat_prompts"]
+           "repeat_prompts", "score_context"]
 
 #: The first chunk's repeat prompt (kvpress's, the paper's).
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
@@ -148,13 +148,13 @@ AttentionInterface.register(RECONSTRUCTION_ATTENTION, _reconstruction_attention)
 AttentionMaskInterface.register(RECONSTRUCTION_ATTENTION, sdpa_mask)
 
 
-def reconstruct(
+def score_context(
     model: torch.nn.Module, cache: EvictingCache, prompt_ids: torch.Tensor, prompts: RepeatPrompts, *, start: int = 0,
     chunk: int = CHUNK,
-) -> list[list[tuple[int, int]]]:
-    """KVzip's context reconstruction (module docstring): score the prompt ``cache`` holds by
-    what the model attends to while it repeats ``prompt_ids[:, start:]``, then let each layer of
-    ``cache`` evict once; returns each layer's eviction rounds.
+) -> list[torch.Tensor]:
+    """The reconstruction's scores of the prompt ``cache`` holds, per layer ``[batch, kv_heads, n]``
+    float64: what each prompt token receives while the model repeats ``prompt_ids[:, start:]``
+    (module docstring); ``cache`` is left as it was. :func:`reconstruct` evicts on them.
 
     Args:
         model: the model that filled ``cache`` with ``prompt_ids``.
@@ -171,14 +171,15 @@ def reconstruct(
 
     Example:
         >>> from kvpolicy import KVzip
+        >>> from kvpolicy_integrations.hf import cache_kwargs
         >>> from kvpolicy_tools.models import tiny_llama
         >>> model = tiny_llama()
         >>> ids = torch.arange(1, 41)[None]
         >>> cache = EvictingCache(KVzip(size=10), model)
         >>> _ = model(ids, **cache_kwargs(model, cache))
-        >>> rounds = reconstruct(model, cache, ids, RepeatPrompts([5, 6, 7], [8, 9], [10]))
-        >>> rounds[0], cache.lengths()
-        ([(40, 10)], [10, 10])
+        >>> scores = score_context(model, cache, ids, RepeatPrompts([5, 6, 7], [8, 9], [10]))
+        >>> len(scores), tuple(scores[0].shape), cache.lengths()
+        (2, (1, 2, 40), [40, 40])
     """
     chunk = check_int("chunk", chunk, minimum=1)
     if not isinstance(cache, EvictingCache):
@@ -234,4 +235,28 @@ def reconstruct(
                     full[j][..., start + lo:start + hi] = recorder.scores[j][..., start + lo:start + hi]
     finally:
         model.set_attn_implementation(saved)
-    return [layer.store.evict_reconstructed(full[j]) for j, layer in enumerate(layers)]
+    return full
+
+
+def reconstruct(
+    model: torch.nn.Module, cache: EvictingCache, prompt_ids: torch.Tensor, prompts: RepeatPrompts, *, start: int = 0,
+    chunk: int = CHUNK,
+) -> list[list[tuple[int, int]]]:
+    """KVzip's context reconstruction: score the prompt ``cache`` holds (:func:`score_context`,
+    the same arguments), then let each layer evict once on those scores
+    (:meth:`kvpolicy_torch.LayerCache.evict_reconstructed`); returns each layer's eviction rounds.
+
+    Example:
+        >>> from kvpolicy import KVzip
+        >>> from kvpolicy_tools.models import tiny_llama
+        >>> from kvpolicy_integrations.hf import cache_kwargs
+        >>> model = tiny_llama()
+        >>> ids = torch.arange(1, 41)[None]
+        >>> cache = EvictingCache(KVzip(size=10), model)
+        >>> _ = model(ids, **cache_kwargs(model, cache))
+        >>> rounds = reconstruct(model, cache, ids, RepeatPrompts([5, 6, 7], [8, 9], [10]))
+        >>> rounds[0], cache.lengths()
+        ([(40, 10)], [10, 10])
+    """
+    scores = score_context(model, cache, prompt_ids, prompts, start=start, chunk=chunk)
+    return [layer.store.evict_reconstructed(scores[j]) for j, layer in enumerate(cache.layers)]
