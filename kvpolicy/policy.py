@@ -620,7 +620,7 @@ class EvictionPolicy(ABC):
             >>> from kvpolicy import KVzip, SnapKV, prefill_only
             >>> KVzip(size=8).needs_reconstruction, prefill_only(KVzip(size=8), 0.5).needs_reconstruction
             (True, True)
-            >>> SnapKV(size=8).needs_reconstruction, KVzip(size=8).captures_attention
+            >>> SnapKV(size=64).needs_reconstruction, KVzip(size=8).captures_attention
             (False, False)
         """
         return self.uses_scores and self.score_statistic == RECONSTRUCTION
