@@ -473,34 +473,23 @@ def cache_scores(
 
 
 # ============================================================================ context reconstruction
-def reconstruction_scores(logits: Array, visible: Array, context: int) -> Array:
+def reconstruction_scores(probs: Array, context: int) -> Array:
     """Float64 ``[..., context]``: KVzip's score of each context token (Kim et al., 2025), the most
     attention it receives from any query of the reconstruction (the model fed a repeat prompt and
     the context again after the context) in any query head of its KV head.
 
     Args:
-        logits: ``[..., group, rows, m]`` the reconstruction queries' logits (scaled, after RoPE)
-            over ``m`` keys whose first ``context`` are the context tokens scored and the rest the
-            reconstruction's own; ``group``: the query heads of a KV head; computed in their dtype
-            (a model's, as kvpress's ``KVzipPress`` computes them).
-        visible: bool, broadcastable to ``logits``: the keys each row attends to (the context
-            columns, and its own and earlier reconstruction tokens: causal).
+        probs: ``[..., group, rows, m]`` the reconstruction queries' attention probabilities (each
+            row a softmax over the keys it attends to: the context tokens scored, then the
+            reconstruction's own, causal), over ``m`` keys of which the first ``context`` are
+            scored; ``group``: the query heads of a KV head.
         context: the leading columns scored.
-
-    The softmax of each row over its visible keys, then the maximum over ``rows`` and ``group``.
 
     Example:
         >>> import numpy as np
-        >>> logits = np.log(np.array([[[[1.0, 3.0, 4.0, 9.0], [2.0, 2.0, 4.0, 2.0]]]]))  # 1 head, 2 rows, 4 keys
-        >>> causal = np.array([[True, True, True, False], [True, True, True, True]])  # 2 context keys, then 2 own
-        >>> reconstruction_scores(logits, causal, 2).round(6).tolist()  # row 0: [1, 3] / 8; row 1: [2, 2] / 10
+        >>> probs = np.array([[[[0.125, 0.375, 0.5, 0.0], [0.2, 0.2, 0.4, 0.2]]]])  # 1 head, 2 rows, 4 keys
+        >>> reconstruction_scores(probs, 2).tolist()  # the most each of the 2 context keys gets
         [[0.2, 0.375]]
     """
-    xp = array_namespace(logits)
-    masked = xp.where(visible, logits, xp.full_like(logits, -xp.inf))
-    top = xp.max(masked, axis=-1, keepdims=True)
-    top = xp.where(xp.isfinite(top), top, xp.zeros_like(top))
-    e = xp.where(visible, xp.exp(masked - top), xp.zeros_like(logits))
-    total = xp.sum(e, axis=-1, keepdims=True)
-    probs = e[..., :context] / xp.where(total > 0, total, xp.ones_like(total))
-    return xp.astype(xp.max(xp.max(probs, axis=-2), axis=-2), xp.float64)
+    xp = array_namespace(probs)
+    return xp.astype(xp.max(xp.max(probs[..., :context], axis=-2), axis=-2), xp.float64)

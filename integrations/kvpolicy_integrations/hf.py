@@ -54,8 +54,10 @@ from kvpolicy_torch import LayerCache, LayerGroup, PrefixShift, received_attenti
 from kvpolicy_torch.static import StepOptions, device_flag
 
 from .capabilities import (
-    LayerAttention, ModelCapabilities, RopeLayout, cache_kwargs, detect, model_layers, query_rotations, rope_layouts,
+    LayerAttention, ModelCapabilities, RopeLayout, cache_kwargs, detect, last_logits_kwargs, model_layers, query_rotations,
+    rope_layouts,
 )
+from .reconstruction import reconstruct, repeat_prompts
 
 __all__ = [
     "ATTENTION_NAME",
@@ -1372,7 +1374,7 @@ def greedy_decode(
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
     settle = ours and cache.needs_settle
     out = []
-    last = _last_logits_kwargs(model)
+    last = last_logits_kwargs(model)
     with torch.no_grad():
         for lo in range(0, input_ids.shape[1], chunk):  # (the mask covers every column so far)
             hi = min(input_ids.shape[1], lo + chunk)
@@ -1398,16 +1400,6 @@ def greedy_decode(
     if ours:
         cache.report_nonfinite()
     return torch.cat(out, dim=1)
-
-
-def _last_logits_kwargs(model: torch.nn.Module) -> dict[str, Any]:
-    """``{"logits_to_keep": 1}`` for a model whose forward takes it (a prompt forward then
-    projects only its last position onto the vocabulary, as ``generate`` asks), else ``{}``."""
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
 
 
 @dataclass
@@ -1522,8 +1514,6 @@ def generate(
                           prefill_chunk=chunk)
     after_prompt = None
     if policy.needs_reconstruction:
-        from .reconstruction import reconstruct, repeat_prompts  # (it builds on this module)
-
         prompts = repeat_prompts(tokenizer)
         start = prompts.prefix if use_chat else 0
         after_prompt = lambda: reconstruct(model, cache, input_ids, prompts, start=start)  # noqa: E731

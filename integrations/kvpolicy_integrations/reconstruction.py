@@ -26,9 +26,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvpolicy.statistics import reconstruction_scores
 from kvpolicy.validation import check_int
+from kvpolicy_torch import LayerCache
 
-from .capabilities import cache_kwargs
-from .hf import EvictingCache
+from .capabilities import cache_kwargs, last_logits_kwargs
 
 __all__ = ["CHUNK", "OVERLAP", "PART_PROMPT", "RECONSTRUCTION_ATTENTION", "REPEAT_PROMPT", "RepeatPrompts", "reconstruct",
            "repeat_prompts", "score_context"]
@@ -117,31 +117,41 @@ def _reconstruction_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA, and (in a reconstruction forward) the chunk's context tokens' scores: the queries
-    ``[batch, q_heads, r, d]`` (after RoPE) over the layer's sinks before the chunk, the chunk,
-    and their own tokens (causal), as kvpress's ``KVzipPress.score_kvzip`` attends."""
+    """The attention of a reconstruction forward, and the chunk's context tokens' scores: the
+    queries ``[batch, q_heads, r, d]`` (after RoPE) attend to the layer's sinks before the chunk,
+    the chunk and their own tokens (causal), as kvpress's ``KVzipPress.score_kvzip`` attends. When
+    those are every key (one chunk from the first token, the usual case) and the attention is
+    plain (no dropout, softcap, sliding window or sink logits), the output comes from the same
+    probabilities (one attention, not two); else SDPA gives the output."""
     recorder = kwargs.pop(RECORDER_KWARG, None)
-    out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if recorder is None:
-        return out, None
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     layer = int(module.layer_idx)
     lo, hi = recorder.lo, recorder.hi
     sink = min(recorder.sinks[layer], lo)
-    r = query.shape[2]
-    n = key.shape[2] - r  # the context (the cache before this forward)
-    batch, q_heads, _, d = query.shape
-    kv_heads = key.shape[1]
-    columns = torch.cat([torch.arange(sink), torch.arange(lo, hi), torch.arange(n, n + r)]).to(key.device)
+    batch, q_heads, r, d = query.shape
+    kv_heads, n = key.shape[1], key.shape[2] - r  # n: the context (the cache before this forward)
     scale = scaling if scaling is not None else d**-0.5
     ctx = sink + hi - lo
+    plain = not dropout and all(kwargs.get(k) is None for k in ("softcap", "sliding_window", "s_aux"))
+    whole = plain and sink == 0 and lo == 0 and hi == n
+    columns = None if whole else torch.cat([torch.arange(sink), torch.arange(lo, hi), torch.arange(n, n + r)]).to(key.device)
     own = torch.arange(r, device=key.device)
-    visible = torch.cat([torch.ones(r, ctx, dtype=torch.bool, device=key.device), own[None, :] <= own[:, None]], dim=1)
+    hidden = torch.cat([torch.zeros(r, ctx, dtype=torch.bool, device=key.device), own[None, :] > own[:, None]], dim=1)
     grouped = query.view(batch, kv_heads, q_heads // kv_heads, r, d)
     scores = recorder.scores[layer]
-    for h in range(kv_heads):  # one KV head at a time: [batch, group, r, ctx + r] logits, not every head's at once
-        logits = torch.matmul(grouped[:, h], key[:, h, columns].transpose(-1, -2)[:, None]) * scale
-        scores[:, h, lo:hi] = reconstruction_scores(logits[:, None], visible, ctx)[:, 0, sink:]
-    return out, None
+    outputs = []
+    for h in range(kv_heads):  # one KV head at a time: [batch, group, r, ctx + r] probabilities, not every head's
+        keys = key[:, h] if whole else key[:, h, columns]
+        logits = torch.matmul(grouped[:, h], keys.transpose(-1, -2)[:, None]) * scale
+        probs = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1, dtype=torch.float32)
+        scores[:, h, lo:hi] = reconstruction_scores(probs[:, None], ctx)[:, 0, sink:]
+        if whole:
+            outputs.append(torch.matmul(probs.to(value.dtype), value[:, h, None]))  # [batch, group, r, d]
+    if whole:
+        out = torch.stack(outputs, dim=1).reshape(batch, q_heads, r, -1).transpose(1, 2).contiguous()
+        return out, None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 AttentionInterface.register(RECONSTRUCTION_ATTENTION, _reconstruction_attention)
@@ -149,7 +159,7 @@ AttentionMaskInterface.register(RECONSTRUCTION_ATTENTION, sdpa_mask)
 
 
 def score_context(
-    model: torch.nn.Module, cache: EvictingCache, prompt_ids: torch.Tensor, prompts: RepeatPrompts, *, start: int = 0,
+    model: torch.nn.Module, cache: Any, prompt_ids: torch.Tensor, prompts: RepeatPrompts, *, start: int = 0,
     chunk: int = CHUNK,
 ) -> list[torch.Tensor]:
     """The reconstruction's scores of the prompt ``cache`` holds, per layer ``[batch, kv_heads, n]``
@@ -158,7 +168,7 @@ def score_context(
 
     Args:
         model: the model that filled ``cache`` with ``prompt_ids``.
-        cache: an :class:`~kvpolicy_integrations.hf.EvictingCache` whose policy is scored by a
+        cache: a :class:`~kvpolicy_integrations.hf.EvictingCache` whose policy is scored by a
             reconstruction, holding exactly the prompt (every row whole: no pads, nothing evicted,
             nothing after it).
         prompt_ids: ``[batch, n]`` the prompt.
@@ -171,7 +181,7 @@ def score_context(
 
     Example:
         >>> from kvpolicy import KVzip
-        >>> from kvpolicy_integrations.hf import cache_kwargs
+        >>> from kvpolicy_integrations.hf import EvictingCache
         >>> from kvpolicy_tools.models import tiny_llama
         >>> model = tiny_llama()
         >>> ids = torch.arange(1, 41)[None]
@@ -182,9 +192,9 @@ def score_context(
         (2, (1, 2, 40), [40, 40])
     """
     chunk = check_int("chunk", chunk, minimum=1)
-    if not isinstance(cache, EvictingCache):
-        raise ValueError(f"cache must be an EvictingCache, got {type(cache).__name__}")
-    layers = cache.layers
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(isinstance(getattr(layer, "store", None), LayerCache) for layer in layers):
+        raise ValueError(f"cache must be a kvpolicy_integrations.hf.EvictingCache, got {type(cache).__name__}")
     for layer in layers:
         if not layer.policy.needs_reconstruction:
             raise ValueError(f"layer {layer.layer_idx}'s policy {layer.policy!r} is not scored by a context reconstruction (KVzip)")
@@ -229,8 +239,8 @@ def score_context(
                     copy.update(layer.keys, layer.values, j)
                 recorder = _Recorder(len(layers), batch, kv_heads, n, start + lo, start + hi, sinks, device)
                 positions = torch.arange(n, n + ids.shape[1], device=device).expand(batch, -1)
-                model(input_ids=ids, position_ids=positions, use_cache=True, **cache_kwargs(model, copy),
-                      **{RECORDER_KWARG: recorder})
+                model(input_ids=ids, position_ids=positions, use_cache=True, **last_logits_kwargs(model),
+                      **cache_kwargs(model, copy), **{RECORDER_KWARG: recorder})
                 for j in range(len(layers)):
                     full[j][..., start + lo:start + hi] = recorder.scores[j][..., start + lo:start + hi]
     finally:
@@ -239,7 +249,7 @@ def score_context(
 
 
 def reconstruct(
-    model: torch.nn.Module, cache: EvictingCache, prompt_ids: torch.Tensor, prompts: RepeatPrompts, *, start: int = 0,
+    model: torch.nn.Module, cache: Any, prompt_ids: torch.Tensor, prompts: RepeatPrompts, *, start: int = 0,
     chunk: int = CHUNK,
 ) -> list[list[tuple[int, int]]]:
     """KVzip's context reconstruction: score the prompt ``cache`` holds (:func:`score_context`,
@@ -249,7 +259,7 @@ def reconstruct(
     Example:
         >>> from kvpolicy import KVzip
         >>> from kvpolicy_tools.models import tiny_llama
-        >>> from kvpolicy_integrations.hf import cache_kwargs
+        >>> from kvpolicy_integrations.hf import EvictingCache
         >>> model = tiny_llama()
         >>> ids = torch.arange(1, 41)[None]
         >>> cache = EvictingCache(KVzip(size=10), model)

@@ -140,3 +140,33 @@ def test_embedded_model_scores_and_kept_tokens() -> None:
         got = np.sort(layer.store.positions[0].numpy(), axis=-1)
         width = int((expected >= 0).sum(-1).max())
         assert got[:, got.shape[-1] - width:].tolist() == expected[:, expected.shape[-1] - width:].tolist()
+
+
+def test_the_forward_under_reconstruction_attention_is_the_models() -> None:
+    """A reconstruction forward's output is the model's own (SDPA's) whether its attention comes
+    from the scoring probabilities (one chunk from the first token) or from SDPA beside them."""
+    from kvpolicy_integrations import reconstruction
+
+    model = tiny_llama()
+    ids = torch.randint(12, 128, (2, 20), generator=torch.Generator().manual_seed(2))
+    cache = _prefilled(model, KVzip(size=8), ids)
+    repeat = torch.cat([torch.tensor([PROMPTS.first + PROMPTS.suffix]).expand(2, -1), ids], dim=1)
+
+    def forward(recorder):
+        copy = DynamicCache(config=model.config)
+        for j, layer in enumerate(cache.layers):
+            copy.update(layer.keys, layer.values, j)
+        saved = model.config._attn_implementation
+        model.set_attn_implementation(reconstruction.RECONSTRUCTION_ATTENTION)
+        try:
+            with torch.no_grad():
+                extra = {} if recorder is None else {reconstruction.RECORDER_KWARG: recorder}
+                return model(repeat, position_ids=torch.arange(20, 20 + repeat.shape[1])[None], **cache_kwargs(model, copy), **extra).logits
+        finally:
+            model.set_attn_implementation(saved)
+
+    plain = forward(None)
+    for lo, hi in ((0, 20), (5, 12)):  # every key scored (one attention), and a later chunk (SDPA beside)
+        recorder = reconstruction._Recorder(2, 2, [2, 2], 20, lo, hi, [4, 4], torch.device("cpu"))
+        torch.testing.assert_close(forward(recorder), plain, rtol=1e-5, atol=1e-5)
+        assert bool((recorder.scores[0][..., lo:hi] > 0).all()) and bool((recorder.scores[0][..., hi:] == 0).all())
