@@ -103,7 +103,7 @@ class _Recorder:
 
     def __init__(self, layers: int, batch: int, kv_heads: list[int], n: int, lo: int, hi: int, sinks: list[int],
                  device: torch.device) -> None:
-        self.lo, self.hi, self.sinks = lo, hi, sinks
+        self.n, self.lo, self.hi, self.sinks = n, lo, hi, sinks
         self.scores = [torch.zeros(batch, kv_heads[i], n, dtype=torch.float64, device=device) for i in range(layers)]
 
 
@@ -130,7 +130,13 @@ def _reconstruction_attention(
     lo, hi = recorder.lo, recorder.hi
     sink = min(recorder.sinks[layer], lo)
     batch, q_heads, r, d = query.shape
-    kv_heads, n = key.shape[1], key.shape[2] - r  # n: the context (the cache before this forward)
+    kv_heads, n = key.shape[1], recorder.n
+    if key.shape[2] != n + r:
+        raise NotImplementedError(
+            f"layer {layer} attends to {key.shape[2] - r} of the {n} context tokens (a sliding-window or chunked "
+            "layer): KVzip's reconstruction scores every context token by what the whole context's repeat pays it, "
+            "which needs every layer to attend to the whole context"
+        )
     scale = scaling if scaling is not None else d**-0.5
     ctx = sink + hi - lo
     plain = not dropout and all(kwargs.get(k) is None for k in ("softcap", "sliding_window", "s_aux"))
@@ -208,6 +214,12 @@ def score_context(
             raise ValueError(
                 f"layer {layer.layer_idx} must hold exactly the prompt ({batch} rows of {n} tokens, nothing evicted, "
                 f"nothing after it) before its reconstruction; it holds {store.lengths if store.is_initialized else []}"
+            )
+        if layer.attention_kind.kind != "full":
+            raise NotImplementedError(
+                f"layer {layer.layer_idx} is a {layer.attention_kind.kind} attention layer (window "
+                f"{layer.attention_kind.window}): KVzip's reconstruction scores each context token by what a repeat of the "
+                "whole context pays it, which kvpolicy serves for full-attention layers only"
             )
         if layer.positions_mode != "original":
             raise NotImplementedError(f"a context reconstruction runs with positions='original' (keys at the positions they were computed at), not {layer.positions_mode!r}")
