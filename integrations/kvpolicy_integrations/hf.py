@@ -1515,7 +1515,7 @@ def generate(
     after_prompt = None
     if policy.needs_reconstruction:
         prompts = repeat_prompts(tokenizer)
-        start = prompts.prefix if use_chat else 0
+        start = prompts.start(input_ids)
         after_prompt = lambda: reconstruct(model, cache, input_ids, prompts, start=start)  # noqa: E731
     if compile or after_prompt is not None:
         new = greedy_decode(model, input_ids, cache, max_new_tokens, attention_mask=torch.ones_like(input_ids),

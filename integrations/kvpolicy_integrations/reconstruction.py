@@ -17,7 +17,7 @@ attention over the context: about the prompt's prefill again (docs/policies.md, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 from transformers import AttentionInterface, DynamicCache
@@ -56,20 +56,47 @@ class RepeatPrompts:
         part: a later chunk's (:data:`PART_PROMPT`), before the previous chunk's last tokens.
         suffix: after the prompt, before the repeated chunk: the chat template's assistant turn,
             ``"\\n"`` without a template (kvpress's ``suffix_text``).
-        prefix: the tokens a chat template puts before a user's message (kvpress's
-            ``prefix_length``): a context built with the template starts with them, and they are
-            not repeated.
+        prefix_ids: the tokens a chat template puts before a user's message (kvpress's
+            ``prefix_length`` is their count, :attr:`prefix`): a context built with the template
+            starts with them, and they are not repeated (:meth:`start`).
     """
 
     first: list[int]
     part: list[int]
     suffix: list[int]
-    prefix: int = 0
+    prefix_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_texts(cls, encode: Callable[[str], Sequence[int]], prefix_text: str, suffix_text: str) -> "RepeatPrompts":
+        """The repeat prompts tokenised by ``encode`` (text to ids, no special tokens added), with
+        a chat template's text before and after a user's message (``""`` and ``"\\n"`` without one)."""
+        ids = lambda text: [int(i) for i in encode(text)] if text else []  # noqa: E731
+        return cls(ids(REPEAT_PROMPT), ids(PART_PROMPT), ids(suffix_text), tuple(ids(prefix_text)))
+
+    @property
+    def prefix(self) -> int:
+        """The chat template's prefix length (kvpress's ``prefix_length``)."""
+        return len(self.prefix_ids)
+
+    def start(self, prompt_ids: torch.Tensor) -> int:
+        """The first token of ``prompt_ids`` ``[batch, n]`` a reconstruction repeats: after the chat
+        template's prefix when every row starts with it, else 0 (``start=`` of :func:`reconstruct`).
+
+        Example:
+            >>> p = RepeatPrompts([1], [2], [3], prefix_ids=(7, 8))
+            >>> p.start(torch.tensor([[7, 8, 9, 9]])), p.start(torch.tensor([[9, 9, 9, 9]]))
+            (2, 0)
+        """
+        k = self.prefix
+        if not k or prompt_ids.shape[1] <= k:
+            return 0
+        head = torch.tensor(self.prefix_ids, dtype=prompt_ids.dtype, device=prompt_ids.device)
+        return k if bool((prompt_ids[:, :k] == head).all()) else 0
 
 
 def repeat_prompts(tokenizer: Any) -> RepeatPrompts:
     """The :class:`RepeatPrompts` of ``tokenizer``, as kvpress's ``KVzipPress`` builds them: with a
-    chat template, the suffix and the prefix length come from a dummy user message.
+    chat template, the suffix and the prefix come from a dummy user message.
 
     Example:
         >>> class Tok:  # a stand-in tokenizer, one id per character
@@ -82,20 +109,21 @@ def repeat_prompts(tokenizer: Any) -> RepeatPrompts:
     """
 
     def encode(text: str) -> list[int]:
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        try:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        except TypeError:  # (a stand-in without the keyword)
+            ids = tokenizer.encode(text)
         return [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
 
     if getattr(tokenizer, "chat_template", None) is None:
-        prefix_text, suffix_text = "", "\n"
-    else:
-        dummy = "dummy context"
-        separator = "\n" + "#" * len(dummy)
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": dummy + separator}], add_generation_prompt=True, tokenize=False,
-        )
-        context, suffix_text = text.split(separator)
-        prefix_text = context.split(dummy)[0]
-    return RepeatPrompts(encode(REPEAT_PROMPT), encode(PART_PROMPT), encode(suffix_text), len(encode(prefix_text)))
+        return RepeatPrompts.from_texts(encode, "", "\n")
+    dummy = "dummy context"
+    separator = "\n" + "#" * len(dummy)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": dummy + separator}], add_generation_prompt=True, tokenize=False,
+    )
+    context, suffix_text = text.split(separator)
+    return RepeatPrompts.from_texts(encode, context.split(dummy)[0], suffix_text)
 
 
 class _Recorder:
