@@ -132,6 +132,19 @@ def test_what_cannot_be_served_is_refused_by_name() -> None:
         kvpolicy_torch.LayerCache(H2O(heavy=2, recent=2)).evict_reconstructed(torch.rand(1, 1, 4))
 
 
+def test_a_composition_that_would_rank_it_by_another_score_is_refused() -> None:
+    """compose(prefill=KVzip, decode=H2O) would make the backends capture H2O's attention sums, which
+    KVzip would then rank instead of its reconstruction's scores: refused by name (issue 41 item 1's
+    rule); with a decode policy that reads no scores the composition ranks by the reconstruction."""
+    from kvpolicy import StreamingLLM, compose
+
+    with pytest.raises(ValueError, match="context reconstruction's scores"):
+        compose(prefill=KVzip(size=8), decode=H2O(heavy=4, recent=4))
+    with pytest.raises(ValueError, match="context reconstruction's scores"):
+        compose(prefill=H2O(heavy=4, recent=4), decode=KVzip(size=8))
+    assert compose(prefill=KVzip(size=8), decode=StreamingLLM(sink=4, window=12)).needs_reconstruction
+
+
 def test_registered_and_planned_like_the_prefill_policies() -> None:
     """kvzip and kvzip_headwise plan from a budget (as SnapKV: the tokens kept after the prompt) and
     from kvpress's ratio (prefill_only); the paper's defaults: 4 sinks, head-wise without a floor."""
