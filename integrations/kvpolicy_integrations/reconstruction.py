@@ -132,6 +132,7 @@ class _Recorder:
     def __init__(self, layers: int, batch: int, kv_heads: list[int], n: int, lo: int, hi: int, sinks: list[int],
                  device: torch.device) -> None:
         self.n, self.lo, self.hi, self.sinks = n, lo, hi, sinks
+        self.layers: set[int] = set()  # the layers whose attention recorded (each once)
         self.scores = [torch.zeros(batch, kv_heads[i], n, dtype=torch.float64, device=device) for i in range(layers)]
 
 
@@ -155,6 +156,7 @@ def _reconstruction_attention(
     if recorder is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     layer = int(module.layer_idx)
+    recorder.layers.add(layer)
     lo, hi = recorder.lo, recorder.hi
     sink = min(recorder.sinks[layer], lo)
     batch, q_heads, r, d = query.shape
@@ -281,6 +283,13 @@ def score_context(
                 positions = torch.arange(n, n + ids.shape[1], device=device).expand(batch, -1)
                 model(input_ids=ids, position_ids=positions, use_cache=True, **last_logits_kwargs(model),
                       **cache_kwargs(model, copy), **{RECORDER_KWARG: recorder})
+                if recorder.layers != set(range(len(layers))):
+                    missing = sorted(set(range(len(layers))) - recorder.layers)
+                    raise NotImplementedError(
+                        f"layers {missing} of {type(model).__name__} scored nothing in the reconstruction forward: their "
+                        "attention is not handed the forward's keyword arguments (transformers' attention interface with "
+                        "**kwargs), which KVzip's reconstruction records through"
+                    )
                 for j in range(len(layers)):
                     full[j][..., start + lo:start + hi] = recorder.scores[j][..., start + lo:start + hi]
     finally:
