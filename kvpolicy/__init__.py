@@ -21,6 +21,8 @@ parameters; docs/policies.md gives their exact semantics):
   to pay each key (from a running estimate of the queries), times its value's norm;
 * ``snapkv`` (:class:`SnapKV`): a prefill policy, the prompt's tokens the observation window
   attends to most;
+* ``kvzip`` (:class:`KVzip`) and ``kvzip_headwise`` (its head-wise budgets): a prefill policy, the
+  prompt's tokens the model attends to most while it repeats the prompt (context reconstruction);
 * ``compose`` (:class:`Composed`, :func:`compose`): a prefill policy, then a decode policy, and the
   presets ``snapkv_h2o``, ``snapkv_tova``, ``snapkv_buzz``;
 * ``pyramid`` (:class:`PyramidKV`): per-layer budgets over any base policy, and the presets
@@ -51,6 +53,7 @@ from .policies import (
     FullCache,
     KeyDiff,
     Knorm,
+    KVzip,
     LocalWindow,
     PrefillOnly,
     PyramidKV,
@@ -93,6 +96,7 @@ __all__ = [
     "H2O",
     "KeyDiff",
     "Knorm",
+    "KVzip",
     "LocalWindow",
     "LogNScaling",
     "Param",

@@ -33,6 +33,7 @@ from .params import Param, Selection, declared_params, make_init
 
 __all__ = [
     "KEY_STATISTICS",
+    "RECONSTRUCTION",
     "CachedTokens",
     "CacheView",
     "DecodeEviction",
@@ -51,8 +52,11 @@ __all__ = [
 Array = Any  # a NumPy ndarray or a torch.Tensor; anything array-api-compat understands
 #: How a token's score is computed (:attr:`EvictionPolicy.score_statistic`): from the attention it
 #: received (``"accumulate"``, ``"latest"``, ``"low_history"``) or from the cached keys
-#: (``"key_norm"``, ``"key_diff"``, ``"expected_attention"``, see :data:`KEY_STATISTICS`).
-ScoreStatistic = Literal["accumulate", "latest", "low_history", "key_norm", "key_diff", "expected_attention", "cache"]
+#: (``"key_norm"``, ``"key_diff"``, ``"expected_attention"``, see :data:`KEY_STATISTICS`), or from a
+#: context-reconstruction pass after the prompt (``"reconstruction"``: KVzip, :data:`RECONSTRUCTION`).
+ScoreStatistic = Literal[
+    "accumulate", "latest", "low_history", "key_norm", "key_diff", "expected_attention", "cache", "reconstruction",
+]
 #: The score statistics that backends compute from the cache (:func:`kvpolicy.statistics.cache_scores`),
 #: not from attention: a policy with one needs no score capture inside attention, and declares its
 #: score as one method, :meth:`EvictionPolicy.cache_score`, which every backend calls (the NumPy
@@ -62,6 +66,15 @@ ScoreStatistic = Literal["accumulate", "latest", "low_history", "key_norm", "key
 #: seen (:class:`kvpolicy.statistics.QueryMoments`); ``"cache"`` is any other score a policy
 #: computes from the cached keys and values (docs/extending.md).
 KEY_STATISTICS: tuple[str, ...] = ("key_norm", "key_diff", "expected_attention", "cache")
+#: The score statistic of a policy that decides once, after the prompt, on what each prompt token
+#: receives while the model is fed a repeat prompt and the prompt again (KVzip's context
+#: reconstruction): the maximum, over the reconstruction's queries and the query heads of a KV
+#: head, of the attention probability (:func:`kvpolicy.statistics.reconstruction_scores`). No
+#: attention is captured while the prompt and the decode steps run; a backend runs the pass (the
+#: transformers integration: ``kvpolicy_integrations.hf.reconstruct``) or is given its scores (the
+#: NumPy reference: ``replay(reconstruction=...)``), then asks the policy once, and refuses a
+#: decode step before that.
+RECONSTRUCTION = "reconstruction"
 
 
 class CachedTokens(NamedTuple):
@@ -602,7 +615,22 @@ class EvictionPolicy(ABC):
             >>> H2O(heavy=2, recent=2).captures_attention, StreamingLLM(sink=1, window=2).captures_attention
             (True, False)
         """
-        return self.uses_scores and self.score_statistic not in KEY_STATISTICS
+        return self.uses_scores and self.score_statistic not in KEY_STATISTICS and not self.needs_reconstruction
+
+    @property
+    def needs_reconstruction(self) -> bool:
+        """Whether the policy's scores come from a context-reconstruction pass after the prompt
+        (:data:`RECONSTRUCTION`, KVzip): a backend asks it once, after that pass, and never while
+        the prompt is appended.
+
+        Example:
+            >>> from kvpolicy import KVzip, SnapKV, prefill_only
+            >>> KVzip(size=8).needs_reconstruction, prefill_only(KVzip(size=8), 0.5).needs_reconstruction
+            (True, True)
+            >>> SnapKV(size=64).needs_reconstruction, KVzip(size=8).captures_attention
+            (False, False)
+        """
+        return self.uses_scores and self.score_statistic == RECONSTRUCTION
 
     @property
     def observes_queries(self) -> bool:

@@ -55,7 +55,8 @@ if TYPE_CHECKING:
 __all__ = [
     "COSINE_GRID", "KEY_EPS", "LOW_MARGIN", "MAX_HISTORY", "SCORE_BITS", "UNSCORED", "CachedTokens", "QueryMoments", "Rotary",
     "average_rotation", "cache_scores", "expected_attention", "history_counts", "history_record", "key_scores",
-    "low_attention", "mark_unscored", "query_moments", "refresh_due", "refresh_interval", "refresh_sink", "scored_once", "shift_history",
+    "low_attention", "mark_unscored", "query_moments", "reconstruction_scores", "refresh_due", "refresh_interval",
+    "refresh_sink", "scored_once", "shift_history",
 ]
 
 #: KeyDiff's cosines are rounded to multiples of this (``2 ** -30``, far below the float32 precision
@@ -504,3 +505,26 @@ def cache_scores(
         )
     score = xp.astype(score, xp.float64)
     return xp.where(positions >= 0, score, xp.full_like(score, xp.inf))
+
+
+# ============================================================================ context reconstruction
+def reconstruction_scores(probs: Array, context: int) -> Array:
+    """Float64 ``[..., context]``: KVzip's score of each context token (Kim et al., 2025), the most
+    attention it receives from any query of the reconstruction (the model fed a repeat prompt and
+    the context again after the context) in any query head of its KV head.
+
+    Args:
+        probs: ``[..., group, rows, m]`` the reconstruction queries' attention probabilities (each
+            row a softmax over the keys it attends to: the context tokens scored, then the
+            reconstruction's own, causal), over ``m`` keys of which the first ``context`` are
+            scored; ``group``: the query heads of a KV head.
+        context: the leading columns scored.
+
+    Example:
+        >>> import numpy as np
+        >>> probs = np.array([[[[0.125, 0.375, 0.5, 0.0], [0.2, 0.2, 0.4, 0.2]]]])  # 1 head, 2 rows, 4 keys
+        >>> reconstruction_scores(probs, 2).tolist()  # the most each of the 2 context keys gets
+        [[0.2, 0.375]]
+    """
+    xp = array_namespace(probs)
+    return xp.astype(xp.max(xp.max(probs[..., :context], axis=-2), axis=-2), xp.float64)

@@ -18,7 +18,10 @@ from kvpolicy.statistics import (
     shift_history,
 )
 
-__all__ = ["Trace", "replay", "require_finite", "softmax", "validate_keys", "validate_logits", "validate_queries", "validate_rope", "validate_values"]
+__all__ = [
+    "Trace", "replay", "require_finite", "softmax", "validate_keys", "validate_logits", "validate_queries",
+    "validate_reconstruction", "validate_rope", "validate_values",
+]
 
 
 #: The reference's attention (logits times the log-n scale, then the softmax) reports an overflow
@@ -261,6 +264,41 @@ def validate_rope(rope: object, head_dim: int) -> Rotary | None:
     return Rotary(inv_freq, style, rope.rotary_dim)
 
 
+def validate_reconstruction(reconstruction: object, heads: int, prompt_len: int, policy: EvictionPolicy) -> np.ndarray | None:
+    """``reconstruction`` as a float64 ``[heads, prompt_len]`` array for a policy whose scores come
+    from a context reconstruction (KVzip), ``None`` for any other, or ``ValueError``: missing,
+    another shape, a prompt of fewer than 2 tokens (nothing to reconstruct: the policy decides
+    after a prompt), or a NaN or infinite score (naming the first).
+
+    Example:
+        >>> from kvpolicy import KVzip
+        >>> validate_reconstruction(np.array([[0.5, np.nan]]), 1, 2, KVzip(size=1, sink=0))
+        Traceback (most recent call last):
+        ...
+        ValueError: reconstruction must be finite for KVzip(size=1, sink=0), whose scores come from the context reconstruction: reconstruction[0, 1] is nan (head 0, prompt token 1)
+    """
+    if not policy.needs_reconstruction:
+        return None
+    if reconstruction is None:
+        raise ValueError(
+            f"reconstruction is required for {policy!r}: its scores come from a context reconstruction after the prompt "
+            f"(score_statistic 'reconstruction'); pass reconstruction=[heads, prompt_len]"
+        )
+    if prompt_len < 2:
+        raise ValueError(f"{policy!r} decides once after a prompt (context) of at least 2 tokens; got prompt_len={prompt_len}")
+    scores = _real_array("reconstruction", reconstruction)
+    if scores.shape != (heads, prompt_len):
+        raise ValueError(f"reconstruction must have shape [heads, prompt_len] = [{heads}, {prompt_len}], got {tuple(scores.shape)}")
+    bad = ~np.isfinite(scores)
+    if bad.any():
+        h, j = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"reconstruction must be finite for {policy!r}, whose scores come from the context reconstruction: "
+            f"reconstruction[{h}, {j}] is {scores[h, j]} (head {h}, prompt token {j})"
+        )
+    return scores
+
+
 def replay(
     policy: EvictionPolicy,
     logits: np.ndarray,
@@ -270,6 +308,7 @@ def replay(
     queries: np.ndarray | None = None,
     rope: Rotary | None = None,
     prompt_chunk: int | None = None,
+    reconstruction: np.ndarray | None = None,
 ) -> Trace:
     """Replay ``policy`` on pre-softmax attention logits of one sequence.
 
@@ -297,6 +336,13 @@ def replay(
             chunk's own (``n`` of its log-n scale: those kept plus ``i + 1``), and the chunk's
             rows score every token held (its last ``policy.prompt_rows`` rows when set), as a
             prompt's do; a chunk of one token is a decode step.
+        reconstruction: ``[heads, prompt_len]`` the prompt tokens' scores from a context
+            reconstruction (:func:`kvpolicy.statistics.reconstruction_scores`, what a model gives
+            them while it repeats the prompt), required by a policy whose scores come from one
+            (:data:`kvpolicy.policy.RECONSTRUCTION`: KVzip; checked by
+            :func:`validate_reconstruction`), ignored otherwise. Such a policy is asked once,
+            after the whole prompt (``phase="prefill"``, however it was chunked), on these scores,
+            then at every decode step (new tokens score 0; no attention is folded in).
 
     Per step ``t``: key ``t`` is appended; query ``t`` attends with a softmax over the kept keys
     (logits times the policy's log-n scale, if any, with ``n`` the number of kept keys; prompt row
@@ -334,6 +380,7 @@ def replay(
     rope = None if queries is None else validate_rope(rope, keys.shape[2])  # (read by Expected Attention only)
     if queries is not None and values is None:
         raise ValueError(f"values are required for {policy!r}: its scores multiply by the value norm; pass values=[steps, heads, d]")
+    reconstruction = validate_reconstruction(reconstruction, heads, prompt_len, policy)
     from_keys = policy.score_statistic in KEY_STATISTICS
     sink = refresh_sink(policy)  # (Expected Attention's, or its wrapper's scorer's; 0 for any other)
 
@@ -351,6 +398,11 @@ def replay(
 
     def evict_until_stable(t: int, phase: str) -> None:
         nonlocal positions, scores, scored_seen
+        if reconstruction is not None and t < prompt_len:  # asked once, after the prompt's reconstruction
+            if t < prompt_len - 1:
+                return
+            scores = np.where(positions >= 0, reconstruction[np.arange(heads)[:, None], np.maximum(positions[0], 0)][None], np.inf)
+            phase = "prefill"
         if from_keys and refresh > 1 and phase == "decode" and scored_seen is not None and not refresh_due(refresh, t + 1, scored_seen):
             scores = mark_unscored(scores, positions, scored_seen, sink)  # between two scorings
         elif from_keys:  # the scores of the kept tokens, from their keys [heads, n, d]
@@ -454,7 +506,7 @@ def replay(
             scores = probs[None]
         elif policy.score_statistic == "low_history":
             scores = shift_history(scores, low_attention(probs, 1)[None].astype(np.float64), 1, policy.score_history)
-        elif not from_keys:  # (a key statistic's scores come from the cache, below)
+        elif not from_keys and reconstruction is None:  # (a key statistic's scores come from the cache, below)
             scores = scores + probs[None]
         if outputs is not None:
             outputs[t] = np.einsum("hk,khd->hd", probs, values[cached.T, np.arange(heads)[None, :]])

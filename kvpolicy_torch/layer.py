@@ -29,6 +29,7 @@ when a frontier reaches the end of the storage: once per ``slack`` steps for one
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -172,6 +173,9 @@ class LayerCache(LayerReads):
                         chunk=0 if self.static_shapes or self.prompt_chunk is None else self.prompt_chunk)
         self._slots = SlotAllocator(policy, plan, group=self.group, index=self._group_index, static=self._static, ragged=self._ragged)
         self._eviction = HostEviction(policy, self._victims, self._slots, self.reduce_scores)
+        #: a policy scored by a context reconstruction (KVzip): whether its scores came
+        #: (:meth:`evict_reconstructed`); until then no eviction asks the policy
+        self.reconstructed = False
         #: Expected Attention: the running moments of the queries seen (:meth:`observe_queries`)
         #: (and a refresh interval's bookkeeping for any score from the cache that declares one)
         refreshes = policy.score_statistic in KEY_STATISTICS and refresh_interval(policy) > 1
@@ -400,9 +404,60 @@ class LayerCache(LayerReads):
             if torch.compiler.is_compiling() or (ran and not self.needs_settle):
                 return []  # (compiled: announced by needs_settle, the caller runs settle() between steps)
             return self.settle()
+        if self.policy.needs_reconstruction and not self.reconstructed:
+            if self._layout.phase == "decode":
+                raise ValueError(
+                    f"{self.policy!r} scores the prompt by a context reconstruction, which has not run: run it after the "
+                    "prompt, before any decode step (kvpolicy_integrations.reconstruction.reconstruct(model, cache, prompt_ids, "
+                    "repeat_prompts(tokenizer)); "
+                    "kvpolicy_integrations.hf.generate does), or give LayerCache.evict_reconstructed its scores"
+                )
+            return self._evicted([])  # the prompt is kept whole until its reconstruction scores it
         rounds = self._eviction.evict(self.synced(), self.running_queries, candidates=self.candidates,
                                       min_scores=self.candidate_min_scores, chunk_bytes=self.compaction_chunk_bytes)
         return self._evicted(rounds)
+
+    def evict_reconstructed(self, scores: torch.Tensor) -> list[tuple[int, int]]:
+        """For a policy scored by a context reconstruction (KVzip,
+        :attr:`~kvpolicy.EvictionPolicy.needs_reconstruction`): take ``scores`` ``[batch, kv_heads,
+        n]`` as the held prompt tokens' scores (in position order; what
+        :func:`kvpolicy.statistics.reconstruction_scores` gives them) and let the policy evict, as
+        after a prompt (``phase="prefill"``); once per sequence, before any decode step. Every
+        row must hold its whole prompt of ``n`` tokens (no pads, nothing evicted).
+
+        Example:
+            >>> from kvpolicy import KVzip
+            >>> layer = LayerCache(KVzip(size=3, sink=1))
+            >>> K, V = layer.append(torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4))
+            >>> layer.evict()  # the prompt is kept until its reconstruction scores it
+            []
+            >>> layer.evict_reconstructed(torch.tensor([[[0.0, 0.9, 0.1, 0.8, 0.2, 0.3]]])), layer.positions.tolist()
+            ([(6, 3)], [[[0, 1, 3]]])
+        """
+        policy = self.policy
+        if not policy.needs_reconstruction:
+            raise ValueError(f"evict_reconstructed serves a policy scored by a context reconstruction (KVzip); {policy!r} is not")
+        if self.reconstructed:
+            raise ValueError(f"{policy!r}: the prompt was already scored by its reconstruction (once per sequence; reset() first)")
+        if self._static is not None and self._static.newer:
+            raise ValueError("evict_reconstructed comes right after the prompt, before any decode step")
+        layout = self.synced()
+        rows = layout.rows
+        n = rows.count[0]
+        if not layout.dense() or any(c != n for c in rows.count) or any(s != n for s in rows.seen):
+            raise NotImplementedError(
+                f"{policy!r}: a context reconstruction needs every row to hold its whole prompt, all of one length "
+                f"(no pads, nothing evicted); rows hold {rows.count} of {rows.seen} tokens seen"
+            )
+        working = layout.working()
+        expected = (rows.batch, int(working.scores.shape[1]), n)
+        if tuple(scores.shape) != expected:
+            raise ValueError(f"scores must have shape [batch, kv_heads, n] = {list(expected)}, got {list(scores.shape)}")
+        held = working.scores[..., :n]
+        held.copy_(torch.nan_to_num(scores.to(device=held.device, dtype=held.dtype), nan=-math.inf))
+        layout.phase = "prefill"
+        self.reconstructed = True
+        return self.evict()
 
     def _evicted(self, rounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """After an eviction on the host: count it, and (static shapes) hand the layer to the device."""

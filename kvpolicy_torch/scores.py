@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 import torch
 
-from kvpolicy.policy import KEY_STATISTICS
+from kvpolicy.policy import KEY_STATISTICS, RECONSTRUCTION
 from kvpolicy.statistics import low_attention, shift_history
 
 __all__ = ["DEFAULT_WORKSPACE_BYTES", "fold_received", "group_query_heads", "prefill_block_rows", "received_attention"]
@@ -34,7 +34,7 @@ def fold_received(
     only) keep ``+inf``, except under ``"accumulate"`` at a step whose attention is NaN throughout
     (the holes' share too: ``+inf - inf`` is NaN), which is why victim searches rank holes by their
     position (:func:`~kvpolicy_torch.ops.eviction_ranks`). A statistic from keys
-    (:data:`kvpolicy.KEY_STATISTICS`) ignores it. One rule for the eager and the static (compiled)
+    (:data:`kvpolicy.KEY_STATISTICS`) and a reconstruction (KVzip) ignore it. One rule for the eager and the static (compiled)
     step alike.
 
     Example:
@@ -43,8 +43,8 @@ def fold_received(
         >>> scores.tolist()
         [[[-inf, inf]]]
     """
-    if statistic in KEY_STATISTICS:
-        return  # scores come from the keys (the layer computes them before it evicts)
+    if statistic in KEY_STATISTICS or statistic == RECONSTRUCTION:
+        return  # scores come from the keys (the layer computes them before it evicts) or a reconstruction
     received = torch.nan_to_num(received.to(scores.dtype), nan=-math.inf, posinf=math.inf, neginf=-math.inf)
     if statistic == "accumulate":
         scores += received

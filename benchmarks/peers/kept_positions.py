@@ -16,7 +16,12 @@ sized as kvpress sizes a press (``n_kept = max(1, int(n * (1 - ratio)))``, ``com
   ``KeyDiffPress``;
 * ``expected_attention``: ``ExpectedAttention(size=n_kept)`` (``sink=4``, ``future=512``,
   covariance and value norm: the press's defaults) vs ``ExpectedAttentionPress``; after a prefill
-  both estimate the queries from the prompt's (from position 4 on).
+  both estimate the queries from the prompt's (from position 4 on);
+* ``kvzip`` (on request, ``--policies kvzip``): ``AdaKV(KVzip(size=n_kept, sink=4),
+  alpha_safeguard=0)`` after its context reconstruction (``kvpolicy_integrations.reconstruction``,
+  the tokenizer's repeat prompts, the chat template's prefix not repeated) vs
+  ``KVzipPress(layerwise=True)`` (kvpress's default shares the budget over layers, which a
+  per-layer policy does not express).
 
 For every (policy, ratio) it reports how many of the ``layers x kv_heads`` kept sets are equal and
 the mean Jaccard similarity (|ours ∩ theirs| / |ours ∪ theirs|), also for our earlier defaults
@@ -73,13 +78,19 @@ def our_policy(name: str, kept: int, **variant: Any) -> Any:
         return KeyDiff(size=kept)
     if name == "expected_attention":
         return ExpectedAttention(size=kept)
+    if name == "kvzip":
+        from kvpolicy import AdaKV, KVzip
+
+        return AdaKV(KVzip(size=kept, sink=min(4, kept - 1)), alpha_safeguard=0.0)
     if name in available_policies():
         return create_policy(name, size=kept)
     return None
 
 
-def our_kept(model: Any, ids: Any, policy: Any) -> list[list[list[int]]]:
-    """``[layer][kv_head]`` positions kvpolicy's EvictingCache keeps after prefilling ``ids``."""
+def our_kept(model: Any, ids: Any, policy: Any, tokenizer: Any = None) -> list[list[list[int]]]:
+    """``[layer][kv_head]`` positions kvpolicy's EvictingCache keeps after prefilling ``ids`` (and,
+    for a policy scored by a context reconstruction, KVzip, after it: ``tokenizer`` gives its
+    repeat prompts; holes of head-wise budgets left out)."""
     import torch
 
     from kvpolicy.hf import EvictingCache, cache_kwargs
@@ -87,7 +98,12 @@ def our_kept(model: Any, ids: Any, policy: Any) -> list[list[list[int]]]:
     cache = EvictingCache(policy, model)
     with torch.no_grad():
         model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
-    return [layer.store.positions[0].tolist() for layer in cache.layers]
+    if policy.needs_reconstruction:
+        from kvpolicy_integrations.reconstruction import reconstruct, repeat_prompts
+
+        prompts = repeat_prompts(tokenizer)
+        reconstruct(model, cache, ids, prompts, start=prompts.prefix)  # (kvpress skips the template's prefix)
+    return [[[p for p in head if p >= 0] for head in layer.store.positions[0].tolist()] for layer in cache.layers]
 
 
 def agreement(ours: list[list[list[int]]], theirs: list[list[list[int]]]) -> dict[str, float]:
@@ -141,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 policy = our_policy(name, kept, **variant)
                 row: dict[str, Any] = {"policy": name, "ratio": ratio, "kept": kept, "ours": repr(policy)}
                 if policy is not None:
-                    row.update(agreement(our_kept(model, ids, policy), theirs[f"{name}@{ratio}"]))
+                    row.update(agreement(our_kept(model, ids, policy, tokenizer), theirs[f"{name}@{ratio}"]))
                 rows.append(row)
     report = {"model": models.EMBEDDED_MODEL, "prompt": source, "prompt_length": len(ids_list), "rows": rows}
     (args.out / "kept_positions.json").write_text(json.dumps(report, indent=1))

@@ -11,7 +11,10 @@ equals (the press gathers keys, so every kept key is bit-equal to one of its inp
 
 Presses: ``StreamingLLMPress`` (4 sinks), ``TOVAPress``, ``SnapKVPress`` (window 64, kernel 5),
 ``KnormPress``, ``KeyDiffPress``, ``ExpectedAttentionPress`` (defaults), all at their defaults
-but ``compression_ratio``.
+but ``compression_ratio``; on request (``--presses kvzip``) ``KVzipPress(layerwise=True)``, which
+masks what it evicts instead of gathering (its kept positions are the complement of the
+``masked_key_indices`` it leaves on each attention module) and reads the tokenizer from
+``--model-dir`` (its repeat prompts and chat-template prefix).
 
 Example (from the repository root)::
 
@@ -39,14 +42,38 @@ def make_press(name: str, ratio: float) -> Any:
         "knorm": lambda: kvpress.KnormPress(compression_ratio=ratio),
         "keydiff": lambda: kvpress.KeyDiffPress(compression_ratio=ratio),
         "expected_attention": lambda: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
+        # the budget per layer (kvpolicy's policies decide per layer; kvpress's default shares it over layers)
+        "kvzip": lambda: kvpress.KVzipPress(compression_ratio=ratio, layerwise=True),
     }
     return build[name]()
+
+
+def masked_kept(model: Any, ids: Any, press: Any) -> list[list[list[int]]]:
+    """``[layer][kv_head]`` prompt positions a masking press (``KVzipPress``) keeps: the complement
+    of the ``masked_key_indices`` it leaves on each attention module (batch of one)."""
+    import torch
+    from transformers import DynamicCache
+
+    with torch.no_grad(), press(model):
+        model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+    n, kept = int(ids.shape[1]), []
+    for layer in model.model.layers:
+        _, heads, positions = layer.self_attn.masked_key_indices
+        pruned: list[set[int]] = [set() for _ in range(model.config.num_key_value_heads)]
+        for h, j in zip(heads.tolist(), positions.tolist()):
+            pruned[h].add(j)
+        kept.append([[j for j in range(n) if j not in p] for p in pruned])
+        del layer.self_attn.masked_key_indices  # (read by kvpress's attention on the next forward)
+    return kept
 
 
 def kept_positions(model: Any, ids: Any, press: Any) -> list[list[list[int]]]:
     """``[layer][kv_head]`` sorted prompt positions the press keeps (batch of one)."""
     import torch
     from transformers import DynamicCache
+
+    if type(press).__name__ == "KVzipPress":
+        return masked_kept(model, ids, press)
 
     found: dict[int, list[list[int]]] = {}
     compress = press.compress

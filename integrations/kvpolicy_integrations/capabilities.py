@@ -35,6 +35,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from kvpolicy_torch import rope_rotate
 
 __all__ = ["Geometry", "LayerAttention", "ModelCapabilities", "RopeLayout", "cache_kwargs", "detect", "geometry",
+           "last_logits_kwargs",
            "model_layers", "query_rotations", "rope_layouts", "text_config"]
 
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
@@ -48,6 +49,22 @@ def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
         True
     """
     return {"cache": cache} if _takes_cache(type(model)) else {"past_key_values": cache}
+
+
+def last_logits_kwargs(model: Any) -> dict[str, Any]:
+    """``{"logits_to_keep": 1}`` for a model whose forward takes it (a prompt forward then
+    projects only its last position onto the vocabulary, as ``generate`` asks), else ``{}``.
+
+    Example:
+        >>> from kvpolicy_tools.models import tiny_llama
+        >>> last_logits_kwargs(tiny_llama(num_layers=1))
+        {'logits_to_keep': 1}
+    """
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
 
 
 @functools.lru_cache(maxsize=None)

@@ -54,8 +54,10 @@ from kvpolicy_torch import LayerCache, LayerGroup, PrefixShift, received_attenti
 from kvpolicy_torch.static import StepOptions, device_flag
 
 from .capabilities import (
-    LayerAttention, ModelCapabilities, RopeLayout, cache_kwargs, detect, model_layers, query_rotations, rope_layouts,
+    LayerAttention, ModelCapabilities, RopeLayout, cache_kwargs, detect, last_logits_kwargs, model_layers, query_rotations,
+    rope_layouts,
 )
+from .reconstruction import reconstruct, repeat_prompts
 
 __all__ = [
     "ATTENTION_NAME",
@@ -1322,6 +1324,7 @@ def greedy_decode(
     attention_mask: torch.Tensor | None = None,
     step: Callable[..., Any] | None = None,
     prefill_chunk: int | None = PREFILL_CHUNK,
+    after_prompt: Callable[[], Any] | None = None,
 ) -> torch.Tensor:
     """Greedy decoding with ``cache``: the prompt through ``model`` (eager, in forwards of
     ``prefill_chunk`` tokens), then one token a step
@@ -1339,6 +1342,10 @@ def greedy_decode(
             prompt is fed in chunks, so an :class:`EvictingCache` holds at most its policy's
             capacity plus one chunk during the prefill; ``None`` or ``0``: the whole prompt in
             one forward.
+        after_prompt: called once the prompt is in the cache, before the first decode step:
+            required for a policy scored by a context reconstruction (KVzip: e.g. ``lambda:
+            reconstruct(model, cache, input_ids, repeat_prompts(tokenizer))``,
+            :mod:`kvpolicy_integrations.reconstruction`), which :func:`generate` passes.
 
     Returns:
         ``[batch, max_new_tokens]``: the new tokens.
@@ -1358,6 +1365,12 @@ def greedy_decode(
         raise ValueError(f"input_ids must be [batch, prompt] with a prompt of at least one token, got {tuple(input_ids.shape)}")
     chunk = input_ids.shape[1] if not prefill_chunk else check_int("prefill_chunk", prefill_chunk, minimum=1)
     ours = isinstance(cache, EvictingCache)
+    if ours and after_prompt is None and cache.policy.needs_reconstruction:
+        raise ValueError(
+            f"{cache.policy!r} scores the prompt by a context reconstruction: pass after_prompt=lambda: "
+            "kvpolicy_integrations.reconstruction.reconstruct(model, cache, input_ids, repeat_prompts(tokenizer)) "
+            "(kvpolicy_integrations.hf.generate does)"
+        )
     step = step if step is not None else model
     if attention_mask is None:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
@@ -1365,12 +1378,14 @@ def greedy_decode(
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
     settle = ours and cache.needs_settle
     out = []
-    last = _last_logits_kwargs(model)
+    last = last_logits_kwargs(model)
     with torch.no_grad():
         for lo in range(0, input_ids.shape[1], chunk):  # (the mask covers every column so far)
             hi = min(input_ids.shape[1], lo + chunk)
             logits = model(input_ids=input_ids[:, lo:hi], attention_mask=None if attention_mask is None else attention_mask[:, :hi],
                            position_ids=positions[:, lo:hi], use_cache=True, **last, **cache_kwargs(model, cache)).logits[:, -1]
+        if after_prompt is not None:
+            after_prompt()
         pos = positions[:, -1:] + 1
         mask = attention_mask
         for k in range(max_new_tokens):
@@ -1389,16 +1404,6 @@ def greedy_decode(
     if ours:
         cache.report_nonfinite()
     return torch.cat(out, dim=1)
-
-
-def _last_logits_kwargs(model: torch.nn.Module) -> dict[str, Any]:
-    """``{"logits_to_keep": 1}`` for a model whose forward takes it (a prompt forward then
-    projects only its last position onto the vocabulary, as ``generate`` asks), else ``{}``."""
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
 
 
 @dataclass
@@ -1451,6 +1456,10 @@ def generate(
     ``prefill_chunk`` tokens (default :data:`PREFILL_CHUNK`) is prefilled in chunks of that many,
     so the cache holds at most the policy's capacity plus one chunk however long the prompt is
     (``None`` or ``0``: one forward of the whole prompt, faster and holding all of it for a moment).
+    A policy scored by a context reconstruction (KVzip) gets it after the prompt
+    (:func:`kvpolicy_integrations.reconstruction.reconstruct`, with the tokenizer's repeat prompts;
+    a chat template's prefix is not repeated) and decodes with :func:`greedy_decode`, which does not
+    stop at an end-of-sequence token.
 
     Example:
         >>> from kvpolicy_tools.models import tiny_llama
@@ -1507,9 +1516,15 @@ def generate(
     compile = check_bool("compile", compile)
     cache = EvictingCache(policy, model, positions=positions, max_tokens=n_prompt + max_new_tokens, static_shapes=compile,
                           prefill_chunk=chunk)
-    if compile:
+    after_prompt = None
+    if policy.needs_reconstruction:
+        prompts = repeat_prompts(tokenizer)
+        start = prompts.start(input_ids)
+        after_prompt = lambda: reconstruct(model, cache, input_ids, prompts, start=start)  # noqa: E731
+    if compile or after_prompt is not None:
         new = greedy_decode(model, input_ids, cache, max_new_tokens, attention_mask=torch.ones_like(input_ids),
-                            step=compile_decode_step(model), prefill_chunk=chunk)
+                            step=compile_decode_step(model) if compile else None, prefill_chunk=chunk,
+                            after_prompt=after_prompt)
         out = torch.cat([input_ids, new], dim=1)
     else:
         out = model.generate(

@@ -9,6 +9,7 @@ from .full import FullCache
 from .h2o import H2O
 from .keydiff import KeyDiff
 from .knorm import Knorm
+from .kvzip import KVzip
 from .local import LocalWindow
 from .prefill_only import PrefillOnly, prefill_only
 from .pyramid import PyramidKV, pyramid_sizes
@@ -33,6 +34,7 @@ __all__ = [
     "H2O",
     "KeyDiff",
     "Knorm",
+    "KVzip",
     "LocalWindow",
     "PrefillOnly",
     "PyramidKV",

@@ -63,6 +63,13 @@ class Composed(WrappingPolicy):
                 f"prefill and decode must keep the same kind of score: {prefill!r} and {decode!r} do not (a "
                 "Scissorhands record of low-attention events cannot serve a policy that ranks attention)"
             )
+        if "reconstruction" in statistics and len(statistics) > 1:
+            # KVzip's scores exist once, after the prompt's reconstruction: no decode step updates them
+            raise ValueError(
+                f"prefill and decode must keep the same kind of score: {prefill!r} and {decode!r} do not (a context "
+                "reconstruction's scores, KVzip's, come once after the prompt and cannot serve a policy that ranks "
+                "attention or keys)"
+            )
         if len(statistics) > 1 and statistics & set(KEY_STATISTICS):
             # one score per token serves both: scores from keys are recomputed before each decision
             raise ValueError(

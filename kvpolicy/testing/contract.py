@@ -60,7 +60,8 @@ from hypothesis.errors import Unsatisfiable
 import kvpolicy_numpy
 from kvpolicy.validation import check_bool, check_int
 from kvpolicy.driver import PolicyError
-from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
+from kvpolicy.policy import KEY_STATISTICS, RECONSTRUCTION, EvictionPolicy
+from kvpolicy.registry import Preset, get_policy
 
 from .. import Composed, FullCache
 from ..budget import replay_sizes, simulate_sizes
@@ -84,6 +85,7 @@ __all__ = [
     "check_replay",
     "check_sizes",
     "compare_backends",
+    "refuse_reconstruction",
     "torch_available",
 ]
 
@@ -481,6 +483,38 @@ def _run(fn: Callable[..., None], label: str, prop: str, settings: Settings) -> 
         ) from None
 
 
+def refuse_reconstruction(policy_factory: Any) -> None:
+    """``NotImplementedError`` for a policy scored by a context reconstruction (KVzip, as a class,
+    an instance or a registry preset over it): the kit drives policies on attention logits (and
+    keys), step by step, and such a policy's scores come from a second forward after the prompt,
+    which it does not model. Its selection is held to the reference given its scores by its own
+    tests instead (tests/core/policies/test_kvzip.py).
+
+    Example:
+        >>> from kvpolicy import KVzip
+        >>> refuse_reconstruction(KVzip)
+        Traceback (most recent call last):
+        ...
+        NotImplementedError: KVzip is scored by a context reconstruction (score_statistic 'reconstruction'), which the kit does not drive: hold its selection to kvpolicy_numpy.replay(policy, logits, prompt_len, reconstruction=scores) instead
+    """
+    def reconstructs(factory: Any) -> bool:
+        if isinstance(factory, EvictionPolicy):
+            return factory.needs_reconstruction
+        if isinstance(factory, type) and issubclass(factory, EvictionPolicy):
+            return getattr(factory, "score_statistic", None) == RECONSTRUCTION
+        if isinstance(factory, Preset):
+            scorer = factory.fixed.get("scorer")
+            return reconstructs(factory.cls) or (isinstance(scorer, str) and reconstructs(get_policy(scorer)))
+        return False
+
+    if reconstructs(policy_factory):
+        name = policy_factory.name if isinstance(policy_factory, Preset) else getattr(policy_factory, "__name__", None) or repr(policy_factory)
+        raise NotImplementedError(
+            f"{name} is scored by a context reconstruction (score_statistic {RECONSTRUCTION!r}), which the kit does not "
+            "drive: hold its selection to kvpolicy_numpy.replay(policy, logits, prompt_len, reconstruction=scores) instead"
+        )
+
+
 def check_policy(
     policy_factory: Any = None,
     params: Any = None,
@@ -532,6 +566,7 @@ def check_policy(
         >>> report.passed  # (LocalWindow ranks no tokens: 'ranking' and 'head_ties' are skipped)
         ['replay', 'sizes', 'full_cache', 'backends', 'stateful']
     """
+    refuse_reconstruction(policy_factory)
     chosen = list(PROPERTIES if checks is None else checks)
     unknown = sorted(set(chosen) - set(PROPERTIES))
     if unknown:

@@ -54,6 +54,8 @@ NAMES = {
     "adakv_keydiff": "AdaKV + KeyDiff",
     "adakv_tova": "AdaKV + TOVA",
     "adakv_expected_attention": "AdaKV + Expected Attention",
+    "kvzip": "KVzip",
+    "kvzip_headwise": "KVzip (head-wise)",
     "pyramid": "PyramidKV budgets",
     "compose": "Composition",
 }
@@ -83,6 +85,8 @@ COLORS = {
     "adakv_keydiff": "#dbdb8d",
     "adakv_tova": "#aec7e8",
     "adakv_expected_attention": "#f7b6d2",
+    "kvzip": "#e7ba52",
+    "kvzip_headwise": "#ad494a",
     "pyramid": "#637939",
     "compose": "#7b4173",
 }

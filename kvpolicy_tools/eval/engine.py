@@ -16,6 +16,7 @@ import transformers
 
 from kvpolicy.validation import check_bool
 from kvpolicy.hf import EvictingCache, cache_kwargs, model_layers
+from kvpolicy_integrations.reconstruction import RepeatPrompts, reconstruct
 from kvpolicy.policy import EvictionPolicy
 
 from ..models import describe
@@ -92,6 +93,15 @@ class Engine:
         with torch.no_grad():
             out = self.forward(ids[:, :prompt_length], rec, logits_to_keep=1)
         return rec, out.logits[:, -1].float()
+
+    def reconstruct(self, ids: Any, prompt_length: int, cache: Any) -> None:
+        """KVzip's context reconstruction of the prefilled ``ids[:, :prompt_length]`` in ``cache``
+        (a policy scored by one: ``needs_reconstruction``), then its one eviction: the repeat
+        prompts in this tokenizer, the chat template's prefix not repeated (as kvpress)."""
+        tok = self.tok
+        prompts = RepeatPrompts.from_texts(tok.encode, tok.pre if tok.chat else "", tok.post if tok.chat else "\n")
+        context = ids[:, :prompt_length]
+        reconstruct(self.model, cache, context, prompts, start=prompts.start(context))
 
     def prefill_chunked(self, ids: Any, prompt_length: int, policy: Any, chunk: int) -> tuple[Any, Any]:
         """A cache for ``policy`` after prefilling in chunks (the policy evicts after every chunk)."""
@@ -287,6 +297,8 @@ def evaluate(
                                                                              configs[i].chunk or s0.prefill_length)
                             else:
                                 cache = engine.fork(rec, policy)
+                            if policy.needs_reconstruction:  # KVzip: its second forward, then its eviction
+                                engine.reconstruct(ids, s0.prefill_length, cache)
                             asked: tuple[list[float], list[int]] = ([], [])
                             if s0.question_length:  # the question comes after the prefill's eviction
                                 first_logits, *asked = engine.feed(ids, s0.prefill_length, s0.prompt_length, cache)

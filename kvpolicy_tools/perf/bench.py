@@ -154,7 +154,7 @@ def decoding_policy_names() -> list[str]:
     """Every registered policy that evicts during decode (``--policy all``): the names whose policy,
     planned from a budget alone (25% of a 1,024-token prompt and 256 decoded tokens), holds a
     bounded cache. Left out: the full cache, the prompt-only compressions (SnapKV, PyramidKV,
-    AdaKV over SnapKV: unbounded during decode) and the generic names that plan only with a
+    AdaKV over SnapKV, KVzip and its head-wise preset: unbounded during decode) and the generic names that plan only with a
     scorer or base named (``adakv``, ``compose``, ``pyramid``: their presets stand for them).
     Third-party policies registered by the time of the call are included by the same rule.
 

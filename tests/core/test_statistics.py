@@ -229,3 +229,21 @@ def test_docs_worked_example() -> None:
     prefill = kvpolicy_numpy.replay(policy, logits, prompt_len=5, keys=keys)
     assert "cache holds `" + " ".join(map(str, prefill.kept[4][0].tolist())) + "`" in text
     assert "Knorm keeps `" + " ".join(map(str, kvpolicy_numpy.replay(Knorm(size=3), logits, prompt_len=5, keys=keys).kept[4][0].tolist())) + "`" in text
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(1, 6), st.integers(1, 5), st.integers(1, 3))
+@settings(max_examples=40, deadline=None)
+def test_reconstruction_scores_are_the_most_attention_any_query_pays(seed, context, rows, group) -> None:
+    """KVzip's statistic: of the reconstruction rows' attention probabilities, the maximum over the
+    rows and the query heads of a KV head, per context token; the same on NumPy and torch."""
+    from kvpolicy.statistics import reconstruction_scores
+
+    rng = np.random.default_rng(seed)
+    probs = rng.dirichlet(np.ones(context + rows), size=(2, group, rows))  # [2, group, rows, m]
+    expected = np.zeros((2, context))
+    for h in range(2):
+        for g in range(group):
+            for i in range(rows):
+                expected[h] = np.maximum(expected[h], probs[h, g, i, :context])
+    assert reconstruction_scores(probs, context).tolist() == expected.tolist()
+    assert reconstruction_scores(torch.tensor(probs), context).numpy().tolist() == expected.tolist()

@@ -39,6 +39,10 @@ ALLOWED: dict[tuple[str, str], str] = {
         "transformers has no public getter for a config's attention implementation; hf.py checks "
         "that kvpolicy_sdpa is the one in use"
     ),
+    ("integrations/kvpolicy_integrations/reconstruction.py", "_attn_implementation"): (
+        "transformers has no public getter for a config's attention implementation; KVzip's reconstruction "
+        "forward switches to its own and puts the model's back"
+    ),
     ("kvpolicy_torch/storage.py", "_dynamo"): (
         "torch._dynamo.mark_static_address is torch's documented way to give a compiled step's state "
         "fixed addresses (CUDA graphs); torch.compiler has no public alias (transformers' StaticCache uses it too)"

@@ -103,7 +103,7 @@ class RulerTask(Task):
             "is 1 - r of the full cache's, evicting through the question and the answer; 'kvpress': kvpress's, the "
             "prompt compressed once to int(n (1 - r)) tokens per head by the policy's ranking, the question and the "
             "answer never evicted (kvpolicy.prefill_only; for the policies that rank tokens: h2o, tova, knorm, "
-            "keydiff, snapkv, expected_attention, adakv_*)")
+            "keydiff, snapkv, expected_attention, adakv_*, kvzip, kvzip_headwise)")
 
     @classmethod
     def options_from_args(cls, args: Any) -> RulerOptions:

@@ -81,3 +81,26 @@ def test_both_sides_keep_the_same_positions_on_a_tiny_model(kept, tmp_path):
         ours = kept.our_kept(model, ids, kept.our_policy(name, kept.n_kept(80, 0.5), **variant))
         got = kept.agreement(ours, theirs[f"{name}@0.5"])
         assert got["equal"] == got["sets"] == 4, (name, got)
+
+
+def test_kvzip_is_compared_headwise_after_its_reconstruction(kept):
+    """--policies kvzip: AdaKV over KVzip without a floor (KVzipPress(layerwise=True)'s head-wise
+    budgets), the positions read after the reconstruction, holes left out (tiny random-weight Llama,
+    a stand-in tokenizer)."""
+    from kvpolicy import AdaKV, KVzip
+    from kvpolicy_tools.models import tiny_llama
+
+    policy = kept.our_policy("kvzip", 12)
+    assert policy == AdaKV(KVzip(size=12, sink=4), alpha_safeguard=0.0)
+
+    class Tok:
+        chat_template = None
+
+        def encode(self, text, add_special_tokens=False):
+            return [3 + ord(c) % 50 for c in text]
+
+    model = tiny_llama()
+    ids = torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(3))
+    got = kept.our_kept(model, ids, policy, Tok())
+    assert len(got) == 2 and all(sum(len(head) for head in layer) == 2 * 12 for layer in got)
+    assert all(head[:4] == [0, 1, 2, 3] for layer in got for head in layer)

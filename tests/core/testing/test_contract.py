@@ -581,3 +581,16 @@ def test_a_policy_reading_scores_it_says_it_does_not_use_is_caught() -> None:
     with pytest.raises(ContractViolation, match="declares uses_scores = False"):
         check_replay(Blind(limit=3, recent=1), logits)
     check_replay(LocalWindow(window=3), logits)  # (a policy that truly reads none passes)
+
+
+@pytest.mark.parametrize("factory", ["kvzip", "kvzip_headwise", "instance", "prefill_only"])
+def test_a_policy_scored_by_a_reconstruction_is_refused_by_name(factory) -> None:
+    """The kit drives policies on attention logits step by step; KVzip's scores come from a second
+    forward after the prompt, so check_policy says so (NotImplementedError) rather than failing it
+    as a contract breach (its selection is held to the reference in tests/core/policies/test_kvzip.py)."""
+    from kvpolicy import KVzip, prefill_only
+
+    made = {"kvzip": get_policy("kvzip"), "kvzip_headwise": get_policy("kvzip_headwise"), "instance": KVzip(size=6),
+            "prefill_only": prefill_only(KVzip(size=6), 0.5)}[factory]
+    with pytest.raises(NotImplementedError, match="context reconstruction"):
+        check_policy(made, torch=False, settings=settings(max_examples=2))

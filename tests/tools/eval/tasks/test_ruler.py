@@ -195,3 +195,22 @@ def test_kvpress_protocol_compresses_the_context_once_and_keeps_the_question_and
         assert c["average_cache"] == pytest.approx(k + (steps + 1) / 2)
     report = (tmp_path / "kvpress" / "report.md").read_text()
     assert "| policy | ratio (kvpress) |" in report and "under kvpress's protocol" in report
+
+
+def test_kvzip_runs_its_reconstruction_under_kvpress_protocol(tiny, tmp_path):
+    """``--policies kvzip,kvzip_headwise --ruler-protocol kvpress``: after the context's prefill each
+    runs its context reconstruction, then keeps int(n (1 - r)) tokens per head (on average over the
+    heads for the head-wise one) and every question and answer token."""
+    res = _run(tiny, tmp_path / "kvzip", "--ruler-protocol", "kvpress", "--policies", "full,kvzip,kvzip_headwise",
+               "--ruler-subtasks", "niah_single_1")
+    steps = res["decode_steps_per_sample"]
+    ran = set()
+    for c in res["cells"]:
+        if c["policy"] == "full":
+            continue
+        (plan,) = c["plans"]
+        k = int(plan["prompt_length"] * 0.5)
+        assert plan["kept_context_tokens"] == k and plan["capacity"] is None
+        assert c["average_cache"] == pytest.approx(k + (steps + 1) / 2)
+        ran.add(c["policy"])
+    assert ran == {"kvzip", "kvzip_headwise"}
