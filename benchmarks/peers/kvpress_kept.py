@@ -11,7 +11,10 @@ equals (the press gathers keys, so every kept key is bit-equal to one of its inp
 
 Presses: ``StreamingLLMPress`` (4 sinks), ``TOVAPress``, ``SnapKVPress`` (window 64, kernel 5),
 ``KnormPress``, ``KeyDiffPress``, ``ExpectedAttentionPress`` (defaults), all at their defaults
-but ``compression_ratio``.
+but ``compression_ratio``; and (issue 41) ``ChunkKVPress`` over that SnapKV (``chunkkv``) and over
+Knorm (``chunkkv_knorm``), chunks of 20, ``CriticalKVPress`` over Knorm (``critical_knorm``) and over
+Expected Attention without its value norm (``critical_expected_attention``), ``LagKVPress``
+(``lagkv``, defaults).
 
 Example (from the repository root)::
 
@@ -39,6 +42,12 @@ def make_press(name: str, ratio: float) -> Any:
         "knorm": lambda: kvpress.KnormPress(compression_ratio=ratio),
         "keydiff": lambda: kvpress.KeyDiffPress(compression_ratio=ratio),
         "expected_attention": lambda: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
+        "chunkkv": lambda: kvpress.ChunkKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=64, kernel_size=5), 20),
+        "chunkkv_knorm": lambda: kvpress.ChunkKVPress(kvpress.KnormPress(compression_ratio=ratio), 20),
+        "critical_knorm": lambda: kvpress.CriticalKVPress(kvpress.KnormPress(compression_ratio=ratio)),
+        "critical_expected_attention": lambda: kvpress.CriticalKVPress(
+            kvpress.ExpectedAttentionPress(compression_ratio=ratio, use_vnorm=False)),
+        "lagkv": lambda: kvpress.LagKVPress(compression_ratio=ratio),
     }
     return build[name]()
 
