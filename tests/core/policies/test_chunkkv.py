@@ -206,3 +206,24 @@ def test_the_transformers_cache_keeps_what_the_reference_keeps() -> None:
         trace = kvpolicy_numpy.replay(policy, logits, prompt_len=ids.shape[1], keys=keys)
         np.testing.assert_array_equal(cache.layers[0].store.positions[0].numpy(), trace.kept[-1])
         assert trace.kept[-1].shape[-1] < tokens.shape[1]  # it did evict
+
+
+@pytest.mark.hf
+def test_static_shapes_rescore_the_cache_before_a_host_eviction() -> None:
+    """With static shapes a policy without a one-token decode rule evicts on the host between
+    steps (``LayerCache.settle``); for a score from the cache (ChunkKV over Knorm) the scores are
+    recomputed first, as an eager step does: the same tokens and kept positions as eager (before the
+    fix, settle ranked stale scores and kept the newest tokens). Tiny random-weight Llama, GQA."""
+    pytest.importorskip("transformers")
+    from kvpolicy.hf import EvictingCache, greedy_decode
+    from kvpolicy_tools.models import tiny_llama
+
+    model = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=8, vocab=96, seed=3)
+    ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(5))
+    for policy in (ChunkKV(Knorm(size=14), 4), ChunkKV(Knorm(size=14), 1, selection="per_head")):
+        eager = EvictingCache(policy, model)
+        want = greedy_decode(model, ids, eager, 24)
+        static = EvictingCache(policy, model, static_shapes=True, max_tokens=ids.shape[1] + 25)
+        assert torch.equal(greedy_decode(model, ids, static, 24), want), policy
+        for a, b in zip(eager.layers, static.layers):
+            assert a.store.positions.tolist() == b.store.positions.tolist(), policy
