@@ -154,6 +154,12 @@ class ChunkKV(WrappingPolicy):
             return None
         return self.keep_chunks(view, budget)
 
+    def for_layer(self, layer: int, layers: int) -> EvictionPolicy:
+        """Over the scorer's policy for ``layer`` (e.g. a :class:`~kvpolicy.CriticalKV` bound to
+        the layer's output projection); itself when that is the scorer."""
+        inner = self.scorer.for_layer(layer, layers)
+        return self if inner is self.scorer else ChunkKV(inner, self.chunk_length, selection=self.selection)
+
     def params(self) -> dict[str, Any]:
         """The scorer as plain data (registry name and parameters) and ``chunk_length``."""
         return {

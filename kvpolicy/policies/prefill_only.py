@@ -99,6 +99,12 @@ class PrefillOnly(WrappingPolicy):
             return self.policy.keep_chunks(view, k)
         return keep_best(view, self.policy.ranking(view), k)
 
+    def for_layer(self, layer: int, layers: int) -> EvictionPolicy:
+        """Over the wrapped policy for ``layer`` (e.g. a :class:`~kvpolicy.CriticalKV` bound to the
+        layer's output projection); itself when that is the wrapped policy."""
+        inner = self.policy.for_layer(layer, layers)
+        return self if inner is self.policy else PrefillOnly(inner, self.compression_ratio)
+
     def params(self) -> dict[str, Any]:
         """The wrapped policy as plain data (registry name and parameters) and the ratio."""
         p = self.policy

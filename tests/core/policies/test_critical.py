@@ -149,7 +149,8 @@ def test_reads_like_its_scorer_plans_binds_and_refuses() -> None:
 def test_the_transformers_cache_binds_each_layer_to_its_output_projection() -> None:
     """A tiny random-weight Llama (float64, 4 heads): ``output_projections`` reads each layer's
     ``o_proj`` in the GQA layout; with them the cache keeps on layer 0 what the reference keeps
-    with layer 0's W_o, which is not what the identity keeps."""
+    with layer 0's W_o, which is not what the identity keeps; and so under AdaKV and prefill_only,
+    which bind the policy they wrap to each layer (``for_layer``)."""
     pytest.importorskip("transformers")
     from kvpolicy.hf import EvictingCache, output_projections
     from kvpolicy_tools.models import tiny_llama
@@ -170,3 +171,10 @@ def test_the_transformers_cache_binds_each_layer_to_its_output_projection() -> N
     np.testing.assert_array_equal(cache.layers[0].store.positions[0].numpy(), trace.kept[-1])
     identity = kvpolicy_numpy.replay(CriticalKV(Knorm(size=12)), logits, prompt_len=ids.shape[1], keys=keys, values=values)
     assert not np.array_equal(identity.kept[-1], trace.kept[-1])  # W_o matters
+    # wrapped (AdaKV over it, kvpress's protocol over it): the wrapper binds it to each layer too
+    for wrap in (lambda p: AdaKV(p, 0.2), lambda p: prefill_only(p, 0.5)):
+        cache = EvictingCache(wrap(CriticalKV(Knorm(size=12), projections=w_o)), model)
+        tokens = greedy_tokens(model, cache, ids, 12)
+        logits, keys, values = layer0_cached_values(model, tokens, ids.shape[1])
+        trace = kvpolicy_numpy.replay(wrap(one), logits, prompt_len=ids.shape[1], keys=keys, values=values)
+        np.testing.assert_array_equal(cache.layers[0].store.positions[0].numpy(), trace.kept[-1])
