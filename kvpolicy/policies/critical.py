@@ -137,8 +137,9 @@ class CriticalKV(WrappingPolicy):
             return self.projections[0]
         if self.layer is None:
             raise ValueError(
-                f"{self!r} holds W_o of {len(self.projections)} layers and was bound to none: a cache binds it "
-                "(policy.for_layer(layer, layers)); to replay one layer pass projections=[w_o]"
+                f"{self!r} holds W_o of {len(self.projections)} layers and was bound to none: a cache of a model with "
+                f"{len(self.projections)} layers binds it (policy.for_layer(layer, layers)); to replay one layer pass "
+                "projections=[w_o]"
             )
         return self.projections[self.layer]
 
@@ -173,12 +174,12 @@ class CriticalKV(WrappingPolicy):
         return self.scorer.init_state()
 
     def for_layer(self, layer: int, layers: int) -> EvictionPolicy:
-        """Bound to ``layer``'s ``W_o`` when it holds one per layer (``ValueError`` when their
-        count is not ``layers``); itself otherwise."""
-        if self.projections is None or len(self.projections) == 1 or layer == self.layer:
+        """Bound to ``layer``'s ``W_o`` when it holds one for each of the ``layers``; itself
+        otherwise (no projections, one for every layer, or another layer count: the planners ask
+        two layers for their sizes, which ``W_o`` does not change; a cache of another model then
+        fails at its first scoring, by :meth:`projection`)."""
+        if self.projections is None or len(self.projections) == 1 or len(self.projections) != layers or layer == self.layer:
             return self
-        if len(self.projections) != layers:
-            raise ValueError(f"{self!r} holds W_o of {len(self.projections)} layers; the model has {layers}")
         return CriticalKV(self.scorer, self.epsilon, self.first_stage_ratio, self.projections, layer=layer)
 
     # ---------------------------------------------------------------- niceties

@@ -133,8 +133,11 @@ def test_reads_like_its_scorer_plans_binds_and_refuses() -> None:
     assert bound.params()["projections"] == 2 and "projections=<2 layers>" in repr(bound)
     with pytest.raises(ValueError, match="bound to none"):
         bound.projection()
-    with pytest.raises(ValueError, match="the model has 3"):
-        bound.for_layer(0, 3)
+    assert bound.for_layer(0, 3) is bound  # another layer count (the planners' probe): unbound ...
+    with pytest.raises(ValueError, match="a model with 2 layers"):
+        bound.for_layer(0, 3).projection()  # ... which a scoring refuses
+    planned = make_policy("critical_kv", 0.5, context_length=300, prompt_length=200, scorer="knorm", projections=w * 15)
+    assert planned.projections is not None and planned.for_layer(29, 30).layer == 29
     with pytest.raises(ValueError, match="score computed from the cache"):
         CriticalKV(SnapKV(size=8, window=2))  # attention scores: the values are not beside them
     with pytest.raises(ValueError, match="score computed from the cache"):
