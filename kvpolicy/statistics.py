@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from .policy import EvictionPolicy
 
 __all__ = [
-    "COSINE_GRID", "KEY_EPS", "LOW_MARGIN", "MAX_HISTORY", "SCORE_BITS", "UNSCORED", "CachedTokens", "QueryMoments", "Rotary",
+    "COSINE_GRID", "FIRST_STAGE", "KEY_EPS", "LOW_MARGIN", "MAX_HISTORY", "SCORE_BITS", "UNSCORED", "CachedTokens", "QueryMoments", "Rotary",
     "average_rotation", "cache_scores", "critical_scores", "expected_attention", "history_counts", "history_record",
     "key_scores", "lag_scores", "low_attention", "mark_unscored", "query_moments", "refresh_due", "refresh_interval",
     "shift_history", "value_weights",
@@ -519,10 +519,18 @@ def value_weights(values: Array, projection: Array | None = None) -> Array:
     return xp.mean(xp.sum(xp.abs(projected), axis=-1), axis=-2)
 
 
+#: CriticalKV's score of a first-stage token (:func:`critical_scores`; kvpress writes its dtype's
+#: largest finite value): above any second-stage score, below :data:`UNSCORED` and the ``+inf`` of
+#: sinks and holes, and finite, so a head whose candidates are all first-stage tokens (a recent
+#: window beside ``first_stage_ratio = 1``) still evicts one, the earliest, on every backend (the
+#: torch backend never picks a ``+inf`` victim), and a sum over a layer's heads stays finite.
+FIRST_STAGE = 2.0**999
+
+
 def critical_scores(scores: Array, weights: Array, positions: Array, first: int, epsilon: float) -> Array:
     """Float64 ``[..., n]``: CriticalKV's two-stage score (Feng et al., 2025; kvpress's
     ``CriticalKVPress.score``): the ``first`` highest ``scores`` of each head (stage one, the
-    scorer's own choice; a tie: the later token) score ``+inf``, every other token ``(score +
+    scorer's own choice; a tie: the later token) score :data:`FIRST_STAGE`, every other token ``(score +
     epsilon) x weight`` (stage two: ``weights`` from :func:`value_weights`), rounded to
     :data:`SCORE_BITS` significant bits; a score that is not finite (Expected Attention's sinks,
     ``+inf``) stays as it is. Holes and pads (position ``-1``) never take a first-stage place.
@@ -530,8 +538,8 @@ def critical_scores(scores: Array, weights: Array, positions: Array, first: int,
     Example:
         >>> import numpy as np
         >>> s, w = np.array([[0.5, 0.125, 0.25, 0.375]]), np.array([[1.0, 4.0, 1.0, 2.0]])
-        >>> critical_scores(s, w, np.arange(4)[None], first=1, epsilon=0.0).tolist()
-        [[inf, 0.5, 0.25, 0.75]]
+        >>> critical_scores(s, w, np.arange(4)[None], first=1, epsilon=0.0).tolist() == [[FIRST_STAGE, 0.5, 0.25, 0.75]]
+        True
     """
     xp = array_namespace(scores)
     s = xp.astype(scores, xp.float64)
@@ -544,7 +552,7 @@ def critical_scores(scores: Array, weights: Array, positions: Array, first: int,
     finite = xp.isfinite(s)
     weighted = (xp.where(finite, s, xp.zeros_like(s)) + epsilon) * xp.astype(weights, xp.float64)
     weighted = xp.where(finite, _round_signed(weighted, SCORE_BITS), s)  # (a sink's +inf stays the scorer's verdict)
-    return xp.where(place >= n - first, xp.full_like(s, xp.inf), weighted)
+    return xp.where(place >= n - first, xp.full_like(s, FIRST_STAGE), weighted)
 
 
 # ---------------------------------------------------------------------------- refresh interval

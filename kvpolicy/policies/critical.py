@@ -27,7 +27,8 @@ class CriticalKV(WrappingPolicy):
     ``w`` is the L1 norm of its value projected through ``W_o``, the output projection of each
     query head of its KV head, averaged over the group (stage two,
     :func:`kvpolicy.statistics.critical_scores` and :func:`~kvpolicy.statistics.value_weights`).
-    The scorer's rule then keeps the highest of these scores (stage-one tokens score ``+inf``): one
+    The scorer's rule then keeps the highest of these scores (stage-one tokens score
+    :data:`~kvpolicy.statistics.FIRST_STAGE`, above every other): one
     token a decode step once full, or ``b`` after a prompt: kvpress's ``CriticalKVPress``, with
     the budget ``int(int(n (1 - r)) x first_stage_ratio)`` where kvpress takes ``int(n (1 - r) x
     first_stage_ratio)`` (equal at kvpress's ratio 0.5).
@@ -144,7 +145,7 @@ class CriticalKV(WrappingPolicy):
         return self.projections[self.layer]
 
     def cache_score(self, tokens: CachedTokens) -> Array:
-        """The scorer's scores, the first stage ``+inf``, the rest times the values' projected L1
+        """The scorer's scores, the first stage ``FIRST_STAGE``, the rest times the values' projected L1
         norms (:func:`kvpolicy.statistics.critical_scores`)."""
         scores = self.scorer.cache_score(tokens)
         xp_values = tokens.values

@@ -39,7 +39,7 @@ def kvpress_critical(keys: np.ndarray, values: np.ndarray, w_o: np.ndarray | Non
         w = [float(np.mean([np.abs(values[p] @ w_o[g]).sum() for g in range(w_o.shape[0])])) for p in held]
     out = [(s[i] + epsilon) * w[i] for i in range(len(held))]
     for i in sorted(range(len(held)), key=lambda i: (s[i], i))[len(held) - first:] if first else []:
-        out[i] = np.inf
+        out[i] = np.finfo(np.float64).max  # (kvpress: its dtype's largest value)
     return out
 
 
@@ -96,6 +96,20 @@ def test_wrapped_and_wrapping_the_torch_replay_keeps_what_the_reference_keeps(se
         assert (a is None and b is None) or np.array_equal(a, b), f"step {t}"
     if kind == "expected_attention":  # the sinks' +inf stays
         assert all(set(range(2)) <= set(row.tolist()) for row in ref.kept[-1])
+
+
+def test_a_head_whose_candidates_are_all_first_stage_still_evicts_the_earliest() -> None:
+    """``first_stage_ratio = 1`` beside a recent window: the one second-stage token is the newest
+    (protected), so the victim is a first-stage token, the earliest, on both backends (a ``+inf``
+    first stage left the torch backend's victim search nothing to pick: it differed)."""
+    steps = 8
+    keys = np.arange(1.0, steps + 1)[:, None, None]  # norms grow: the newest is always the largest
+    policy = CriticalKV(Knorm(size=3, recent=1), first_stage_ratio=1.0)
+    logits = np.zeros((steps, 1, steps))
+    ref = kvpolicy_numpy.replay(policy, logits, 2, keys=keys, values=np.ones((steps, 1, 1)))
+    got = kvpolicy_torch.replay(policy, logits, 2, keys=keys, values=np.ones((steps, 1, 1)))
+    assert [k.tolist() for k in ref.kept[3:]] == [[[t - 2, t - 1, t]] for t in range(3, steps)]
+    assert all(np.array_equal(a, b) for a, b in zip(ref.kept[2:], got.kept[2:]))
 
 
 def test_value_weights_group_mean_of_projected_l1_norms() -> None:
