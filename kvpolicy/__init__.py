@@ -29,7 +29,14 @@ parameters; docs/policies.md gives their exact semantics):
   ``pyramid_h2o`` (over H2O) and ``pyramidkv`` (PyramidKV's own: over SnapKV);
 * ``adakv`` (:class:`AdaKV`): head-wise budgets, a layer's budget shared among its KV heads by one
   top-k over a scorer's scores, and the presets ``adakv_snapkv``, ``adakv_h2o``, ``adakv_keydiff``,
-  ``adakv_tova``, ``adakv_expected_attention``.
+  ``adakv_tova``, ``adakv_expected_attention``;
+* ``chunkkv`` (:class:`ChunkKV`): a scorer's selection in whole chunks of consecutive tokens
+  (planned over SnapKV, as kvpress's leaderboard runs it);
+* ``critical_kv`` (:class:`CriticalKV`): a scorer's scores refined by each value's norm through the
+  output projection, and the presets ``critical_expected_attention`` and
+  ``critical_adakv_expected_attention`` (AdaKV over it);
+* ``lagkv`` (:class:`LagKV`): attention-free, each token's keys and values against the next
+  partition's range.
 
 Not registered (planned from kvpress's ``compression_ratio``, not a budget): :func:`prefill_only`
 (:class:`PrefillOnly`), any scorer run as kvpress runs its presses: the context compressed once,
@@ -47,13 +54,16 @@ from .budget import PolicyPlan, make_policy, plan_capacity, plan_policy, realise
 from .policies import (
     AdaKV,
     BUZZ,
+    ChunkKV,
     Composed,
+    CriticalKV,
     ExpectedAttention,
     H2O,
     FullCache,
     KeyDiff,
     Knorm,
     KVzip,
+    LagKV,
     LocalWindow,
     PrefillOnly,
     PyramidKV,
@@ -83,8 +93,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdaKV",
+    "ChunkKV",
     "BUZZ",
     "Composed",
+    "CriticalKV",
     "CacheView",
     "DecodeEviction",
     "DeferredScoresView",
@@ -97,6 +109,7 @@ __all__ = [
     "KeyDiff",
     "Knorm",
     "KVzip",
+    "LagKV",
     "LocalWindow",
     "LogNScaling",
     "Param",

@@ -53,10 +53,10 @@ if TYPE_CHECKING:
     from .policy import EvictionPolicy
 
 __all__ = [
-    "COSINE_GRID", "KEY_EPS", "LOW_MARGIN", "MAX_HISTORY", "SCORE_BITS", "UNSCORED", "CachedTokens", "QueryMoments", "Rotary",
-    "average_rotation", "cache_scores", "expected_attention", "history_counts", "history_record", "key_scores",
-    "low_attention", "mark_unscored", "query_moments", "reconstruction_scores", "refresh_due", "refresh_interval",
-    "refresh_sink", "scored_once", "shift_history",
+    "COSINE_GRID", "FIRST_STAGE", "KEY_EPS", "LOW_MARGIN", "MAX_HISTORY", "SCORE_BITS", "UNSCORED", "CachedTokens", "QueryMoments", "Rotary",
+    "average_rotation", "cache_scores", "critical_scores", "expected_attention", "history_counts", "history_record",
+    "key_scores", "lag_scores", "low_attention", "mark_unscored", "query_moments", "reconstruction_scores", "refresh_due",
+    "refresh_interval", "refresh_sink", "scored_once", "shift_history", "value_weights",
 ]
 
 #: KeyDiff's cosines are rounded to multiples of this (``2 ** -30``, far below the float32 precision
@@ -385,6 +385,178 @@ def expected_attention(
         probs = (probs + epsilon) * xp.sqrt(xp.sum(v * v, axis=-1))
     score = _round_bits(probs, SCORE_BITS)
     return xp.where(candidate, score, xp.full_like(score, xp.inf))
+
+
+def _round_signed(x: Array, bits: int) -> Array:
+    """``x`` rounded to ``bits`` significant bits, either sign (:func:`_round_bits` of ``|x|``)."""
+    xp = array_namespace(x)
+    return xp.where(x < 0, -_round_bits(-x, bits), _round_bits(x, bits))
+
+
+# ============================================================================ LagKV
+def _leading_holes(positions: Array) -> Array:
+    """``[..., 1]`` int64: the slots of a row holding no token (position ``-1``: holes, pads)."""
+    xp = array_namespace(positions)
+    held = xp.astype(positions >= 0, xp.int64)
+    return positions.shape[-1] - xp.sum(held, axis=-1, keepdims=True)
+
+
+def _partition_scores(x: Array, lag: int) -> Array:
+    """``[..., parts - 1, lag]``: LagKV's score of each token of partitions ``0 .. parts - 2`` of
+    ``x`` ``[..., parts, lag, d]`` (float64): each channel scaled to ``[0, 1]`` by the next
+    partition's min and max (0 where they are equal), the standard deviation over the channels
+    (divided by ``d - 1``, or 1 when ``d == 1``), a softmax over the partition."""
+    xp = array_namespace(x)
+    ref, tokens = x[..., 1:, :, :], x[..., :-1, :, :]
+    low, high = xp.min(ref, axis=-2, keepdims=True), xp.max(ref, axis=-2, keepdims=True)
+    span = high - low
+    scaled = xp.where(span > 0, (tokens - low) / xp.where(span > 0, span, xp.ones_like(span)), xp.zeros_like(tokens))
+    d = int(x.shape[-1])
+    centred = scaled - xp.mean(scaled, axis=-1, keepdims=True)
+    std = xp.sqrt(xp.sum(centred * centred, axis=-1) / max(d - 1, 1))
+    e = xp.exp(std - xp.max(std, axis=-1, keepdims=True))
+    return e / xp.sum(e, axis=-1, keepdims=True)
+
+
+def lag_scores(keys: Array, values: Array, positions: Array, *, sink: int, lag: int, cross_scoring: bool = False) -> Array:
+    """Float64 ``[..., n]``: LagKV's score of each cached token (Liang et al., 2025), from the keys
+    and values alone, as kvpress's ``LagKVPress`` scores a cache of ``m`` tokens.
+
+    A head's held tokens, in position order (holes and pads, position ``-1``, are left out; a
+    backend's slot order does not matter), are the first ``sink`` (score 1), then partitions of ``lag`` tokens. Each partition but
+    the last complete one is scored against the next (its *lag*): every channel of a key is scaled
+    by the next partition's min and max over its tokens to ``(k - min) / (max - min)`` (0 where
+    ``max == min``, which kvpress leaves a NaN), the token's key score is the standard deviation of
+    the scaled channels (``d - 1`` degrees of freedom), softmaxed over the partition, and the same
+    for the values; the token's score is the mean of the two, rounded to :data:`SCORE_BITS`
+    significant bits, then (unless ``cross_scoring``) replaced by its rank in the partition over
+    ``lag`` (``0, 1 / lag, ..., (lag - 1) / lag``; equal scores: the earlier ranks lower). The
+    last complete partition and the incomplete one after it score 1 (always kept first). A head
+    holding fewer than ``sink + 2 lag`` tokens has nothing scored against a lag: its sinks score 1
+    and the token ``i`` after them ``i / (m - sink)`` (the newest ranked highest, kvpress's ramp).
+    Holes score 0 here (:func:`cache_scores` makes them ``+inf``).
+
+    Args:
+        keys: ``[..., n, d]``; values: ``[..., n, dv]`` (``None``: scored from the keys alone).
+        positions: ``[..., n]``, ``-1`` at a hole or pad.
+        sink, lag, cross_scoring: the policy's (:class:`~kvpolicy.LagKV`).
+
+    Example:
+        >>> import numpy as np
+        >>> keys = np.array([[0.0, 1], [2, 0], [1, 1], [0, 2], [5, 0], [1, 0], [0, 1], [3, 3], [9, 9]])[None]
+        >>> lag_scores(keys, keys, np.arange(9)[None], sink=1, lag=2).tolist()  # a sink, 3 partitions by their lag, the last
+        [[1.0, 0.5, 0.0, 0.0, 0.5, 0.0, 0.5, 1.0, 1.0]]
+        >>> lag_scores(keys[:, :6], keys[:, :6], np.arange(6)[None], sink=2, lag=3).tolist()  # 6 < 2 + 2 x 3: the ramp
+        [[1.0, 1.0, 0.0, 0.25, 0.5, 0.75]]
+    """
+    xp = array_namespace(keys)
+    dev = device(positions)
+    n = int(positions.shape[-1])
+    # a backend's slots need not be in position order (an O(1) decode eviction reuses a slot): the
+    # head's tokens in position order, holes (-1) first, its i-th token at sorted slot i + lead
+    order = xp.argsort(positions, axis=-1, stable=True)
+    lead = _leading_holes(positions)  # [..., 1]
+    held = n - lead  # the tokens each head holds
+    slot = xp.arange(n, dtype=xp.int64, device=dev)
+    source = xp.take_along_axis(order, xp.clip(slot + lead, max=n - 1), axis=-1)  # [..., n]: the slot of token i
+    i = xp.astype(xp.broadcast_to(slot, source.shape), xp.float64)
+    m = xp.astype(held, xp.float64)
+    ramp = xp.where(i < sink, xp.ones_like(i), (i - sink) / xp.clip(m - sink, min=1.0))
+    parts = max((n - sink) // lag, 0)
+    score = ramp
+    if parts >= 2:
+        body = xp.zeros(source.shape, dtype=xp.float64, device=dev)
+        for states in (keys, values) if values is not None else (keys,):
+            x = xp.astype(states, xp.float64)
+            aligned = xp.take_along_axis(x, xp.broadcast_to(source[..., None], (*source.shape, int(x.shape[-1]))), axis=-2)
+            window = aligned[..., sink : sink + parts * lag, :]
+            grouped = xp.reshape(window, (*window.shape[:-2], parts, lag, int(x.shape[-1])))
+            part = xp.reshape(_partition_scores(grouped, lag), (*window.shape[:-2], (parts - 1) * lag))
+            ones = xp.ones((*part.shape[:-1], sink), dtype=xp.float64, device=dev)
+            rest = xp.ones((*part.shape[:-1], n - sink - (parts - 1) * lag), dtype=xp.float64, device=dev)
+            body = body + xp.concat([ones, part, rest], axis=-1)
+        body = _round_bits(body / (2.0 if values is not None else 1.0), SCORE_BITS)
+        if not cross_scoring:
+            cut = body[..., sink : sink + (parts - 1) * lag]
+            cut = xp.reshape(cut, (*cut.shape[:-1], parts - 1, lag))
+            rank = xp.argsort(xp.argsort(cut, axis=-1, stable=True), axis=-1, stable=True)
+            rank = xp.reshape(xp.astype(rank, xp.float64) / lag, (*cut.shape[:-2], (parts - 1) * lag))
+            body = xp.concat([body[..., :sink], rank, body[..., sink + (parts - 1) * lag :]], axis=-1)
+        # a token is scored against a lag when its head's own partitions reach two past its own
+        own = (m - sink) // lag  # the head's complete partitions
+        scored = (i >= sink) & (xp.floor((i - sink) / lag) <= own - 2) & (m >= sink + 2 * lag)
+        tail = (i >= sink) & (m >= sink + 2 * lag)
+        score = xp.where(scored, body, xp.where(tail, xp.ones_like(ramp), ramp))
+    # back to the head's slots: the slot order[j] holds its (j - lead)-th token
+    by_sorted = xp.take_along_axis(score, xp.clip(slot - lead, min=0), axis=-1)
+    out = xp.take_along_axis(by_sorted, xp.argsort(order, axis=-1, stable=True), axis=-1)
+    return xp.where(positions >= 0, out, xp.zeros_like(out))
+
+
+# ============================================================================ CriticalKV
+def value_weights(values: Array, projection: Array | None = None) -> Array:
+    """Float64 ``[batch, kv_heads, n]``: CriticalKV's weight of each cached value (Feng et al.,
+    2025): the L1 norm of the value projected through the output projection ``W_o`` of each query
+    head of its KV head, averaged over the group (kvpress's ``CriticalKVPress.vwl1norm``); without
+    ``projection`` the value's own L1 norm (``W_o`` taken as the identity).
+
+    Args:
+        values: ``[batch, kv_heads, n, dv]`` the cached values.
+        projection: ``[kv_heads, group, dv, hidden]``: the rows of ``W_o`` (``o_proj.weight``
+            transposed) that query head ``g`` of KV head ``h`` multiplies, or ``None``.
+
+    Example:
+        >>> import numpy as np
+        >>> v = np.array([[[[1.0, -2.0], [0.0, 3.0]]]])  # one KV head, two tokens
+        >>> value_weights(v).tolist()
+        [[[3.0, 3.0]]]
+        >>> w_o = np.array([[[[1.0, 0.0], [0.0, 2.0]], [[1.0, 1.0], [0.0, 0.0]]]])  # two query heads
+        >>> value_weights(v, w_o).tolist()  # head 0: |1| + |-4| and |0| + |6|; head 1: |1| + |1| and 0
+        [[[3.5, 3.0]]]
+    """
+    xp = array_namespace(values)
+    v = xp.astype(values, xp.float64)
+    if projection is None:
+        return xp.sum(xp.abs(v), axis=-1)
+    w = xp.astype(xp.asarray(projection, device=device(values)), xp.float64)  # [kv_heads, group, dv, hidden]
+    projected = xp.matmul(v[:, :, None, :, :], w[None])  # [batch, kv_heads, group, n, hidden]
+    return xp.mean(xp.sum(xp.abs(projected), axis=-1), axis=-2)
+
+
+#: CriticalKV's score of a first-stage token (:func:`critical_scores`; kvpress writes its dtype's
+#: largest finite value): above any second-stage score, below :data:`UNSCORED` and the ``+inf`` of
+#: sinks and holes, and finite, so a head whose candidates are all first-stage tokens (a recent
+#: window beside ``first_stage_ratio = 1``) still evicts one, the earliest, on every backend (the
+#: torch backend never picks a ``+inf`` victim), and a sum over a layer's heads stays finite.
+FIRST_STAGE = 2.0**999
+
+
+def critical_scores(scores: Array, weights: Array, positions: Array, first: int, epsilon: float) -> Array:
+    """Float64 ``[..., n]``: CriticalKV's two-stage score (Feng et al., 2025; kvpress's
+    ``CriticalKVPress.score``): the ``first`` highest ``scores`` of each head (stage one, the
+    scorer's own choice; a tie: the later token) score :data:`FIRST_STAGE`, every other token ``(score +
+    epsilon) x weight`` (stage two: ``weights`` from :func:`value_weights`), rounded to
+    :data:`SCORE_BITS` significant bits; a score that is not finite (Expected Attention's sinks,
+    ``+inf``) stays as it is. Holes and pads (position ``-1``) never take a first-stage place.
+
+    Example:
+        >>> import numpy as np
+        >>> s, w = np.array([[0.5, 0.125, 0.25, 0.375]]), np.array([[1.0, 4.0, 1.0, 2.0]])
+        >>> critical_scores(s, w, np.arange(4)[None], first=1, epsilon=0.0).tolist() == [[FIRST_STAGE, 0.5, 0.25, 0.75]]
+        True
+    """
+    xp = array_namespace(scores)
+    s = xp.astype(scores, xp.float64)
+    n = int(s.shape[-1])
+    ranked = xp.where(positions >= 0, xp.where(xp.isnan(s), -xp.inf, s), -xp.inf)
+    # ascending by score, a tie by position (a backend's slots need not be in position order)
+    by_position = xp.argsort(positions, axis=-1, stable=True)
+    order = xp.take_along_axis(by_position, xp.argsort(xp.take_along_axis(ranked, by_position, axis=-1), axis=-1, stable=True), axis=-1)
+    place = xp.argsort(order, axis=-1, stable=True)  # a token's place, ascending
+    finite = xp.isfinite(s)
+    weighted = (xp.where(finite, s, xp.zeros_like(s)) + epsilon) * xp.astype(weights, xp.float64)
+    weighted = xp.where(finite, _round_signed(weighted, SCORE_BITS), s)  # (a sink's +inf stays the scorer's verdict)
+    return xp.where(place >= n - first, xp.full_like(s, FIRST_STAGE), weighted)
 
 
 # ---------------------------------------------------------------------------- refresh interval

@@ -513,7 +513,13 @@ class LayerCache(LayerReads):
         if not due and not (grows and max(layout.rows.count) >= layout.store.slots):
             return []
         self.synced(storage=False)  # (then _evicted's reload grows the storage where it is full)
-        return self._evicted(eviction.general(layout, chunk_bytes=self.compaction_chunk_bytes) if due and not eviction.declines(layout) else [])
+        if not (due and not eviction.declines(layout)):
+            return self._evicted([])
+        if self.policy.score_statistic in KEY_STATISTICS:
+            # a score from the cache is recomputed before the policy decides, as an eager step does
+            # (ChunkKV over Knorm: no one-token rule, so its eviction is this one)
+            eviction.score_keys(layout, self.running_queries)
+        return self._evicted(eviction.general(layout, chunk_bytes=self.compaction_chunk_bytes))
 
     def _reload(self) -> None:
         """Static shapes, after host code changed the layer: compact it and hand the counts to the

@@ -64,3 +64,29 @@ def greedy_tokens(model: Any, cache: Any, ids: torch.Tensor, steps: int) -> torc
             tokens.append(tok)
             out = model(tok, **cache_kwargs(model, cache))
     return torch.cat(tokens, dim=1)
+
+
+def layer0_cached_values(model: Any, tokens: torch.Tensor, prompt_len: int) -> tuple[Any, Any, Any]:
+    """Layer 0's logits and keys (a full forward, :func:`layer0_logits_and_keys`) and its values
+    ``[steps, kv_heads, head_dim]`` (float64 NumPy) as the cache received them: the prompt in one
+    forward, then one token at a time. A value is bit-equal to the cache's only then (a matmul's
+    rounding depends on its rows), and greedy decoding repeats tokens, whose equal values tie
+    exactly on both sides."""
+    from transformers import DynamicCache
+
+    from kvpolicy.hf import cache_kwargs
+
+    logits, keys = layer0_logits_and_keys(model, tokens)
+    attn = model.model.layers[0].self_attn
+    seen = []
+    hook = attn.v_proj.register_forward_hook(lambda module, args, out: seen.append(out))
+    try:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(tokens[:, :prompt_len], **cache_kwargs(model, cache))
+            for t in range(prompt_len, tokens.shape[1]):
+                model(tokens[:, t : t + 1], **cache_kwargs(model, cache))
+    finally:
+        hook.remove()
+    v = torch.cat(seen, dim=1)[0].view(tokens.shape[1], -1, attn.head_dim)  # [steps, kv_heads, d]
+    return logits, keys, v.double().numpy()

@@ -21,7 +21,13 @@ sized as kvpress sizes a press (``n_kept = max(1, int(n * (1 - ratio)))``, ``com
   alpha_safeguard=0)`` after its context reconstruction (``kvpolicy_integrations.reconstruction``,
   the tokenizer's repeat prompts, the chat template's prefix not repeated) vs
   ``KVzipPress(layerwise=True)`` (kvpress's default shares the budget over layers, which a
-  per-layer policy does not express).
+  per-layer policy does not express);
+* (issue 41) ``chunkkv``: ``ChunkKV(SnapKV(size=n_kept, window=64, kernel=5), 20)`` vs
+  ``ChunkKVPress(SnapKVPress(window_size=64), 20)``; ``chunkkv_knorm``: ``ChunkKV(Knorm(size=n_kept),
+  20)`` vs ``ChunkKVPress(KnormPress(), 20)``; ``critical_knorm`` and ``critical_expected_attention``:
+  ``CriticalKV`` over ``Knorm(size=n_kept)`` and ``ExpectedAttention(size=n_kept, value_norm=False)``
+  with the model's ``W_o`` vs ``CriticalKVPress`` over ``KnormPress`` and
+  ``ExpectedAttentionPress(use_vnorm=False)``; ``lagkv``: ``LagKV(size=n_kept)`` vs ``LagKVPress``.
 
 For every (policy, ratio) it reports how many of the ``layers x kv_heads`` kept sets are equal and
 the mean Jaccard similarity (|ours ∩ theirs| / |ours ∪ theirs|), also for our earlier defaults
@@ -61,10 +67,25 @@ def n_kept(n: int, ratio: float) -> int:
     return max(1, int(n * (1 - ratio)))
 
 
-def our_policy(name: str, kept: int, **variant: Any) -> Any:
+def our_policy(name: str, kept: int, *, model: Any = None, **variant: Any) -> Any:
     """The kvpolicy policy that matches kvpress's press ``name`` keeping ``kept`` tokens (with the
-    ``variant``'s parameters), or ``None``."""
-    from kvpolicy import ExpectedAttention, KeyDiff, Knorm, SnapKV, StreamingLLM, TOVA, available_policies, create_policy
+    ``variant``'s parameters), or ``None``. CriticalKV reads ``model``'s output projections
+    (``kvpolicy.hf.output_projections``; ``None``: the identity)."""
+    from kvpolicy import (ChunkKV, CriticalKV, ExpectedAttention, KeyDiff, Knorm, LagKV, SnapKV, StreamingLLM, TOVA,
+                          available_policies, create_policy)
+
+    if name in ("critical_knorm", "critical_expected_attention"):
+        from kvpolicy.hf import output_projections
+
+        w_o = None if model is None else output_projections(model)
+        scorer = Knorm(size=kept) if name == "critical_knorm" else ExpectedAttention(size=kept, value_norm=False)
+        return CriticalKV(scorer, projections=w_o)
+    if name == "chunkkv":
+        return ChunkKV(SnapKV(size=kept, window=64, kernel=5), 20)
+    if name == "chunkkv_knorm":
+        return ChunkKV(Knorm(size=kept), 20)
+    if name == "lagkv":
+        return LagKV(size=kept)
 
     if name == "streaming_llm":
         return StreamingLLM(sink=4, window=kept - 4)
@@ -154,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for ratio in ratios:
             kept = n_kept(len(ids_list), ratio)
             for variant in ({}, *([VARIANTS[name]] if name in VARIANTS else [])):
-                policy = our_policy(name, kept, **variant)
+                policy = our_policy(name, kept, model=model, **variant)
                 row: dict[str, Any] = {"policy": name, "ratio": ratio, "kept": kept, "ours": repr(policy)}
                 if policy is not None:
                     row.update(agreement(our_kept(model, ids, policy, tokenizer), theirs[f"{name}@{ratio}"]))

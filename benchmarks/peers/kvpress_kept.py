@@ -14,7 +14,11 @@ Presses: ``StreamingLLMPress`` (4 sinks), ``TOVAPress``, ``SnapKVPress`` (window
 but ``compression_ratio``; on request (``--presses kvzip``) ``KVzipPress(layerwise=True)``, which
 masks what it evicts instead of gathering (its kept positions are the complement of the
 ``masked_key_indices`` it leaves on each attention module) and reads the tokenizer from
-``--model-dir`` (its repeat prompts and chat-template prefix).
+``--model-dir`` (its repeat prompts and chat-template prefix);
+and (issue 41) ``ChunkKVPress`` over that SnapKV (``chunkkv``) and over
+Knorm (``chunkkv_knorm``), chunks of 20, ``CriticalKVPress`` over Knorm (``critical_knorm``) and over
+Expected Attention without its value norm (``critical_expected_attention``), ``LagKVPress``
+(``lagkv``, defaults).
 
 Example (from the repository root)::
 
@@ -44,6 +48,12 @@ def make_press(name: str, ratio: float) -> Any:
         "expected_attention": lambda: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
         # the budget per layer (kvpolicy's policies decide per layer; kvpress's default shares it over layers)
         "kvzip": lambda: kvpress.KVzipPress(compression_ratio=ratio, layerwise=True),
+        "chunkkv": lambda: kvpress.ChunkKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=64, kernel_size=5), 20),
+        "chunkkv_knorm": lambda: kvpress.ChunkKVPress(kvpress.KnormPress(compression_ratio=ratio), 20),
+        "critical_knorm": lambda: kvpress.CriticalKVPress(kvpress.KnormPress(compression_ratio=ratio)),
+        "critical_expected_attention": lambda: kvpress.CriticalKVPress(
+            kvpress.ExpectedAttentionPress(compression_ratio=ratio, use_vnorm=False)),
+        "lagkv": lambda: kvpress.LagKVPress(compression_ratio=ratio),
     }
     return build[name]()
 

@@ -55,7 +55,7 @@ from kvpolicy_torch.static import StepOptions, device_flag
 
 from .capabilities import (
     LayerAttention, ModelCapabilities, RopeLayout, cache_kwargs, detect, last_logits_kwargs, model_layers, query_rotations,
-    rope_layouts,
+    rope_layouts, text_config,
 )
 from .reconstruction import reconstruct, repeat_prompts
 
@@ -73,6 +73,7 @@ __all__ = [
     "generate",
     "greedy_decode",
     "model_layers",
+    "output_projections",
     "register_attention",
     "scope_attention",
     "use_kvpolicy_attention",
@@ -1258,6 +1259,43 @@ class EvictingCache(Cache):
             if layer.store.is_initialized:
                 total += layer.store.token_bytes * sum(layer.store.seen)
         return total
+
+
+def output_projections(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Each decoder layer's output projection ``W_o`` as :class:`~kvpolicy.CriticalKV` reads it
+    (its ``projections``): ``[kv_heads, group, head_dim, hidden]``, the rows of ``o_proj.weight``
+    transposed that query head ``g`` of KV head ``h`` multiplies (transformers' GQA layout: query
+    head ``h x group + g``), in layer order, detached, on the model's device and dtype.
+    ``ValueError`` for a model whose attention modules have no ``o_proj`` (or whose count is not
+    the config's layer count).
+
+    Example:
+        >>> from kvpolicy_tools.models import tiny_llama
+        >>> w = output_projections(tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=8, vocab=32))
+        >>> len(w), tuple(w[0].shape)
+        (2, (2, 2, 8, 32))
+    """
+    config = text_config(model)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not isinstance(heads, int) or not isinstance(kv_heads, int) or heads < 1 or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"output_projections needs the config's num_attention_heads and num_key_value_heads, got {heads!r}, {kv_heads!r}")
+    found = {}
+    for module in model.modules():
+        o_proj, layer = getattr(module, "o_proj", None), getattr(module, "layer_idx", None)
+        if isinstance(o_proj, torch.nn.Linear) and isinstance(layer, int):
+            found[layer] = o_proj.weight
+    layers = model_layers(model)
+    if not found or (layers is not None and sorted(found) != list(range(layers))):
+        raise ValueError(
+            f"output_projections reads each attention layer's o_proj (a Linear, with layer_idx); found "
+            f"{len(found)} of {layers} layers in {type(model).__name__}"
+        )
+    out = []
+    for i in sorted(found):
+        w = found[i].detach().transpose(0, 1)  # [heads x head_dim, hidden]
+        out.append(w.reshape(kv_heads, heads // kv_heads, w.shape[0] // heads, w.shape[1]))
+    return out
 
 
 def compile_decode_step(model: torch.nn.Module, *, mode: str | None = None, backend: str | None = None,

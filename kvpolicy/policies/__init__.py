@@ -2,7 +2,9 @@
 
 from ..registry import mark_builtin_policies, register_policy
 from .adakv import AdaKV, HeadExchange, ShardedAdaKV, headwise_keep, keep_best
+from .chunkkv import ChunkKV
 from .buzz import BUZZ, estimate_threshold, fixed_point_middle, small_stride, threshold_ratio
+from .critical import CriticalKV
 from .composition import Composed, compose
 from .expected_attention import ExpectedAttention
 from .full import FullCache
@@ -10,6 +12,7 @@ from .h2o import H2O
 from .keydiff import KeyDiff
 from .knorm import Knorm
 from .kvzip import KVzip
+from .lagkv import LagKV
 from .local import LocalWindow
 from .prefill_only import PrefillOnly, prefill_only
 from .pyramid import PyramidKV, pyramid_sizes
@@ -28,13 +31,16 @@ __all__ = [
     "headwise_keep",
     "keep_best",
     "BUZZ",
+    "ChunkKV",
     "Composed",
+    "CriticalKV",
     "ExpectedAttention",
     "FullCache",
     "H2O",
     "KeyDiff",
     "Knorm",
     "KVzip",
+    "LagKV",
     "LocalWindow",
     "PrefillOnly",
     "PyramidKV",

@@ -230,6 +230,12 @@ class AdaKV(WrappingPolicy):
         view.state.update(seen=view.n_seen, kept=b)
         return headwise_keep(view, ranking, view.heads * b, self.floor_of(b))
 
+    def for_layer(self, layer: int, layers: int) -> EvictionPolicy:
+        """Over the scorer's policy for ``layer`` (e.g. a :class:`~kvpolicy.CriticalKV` bound to
+        the layer's output projection); itself when that is the scorer."""
+        inner = self.scorer.for_layer(layer, layers)
+        return self if inner is self.scorer else AdaKV(inner, self.alpha_safeguard)
+
     def size_rule(self) -> SizeRule | None:
         """The scorer's rule: exact with one head (the planners'); with more, ``n`` is the widest
         head's, so the rule may say "evict" where :meth:`select` declines (backends then ask it)."""

@@ -11,6 +11,7 @@ from typing import Any
 from ..validation import check_float
 from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, WrappingPolicy
 from .adakv import AdaKV, headwise_keep, keep_best
+from .chunkkv import ChunkKV
 
 __all__ = ["PrefillOnly", "prefill_only"]
 
@@ -27,7 +28,9 @@ class PrefillOnly(WrappingPolicy):
     The scores are the wrapped policy's (its statistic, its prompt rows: SnapKV's window, TOVA's
     last row). With ``selection="shared"`` (TOVA's default) the scores are summed over a layer's
     heads and every head keeps the same tokens. Over :class:`~kvpolicy.AdaKV` the layer keeps
-    ``heads x k`` tokens chosen head-wise, each head at least AdaKV's floor of ``k``.
+    ``heads x k`` tokens chosen head-wise, each head at least AdaKV's floor of ``k``. Over
+    :class:`~kvpolicy.ChunkKV` each head keeps whole chunks within ``k`` (:meth:`ChunkKV.keep_chunks
+    <kvpolicy.ChunkKV.keep_chunks>`).
 
     The compression ratio is kvpress's: the share of the *context* removed, once; the cache then
     grows by the question and the answer (kvpolicy's decode-time budgets are instead the average
@@ -35,7 +38,7 @@ class PrefillOnly(WrappingPolicy):
 
     Parameters:
         policy: the scorer, a policy that ranks tokens (H2O, TOVA, Knorm, KeyDiff, SnapKV,
-            Expected Attention: :attr:`~kvpolicy.EvictionPolicy.ranks_tokens`) or AdaKV over one;
+            Expected Attention: :attr:`~kvpolicy.EvictionPolicy.ranks_tokens`) or AdaKV or ChunkKV over one;
             its size does not matter, only how it ranks (e.g. SnapKV's window and kernel). Or a
             policy that keeps positions (StreamingLLM, the local window: a decode rule that evicts
             the oldest after ``sink``): its first ``sink`` and the newest ``k - sink`` are kept,
@@ -54,7 +57,7 @@ class PrefillOnly(WrappingPolicy):
     def __init__(self, policy: EvictionPolicy, compression_ratio: float) -> None:
         if not isinstance(policy, EvictionPolicy):
             raise ValueError(f"policy must be an EvictionPolicy instance (e.g. Knorm(size=64)), got {policy!r}")
-        scorer = policy.scorer if isinstance(policy, AdaKV) else policy
+        scorer = policy.scorer if isinstance(policy, (AdaKV, ChunkKV)) else policy
         if not scorer.ranks_tokens and _sinks(policy) is None:
             raise ValueError(
                 f"policy must rank tokens by a score (declare ranking(): H2O, TOVA, Knorm, KeyDiff, SnapKV, Expected "
@@ -108,7 +111,15 @@ class PrefillOnly(WrappingPolicy):
             ada = self.policy
             ranking = ada.scorer.ranking(view)
             return headwise_keep(view, ranking, view.heads * k, ada.floor_of(k))
+        if isinstance(self.policy, ChunkKV):
+            return self.policy.keep_chunks(view, k)
         return keep_best(view, self.policy.ranking(view), k)
+
+    def for_layer(self, layer: int, layers: int) -> EvictionPolicy:
+        """Over the wrapped policy for ``layer`` (e.g. a :class:`~kvpolicy.CriticalKV` bound to the
+        layer's output projection); itself when that is the wrapped policy."""
+        inner = self.policy.for_layer(layer, layers)
+        return self if inner is self.policy else PrefillOnly(inner, self.compression_ratio)
 
     def params(self) -> dict[str, Any]:
         """The wrapped policy as plain data (registry name and parameters) and the ratio."""

@@ -58,6 +58,11 @@ NAMES = {
     "kvzip_headwise": "KVzip (head-wise)",
     "pyramid": "PyramidKV budgets",
     "compose": "Composition",
+    "chunkkv": "ChunkKV",
+    "critical_kv": "CriticalKV",
+    "critical_expected_attention": "CriticalKV + Expected Attention",
+    "critical_adakv_expected_attention": "CriticalAdaKV + Expected Attention",
+    "lagkv": "LagKV",
 }
 #: A colour of its own for every built-in policy (tests/tools/eval/test_compare.py holds them
 #: distinct), so no two lines of a plot share one; the full cache's reference line is black.
@@ -89,6 +94,11 @@ COLORS = {
     "kvzip_headwise": "#ad494a",
     "pyramid": "#637939",
     "compose": "#7b4173",
+    "chunkkv": "#5254a3",
+    "critical_kv": "#e7ba52",
+    "critical_expected_attention": "#ad494a",
+    "critical_adakv_expected_attention": "#d6616b",
+    "lagkv": "#a55194",
 }
 STYLES = {  # BUZZ (log n) dashed on top of a thicker BUZZ line, so both show when they coincide
     "local": {"marker": "v", "linewidth": 1.4},

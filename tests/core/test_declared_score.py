@@ -119,33 +119,6 @@ def test_the_reference_scores_from_the_values_it_is_given() -> None:
     assert trace.kept[-1].tolist() == [[0, 5, 7], [6, 7, 8]]
 
 
-def _layer0_inputs(model, tokens, prompt_len: int):
-    """Layer 0's logits and keys (a full forward, as the other layer-0 differentials) and its
-    values as the cache received them: the prompt in one forward, then one token at a time. A
-    value is bit-equal to the cache's only then (a matmul's rounding depends on its rows), and
-    greedy decoding repeats tokens, whose equal values tie exactly on both sides."""
-    import torch
-    from transformers import DynamicCache
-
-    from kvpolicy.hf import cache_kwargs
-    from layer0 import layer0_logits_and_keys
-
-    logits, keys = layer0_logits_and_keys(model, tokens)
-    attn = model.model.layers[0].self_attn
-    seen = []
-    hook = attn.v_proj.register_forward_hook(lambda module, args, out: seen.append(out))
-    try:
-        cache = DynamicCache(config=model.config)
-        with torch.no_grad():
-            model(tokens[:, :prompt_len], **cache_kwargs(model, cache))
-            for t in range(prompt_len, tokens.shape[1]):
-                model(tokens[:, t : t + 1], **cache_kwargs(model, cache))
-    finally:
-        hook.remove()
-    v = torch.cat(seen, dim=1)[0].view(tokens.shape[1], -1, attn.head_dim)  # [steps, kv_heads, d]
-    return logits, keys, v.double().numpy()
-
-
 @pytest.mark.hf
 def test_the_transformers_cache_keeps_what_the_reference_keeps_eager_and_compiled() -> None:
     torch = pytest.importorskip("torch")
@@ -154,14 +127,14 @@ def test_the_transformers_cache_keeps_what_the_reference_keeps_eager_and_compile
     from kvpolicy.hf import EvictingCache, compile_decode_step, greedy_decode
     from kvpolicy_tools.models import tiny_llama
 
-    from layer0 import greedy_tokens
+    from layer0 import greedy_tokens, layer0_cached_values
 
     model = tiny_llama(num_layers=2, heads=4, kv_heads=4, head_dim=8, vocab=96, seed=3).double()
     ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(5))
     policy = ValueNorm(size=12)
     cache = EvictingCache(policy, model)
     tokens = greedy_tokens(model, cache, ids, 20)
-    logits, keys, values = _layer0_inputs(model, tokens, ids.shape[1])
+    logits, keys, values = layer0_cached_values(model, tokens, ids.shape[1])
     trace = kvpolicy_numpy.replay(policy, logits, prompt_len=ids.shape[1], keys=keys, values=values)
     np.testing.assert_array_equal(cache.layers[0].store.positions[0].numpy(), trace.kept[-1])
     # compiled: one graph per step (dynamo's eager backend traces what inductor would get), eager's tokens

@@ -48,6 +48,8 @@ def test_sizes_policies_and_agreement(kept):
     assert repr(kept.our_policy("streaming_llm", 128)) == "StreamingLLM(sink=4, window=124)"
     assert kept.our_policy("tova", 128).selection == "shared" and kept.our_policy("snapkv", 128).pooling == "avg"
     assert kept.our_policy("tova", 9, selection="per_head").selection == "per_head"
+    assert kept.our_policy("critical_knorm", 128).projections is None  # (no model: W_o the identity)
+    assert repr(kept.our_policy("chunkkv_knorm", 128)) == "ChunkKV(scorer=Knorm(size=128, recent=0), chunk_length=20)"
     ours = [[[0, 1, 2], [0, 1, 3]]]
     theirs = [[[0, 1, 2], [1, 2, 3]]]
     got = kept.agreement(ours, theirs)
@@ -69,7 +71,9 @@ def test_both_sides_keep_the_same_positions_on_a_tiny_model(kept, tmp_path):
     model.save_pretrained(tmp_path / "model")
     ids = torch.randint(3, 96, (1, 80), generator=torch.Generator().manual_seed(0))
     (tmp_path / "ids.json").write_text(json.dumps(ids[0].tolist()))
-    names = ["streaming_llm", "knorm", "keydiff", "tova", "expected_attention"]
+    # (issue 41) ChunkKV over Knorm (80 tokens: 4 whole chunks of 20, no partial one), CriticalKV over
+    # Knorm with the model's W_o, LagKV (80 < 4 + 2 x 128: its ramp, the sinks and the newest)
+    names = ["streaming_llm", "knorm", "keydiff", "tova", "expected_attention", "chunkkv_knorm", "critical_knorm", "lagkv"]
     subprocess.run([str(python), str(DRIVER.with_name("kvpress_kept.py")), "--model-dir", str(tmp_path / "model"),
                     "--ids", str(tmp_path / "ids.json"), "--ratios", "0.5", "--presses", ",".join(names),
                     "--out", str(tmp_path / "kept.json")], check=True, timeout=600)
@@ -78,7 +82,7 @@ def test_both_sides_keep_the_same_positions_on_a_tiny_model(kept, tmp_path):
         # TOVAPress always keeps the newest token (it scores only the others): our recent=1; the
         # default recent=0 agrees where the newest token draws enough attention (SmolLM2: 90/90)
         variant = {"recent": 1} if name == "tova" else {}
-        ours = kept.our_kept(model, ids, kept.our_policy(name, kept.n_kept(80, 0.5), **variant))
+        ours = kept.our_kept(model, ids, kept.our_policy(name, kept.n_kept(80, 0.5), model=model, **variant))
         got = kept.agreement(ours, theirs[f"{name}@0.5"])
         assert got["equal"] == got["sets"] == 4, (name, got)
 

@@ -137,9 +137,11 @@ def test_decoding_policy_names_are_the_registered_policies_that_evict_during_dec
 
     names = decoding_policy_names()
     left_out = set(available_policies()) - set(names)
-    assert left_out == {"full", "snapkv", "pyramidkv", "adakv_snapkv", "kvzip", "kvzip_headwise", "adakv", "compose", "pyramid"}
+    assert left_out == {"full", "snapkv", "pyramidkv", "adakv_snapkv", "kvzip", "kvzip_headwise", "chunkkv", "adakv", "compose",
+                        "pyramid"}  # (chunkkv: over SnapKV)
     for name in ("expected_attention", "adakv_expected_attention", "knorm", "keydiff", "scissorhands", "tova", "h2o",
-                 "streaming_llm", "local", "buzz", "snapkv_h2o", "pyramid_h2o", "adakv_h2o", "adakv_keydiff"):
+                 "streaming_llm", "local", "buzz", "snapkv_h2o", "pyramid_h2o", "adakv_h2o", "adakv_keydiff",
+                 "lagkv", "critical_kv", "critical_expected_attention", "critical_adakv_expected_attention"):
         assert name in names, name
 
 
