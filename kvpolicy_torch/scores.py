@@ -12,7 +12,9 @@ import torch
 from kvpolicy.policy import KEY_STATISTICS
 from kvpolicy.statistics import low_attention, shift_history
 
-__all__ = ["DEFAULT_WORKSPACE_BYTES", "fold_received", "group_query_heads", "prefill_block_rows", "received_attention"]
+__all__ = [
+    "DEFAULT_WORKSPACE_BYTES", "fold_received", "group_query_heads", "prefill_attention", "prefill_block_rows", "received_attention",
+]
 
 
 def fold_received(
@@ -200,12 +202,98 @@ def received_attention(
         if query_scale is not None:
             logits = logits * query_scale[:, 0].view(b, 1, 1, 1).to(work)
         return torch.softmax(logits, dim=-1).sum(dim=2)
+    received, _ = _blocked(query, keys, None, scaling, query_scale, mask, query_valid, block, workspace_bytes)
+    return received
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    *,
+    query_scale: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    query_valid: torch.Tensor | None = None,
+    block: int | None = None,
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt chunk's attention output and the attention each key received, in one blocked pass.
+
+    What SDPA followed by :func:`received_attention` computes, with the logits and the softmax of
+    each query block computed once: the block's exponentials give both the output (their product
+    with the values, divided by the row's total) and the received sums (the column sums weighted
+    by the rows' reciprocal totals). A policy that reads every prompt row's attention (H2O,
+    BUZZ) thus pays one attention pass, not two (docs/performance.md, section 8).
+
+    Args:
+        query: ``[batch, q_heads, q, head_dim]`` (already rotated), float32 or float64.
+        keys: ``[batch, kv_heads, n, head_dim]``, values ``[batch, kv_heads, n, head_dim_v]``, in
+            the query's dtype; the last ``q`` keys are the queries' own tokens (causal within the
+            chunk), the first ``n - q`` are visible to every query.
+        scaling, query_scale, mask, query_valid, block, workspace_bytes: as for
+            :func:`received_attention` (``query_scale`` scales the output's logits too: BUZZ's
+            log n); a pad query (``query_valid`` False) gets its output but adds nothing to the sums.
+
+    Returns:
+        ``(out, received)``: ``out`` ``[batch, q, q_heads, head_dim_v]`` in the query's dtype (the
+        layout transformers' attention functions return) and ``received`` ``[batch, kv_heads, n]``,
+        equal to :func:`received_attention`'s, bit for bit.
+
+    Raises:
+        ValueError: 16-bit inputs (their softmax wants a float32 copy: SDPA then
+            :func:`received_attention`, which upcasts the keys a chunk at a time), or keys and
+            values of another dtype than the query.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q, k, v = (torch.randn(1, h, 6, 8, generator=g) for h in (4, 2, 2))
+        >>> out, received = prefill_attention(q, k, v, 8 ** -0.5, block=2)
+        >>> sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        >>> bool(torch.allclose(out.transpose(1, 2), sdpa, atol=1e-6))
+        True
+        >>> bool(torch.equal(received, received_attention(q, k, 8 ** -0.5, block=2)))
+        True
+    """
+    if query.dtype not in (torch.float32, torch.float64) or keys.dtype != query.dtype or values.dtype != query.dtype:
+        raise ValueError(
+            f"prefill_attention takes float32 or float64 query, keys and values of one dtype, got {query.dtype}, "
+            f"{keys.dtype} and {values.dtype} (16-bit: SDPA, then received_attention)"
+        )
+    group_query_heads(query, keys.shape[1])  # (checks the heads)
+    if query_scale is not None and query_scale.ndim == 1:
+        query_scale = query_scale[None].expand(query.shape[0], query.shape[2])
+    received, out = _blocked(query, keys, values, scaling, query_scale, mask, query_valid, block, workspace_bytes)
+    assert out is not None  # (values given)
+    return out, received
+
+
+def _blocked(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor | None,
+    scaling: float,
+    query_scale: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    query_valid: torch.Tensor | None,
+    block: int | None,
+    workspace_bytes: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The blocked prefill pass of :func:`received_attention` (``values`` ``None``) and of
+    :func:`prefill_attention`: ``(received, out or None)``; ``query_scale`` is ``[batch, q]``."""
+    b, hq, q, d = query.shape
+    kv_heads, n = keys.shape[1], keys.shape[2]
+    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    grouped = group_query_heads(query, kv_heads)
     itemsize = torch.finfo(work).bits // 8
     if block is None:
         # The memory bound, and at least 8 blocks for a long chunk: block i multiplies only the
         # keys its rows can see, so 8 blocks skip about 7/16 of the causal product.
         block = min(prefill_block_rows(b, hq, n, workspace_bytes=workspace_bytes, itemsize=itemsize), max(64, -(-q // 8)))
     out = torch.zeros(b, kv_heads, n, dtype=work, device=keys.device)
+    attended = None
+    if values is not None:  # [b, q, g, r, dv]: written a block of rows at a time, returned as [b, q, hq, dv]
+        attended = torch.empty(b, q, kv_heads, hq // kv_heads, values.shape[-1], dtype=values.dtype, device=values.device)
     offset = n - q
     cast = keys.dtype != work
     above_diagonal = torch.ones(min(block, q), min(block, q), dtype=torch.bool, device=keys.device).triu_(1)
@@ -240,10 +328,13 @@ def received_attention(
         # sum over query rows: one [1, r * rows] x [r * rows, keys] product per KV head
         logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
         inv_total = logits.sum(dim=-1).reciprocal_()  # [b, g, r * rows]
+        if attended is not None and values is not None:  # the output: the same exponentials times the values
+            rows_out = torch.matmul(logits, values[:, :, :visible]).mul_(inv_total[..., None])  # [b, g, r * rows, dv]
+            attended[:, start:stop] = rows_out.view(b, kv_heads, r, rows, -1).permute(0, 3, 1, 2, 4)
         if query_valid is not None:  # a pad query's row adds nothing
             inv_total.view(b, kv_heads, r, rows).mul_(query_valid[:, None, None, start:stop].to(work))
         out[..., :visible] += torch.matmul(inv_total[:, :, None, :], logits)[:, :, 0]
-    return out
+    return out, None if attended is None else attended.view(b, q, hq, -1)
 
 
 def _history_record(
