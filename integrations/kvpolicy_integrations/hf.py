@@ -1278,7 +1278,9 @@ def compile_decode_step(model: torch.nn.Module, *, mode: str | None = None, back
     up to torch's recompile limit for the model's forward (``torch._dynamo.config.recompile_limit``,
     8, shared by every compiled caller of the model): compile a copy of the model for more kinds.
     ``dynamic=False`` specialises every graph to its cache (what a benchmark of one cache wants; at
-    most 8 caches of different sizes); ``dynamic`` is ``torch.compile``'s.
+    most 8 caches of different sizes); ``dynamic`` is ``torch.compile``'s. A step past the limit
+    raises a ``ValueError`` saying which (``dynamic=False``'s sizes, or the policy kinds) and what
+    to do, from torch's ``FailOnRecompileLimitHit``.
 
     A cache built without ``static_shapes=True`` is refused (``ValueError``) before anything is
     compiled: its decode step reads host bookkeeping that changes every step, so each step would
@@ -1309,10 +1311,33 @@ def compile_decode_step(model: torch.nn.Module, *, mode: str | None = None, back
                 "every step (each step would compile a graph of its own, up to torch's recompile limit): build it with "
                 "EvictingCache(..., static_shapes=True), or run the decode steps eagerly (step=model)"
             )
-        return compiled(*args, **kwargs)
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as error:
+            # torch._dynamo.exc.FailOnRecompileLimitHit (torch names it nowhere public): said by name
+            if type(error).__name__ != "FailOnRecompileLimitHit":
+                raise
+            raise ValueError(_recompile_limit_message(dynamic)) from error
 
     step.__doc__ = f"{type(model).__name__} compiled for decode steps (kvpolicy_integrations.hf.compile_decode_step)."
     return step
+
+
+def _recompile_limit_message(dynamic: bool | None) -> str:
+    """Why a :func:`compile_decode_step` step stopped at torch's recompile limit, and what to do."""
+    limit = torch.compiler.config.recompile_limit
+    where = f"torch's recompile limit (torch.compiler.config.recompile_limit = {limit})"
+    if dynamic is False:
+        return (
+            f"dynamic=False: compile_decode_step compiles a graph per cache size, and this cache would be graph {limit + 1}, "
+            f"past {where}: leave dynamic=None (the default: the sizes become dynamic at the second size, and two graphs "
+            f"serve every size), compile a new step for each {limit} sizes, or raise the limit"
+        )
+    return (
+        f"compile_decode_step: {where} is reached for this model's forward (shared by every compiled caller of the model): "
+        f"each policy kind's decode step is other code, so a graph of its own; compile a copy of the model per policy kind "
+        f"(compile_decode_step(copy.deepcopy(model))), or raise the limit"
+    )
 
 
 def greedy_decode(

@@ -91,6 +91,32 @@ def test_a_compiled_step_refuses_a_cache_without_static_shapes(model):
     assert cache.layers[0].store.seen == [12]  # nothing was appended
 
 
+@pytest.mark.parametrize("dynamic", [False, None])
+def test_the_recompile_limit_is_refused_by_name(model, dynamic):
+    """A compiled step past torch's recompile limit (lowered here to 2: the default 8 compiles
+    eight graphs first) raises a ValueError naming compile_decode_step's parameter and what to do
+    (was: torch's raw FailOnRecompileLimitHit, 'Hard failure due to fullgraph=True'). With
+    dynamic=False each cache size is a graph; with the default, each policy kind's decode step."""
+    if dynamic is False:  # one policy, caches of three capacities
+        policies = [H2O(c // 2, c - c // 2) for c in (4, 6, 8)]
+        message = (r"^dynamic=False: compile_decode_step compiles a graph per cache size, and this cache would be graph 3, "
+                   r"past torch's recompile limit \(torch.compiler.config.recompile_limit = 2\): .*dynamic=None")
+    else:  # caches of one size, three policy kinds (each kind's decode step is other code)
+        policies = [H2O(3, 3), StreamingLLM(sink=2, window=4), FullCache()]
+        message = (r"^compile_decode_step: torch's recompile limit \(torch.compiler.config.recompile_limit = 2\) .* "
+                   r"compile a copy of the model per policy kind")
+    torch.compiler.reset()
+    try:
+        with torch.compiler.config.patch(recompile_limit=2), pytest.raises(ValueError, match=message) as caught:
+            step = compile_decode_step(model, backend="eager", dynamic=dynamic)
+            for policy in policies:
+                ids = _ids(9, seed=len(repr(policy)))
+                greedy_decode(model, ids, EvictingCache(policy, model, static_shapes=True, max_tokens=16), 3, step=step)
+    finally:
+        torch.compiler.reset()
+    assert type(caught.value.__cause__).__name__ == "FailOnRecompileLimitHit"
+
+
 # --------------------------------------------------------------------------- class 9: Ctrl-C mid-forward
 class _Interrupt:
     """A forward hook on one decoder layer raising ``error`` (Ctrl-C arrives as KeyboardInterrupt)."""
