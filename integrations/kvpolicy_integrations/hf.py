@@ -604,9 +604,22 @@ class EvictingLayer(DynamicLayer):
 
         ``kwargs``: the attention module's keyword arguments, which transformers then unpacks into
         the attention function: this layer adds itself there (:data:`LAYER_KWARG`), so that
-        :meth:`attention` serves the call that follows."""
-        if kwargs is not None:
-            kwargs[LAYER_KWARG] = self
+        :meth:`attention` serves the call that follows. A call without them is one made by hand,
+        outside a model's forward, and is refused (``RuntimeError``, nothing appended): the layer
+        evicts only after the step's attention, so such an append would hold the keys past the
+        policy's capacity. (:meth:`EvictingCache.update` hands them, an empty dict for a model
+        whose attention passes none; a caller that runs the attention itself passes
+        ``kwargs={}``, then calls :meth:`attention` or :meth:`finish_received`.)"""
+        if kwargs is None:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: EvictingLayer.update() was called by hand, outside a model's forward, which is "
+                f"not supported: an evicting layer appends a step's keys and values and evicts by that step's attention, "
+                f"which only the model's forward computes (an append without it holds the keys past the policy's "
+                f"capacity). Run the model with the cache (model(ids, cache=cache) or model.generate(..., cache=cache)); to "
+                f"append keys and values by hand, use transformers' DynamicCache. (To drive a layer by hand: "
+                f"update(keys, values, kwargs={{}}), then attention(module, query, keys, values) or finish_received(scores).)"
+            )
+        kwargs[LAYER_KWARG] = self
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.pending:
@@ -1205,6 +1218,8 @@ class EvictingCache(Cache):
                 "serves the model it was built for (make one per model: EvictingCache(policy, model)), given as "
                 "cache= or past_key_values= (a cache passed positionally is not seen by the hooks)"
             )
+        if kwargs.get("kwargs") is None:  # a model whose attention passes none (GPT-NeoX): the layer is found by index
+            kwargs = {**kwargs, "kwargs": {}}
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def note_padding(self, attention_mask: torch.Tensor | None, q_length: int) -> None:

@@ -351,7 +351,7 @@ def test_cache_positions_mode_scores_keys_at_their_slots(model, policy):
     rotated, _ = apply_rotary_pos_emb(raw, raw, cos, sin)
     queries, _ = apply_rotary_pos_emb(rq, rq, cos, sin)
     for t in range(20):
-        keys, values = layer.update(rotated[:, :, t : t + 1], rotated[:, :, t : t + 1])
+        keys, values = layer.update(rotated[:, :, t : t + 1], rotated[:, :, t : t + 1], kwargs={})
         q = queries[:, :, t : t + 1]
         _, received = decode_attention(q, keys, values, 0.25, bias=layer.store.bias, prefix=layer.take_prefix(q))
         # the reference, per KV head: its kept keys, RoPE at their slot among the kept tokens

@@ -210,3 +210,21 @@ def test_update_outside_a_forward_is_refused_plainly(model, built_from):
     with torch.no_grad():  # and the cache still serves a forward
         model(_ids(8), **cache_kwargs(model, cache))
     assert cache.layers[0].store.seen == [8]
+
+
+@pytest.mark.parametrize("policy", [StreamingLLM(sink=2, window=4), H2O(3, 3)], ids=repr)
+def test_a_layer_updated_by_hand_is_refused_at_the_first_call(model, policy):
+    """cache.layers[i].update(k, v) called by hand is refused at once, saying so (was: the first
+    call appended all 10 keys past the capacity of 7 and evicted nothing, the next call blamed
+    the model's attention switch), and leaves the layer untouched: the cache still serves a
+    forward. A model whose attention hands no kwargs to cache.update (GPT-NeoX) is still served
+    (tests/integrations/test_families.py)."""
+    cache = EvictingCache(policy, model)
+    k = torch.randn(1, 2, 10, 16)
+    with pytest.raises(RuntimeError, match=r"^layer 1: EvictingLayer.update\(\) was called by hand, outside a model's "
+                                           r"forward, which is not supported: .*DynamicCache"):
+        cache.layers[1].update(k, k)
+    assert not cache.layers[1].store.is_initialized and not cache.layers[1].is_initialized
+    with torch.no_grad():
+        model(_ids(12), **cache_kwargs(model, cache))
+    assert cache.layers[1].store.seen == [12] and cache.layers[1].store.length <= policy.capacity
