@@ -136,7 +136,8 @@ def received_attention(
         block: queries per block during a prefill; default: as many as
             :func:`prefill_block_rows` fits in ``workspace_bytes``, and at most an eighth of the
             chunk (at least 64), so the causal blocks skip most of the masked product.
-        workspace_bytes: the bound on one block's float32 logits (when ``block`` is ``None``).
+        workspace_bytes: the bound on one block's float32 logits and their softmax (when ``block``
+            is ``None``).
         rows: a policy's ``prompt_rows``: sum over the last ``rows`` query rows only (TOVA: 1,
             SnapKV: its observation window; they are the chunk's last rows, so they see every
             cached key), computed on those rows only; ``None`` (default): every row.
@@ -151,8 +152,7 @@ def received_attention(
         summed over the query heads of each KV head and over the queries.
 
     A prefill never copies all keys to float32: logits are computed in float32 block by block,
-    each block only over the keys its rows can see (causal), and the softmax runs in place on the
-    block. Float32 keys are used as they are. 16-bit keys are upcast one key chunk at a time, and
+    each block only over the keys its rows can see (causal), then the block's softmax. Float32 keys are used as they are. 16-bit keys are upcast one key chunk at a time, and
     on CUDA their product with the (unscaled, upcast) 16-bit queries runs in TF32, which is exact
     for 16-bit operands (10 mantissa bits; products exact in float32, float32 accumulation); the
     scale, the softmax and the sums stay IEEE float32. For float32 inputs the product follows
@@ -287,9 +287,10 @@ def _blocked(
     grouped = group_query_heads(query, kv_heads)
     itemsize = torch.finfo(work).bits // 8
     if block is None:
-        # The memory bound, and at least 8 blocks for a long chunk: block i multiplies only the
-        # keys its rows can see, so 8 blocks skip about 7/16 of the causal product.
-        block = min(prefill_block_rows(b, hq, n, workspace_bytes=workspace_bytes, itemsize=itemsize), max(64, -(-q // 8)))
+        # The memory bound (a block's logits and their softmax), and at least 16 blocks for a long
+        # chunk: block i multiplies only the keys its rows can see, so 16 blocks skip about 15/32
+        # of the causal product.
+        block = min(prefill_block_rows(b, hq, n, workspace_bytes=workspace_bytes // 2, itemsize=itemsize), max(64, -(-q // 16)))
     out = torch.zeros(b, kv_heads, n, dtype=work, device=keys.device)
     attended = None
     if values is not None:  # [b, q, g, r, dv]: written a block of rows at a time, returned as [b, q, hq, dv]
@@ -324,16 +325,19 @@ def _blocked(
         tail.masked_fill_(above_diagonal[:rows, :rows], float("-inf"))
         if mask is not None:  # [b|1, 1, rows, visible] -> over the KV heads' r query heads
             logits.view(b, kv_heads, r, rows, visible).masked_fill_(~mask[:, :, None, start:stop, :visible], float("-inf"))
-        # softmax in place (no second [.., rows, keys] tensor), its normalisation folded into the
-        # sum over query rows: one [1, r * rows] x [r * rows, keys] product per KV head
-        logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
-        inv_total = logits.sum(dim=-1).reciprocal_()  # [b, g, r * rows]
-        if attended is not None and values is not None:  # the output: the same exponentials times the values
-            rows_out = torch.matmul(logits, values[:, :, :visible]).mul_(inv_total[..., None])  # [b, g, r * rows, dv]
+        # one softmax kernel (row by row in cache: half the time of max, subtract, exp and sum as
+        # four passes over the block), then the sum over query rows as one [1, r * rows] x
+        # [r * rows, keys] product per KV head, a pad query's row weighted 0
+        probs = torch.softmax(logits, dim=-1)
+        del logits
+        if attended is not None and values is not None:  # the output: the same probabilities times the values
+            rows_out = torch.matmul(probs, values[:, :, :visible])  # [b, g, r * rows, dv]
             attended[:, start:stop] = rows_out.view(b, kv_heads, r, rows, -1).permute(0, 3, 1, 2, 4)
-        if query_valid is not None:  # a pad query's row adds nothing
-            inv_total.view(b, kv_heads, r, rows).mul_(query_valid[:, None, None, start:stop].to(work))
-        out[..., :visible] += torch.matmul(inv_total[:, :, None, :], logits)[:, :, 0]
+        if query_valid is None:
+            weights = torch.ones(1, 1, 1, r * rows, dtype=work, device=keys.device).expand(b, kv_heads, 1, r * rows)
+        else:
+            weights = query_valid[:, None, None, None, start:stop].to(work).expand(b, kv_heads, 1, r, rows).reshape(b, kv_heads, 1, r * rows)
+        out[..., :visible] += torch.matmul(weights, probs)[:, :, 0]
     return out, None if attended is None else attended.view(b, q, hq, -1)
 
 
