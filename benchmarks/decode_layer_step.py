@@ -51,7 +51,7 @@ def _policy_step(policy, keys: int, layers: int, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
         for layer, module in zip(stack, modules):
-            k, v = layer.update(nk, nk)
+            k, v = layer.update(nk, nk, kwargs={})
             layer.attention(module, q, k, v, scaling=0.125)
     return (time.perf_counter() - start) / (steps * layers) * 1e6
 

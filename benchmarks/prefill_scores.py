@@ -6,8 +6,9 @@ Per prompt length, one process, interleaved repeats (the median is reported):
 
 * ``DynamicCache``: transformers' own SDPA prefill, no kvpolicy;
 * ``no scores``: an ``EvictingCache`` with ``FullCache`` (``kvpolicy_sdpa``, no score product);
-* ``scores``: an ``EvictingCache`` with an H2O large enough never to evict, so the time is SDPA
-  plus ``received_attention`` over the whole prompt (the score capture), no eviction.
+* ``scores``: an ``EvictingCache`` with an H2O large enough never to evict, so the time is the
+  prompt's attention with its score capture, no eviction: ``prefill_attention``'s one fused pass
+  (SDPA plus ``received_attention``'s second pass before ``3815b9b``: the history's figures).
 
 The model has SmolLM2-135M's attention and MLP shapes (9 query / 3 KV heads of 64, hidden 576,
 intermediate 1536) with ``--layers`` layers (default 2: every layer costs the same, so the ratio

@@ -168,7 +168,7 @@ def rank_memory(
         keys = cached + c  # keys one prefill chunk attends to
         per_layer = (kv_tok + layout.store_bytes_per_token(0)) // g.layers
         transient = 2 * keys * per_layer  # overflow concat, then the gathered copy
-        # received_attention: one block's float32 logits, bounded by its workspace (256 MiB; the
+        # received_attention: one block's float32 logits and softmax, bounded by its workspace (256 MiB; the
         # 16-bit keys are upcast a chunk at a time within the same bound), plus the block's
         # reciprocal row sums; SDPA's mask as above.
         workspace = keys * mask + 2 * SCORE_WORKSPACE_BYTES

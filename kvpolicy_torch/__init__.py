@@ -20,6 +20,7 @@ step); a prompt chunk and a policy's general ``select`` run on the host in both.
   parts of LayerCache").
 * :class:`LayerGroup`: the layers of one cache, whose one-token evictions are searched together.
 * :func:`received_attention`: the attention each cached token receives, summed per KV head.
+* :func:`prefill_attention`: a prompt chunk's attention and what each key received, in one blocked pass.
 * :func:`decode_attention`: a decode step's attention over a cache's slots and its scores in one pass.
 * :func:`replay`: the reference contract of :func:`kvpolicy_numpy.replay`, through LayerCache.
 """
@@ -29,7 +30,7 @@ from .group import LayerGroup
 from .layer import LayerCache, LayerSnapshot, PrefixShift
 from .ops import first_argmin
 from .replay import replay
-from .scores import group_query_heads, received_attention
+from .scores import group_query_heads, prefill_attention, received_attention
 
 __all__ = [
     "LayerCache",
@@ -40,6 +41,7 @@ __all__ = [
     "first_argmin",
     "grouped_decode",
     "group_query_heads",
+    "prefill_attention",
     "received_attention",
     "replay",
     "rope_matrix",

@@ -12,7 +12,9 @@ import torch
 from kvpolicy.policy import KEY_STATISTICS, RECONSTRUCTION
 from kvpolicy.statistics import low_attention, shift_history
 
-__all__ = ["DEFAULT_WORKSPACE_BYTES", "fold_received", "group_query_heads", "prefill_block_rows", "received_attention"]
+__all__ = [
+    "DEFAULT_WORKSPACE_BYTES", "fold_received", "group_query_heads", "prefill_attention", "prefill_block_rows", "received_attention",
+]
 
 
 def fold_received(
@@ -134,7 +136,8 @@ def received_attention(
         block: queries per block during a prefill; default: as many as
             :func:`prefill_block_rows` fits in ``workspace_bytes``, and at most an eighth of the
             chunk (at least 64), so the causal blocks skip most of the masked product.
-        workspace_bytes: the bound on one block's float32 logits (when ``block`` is ``None``).
+        workspace_bytes: the bound on one block's float32 logits and their softmax (when ``block``
+            is ``None``).
         rows: a policy's ``prompt_rows``: sum over the last ``rows`` query rows only (TOVA: 1,
             SnapKV: its observation window; they are the chunk's last rows, so they see every
             cached key), computed on those rows only; ``None`` (default): every row.
@@ -149,8 +152,7 @@ def received_attention(
         summed over the query heads of each KV head and over the queries.
 
     A prefill never copies all keys to float32: logits are computed in float32 block by block,
-    each block only over the keys its rows can see (causal), and the softmax runs in place on the
-    block. Float32 keys are used as they are. 16-bit keys are upcast one key chunk at a time, and
+    each block only over the keys its rows can see (causal), then the block's softmax. Float32 keys are used as they are. 16-bit keys are upcast one key chunk at a time, and
     on CUDA their product with the (unscaled, upcast) 16-bit queries runs in TF32, which is exact
     for 16-bit operands (10 mantissa bits; products exact in float32, float32 accumulation); the
     scale, the softmax and the sums stay IEEE float32. For float32 inputs the product follows
@@ -200,12 +202,103 @@ def received_attention(
         if query_scale is not None:
             logits = logits * query_scale[:, 0].view(b, 1, 1, 1).to(work)
         return torch.softmax(logits, dim=-1).sum(dim=2)
+    received, _ = _blocked(query, keys, None, scaling, query_scale, mask, query_valid, block, workspace_bytes)
+    return received
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    *,
+    query_scale: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    query_valid: torch.Tensor | None = None,
+    block: int | None = None,
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt chunk's attention output and the attention each key received, in one blocked pass.
+
+    What SDPA followed by :func:`received_attention` computes, with the logits and the softmax of
+    each query block computed once: the block's exponentials give both the output (their product
+    with the values, divided by the row's total) and the received sums (the column sums weighted
+    by the rows' reciprocal totals). A policy that reads every prompt row's attention (H2O,
+    BUZZ) thus pays one attention pass, not two (docs/performance.md, section 8).
+
+    Args:
+        query: ``[batch, q_heads, q, head_dim]`` (already rotated), float32 or float64.
+        keys: ``[batch, kv_heads, n, head_dim]``, values ``[batch, kv_heads, n, head_dim_v]``, in
+            the query's dtype; the last ``q`` keys are the queries' own tokens (causal within the
+            chunk), the first ``n - q`` are visible to every query.
+        scaling, query_scale, mask, query_valid, block, workspace_bytes: as for
+            :func:`received_attention` (``query_scale`` scales the output's logits too: BUZZ's
+            log n); a pad query (``query_valid`` False) gets its output but adds nothing to the sums.
+
+    Returns:
+        ``(out, received)``: ``out`` ``[batch, q, q_heads, head_dim_v]`` in the query's dtype (the
+        layout transformers' attention functions return) and ``received`` ``[batch, kv_heads, n]``,
+        equal to :func:`received_attention`'s, bit for bit.
+
+    Raises:
+        ValueError: 16-bit inputs (their softmax wants a float32 copy: SDPA then
+            :func:`received_attention`, which upcasts the keys a chunk at a time), or keys and
+            values of another dtype than the query.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q, k, v = (torch.randn(1, h, 6, 8, generator=g) for h in (4, 2, 2))
+        >>> out, received = prefill_attention(q, k, v, 8 ** -0.5, block=2)
+        >>> sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        >>> bool(torch.allclose(out.transpose(1, 2), sdpa, atol=1e-6))
+        True
+        >>> bool(torch.equal(received, received_attention(q, k, 8 ** -0.5, block=2)))
+        True
+    """
+    if query.dtype not in (torch.float32, torch.float64) or keys.dtype != query.dtype or values.dtype != query.dtype:
+        raise ValueError(
+            f"prefill_attention takes float32 or float64 query, keys and values of one dtype, got {query.dtype}, "
+            f"{keys.dtype} and {values.dtype} (16-bit: SDPA, then received_attention)"
+        )
+    group_query_heads(query, keys.shape[1])  # (checks the heads)
+    if query_scale is not None and query_scale.ndim == 1:
+        query_scale = query_scale[None].expand(query.shape[0], query.shape[2])
+    received, out = _blocked(query, keys, values, scaling, query_scale, mask, query_valid, block, workspace_bytes)
+    assert out is not None  # (values given)
+    return out, received
+
+
+def _blocked(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor | None,
+    scaling: float,
+    query_scale: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    query_valid: torch.Tensor | None,
+    block: int | None,
+    workspace_bytes: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The blocked prefill pass of :func:`received_attention` (``values`` ``None``) and of
+    :func:`prefill_attention`: ``(received, out or None)``; ``query_scale`` is ``[batch, q]``."""
+    b, hq, q, d = query.shape
+    kv_heads, n = keys.shape[1], keys.shape[2]
+    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    grouped = group_query_heads(query, kv_heads)
     itemsize = torch.finfo(work).bits // 8
     if block is None:
-        # The memory bound, and at least 8 blocks for a long chunk: block i multiplies only the
-        # keys its rows can see, so 8 blocks skip about 7/16 of the causal product.
-        block = min(prefill_block_rows(b, hq, n, workspace_bytes=workspace_bytes, itemsize=itemsize), max(64, -(-q // 8)))
+        # The memory bound (a block's logits and their softmax), and at least 16 blocks for a long
+        # chunk: block i multiplies only the keys its rows can see, so 16 blocks skip about 15/32
+        # of the causal product.
+        block = min(prefill_block_rows(b, hq, n, workspace_bytes=workspace_bytes // 2, itemsize=itemsize), max(64, -(-q // 16)))
+        if keys.device.type == "cpu":
+            # and at most 128 rows on a CPU: a block's logits stay near the caches (one layer at
+            # SmolLM2's shapes, 8,192 tokens: 455-row blocks 2.9-3.1 s, 128-row blocks 1.7 s)
+            block = min(block, 128)
     out = torch.zeros(b, kv_heads, n, dtype=work, device=keys.device)
+    attended = None
+    if values is not None:  # [b, q, g, r, dv]: written a block of rows at a time, returned as [b, q, hq, dv]
+        attended = torch.empty(b, q, kv_heads, hq // kv_heads, values.shape[-1], dtype=values.dtype, device=values.device)
     offset = n - q
     cast = keys.dtype != work
     above_diagonal = torch.ones(min(block, q), min(block, q), dtype=torch.bool, device=keys.device).triu_(1)
@@ -236,14 +329,20 @@ def received_attention(
         tail.masked_fill_(above_diagonal[:rows, :rows], float("-inf"))
         if mask is not None:  # [b|1, 1, rows, visible] -> over the KV heads' r query heads
             logits.view(b, kv_heads, r, rows, visible).masked_fill_(~mask[:, :, None, start:stop, :visible], float("-inf"))
-        # softmax in place (no second [.., rows, keys] tensor), its normalisation folded into the
-        # sum over query rows: one [1, r * rows] x [r * rows, keys] product per KV head
-        logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
-        inv_total = logits.sum(dim=-1).reciprocal_()  # [b, g, r * rows]
-        if query_valid is not None:  # a pad query's row adds nothing
-            inv_total.view(b, kv_heads, r, rows).mul_(query_valid[:, None, None, start:stop].to(work))
-        out[..., :visible] += torch.matmul(inv_total[:, :, None, :], logits)[:, :, 0]
-    return out
+        # one softmax kernel (row by row in cache: half the time of max, subtract, exp and sum as
+        # four passes over the block), then the sum over query rows as one [1, r * rows] x
+        # [r * rows, keys] product per KV head, a pad query's row weighted 0
+        probs = torch.softmax(logits, dim=-1)
+        del logits
+        if attended is not None and values is not None:  # the output: the same probabilities times the values
+            rows_out = torch.matmul(probs, values[:, :, :visible])  # [b, g, r * rows, dv]
+            attended[:, start:stop] = rows_out.view(b, kv_heads, r, rows, -1).permute(0, 3, 1, 2, 4)
+        if query_valid is None:
+            weights = torch.ones(1, 1, 1, r * rows, dtype=work, device=keys.device).expand(b, kv_heads, 1, r * rows)
+        else:
+            weights = query_valid[:, None, None, None, start:stop].to(work).expand(b, kv_heads, 1, r, rows).reshape(b, kv_heads, 1, r * rows)
+        out[..., :visible] += torch.matmul(weights, probs)[:, :, 0]
+    return out, None if attended is None else attended.view(b, q, hq, -1)
 
 
 def _history_record(

@@ -50,7 +50,7 @@ from kvpolicy.budget import make_policy
 from kvpolicy.driver import NonFiniteWarning
 from kvpolicy.policy import EvictionPolicy, check_eviction_policy
 from kvpolicy.statistics import Rotary
-from kvpolicy_torch import LayerCache, LayerGroup, PrefixShift, received_attention, rope_matrix, rope_rotate
+from kvpolicy_torch import LayerCache, LayerGroup, PrefixShift, prefill_attention, received_attention, rope_matrix, rope_rotate
 from kvpolicy_torch.static import StepOptions, device_flag
 
 from .capabilities import (
@@ -607,9 +607,22 @@ class EvictingLayer(DynamicLayer):
 
         ``kwargs``: the attention module's keyword arguments, which transformers then unpacks into
         the attention function: this layer adds itself there (:data:`LAYER_KWARG`), so that
-        :meth:`attention` serves the call that follows."""
-        if kwargs is not None:
-            kwargs[LAYER_KWARG] = self
+        :meth:`attention` serves the call that follows. A call without them is one made by hand,
+        outside a model's forward, and is refused (``RuntimeError``, nothing appended): the layer
+        evicts only after the step's attention, so such an append would hold the keys past the
+        policy's capacity. (:meth:`EvictingCache.update` hands them, an empty dict for a model
+        whose attention passes none; a caller that runs the attention itself passes
+        ``kwargs={}``, then calls :meth:`attention` or :meth:`finish_received`.)"""
+        if kwargs is None:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: EvictingLayer.update() was called by hand, outside a model's forward, which is "
+                f"not supported: an evicting layer appends a step's keys and values and evicts by that step's attention, "
+                f"which only the model's forward computes (an append without it holds the keys past the policy's "
+                f"capacity). Run the model with the cache (model(ids, cache=cache) or model.generate(..., cache=cache)); to "
+                f"append keys and values by hand, use transformers' DynamicCache. (To drive a layer by hand: "
+                f"update(keys, values, kwargs={{}}), then attention(module, query, keys, values) or finish_received(scores).)"
+            )
+        kwargs[LAYER_KWARG] = self
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.pending:
@@ -736,11 +749,17 @@ class EvictingLayer(DynamicLayer):
         # costs a 2,048-token prefill ~2.4x the attention time: every masked block computed)
         causal = store.chunk_causal and self._window_limits() is None
         mask = None if causal else self.window_chunk_mask(store.chunk_mask())
-        query_scale = None
-        sdpa_query = query
-        if log_n is not None:
-            query_scale = _chunk_log_n_scales(log_n, store, q_len, query.device)
-            sdpa_query = query * query_scale[:, None, :, None].to(query.dtype)
+        query_scale = None if log_n is None else _chunk_log_n_scales(log_n, store, q_len, query.device)
+        if (uses_scores and self.policy.prompt_rows is None and self.history is None and not dropout and _fusable(kwargs)
+                and query.dtype in (torch.float32, torch.float64) and key.dtype == value.dtype == query.dtype):
+            # every prompt row's attention wanted (H2O, BUZZ): the output and the received sums in
+            # one blocked pass (SDPA and then a second pass over the logits cost 1.3-1.4x a plain
+            # prefill at 2,048 tokens); 16-bit inputs keep SDPA (their softmax wants float32)
+            out, received = prefill_attention(query, key, value, scale, query_scale=query_scale, mask=mask,
+                                              query_valid=store.query_valid)
+            self.finish_received(received)
+            return out
+        sdpa_query = query if query_scale is None else query * query_scale[:, None, :, None].to(query.dtype)
         if causal:  # (the mask kvpolicy builds is causal whatever the module says)
             kwargs = {**kwargs, "is_causal": True}
         out, _ = sdpa_attention_forward(module, sdpa_query, key, value, mask, dropout=dropout, scaling=scale, **kwargs)
@@ -1206,6 +1225,8 @@ class EvictingCache(Cache):
                 "serves the model it was built for (make one per model: EvictingCache(policy, model)), given as "
                 "cache= or past_key_values= (a cache passed positionally is not seen by the hooks)"
             )
+        if kwargs.get("kwargs") is None:  # a model whose attention passes none (GPT-NeoX): the layer is found by index
+            kwargs = {**kwargs, "kwargs": {}}
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def note_padding(self, attention_mask: torch.Tensor | None, q_length: int) -> None:
@@ -1316,7 +1337,9 @@ def compile_decode_step(model: torch.nn.Module, *, mode: str | None = None, back
     up to torch's recompile limit for the model's forward (``torch._dynamo.config.recompile_limit``,
     8, shared by every compiled caller of the model): compile a copy of the model for more kinds.
     ``dynamic=False`` specialises every graph to its cache (what a benchmark of one cache wants; at
-    most 8 caches of different sizes); ``dynamic`` is ``torch.compile``'s.
+    most 8 caches of different sizes); ``dynamic`` is ``torch.compile``'s. A step past the limit
+    raises a ``ValueError`` saying which (``dynamic=False``'s sizes, or the policy kinds) and what
+    to do, from torch's ``FailOnRecompileLimitHit``.
 
     A cache built without ``static_shapes=True`` is refused (``ValueError``) before anything is
     compiled: its decode step reads host bookkeeping that changes every step, so each step would
@@ -1347,10 +1370,33 @@ def compile_decode_step(model: torch.nn.Module, *, mode: str | None = None, back
                 "every step (each step would compile a graph of its own, up to torch's recompile limit): build it with "
                 "EvictingCache(..., static_shapes=True), or run the decode steps eagerly (step=model)"
             )
-        return compiled(*args, **kwargs)
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as error:
+            # torch._dynamo.exc.FailOnRecompileLimitHit (torch names it nowhere public): said by name
+            if type(error).__name__ != "FailOnRecompileLimitHit":
+                raise
+            raise ValueError(_recompile_limit_message(dynamic)) from error
 
     step.__doc__ = f"{type(model).__name__} compiled for decode steps (kvpolicy_integrations.hf.compile_decode_step)."
     return step
+
+
+def _recompile_limit_message(dynamic: bool | None) -> str:
+    """Why a :func:`compile_decode_step` step stopped at torch's recompile limit, and what to do."""
+    limit = torch.compiler.config.recompile_limit
+    where = f"torch's recompile limit (torch.compiler.config.recompile_limit = {limit})"
+    if dynamic is False:
+        return (
+            f"dynamic=False: compile_decode_step compiles a graph per cache size, and this cache would be graph {limit + 1}, "
+            f"past {where}: leave dynamic=None (the default: the sizes become dynamic at the second size, and two graphs "
+            f"serve every size), compile a new step for each {limit} sizes, or raise the limit"
+        )
+    return (
+        f"compile_decode_step: {where} is reached for this model's forward (shared by every compiled caller of the model): "
+        f"each policy kind's decode step is other code, so a graph of its own; compile a copy of the model per policy kind "
+        f"(compile_decode_step(copy.deepcopy(model))), or raise the limit"
+    )
 
 
 def greedy_decode(

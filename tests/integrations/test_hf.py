@@ -70,13 +70,14 @@ def test_logits_match_dynamic_cache_chunked_prefill_and_decode(model, policy):
             tok = a[:, -1:].argmax(-1)
 
 
-@pytest.mark.parametrize("policy", [FullCache(), StreamingLLM(2, 10), H2O(8, 8), BUZZ(2, 6, 4, 12, log_n=True, log_base=8.0)], ids=repr)
+@pytest.mark.parametrize("policy", [FullCache(), StreamingLLM(2, 10), TOVA(12)], ids=repr)
 def test_first_prompt_chunk_takes_the_causal_kernel(model, policy, monkeypatch):
     """A prompt's first chunk (no pads, nothing cached) runs SDPA with is_causal=True and no mask,
     as a plain DynamicCache prefill does (an explicit causal mask makes SDPA's CPU kernel compute
     every masked block: 2.4x the attention time at 2,048 tokens); a later chunk, or a padded
     one, is masked from the slots. The logits are DynamicCache's, bit for bit, where the policy
-    does not change the attention (log n does)."""
+    does not change the attention (log n does). (A policy reading every prompt row's attention
+    takes prefill_attention instead: the next test.)"""
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -103,6 +104,51 @@ def test_first_prompt_chunk_takes_the_causal_kernel(model, policy, monkeypatch):
         calls.clear()
         model(_ids(batch=2, length=12), attention_mask=mask, **cache_kwargs(model, padded))
         assert calls == [(12, False, False)] * 2
+
+
+@pytest.mark.parametrize("policy", [H2O(8, 8), BUZZ(2, 6, 4, 12, log_n=True, log_base=8.0)], ids=repr)
+def test_prompt_scored_on_every_row_takes_one_fused_pass(model, policy, monkeypatch):
+    """H2O and BUZZ read every prompt row's attention: a float32 prompt chunk (first, later or
+    left-padded) takes kvpolicy_torch.prefill_attention, one blocked pass giving the output and
+    the received sums, neither SDPA nor a second received_attention pass (which cost 1.3-1.4x a
+    plain prefill at 2,048 tokens, issue 40); the logits are DynamicCache's up to rounding where
+    the policy does not change the attention (log n does). A bfloat16 model keeps SDPA and the
+    second pass (its softmax wants float32)."""
+    import kvpolicy_integrations.hf as hf
+
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    second = hf.received_attention
+
+    def spy(*args, **kwargs):
+        calls.append("sdpa")
+        return sdpa(*args, **kwargs)
+
+    def spy_received(*args, **kwargs):
+        calls.append("received_attention")
+        return second(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(hf, "received_attention", spy_received)
+    ids = _ids(batch=1, length=40)
+    with torch.no_grad():
+        want = model(ids[:, :24], **cache_kwargs(model, DynamicCache(config=model.config))).logits
+        cache = EvictingCache(policy, model)
+        calls.clear()
+        got = model(ids[:, :24], **cache_kwargs(model, cache)).logits
+        model(ids[:, 24:], position_ids=torch.arange(24, 40)[None], **cache_kwargs(model, cache))
+        mask = torch.ones(2, 12, dtype=torch.long)
+        mask[1, :3] = 0
+        model(_ids(batch=2, length=12), attention_mask=mask, **cache_kwargs(model, EvictingCache(policy, model)))
+        assert calls == []
+        assert all(layer.store.evictions > 0 for layer in cache.layers)
+        if policy.log_n is None:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        half = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=0).to(torch.bfloat16)
+        model(ids[:, :24], **cache_kwargs(model, EvictingCache(policy, model)))  # (float32 again: nothing called)
+        assert calls == []
+        half(ids[:, :24], **cache_kwargs(half, EvictingCache(policy, half)))
+        assert calls == ["sdpa", "received_attention"] * 2
 
 
 def test_mask_function_hands_padding_to_the_cache_and_serves_other_caches(model):
@@ -305,7 +351,7 @@ def test_cache_positions_mode_scores_keys_at_their_slots(model, policy):
     rotated, _ = apply_rotary_pos_emb(raw, raw, cos, sin)
     queries, _ = apply_rotary_pos_emb(rq, rq, cos, sin)
     for t in range(20):
-        keys, values = layer.update(rotated[:, :, t : t + 1], rotated[:, :, t : t + 1])
+        keys, values = layer.update(rotated[:, :, t : t + 1], rotated[:, :, t : t + 1], kwargs={})
         q = queries[:, :, t : t + 1]
         _, received = decode_attention(q, keys, values, 0.25, bias=layer.store.bias, prefix=layer.take_prefix(q))
         # the reference, per KV head: its kept keys, RoPE at their slot among the kept tokens

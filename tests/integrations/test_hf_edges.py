@@ -91,6 +91,32 @@ def test_a_compiled_step_refuses_a_cache_without_static_shapes(model):
     assert cache.layers[0].store.seen == [12]  # nothing was appended
 
 
+@pytest.mark.parametrize("dynamic", [False, None])
+def test_the_recompile_limit_is_refused_by_name(model, dynamic):
+    """A compiled step past torch's recompile limit (lowered here to 2: the default 8 compiles
+    eight graphs first) raises a ValueError naming compile_decode_step's parameter and what to do
+    (was: torch's raw FailOnRecompileLimitHit, 'Hard failure due to fullgraph=True'). With
+    dynamic=False each cache size is a graph; with the default, each policy kind's decode step."""
+    if dynamic is False:  # one policy, caches of three capacities
+        policies = [H2O(c // 2, c - c // 2) for c in (4, 6, 8)]
+        message = (r"^dynamic=False: compile_decode_step compiles a graph per cache size, and this cache would be graph 3, "
+                   r"past torch's recompile limit \(torch.compiler.config.recompile_limit = 2\): .*dynamic=None")
+    else:  # caches of one size, three policy kinds (each kind's decode step is other code)
+        policies = [H2O(3, 3), StreamingLLM(sink=2, window=4), FullCache()]
+        message = (r"^compile_decode_step: torch's recompile limit \(torch.compiler.config.recompile_limit = 2\) .* "
+                   r"compile a copy of the model per policy kind")
+    torch.compiler.reset()
+    try:
+        with torch.compiler.config.patch(recompile_limit=2), pytest.raises(ValueError, match=message) as caught:
+            step = compile_decode_step(model, backend="eager", dynamic=dynamic)
+            for policy in policies:
+                ids = _ids(9, seed=len(repr(policy)))
+                greedy_decode(model, ids, EvictingCache(policy, model, static_shapes=True, max_tokens=16), 3, step=step)
+    finally:
+        torch.compiler.reset()
+    assert type(caught.value.__cause__).__name__ == "FailOnRecompileLimitHit"
+
+
 # --------------------------------------------------------------------------- class 9: Ctrl-C mid-forward
 class _Interrupt:
     """A forward hook on one decoder layer raising ``error`` (Ctrl-C arrives as KeyboardInterrupt)."""
@@ -184,3 +210,21 @@ def test_update_outside_a_forward_is_refused_plainly(model, built_from):
     with torch.no_grad():  # and the cache still serves a forward
         model(_ids(8), **cache_kwargs(model, cache))
     assert cache.layers[0].store.seen == [8]
+
+
+@pytest.mark.parametrize("policy", [StreamingLLM(sink=2, window=4), H2O(3, 3)], ids=repr)
+def test_a_layer_updated_by_hand_is_refused_at_the_first_call(model, policy):
+    """cache.layers[i].update(k, v) called by hand is refused at once, saying so (was: the first
+    call appended all 10 keys past the capacity of 7 and evicted nothing, the next call blamed
+    the model's attention switch), and leaves the layer untouched: the cache still serves a
+    forward. A model whose attention hands no kwargs to cache.update (GPT-NeoX) is still served
+    (tests/integrations/test_families.py)."""
+    cache = EvictingCache(policy, model)
+    k = torch.randn(1, 2, 10, 16)
+    with pytest.raises(RuntimeError, match=r"^layer 1: EvictingLayer.update\(\) was called by hand, outside a model's "
+                                           r"forward, which is not supported: .*DynamicCache"):
+        cache.layers[1].update(k, k)
+    assert not cache.layers[1].store.is_initialized and not cache.layers[1].is_initialized
+    with torch.no_grad():
+        model(_ids(12), **cache_kwargs(model, cache))
+    assert cache.layers[1].store.seen == [12] and cache.layers[1].store.length <= policy.capacity

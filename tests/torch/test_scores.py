@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from kvpolicy_torch import received_attention  # noqa: E402
+from kvpolicy_torch import prefill_attention, received_attention  # noqa: E402
 from kvpolicy_torch.scores import prefill_block_rows  # noqa: E402
 
 
@@ -90,6 +90,54 @@ def test_no_float32_copy_of_all_keys_for_16bit_keys(monkeypatch):
     assert len(biggest) > 200 // chunk_keys  # the keys were converted, chunk by chunk
     assert max(biggest) <= 1 * 2 * chunk_keys * 8 < keys.numel()
     torch.testing.assert_close(got, received_attention(query.float(), keys.float(), 0.35), rtol=1e-5, atol=1e-5)
+
+
+@given(
+    b=st.integers(1, 2), g=st.integers(1, 3), r=st.integers(1, 3), q=st.integers(2, 40), cached=st.integers(0, 30),
+    block=st.one_of(st.none(), st.integers(1, 17)), log_n=st.booleans(), holes=st.booleans(), pads=st.booleans(),
+    f64=st.booleans(), seed=st.integers(0, 2**16),
+)  # fmt: skip
+@settings(max_examples=60, deadline=None)
+def test_prefill_attention_is_masked_attention_and_received_attention(b, g, r, q, cached, block, log_n, holes, pads, f64, seed):
+    """prefill_attention's output is the masked softmax attention (float64 dense reference, GQA:
+    query head g * r + i reads KV head g), and its sums are received_attention's, bit for bit, with
+    log n scales, holes among the cached keys and pad queries (which see only themselves, as
+    LayerCache.chunk_mask makes them, and add nothing)."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.float64 if f64 else torch.float32
+    n = cached + q
+    query = torch.randn(b, g * r, q, 8, generator=gen, dtype=dtype)
+    keys, values = torch.randn(b, g, n, 8, generator=gen, dtype=dtype), torch.randn(b, g, n, 6, generator=gen, dtype=dtype)
+    qs = torch.rand(b, q, generator=gen, dtype=dtype) + 0.5 if log_n else None
+    rows, cols = torch.arange(q)[:, None], torch.arange(n)[None, :]
+    mask = (cols <= cached + rows)[None].expand(b, q, n).clone()
+    if holes:
+        mask[:, :, :cached] &= torch.rand(b, 1, cached, generator=gen) < 0.7
+    valid = None
+    if pads:
+        valid = torch.arange(q)[None, :] >= torch.randint(0, q, (b, 1), generator=gen)
+        mask &= torch.cat([torch.ones(b, cached, dtype=torch.bool), valid], dim=1)[:, None, :]  # nobody attends to a pad ...
+        mask |= (cols == cached + rows)[None] & ~valid[:, :, None]  # ... which sees only itself
+    mask = mask[:, None] if holes or pads else None
+    out, received = prefill_attention(query, keys, values, 0.35, query_scale=qs, mask=mask, query_valid=valid, block=block)
+    assert out.dtype == dtype and out.shape == (b, q, g * r, 6) and received.dtype == dtype
+    assert torch.equal(received, received_attention(query, keys, 0.35, query_scale=qs, mask=mask, query_valid=valid, block=block))
+    logits = torch.einsum("bgrqd,bgnd->bgrqn", query.double().reshape(b, g, r, q, 8), keys.double()) * 0.35
+    if qs is not None:
+        logits = logits * qs.double()[:, None, None, :, None]
+    seen = (cols <= cached + rows)[None, None, None] if mask is None else mask[:, :, None]
+    probs = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)
+    want = torch.einsum("bgrqn,bgnv->bqgrv", probs, values.double()).reshape(b, q, g * r, 6)
+    tol = 1e-12 if f64 else 1e-5
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+def test_prefill_attention_refuses_16bit_and_mixed_dtypes():
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="float32 or float64 .* got torch.bfloat16"):
+        prefill_attention(q.bfloat16(), k.bfloat16(), k.bfloat16(), 0.35)
+    with pytest.raises(ValueError, match="one dtype, got torch.float32, torch.float32 and torch.float64"):
+        prefill_attention(q, k, k.double(), 0.35)
 
 
 def test_block_rows_follow_the_workspace():
