@@ -138,6 +138,7 @@ class LayerCache(LayerReads):
         self.static_shapes = bool(static_shapes)
         self.reserve = reserve
         self.rule = policy.decode_eviction
+        self._reconstructs = policy.needs_reconstruction  # (KVzip: asked once, after its reconstruction pass)
         self._once = scored_once(policy)  # (kvpolicy.statistics.scored_once: decode tokens scored when cached)
         # head-wise budgets (AdaKV): a row's count is its widest head's, the others hold holes
         self._ragged = bool(policy.ragged_heads)
@@ -404,7 +405,7 @@ class LayerCache(LayerReads):
             if torch.compiler.is_compiling() or (ran and not self.needs_settle):
                 return []  # (compiled: announced by needs_settle, the caller runs settle() between steps)
             return self.settle()
-        if self.policy.needs_reconstruction and not self.reconstructed:
+        if self._reconstructs and not self.reconstructed:
             if self._layout.phase == "decode":
                 raise ValueError(
                     f"{self.policy!r} scores the prompt by a context reconstruction, which has not run: run it after the "

@@ -294,6 +294,7 @@ class StaticSteps:
         self.policy = policy
         self.rule = policy.decode_eviction
         self.once = scored_once(policy)  # decode tokens scored when cached (Knorm), never rescored
+        self.captures = policy.captures_attention  # (read at every step)
         self.reduce_scores = reduce_scores
         self.state: DecodeState | None = None
         #: the device ran decode steps the host layout has not seen yet
@@ -331,7 +332,7 @@ class StaticSteps:
         when the policy uses them; returns ``[batch, 1, q_heads, head_dim]``."""
         policy = self.policy
         out, received = self.state.attend(store, query, scaling, options)  # type: ignore[union-attr]
-        if policy.captures_attention:
+        if self.captures:
             history = policy.score_history if policy.score_statistic == "low_history" else None  # type: ignore[attr-defined]
             DecodeState.accumulate(store, received, policy.score_statistic, query.shape[1] // store.keys.shape[1], history)
         return out

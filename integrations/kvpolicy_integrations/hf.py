@@ -542,6 +542,8 @@ class EvictingLayer(DynamicLayer):
         self.attention_kind = attention if attention is not None else LayerAttention("full")
 
         self.fused_decode = fused_decode
+        # what the policy needs of each attention call, fixed for the layer's life (read per step)
+        self.observes, self.captures = policy.observes_queries, policy.captures_attention
         self.padding = padding if padding is not None else Padding()
         self.pending = False
         self._seen_serial = -1
@@ -707,7 +709,7 @@ class EvictingLayer(DynamicLayer):
         self.pending = False
         store = self.store
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        if self.policy.observes_queries:  # Expected Attention: the queries' running moments, before evict()
+        if self.observes:  # Expected Attention: the queries' running moments, before evict()
             self.observe_queries(query, kwargs.get("position_ids"))
         if store.on_device:  # a static-shaped decode step: one graph (kvpolicy_torch.static)
             if dropout or not _fusable(kwargs):
@@ -717,7 +719,7 @@ class EvictingLayer(DynamicLayer):
             return out
         q_len = query.shape[2]
         log_n = self.policy.log_n
-        uses_scores = self.policy.captures_attention  # (scores from keys: no capture, the store computes them)
+        uses_scores = self.captures  # (scores from keys: no capture, the store computes them)
         if q_len == 1:
             # (two host checks first: most layers have no window and no shifted prefix)
             window = None if self.attention_kind.kind == "full" else self.window_bias()
