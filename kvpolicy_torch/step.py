@@ -83,7 +83,10 @@ def attend_slots(
     hi = layout.returned
     statistic = policy.score_statistic
     plain = extra_bias is None and row_scale is None and prefix is None and query.dtype == store.keys.dtype
-    if plain and statistic == "low_history" and not layout.bias_needed and policy.uses_scores:
+    # (16-bit keys: grouped_decode's probabilities would be 16-bit too, where the general path
+    # computes them in float32; the low events must be the reference's)
+    if (plain and statistic == "low_history" and not layout.bias_needed and policy.uses_scores
+            and store.keys.dtype in (torch.float32, torch.float64)):
         return _attend_low_history(layout, policy, query, scaling)
     if (
         plain and not layout.search.active and query.dtype == store.scores.dtype

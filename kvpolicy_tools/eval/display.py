@@ -95,8 +95,8 @@ COLORS = {
     "pyramid": "#637939",
     "compose": "#7b4173",
     "chunkkv": "#5254a3",
-    "critical_kv": "#e7ba52",
-    "critical_expected_attention": "#ad494a",
+    "critical_kv": "#8ca252",
+    "critical_expected_attention": "#6b6ecf",
     "critical_adakv_expected_attention": "#d6616b",
     "lagkv": "#a55194",
 }
