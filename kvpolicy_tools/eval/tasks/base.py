@@ -286,11 +286,18 @@ class CacheConfig:
         return policy, PolicyPlan(policy, None, avg / full_avg, context_length, prompt_length, avg, full_avg).as_dict()  # type: ignore[arg-type]
 
 
+#: Where a kvpress press's default differs from the registry preset's planned parameter: the
+#: press's, under kvpress's protocol (``SnapKVPress(window_size=64, kernel_size=5)``; the preset
+#: plans a window of at most 32). Its RULER answers differed from kvpress's on 6 of 12 samples
+#: with the preset's window, docs/results.md section 10.
+KVPRESS_DEFAULTS: dict[str, dict[str, Any]] = {"snapkv": {"window": 64, "kernel": 5}}
+
+
 def kvpress_policy(name: str, compression_ratio: float, context_tokens: int) -> EvictionPolicy:
     """The registered policy ``name`` run as kvpress runs a press on a context of
     ``context_tokens``: :func:`kvpolicy.prefill_only` over the policy planned to keep
-    ``int(context_tokens x (1 - compression_ratio))`` tokens (its ranking's parameters, e.g.
-    SnapKV's window, are those ``from_size`` gives). ``ValueError`` naming the policy when it
+    ``int(context_tokens x (1 - compression_ratio))`` tokens (its ranking's parameters are those
+    ``from_size`` gives, or the press's default where it differs: :data:`KVPRESS_DEFAULTS`). ``ValueError`` naming the policy when it
     ranks no tokens (kvpress's protocol keeps each head's best by a score).
 
     Example:
@@ -301,7 +308,7 @@ def kvpress_policy(name: str, compression_ratio: float, context_tokens: int) -> 
     entry = get_policy(name)
     kept = max(int(context_tokens * (1 - compression_ratio)), entry.min_size)
     try:
-        return prefill_only(entry.from_size(kept), compression_ratio)
+        return prefill_only(entry.from_size(kept, **KVPRESS_DEFAULTS.get(name, {})), compression_ratio)
     except ValueError as e:
         raise ValueError(f"policy {name!r} cannot run under kvpress's protocol (--ruler-protocol kvpress): {e}") from None
 

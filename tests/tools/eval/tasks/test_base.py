@@ -198,3 +198,13 @@ def test_tw_window_gives_the_long_run_cache_size():
         w = tw_window(ratio, 200)
         p = BUZZ(sink=4, window=w, stride=5, threshold=max(3, round(ratio * w)))
         assert abs(np.mean(simulate_sizes(p, 6000, 0)[2000:]) - 200) < 5  # streaming, long after the start
+
+
+def test_kvpress_policy_takes_the_press_defaults_where_the_preset_differs() -> None:
+    """Under kvpress's protocol SnapKV runs as ``SnapKVPress()`` does: an observation window of 64
+    and a kernel of 5 (the registry preset plans at most 32); every other parameter is planned."""
+    from kvpolicy_tools.eval.tasks.base import kvpress_policy
+
+    snap = kvpress_policy("snapkv", 0.5, 1000).policy
+    assert (snap.size, snap.window, snap.kernel) == (500, 64, 5)
+    assert kvpress_policy("knorm", 0.25, 1000).policy.size == 750
