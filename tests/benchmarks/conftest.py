@@ -13,10 +13,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """``benchmarks/<name>.py`` as a module (registered in ``sys.modules``, as its dataclasses need)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    """``benchmarks/<name>.py`` as a module (registered in ``sys.modules`` by its file's base name,
+    as its dataclasses need; ``name`` may name a subfolder: ``"peers/ruler_kvpress"``)."""
+    module_name = Path(name).name
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

@@ -4,26 +4,15 @@ needs its own venv (benchmarks/peers/setup_kvpress.sh) and is not run here."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
-
 
 @pytest.fixture(scope="module")
-def ruler_kvpress():
-    spec = importlib.util.spec_from_file_location("ruler_kvpress", ROOT / "benchmarks" / "peers" / "ruler_kvpress.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+def ruler_kvpress(benchmark_module):
+    return benchmark_module("peers/ruler_kvpress")  # (tests/benchmarks/conftest.py)
 
 
 def test_identical_answers_counts_triples_both_runs_have(ruler_kvpress) -> None:
