@@ -27,9 +27,64 @@ from kvpolicy.statistics import (
     refresh_sink,
 )
 
+from .attention import rope_matrix, rope_rotate
 from .storage import Storage
 
-__all__ = ["RunningMoments", "held_scores", "token_scores"]
+__all__ = ["PreRope", "RunningMoments", "held_scores", "token_scores"]
+
+
+class PreRope:
+    """Queries rotated back to before RoPE (what Expected Attention's moments are of), one
+    rotation a step shared by a model's layers.
+
+    A decode step hands every layer a query rotated by the same positions (the forward's
+    ``position_ids``): the first layer to ask builds the inverse rotation as a matrix in float64
+    (:func:`~kvpolicy_torch.rope_matrix`), and every layer then turns its query back with one
+    product (a rotation per layer was ~20 element-wise kernels of a decode step). The matrix is
+    reused only inside one forward (``step``: a counter the caller advances at every forward) and
+    for the same ``positions`` tensor and frequencies, so a tensor changed in place between
+    forwards is never served a stale rotation; inside ``torch.compile`` nothing is kept (the
+    product is traced with the rest of the step). A prompt's queries (``q > 1``) are rotated
+    element-wise (:func:`~kvpolicy_torch.rope_rotate`), once per chunk.
+
+    Example:
+        >>> pre = PreRope()
+        >>> freq, q = torch.tensor([1.0, 0.1]), torch.randn(1, 2, 1, 4)
+        >>> rotated = rope_rotate(q, torch.tensor([[[7]]]), freq)
+        >>> back = pre.unrotate(rotated, torch.tensor([[7]]), freq, step=1)
+        >>> back.dtype, bool(torch.allclose(back, q.double(), atol=1e-6))
+        (torch.float64, True)
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._held: tuple[torch.Tensor, torch.Tensor] | None = None  # (positions, frequencies): kept alive, ids stay theirs
+        self._matrix: torch.Tensor | None = None
+
+    def unrotate(self, queries: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *, style: str = "half",
+                 rotary_dim: int | None = None, step: int = 0) -> torch.Tensor:
+        """``queries`` ``[batch, q_heads, q, head_dim]``, rotated by ``positions`` ``[batch or 1, q]``,
+        rotated back: float64 for a decode step (``q == 1``), the queries' dtype for a prompt chunk."""
+        b, _, q, d = queries.shape
+        if q != 1:
+            return rope_rotate(queries, -positions.expand(b, -1)[:, None, :], inv_freq, style=style, rotary_dim=rotary_dim)
+        if torch.compiler.is_compiling():
+            matrix = self.matrix(positions, inv_freq, b, d, style, rotary_dim)
+        else:
+            key = (step, id(positions), id(inv_freq), b, d, style, rotary_dim, queries.device)
+            held = self._held
+            if key != self._key or held is None or held[0] is not positions or held[1] is not inv_freq:
+                self._matrix = self.matrix(positions, inv_freq, b, d, style, rotary_dim)
+                self._key, self._held = key, (positions, inv_freq)
+            matrix = self._matrix
+        return torch.matmul(queries.to(torch.float64), matrix)
+
+    @staticmethod
+    def matrix(positions: torch.Tensor, inv_freq: torch.Tensor, batch: int, head_dim: int, style: str,
+               rotary_dim: int | None) -> torch.Tensor:
+        """``[batch, 1, head_dim, head_dim]`` float64: the rotation by minus each row's position."""
+        delta = -positions.expand(batch, -1)[:, 0].to(inv_freq.device)
+        return rope_matrix(delta, inv_freq, head_dim, style=style, rotary_dim=rotary_dim, dtype=torch.float64)
 
 
 class RunningMoments:

@@ -51,6 +51,7 @@ from kvpolicy.driver import NonFiniteWarning
 from kvpolicy.policy import EvictionPolicy, check_eviction_policy
 from kvpolicy.statistics import Rotary
 from kvpolicy_torch import LayerCache, LayerGroup, PrefixShift, prefill_attention, received_attention, rope_matrix, rope_rotate
+from kvpolicy_torch.queries import PreRope
 from kvpolicy_torch.static import StepOptions, device_flag
 
 from .capabilities import (
@@ -518,6 +519,7 @@ class EvictingLayer(DynamicLayer):
         reserve: int | None = None,
         padding: Padding | None = None,
         shift_matrices: ShiftMatrices | None = None,
+        pre_rope: PreRope | None = None,
         group: LayerGroup | None = None,
         prefill_chunk: int | None = None,
     ) -> None:
@@ -538,6 +540,8 @@ class EvictingLayer(DynamicLayer):
             key_shift=self._shift_keys if self.shifts else None, group=group, prompt_chunk=prefill_chunk,
         )
         self.shift_matrices = shift_matrices if shift_matrices is not None else ShiftMatrices()
+        #: Expected Attention's queries rotated back to before RoPE (one rotation a step for all layers)
+        self.pre_rope = pre_rope if pre_rope is not None else PreRope()
         #: this layer's attention pattern (full, or a sliding or chunked window)
         self.attention_kind = attention if attention is not None else LayerAttention("full")
 
@@ -784,12 +788,13 @@ class EvictingLayer(DynamicLayer):
         store = self.store
         positions = store.query_positions(query.shape[2])  # [batch, q], -1 at pads
         rotated = positions if position_ids is None else position_ids.to(positions.device)
-        pre_rope = self._rotate(query, -rotated.expand(query.shape[0], -1)[:, None, :])
         rotary = None
         if self.rope is not None:
             rotary = Rotary(self.rope.inv_freq, self.rope.style, self.rope.rotary_dim)
         elif self.inv_freq is not None:
             rotary = Rotary(self.inv_freq, "half", None)
+        pre_rope = query if rotary is None else self.pre_rope.unrotate(
+            query, rotated, rotary.inv_freq, style=rotary.style, rotary_dim=rotary.rotary_dim, step=self.padding.serial)
         store.observe_queries(pre_rope, positions, rotary)
 
     @property
@@ -1023,6 +1028,7 @@ class EvictingCache(Cache):
         self._reported: set[int] = set()  # layers report_nonfinite has warned about since the last reset
         self._interrupted: str | None = None  # what ended a forward mid-step (interrupted), until reset()
         shift_matrices = ShiftMatrices()  # shared by the layers: pos-shift rotations, built once a step
+        pre_rope = PreRope()  # (and the rotation of a step's queries back to before RoPE)
         n_layers = len(caps.layers)
         # shared by the layers: one victim search a decode step for all (static shapes search on the
         # device, each layer in its own graph nodes)
@@ -1031,7 +1037,7 @@ class EvictingCache(Cache):
             EvictingLayer(
                 policy.for_layer(i, n_layers), i, positions=positions, rope=ropes[i], attention=caps.layers[i], reduce_scores=reduce_scores,
                 fused_decode=fused_decode, static_shapes=static_shapes, reserve=max_tokens, padding=self.padding,
-                shift_matrices=shift_matrices, group=group,
+                shift_matrices=shift_matrices, pre_rope=pre_rope, group=group,
                 prefill_chunk=None if prefill_chunk is None else check_int("prefill_chunk", prefill_chunk, minimum=1),
             )
             for i in range(len(caps.layers))

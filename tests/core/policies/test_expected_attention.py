@@ -323,6 +323,58 @@ def test_evicting_cache_keeps_what_the_reference_keeps_on_layer0(policy, no_scor
     assert cache.layers[0].store.running_queries.moments.count.tolist() == [50 - policy.sink]
 
 
+@settings(max_examples=40, deadline=None)
+@given(position=st.integers(0, 5000), style=st.sampled_from(["half", "interleaved"]), partial=st.booleans(),
+       batch=st.integers(1, 3))
+def test_pre_rope_turns_a_decode_query_back(position, style, partial, batch) -> None:
+    """kvpolicy_torch.queries.PreRope: a query RoPE rotated by its position comes back (float64,
+    up to the float32 rounding of the forward rotation), every layout and row."""
+    from kvpolicy_torch.queries import PreRope
+
+    d, rotary = 8, (4 if partial else None)
+    freq = torch.tensor([1.0, 0.01]) if partial else torch.tensor([1.0, 0.1, 0.01, 0.001])
+    q = torch.randn(batch, 3, 1, d, generator=torch.Generator().manual_seed(position))
+    positions = torch.arange(position, position + batch).view(batch, 1)
+    rotated = kvpolicy_torch.rope_rotate(q, positions[:, None, :], freq, style=style, rotary_dim=rotary)
+    back = PreRope().unrotate(rotated, positions, freq, style=style, rotary_dim=rotary, step=1)
+    assert back.dtype == torch.float64
+    torch.testing.assert_close(back, q.double(), atol=1e-5, rtol=0)
+
+
+def test_pre_rope_reuses_a_rotation_inside_one_forward_only() -> None:
+    """The rotation is kept for the same positions tensor inside one forward (``step``), never
+    across forwards: a tensor advanced in place between steps gets its new rotation."""
+    from kvpolicy_torch.queries import PreRope
+
+    pre, freq, q = PreRope(), torch.tensor([1.0, 0.1]), torch.randn(1, 2, 1, 4)
+    positions = torch.tensor([[5]])
+    at5 = pre.unrotate(kvpolicy_torch.rope_rotate(q, torch.tensor([[[5]]]), freq), positions, freq, step=1)
+    positions.fill_(9)  # (in place, as a caller's reused buffer would be)
+    at9 = pre.unrotate(kvpolicy_torch.rope_rotate(q, torch.tensor([[[9]]]), freq), positions, freq, step=2)
+    torch.testing.assert_close(at5, q.double(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(at9, q.double(), atol=1e-5, rtol=0)
+
+
+def test_a_decode_step_builds_one_rotation_for_every_layer(monkeypatch) -> None:
+    """An Expected Attention decode step of a 3-layer tiny random-weight Llama builds the rotation
+    of its queries back to before RoPE once, not once a layer (the prompt's are element-wise)."""
+    from kvpolicy_torch.queries import PreRope
+
+    model = tiny_llama(num_layers=3, heads=4, kv_heads=2, head_dim=8, vocab=96, seed=3)
+    cache = EvictingCache(ExpectedAttention(12, sink=2, future=16), model)
+    built = []
+    real = PreRope.matrix
+    monkeypatch.setattr(PreRope, "matrix", staticmethod(lambda *a: built.append(1) or real(*a)))
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        model(ids, **cache_kwargs(model, cache))
+        assert built == []
+        for step in range(3):
+            model(torch.tensor([[7]]), position_ids=torch.tensor([[20 + step]]), **cache_kwargs(model, cache))
+            assert len(built) == step + 1
+    assert cache.layers[2].store.running_queries.moments.count.tolist() == [23 - 2]
+
+
 def test_evicting_cache_needs_the_model() -> None:
     model = tiny_llama(num_layers=1)
     with pytest.raises(ValueError, match="query statistics need the model itself"):
