@@ -270,7 +270,8 @@ def test_the_kit_fails_a_composition_that_ranks_by_the_wrong_statistic() -> None
         check_prefill_decision(wrong, logits, 8)
     check_prefill_decision(compose(prefill=Knorm(size=4), decode=FullCache()), logits, 8)
     with pytest.raises(ContractViolation, match="prefill policy"):
-        check_policy(st.just(wrong), checks=["replay"], torch=False, settings=settings(max_examples=50, database=None))
+        check_policy(st.just(wrong), checks=["replay"], torch=False,
+                     settings=settings(max_examples=50, database=None, derandomize=True))
     report = check_policy(st.just(compose(prefill=Knorm(size=4), decode=FullCache())), checks=["replay"], torch=False,
                           settings=settings(max_examples=50, database=None))
     assert report.passed == ["replay"]
