@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvpolicy.policy import EvictionPolicy
+from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
 from kvpolicy.statistics import LOW_MARGIN, low_attention
 
 from .attention import decode_attention, grouped_decode
@@ -107,6 +107,19 @@ def attend_slots(
             views.scores.add_(received)
         else:  # "latest" (TOVA): this query's attention replaces the scores; holes keep +inf
             views.scores.copy_(received.masked_fill_(views.positions < 0, math.inf))
+        return out3.view(b, 1, hq, -1)
+    # (attributes only, no property: a decode step counts its calls, benchmarks/decode_calls.py)
+    if (plain and (statistic in KEY_STATISTICS or not policy.uses_scores) and query.dtype == store.keys.dtype == store.values.dtype
+            and query.dtype in (torch.float32, torch.float64)):
+        # nothing to capture (Knorm, KeyDiff, Expected Attention: scores from the cache; the
+        # local window): the grouped step's output alone, holes masked (no per-head sums; the
+        # bias is kept in the scores' dtype, float64 for a score from the cache: cast, ~1 us,
+        # where the general path cast the logits)
+        b, hq, _, d = query.shape
+        views = store.range_views(hi)
+        bh = views.keys3t.shape[0]
+        bias3 = views.bias3.to(query.dtype) if layout.bias_needed else None
+        out3, _ = grouped_decode(query.reshape(bh, hq * b // bh, d), views.keys3t, views.values3, scaling, bias3)
         return out3.view(b, 1, hq, -1)
     key, value = store.keys.narrow(2, 0, hi), store.values.narrow(2, 0, hi)
     bias = store.bias.narrow(2, 0, hi) if layout.bias_needed else None
