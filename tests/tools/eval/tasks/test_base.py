@@ -208,3 +208,7 @@ def test_kvpress_policy_takes_the_press_defaults_where_the_preset_differs() -> N
     snap = kvpress_policy("snapkv", 0.5, 1000).policy
     assert (snap.size, snap.window, snap.kernel) == (500, 64, 5)
     assert kvpress_policy("knorm", 0.25, 1000).policy.size == 750
+    # AdaKVPress(SnapKVPress()): its scorer's window and kernel likewise (5 of 12 RULER answers
+    # were kvpress's with the preset's window)
+    scorer = kvpress_policy("adakv_snapkv", 0.5, 1000).policy.scorer
+    assert (scorer.size, scorer.window, scorer.kernel) == (500, 64, 5)
