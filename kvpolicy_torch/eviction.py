@@ -6,6 +6,10 @@ from host integers only, which of three things runs:
 1. **A one-token eviction** (:class:`~kvpolicy.DecodeEviction`: H2O, TOVA, StreamingLLM, the local
    window): after a decode step, each row holding ``limit + 1`` tokens frees one slot per head
    (:class:`~kvpolicy_torch.victims.OneTokenEviction`); nothing moves.
+   Head-wise budgets' decode step (:class:`~kvpolicy.HeadwiseEviction`, AdaKV over H2O, TOVA,
+   Knorm, KeyDiff or Expected Attention) likewise: each row whose heads hold ``limit + 1`` tokens
+   on average frees the layer's ``H`` lowest outside the floors where they stand
+   (:meth:`HostEviction.evict_headwise`).
 2. **Nothing**: a decode step at which the policy's declared size rule keeps every row's tokens
    (BUZZ between strides, :func:`~kvpolicy_torch.general.declines`), or a one-token rule's rows
    under the limit.
@@ -133,9 +137,10 @@ class HostEviction:
     def evict_headwise(self, layout: SlotLayout, running: RunningMoments | None) -> list[tuple[int, int]] | None:
         """A decode step's head-wise eviction (:class:`~kvpolicy.HeadwiseEviction`), from host
         integers: each row whose heads hold ``limit + 1`` tokens on average frees the layer's ``H``
-        lowest where they stand (:func:`~kvpolicy_torch.headwise.headwise_victims`, one masked
-        write; compaction comes when a row reaches the end of its slots); a row below that keeps
-        everything. ``None`` when a row stands above it (a padded row after its prompt): the
+        lowest where they stand (:func:`~kvpolicy_torch.headwise.likely_victims`, or
+        :func:`~kvpolicy_torch.headwise.headwise_victims` where it is not sure; one masked write per
+        bookkeeping tensor; compaction comes when a row reaches the end of its slots); a row below
+        that keeps everything. ``None`` when a row stands above it (a padded row after its prompt): the
         policy's ``select`` decides, as for any other step."""
         rule, rows = self.headwise, layout.rows
         assert rule is not None  # (the caller checks)
@@ -169,7 +174,7 @@ class HostEviction:
         if counts is None:  # (after slots moved: counted again, one host read)
             counts = layout.head_counts = (layout.returned_positions() >= 0).sum(-1).tolist()
         found = likely_victims(candidates, [counts[r] for r in due], rule)
-        if found is None:  # a tie across the cut, a NaN, or a floor that binds: the exact search
+        if found is None:  # a tie on a cut, a NaN, or a read too short: the exact search
             head, slot = headwise_victims(pos, scores, seen, rule)
             victims = [list(zip(h, j)) for h, j in zip(head.tolist(), slot.tolist())]
             for r, row in zip(due, victims):
@@ -183,7 +188,8 @@ class HostEviction:
         widest = [max(counts[r]) for r in due]
         layout.scattered = True
         if rows.batch == 1:  # (the common case, every step of every layer)
-            before, rows.count[0], rows.states[0] = rows.count[0], widest[0], rule.state_after(rows.seen[0])
+            before, rows.count[0] = rows.count[0], widest[0]
+            rows.states[0] = {**rows.states[0], **rule.state_after(rows.seen[0])}
             return [(before, widest[0])]
         # a round per group of rows in the same host state, as a general eviction's (its widest head after)
         groups = [(rows.count[r], rows.seen[r], tuple(sorted(rows.states[r].items()))) for r in due]

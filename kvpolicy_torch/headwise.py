@@ -7,12 +7,16 @@ widest head's; a head holding fewer tokens has holes (position ``-1``, score ``+
 :class:`~kvpolicy.CacheView` (holes lead; :func:`~kvpolicy_torch.compaction.slot_order` keeps them
 there) and attention masks them with the bias. The storage is ``[batch, kv_heads, slots,
 head_dim]`` with ``slots`` the widest head's need: kept bytes are the budget, allocated bytes the
-widest head's count times the heads (docs/design.md, "Head-wise budgets"). Two operations, each
-one pass over ``[batch, kv_heads, slots]`` bookkeeping:
+widest head's count times the heads (docs/design.md, "Head-wise budgets").
 
 * :func:`mark_dropped`: after a compaction, the slots a keep array filled with ``-1`` become holes;
 * :func:`held_tokens`: the tokens a layer holds (one host read);
-* :func:`fitted_slots`: the storage follows the widest head, without reallocating at every step.
+* :func:`fitted_slots`: the storage follows the widest head, without reallocating at every step;
+* a decode step's eviction (:class:`kvpolicy.HeadwiseEviction`, AdaKV's declared rule), applied
+  where the victims stand: :func:`likely_victims` finds them in two kernels and a small host read
+  where it is sure, :func:`headwise_victims` everywhere (a constant number of kernels, exact on
+  ties, NaN and floors), :func:`free_slots` makes them holes. Between two compactions a head's
+  holes may then stand between its tokens, not only in front of them.
 """
 
 from __future__ import annotations
