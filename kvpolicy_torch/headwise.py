@@ -30,7 +30,7 @@ from kvpolicy.policy import HeadwiseEviction
 
 from .storage import HOLE, Storage, grown_slots
 
-__all__ = ["fitted_slots", "free_slots", "headwise_victims", "held_tokens", "likely_victims", "mark_dropped"]
+__all__ = ["HOST_MERGE_HEADS", "fitted_slots", "free_slots", "headwise_victims", "held_tokens", "likely_victims", "mark_dropped"]
 
 
 def mark_dropped(storage: Storage, rows: torch.Tensor | None, keep: torch.Tensor) -> None:
@@ -142,6 +142,12 @@ def headwise_victims(positions: torch.Tensor, scores: torch.Tensor, seen: int | 
     return torch.div(first, k, rounding_mode="floor"), chosen.reshape(rows, heads * k).gather(-1, first)
 
 
+#: Above this many KV heads :func:`likely_victims` merges the heads' lowest on the device (one more
+#: ``topk``) rather than on the host: ``H x H`` numbers in Python take ~15 us at 3 heads, ~400 at
+#: 32 (SmolLM2's shapes on one CPU core), four more kernels ~40.
+HOST_MERGE_HEADS = 8
+
+
 def likely_victims(candidates: torch.Tensor, counts: list[list[int]],
                    rule: HeadwiseEviction) -> list[tuple[list[tuple[int, int]], list[int]]] | None:
     """:func:`headwise_victims` in two kernels and a host read, where it is sure: per row, its
@@ -170,6 +176,8 @@ def likely_victims(candidates: torch.Tensor, counts: list[list[int]],
     k = min(heads + 1, m)
     values, index = torch.nan_to_num(candidates, nan=-math.inf).topk(k, dim=-1, largest=False, sorted=True)
     keeps = max(rule.floor, rule.recent)
+    if heads > HOST_MERGE_HEADS:
+        return _merged_on_device(values, index, counts, keeps)
     out = []
     for scored, slots, count in zip(values.tolist(), index.tolist(), counts):
         losable = []
@@ -191,6 +199,36 @@ def likely_victims(candidates: torch.Tensor, counts: list[list[int]],
         for _, h, _ in lowest[:heads]:
             count[h] -= 1
         out.append(([(h, j) for _, h, j in lowest[:heads]], count))
+    return out
+
+
+def _merged_on_device(values: torch.Tensor, index: torch.Tensor, counts: list[list[int]],
+                      keeps: int) -> list[tuple[list[tuple[int, int]], list[int]]] | None:
+    """:func:`likely_victims`' merge of each head's lowest (``values``, ``index``: ``[rows, H,
+    k]``, ascending) on the device: a head's ``q`` losable, the ``H`` lowest of them over the
+    heads by one ``topk``; the same checks, on what is read back."""
+    rows, heads, k = values.shape
+    quota = [[min(c - keeps, heads) for c in count] for count in counts]
+    if any(q >= k for row in quota for q in row):
+        return None  # (too few slots read)
+    q = torch.tensor(quota, device=values.device)[..., None]  # [rows, H, 1]
+    losable = torch.arange(k, device=values.device) < q
+    low, at = values.masked_fill(~losable, math.inf).view(rows, heads * k).topk(heads + 1, dim=-1, largest=False, sorted=True)
+    q = q.clamp(min=1)
+    cuts = torch.cat([values.gather(-1, q - 1), values.gather(-1, q)], -1)  # each head's q-th and next
+    slot = index.view(rows, heads * k).gather(-1, at[:, :heads])
+    out = []
+    for lows, ats, slots, cut, count, quotas in zip(low.tolist(), at.tolist(), slot.tolist(), cuts.tolist(), counts, quota):
+        if any(qh > 0 and c[0] == c[1] for qh, c in zip(quotas, cut)):
+            return None  # (a tie at a head's cut)
+        if lows[heads - 1] == lows[heads] or not -math.inf < lows[0] <= lows[heads - 1] < math.inf:
+            return None
+        count = list(count)
+        victims = []
+        for i, j in zip(ats[:heads], slots):
+            count[i // k] -= 1
+            victims.append((i // k, j))
+        out.append((victims, count))
     return out
 
 

@@ -226,13 +226,16 @@ def test_over_expected_attention() -> None:
 
 
 # ---------------------------------------------------------------------------- the decode step's victims
-@given(decode_steps(), st.booleans())
+@given(decode_steps(), st.booleans(), st.sampled_from([0, 8]))
 @settings(max_examples=400, deadline=None)
-def test_the_victim_search_frees_what_the_declared_rule_drops(case, slot_window) -> None:
+def test_the_victim_search_frees_what_the_declared_rule_drops(case, slot_window, host_merge_heads) -> None:
     """headwise_victims (exact, a constant number of kernels) and likely_victims (fewer, where it is
     sure) free the tokens AdaKV's HeadwiseEviction drops, which the kit holds to select(): ties
     across heads and within, NaN, floors that bind, 1 to 4 heads; the candidates cut either at the
-    recent window's slots (rows alike) or by position (rows on other frontiers)."""
+    recent window's slots (rows alike) or by position (rows on other frontiers); the heads' lowest
+    merged on the host (few heads) or on the device (many)."""
+    from unittest import mock
+
     from kvpolicy_torch.headwise import headwise_victims, likely_victims
 
     policy, view = case
@@ -255,7 +258,8 @@ def test_the_victim_search_frees_what_the_declared_rule_drops(case, slot_window)
     else:
         candidates = torch.where(positions < view.n_seen - rule.recent, scores, float("inf"))
     counts = (positions >= 0).sum(-1).tolist()
-    found = likely_victims(candidates, counts, rule)
+    with mock.patch.object(kvpolicy_torch.headwise, "HOST_MERGE_HEADS", host_merge_heads):  # (0: merged on the device)
+        found = likely_victims(candidates, counts, rule)
     if found is not None:
         (victims, after), = found
         np.testing.assert_array_equal(kept(victims), want)
