@@ -79,7 +79,7 @@ from .policies import (
     threshold_ratio,
 )
 from .params import REQUIRED, Param, declared_params
-from .policy import KEY_STATISTICS, CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, LogNScaling, Ranking, WrappingPolicy
+from .policy import KEY_STATISTICS, CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, HeadwiseEviction, LogNScaling, Ranking, WrappingPolicy
 from .registry import (
     ENTRY_POINT_GROUP,
     Preset,
@@ -106,6 +106,7 @@ __all__ = [
     "EvictionPolicy",
     "FullCache",
     "H2O",
+    "HeadwiseEviction",
     "KeyDiff",
     "Knorm",
     "KVzip",

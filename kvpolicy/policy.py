@@ -38,6 +38,7 @@ __all__ = [
     "CacheView",
     "DecodeEviction",
     "DeferredScoresView",
+    "HeadwiseEviction",
     "EvictionPolicy",
     "LogNScaling",
     "Ranking",
@@ -236,6 +237,23 @@ class CacheView:
         protected = xp.broadcast_to(self.arange(self.n_cached) >= self.n_cached - recent, self.positions.shape)
         return Ranking(protected, (self.ranking_scores, self.positions))
 
+    def keep_where(self, kept: Array) -> Array:
+        """The keep array ``[batch, heads, k]`` of the slots where ``kept`` (``[batch, heads, n]``
+        bool) holds: ``k`` the most any head keeps, a head keeping fewer starting with holes
+        (``-1``: head-wise budgets). Reads ``k`` on the host.
+
+        Example:
+            >>> import numpy as np
+            >>> v = CacheView(np.arange(3)[None, None].repeat(2, 1), np.zeros((1, 2, 3)), 3)
+            >>> v.keep_where(np.array([[[True, False, True], [False, False, True]]])).tolist()
+            [[[0, 2], [-1, 2]]]
+        """
+        xp = self.xp
+        n = self.n_cached
+        widest = int(xp.max(xp.sum(xp.astype(kept, xp.int64), axis=-1)))
+        slots = xp.where(kept, self.arange(n), -1)
+        return xp.sort(slots, axis=-1)[..., n - widest :]
+
     def keep(self, *parts: Array) -> Array:
         """Concatenate slot indices into a ``[batch, heads, k]`` keep array.
 
@@ -371,6 +389,105 @@ class DecodeEviction:
         return rest + xp.astype(rest >= victim[..., None], xp.int64)
 
 
+@dataclass(frozen=True)
+class HeadwiseEviction:
+    """Head-wise budgets' decode eviction (:class:`~kvpolicy.AdaKV` over a scorer that evicts its
+    lowest score one token a step: H2O, TOVA, Knorm, KeyDiff, Expected Attention), declared so a
+    backend can apply it as a masked write (the victims become holes where they stand) instead of
+    asking :meth:`EvictionPolicy.select` and compacting the layer at every step.
+
+    The rule: once a layer's heads keep ``limit`` tokens on average, each decode step adds one
+    token to every head, and the layer sheds ``H`` (its KV heads): the ``H`` lowest over all its
+    heads by (score, position, head), a NaN score counting as ``-inf``, among the held tokens
+    outside the newest ``recent`` slots and outside each head's ``floor`` best by the same order.
+    It applies (:meth:`applies`, host integers only) at a decode step where the heads hold
+    ``limit + 1`` tokens on average, and leaves the policy's state as :meth:`state_after` says.
+    There are always ``H`` such tokens (``floor <= limit`` and ``recent < limit``: each head holds
+    more than ``max(floor, recent)`` tokens on average), so the rule never reaches into a floor.
+    Whenever it applies it keeps exactly what ``select`` keeps; the conformance kit checks this on
+    every policy that declares one.
+
+    The state it keeps (AdaKV's): ``kept``, the tokens per head on average after the last eviction
+    (``0``: none yet), and ``seen``, the tokens seen then (:meth:`mean_tokens`).
+
+    Attributes:
+        limit: tokens per head kept on average after the eviction (the scorer's ``b``).
+        recent: the newest slots of a head that are never a victim (the scorer's recent window).
+        floor: tokens each head keeps at least, its best by the order above.
+
+    Example (2 heads of 4 tokens, 3 each on average before the step: head 0's two lowest go, unless its floor keeps one):
+        >>> import numpy as np
+        >>> rule = HeadwiseEviction(limit=3, recent=1, floor=2)
+        >>> view = CacheView(np.arange(4)[None, None].repeat(2, 1), np.array([[[0.1, 0.2, 0.3, 9], [5, 6, 7, 0]]]), 4,
+        ...                  {"seen": 3, "kept": 3})
+        >>> rule.applies(view.n_cached, view.n_seen, view.state, "decode"), rule.keep(view).tolist()
+        (True, [[[-1, -1, 2, 3], [0, 1, 2, 3]]])
+        >>> HeadwiseEviction(limit=3, recent=1, floor=3).keep(view).tolist()  # head 0 keeps 3: head 1 loses its lowest
+        [[[1, 2, 3], [1, 2, 3]]]
+        >>> rule.state_after(view.n_seen)
+        {'seen': 4, 'kept': 3}
+    """
+
+    limit: int
+    recent: int = 0
+    floor: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("limit", self.limit, minimum=1)
+        check_int("recent", self.recent, minimum=0, maximum=self.limit - 1)
+        check_int("floor", self.floor, minimum=0, maximum=self.limit)
+
+    @staticmethod
+    def mean_tokens(n_cached: int, n_seen: int, state: dict[str, int]) -> int:
+        """Tokens a layer holds per head on average (host integers only): ``n_cached`` until the
+        first head-wise eviction (before it every head holds as many), then what it kept plus the
+        tokens seen since (each decode step adds one to every head).
+
+        Example:
+            >>> HeadwiseEviction.mean_tokens(9, 12, {"seen": 0, "kept": 0}), HeadwiseEviction.mean_tokens(9, 12, {"seen": 10, "kept": 5})
+            (9, 7)
+        """
+        if state["kept"] == 0:
+            return n_cached
+        return state["kept"] + n_seen - state["seen"]
+
+    def applies(self, n_cached: int, n_seen: int, state: dict[str, int], phase: str) -> bool:
+        """Whether the rule applies to a layer (host integers): a decode step at which its heads
+        hold ``limit + 1`` tokens on average."""
+        return phase == "decode" and self.mean_tokens(n_cached, n_seen, state) == self.limit + 1
+
+    def state_after(self, n_seen: int) -> dict[str, int]:
+        """The policy's state after the eviction, at ``n_seen`` tokens seen."""
+        return {"seen": n_seen, "kept": self.limit}
+
+    def keep(self, view: CacheView) -> Array:
+        """The keep array ``[batch, heads, k]`` this rule implies on an ordered ``view`` (holes
+        lead a head; ``k`` the widest head's tokens after it, a narrower head's row starting with
+        ``-1``): the reference meaning of the rule, in the array namespace of the view."""
+        xp = view.xp
+        batch, heads, n = view.positions.shape
+        held = view.held
+        key = view.ranking_scores
+        protected = held & xp.broadcast_to(view.arange(n) >= n - self.recent, held.shape)
+        candidate = held & ~protected
+        # each head's candidates in its eviction order (lowest key first, the earliest slot of a
+        # tie; the other slots after them), and each slot's place in it
+        order = xp.argsort(key, axis=-1, stable=True)
+        order = xp.take_along_axis(order, xp.argsort(xp.astype(~xp.take_along_axis(candidate, order, axis=-1), xp.int8), axis=-1, stable=True), axis=-1)
+        place = xp.argsort(order, axis=-1)
+        # a head may lose its lowest `eligible` candidates: those outside its floor best
+        count = xp.sum(xp.astype(held, xp.int64), axis=-1, keepdims=True)
+        kept_protected = xp.sum(xp.astype(protected, xp.int64), axis=-1, keepdims=True)
+        eligible = candidate & (place < count - xp.maximum(kept_protected, xp.full_like(count, self.floor)))
+        # the H lowest eligible over the row's heads: by key, then position, then head (flattened head by head)
+        flat = lambda x: xp.reshape(x, (batch, heads * n))  # noqa: E731
+        order = xp.argsort(flat(view.positions), axis=-1, stable=True)
+        for k in (flat(key), flat(xp.astype(~eligible, xp.int8))):
+            order = xp.take_along_axis(order, xp.argsort(xp.take_along_axis(k, order, axis=-1), axis=-1, stable=True), axis=-1)
+        victim = xp.reshape(xp.argsort(order, axis=-1) < heads, (batch, heads, n))
+        return view.keep_where(held & ~victim)
+
+
 class Ranking(NamedTuple):
     """The order in which a policy that ranks tokens by a score evicts one head's tokens
     (:meth:`EvictionPolicy.ranking`), so head-wise budgets (:class:`~kvpolicy.AdaKV`) can merge the
@@ -454,7 +571,7 @@ def keep_at_most(limit: int) -> SizeRule:
 
 
 #: The rules a policy declares beside :meth:`EvictionPolicy.select`, which describe what it keeps.
-DECLARED_RULES = ("decode_eviction", "size_rule", "decode_size_rule")
+DECLARED_RULES = ("decode_eviction", "headwise_eviction", "size_rule", "decode_size_rule")
 
 
 def check_inherited_rules(cls: type) -> None:
@@ -681,6 +798,16 @@ class EvictionPolicy(ABC):
         decode step declares one (:class:`~kvpolicy.policies.lowest.KeepAtMost` derives it from
         the policy's rule); a subclass that redefines ``select`` says whether it keeps its
         parent's (:func:`check_inherited_rules`)."""
+        return None
+
+    @property
+    def headwise_eviction(self) -> HeadwiseEviction | None:
+        """Head-wise budgets' decode eviction, if the policy has one (see :class:`HeadwiseEviction`):
+        backends may then apply it as a masked write instead of calling :meth:`select` (and
+        compacting) at every decode step. ``None`` (default): backends call :meth:`select`.
+        :class:`~kvpolicy.AdaKV` declares one over a scorer that evicts its lowest score one token
+        a step; a subclass that redefines ``select`` says whether it keeps its parent's
+        (:func:`check_inherited_rules`)."""
         return None
 
     # ----------------------------------------------------------------- ranking (head-wise budgets)

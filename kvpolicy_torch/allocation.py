@@ -23,7 +23,8 @@ from .group import LayerGroup
 from .layout import SlotLayout
 from .rows import Rows
 from .static import StaticSteps
-from .storage import SlotPlan, Storage, token_bytes
+from .headwise import fitted_slots
+from .storage import SlotPlan, Storage, grown_slots, token_bytes
 
 __all__ = ["SlotAllocator"]
 
@@ -116,6 +117,9 @@ class SlotAllocator:
         full = layout.rows_at_end()
         if not full:
             return
+        if self.ragged and self.plan.capacity is not None:
+            self.room_for_headwise(layout, full, chunk_bytes=chunk_bytes)
+            return
         if self.plan.can_grow(layout.storage().slots):
             self.grow(layout)
             return
@@ -124,6 +128,27 @@ class SlotAllocator:
         slots = layout.storage().slots
         if any(rows.front[r] >= slots for r in full):
             raise RuntimeError(f"{self.policy!r} holds {max(rows.count)} tokens, more than its capacity {self.policy.capacity}")
+
+    def room_for_headwise(self, layout: SlotLayout, full: list[int], *, chunk_bytes: int) -> None:
+        """Head-wise budgets (:class:`kvpolicy.AdaKV`), rows ``full`` at the end of the storage:
+        compact them (a head-wise decode eviction leaves its victims as holes where they stood),
+        then fit the storage to one growth step above the widest head
+        (:func:`~kvpolicy_torch.storage.grown_slots`, at most :attr:`SlotPlan.planned`): grown
+        when less than half a step is left, shrunk when more than two are
+        (:func:`~kvpolicy_torch.headwise.fitted_slots`), so the widest head's share moving never
+        reallocates at every step, and compactions come about once per half a growth step."""
+        rows = layout.rows
+        layout.compact([r for r in full if rows.count[r] < rows.front[r]], sink=self.sink, chunk_bytes=chunk_bytes)
+        slots, widest, front = layout.storage().slots, max(rows.count), max(rows.front)
+        fit = min(grown_slots(widest), self.plan.planned)
+        if slots - widest < (fit - widest) / 2 or front >= slots:
+            if fit <= front:
+                raise RuntimeError(f"{self.policy!r} holds {widest} tokens in a head, more than it may ({self.plan.planned - 1})")
+            self.fit_widest(layout, fit)
+        else:
+            shrunk = fitted_slots(slots, widest)
+            if shrunk is not None and front < shrunk:
+                self.fit_widest(layout, shrunk)
 
     def room_for_chunk(self, layout: SlotLayout, q: int, *, chunk_bytes: int) -> None:
         """Dense rows (a chunk sees its row's kept tokens in position order) and, where the plan

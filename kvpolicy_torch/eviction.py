@@ -6,6 +6,10 @@ from host integers only, which of three things runs:
 1. **A one-token eviction** (:class:`~kvpolicy.DecodeEviction`: H2O, TOVA, StreamingLLM, the local
    window): after a decode step, each row holding ``limit + 1`` tokens frees one slot per head
    (:class:`~kvpolicy_torch.victims.OneTokenEviction`); nothing moves.
+   Head-wise budgets' decode step (:class:`~kvpolicy.HeadwiseEviction`, AdaKV over H2O, TOVA,
+   Knorm, KeyDiff or Expected Attention) likewise: each row whose heads hold ``limit + 1`` tokens
+   on average frees the layer's ``H`` lowest outside the floors where they stand
+   (:meth:`HostEviction.evict_headwise`).
 2. **Nothing**: a decode step at which the policy's declared size rule keeps every row's tokens
    (BUZZ between strides, :func:`~kvpolicy_torch.general.declines`), or a one-token rule's rows
    under the limit.
@@ -23,6 +27,7 @@ token having been scored when it was cached.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -32,7 +37,7 @@ from kvpolicy.statistics import refresh_interval, scored_once
 
 from .allocation import SlotAllocator
 from .general import declines, select_rounds
-from .headwise import fitted_slots
+from .headwise import fitted_slots, free_slots, headwise_victims, likely_victims
 from .layout import SlotLayout
 from .queries import RunningMoments, held_scores
 from .victims import OneTokenEviction
@@ -84,6 +89,8 @@ class HostEviction:
         # its decode steps' size rule: a decode step at which the rule keeps every token skips the
         # policy's call (host integers only)
         self.size_rule = policy.decode_size_rule() if self.rule is None else None
+        #: head-wise budgets' decode eviction (AdaKV over H2O, TOVA, ...): victims freed in place
+        self.headwise = policy.headwise_eviction
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -103,6 +110,10 @@ class HostEviction:
         """Evict after a step; ``(size_before, size_after)`` per round (per group of rows that
         evicted together). ``running``: Expected Attention's query moments; ``candidates`` and
         ``min_scores``: the candidate search's (:class:`~kvpolicy_torch.victims.CandidateSearch`)."""
+        if self.headwise is not None and layout.phase == "decode" and layout.extra is None:
+            rounds = self.evict_headwise(layout, running)
+            if rounds is not None:
+                return rounds
         rule, count = self.rule, layout.rows.count
         one_token = layout.phase == "decode" and rule is not None and layout.extra is None
         if self.policy.score_statistic in KEY_STATISTICS and (not one_token or (not self.once and (max(count) > rule.limit or self.refresh > 1))):  # type: ignore[union-attr]
@@ -122,6 +133,73 @@ class HostEviction:
             return []
         self.victims.evict(layout.storage(), layout.rows, rows, candidates, min_scores)
         return [(over, over - 1)]
+
+    def evict_headwise(self, layout: SlotLayout, running: RunningMoments | None) -> list[tuple[int, int]] | None:
+        """A decode step's head-wise eviction (:class:`~kvpolicy.HeadwiseEviction`), from host
+        integers: each row whose heads hold ``limit + 1`` tokens on average frees the layer's ``H``
+        lowest where they stand (:func:`~kvpolicy_torch.headwise.likely_victims`, or
+        :func:`~kvpolicy_torch.headwise.headwise_victims` where it is not sure; one masked write per
+        bookkeeping tensor; compaction comes when a row reaches the end of its slots); a row below
+        that keeps everything. ``None`` when a row stands above it (a padded row after its prompt): the
+        policy's ``select`` decides, as for any other step."""
+        rule, rows = self.headwise, layout.rows
+        assert rule is not None  # (the caller checks)
+        due = []
+        for r in range(rows.batch):
+            mean = rule.mean_tokens(rows.count[r], rows.seen[r], rows.states[r])
+            if mean == rule.limit + 1:
+                due.append(r)
+            elif mean > rule.limit:
+                return None
+        if self.policy.score_statistic in KEY_STATISTICS and not self.once and (due or self.refresh > 1):
+            self.score_keys(layout, running)  # (as a one-token rule: no scores read below the limit)
+        if not due:
+            return []
+        store = layout.storage()
+        pos, scores = layout.returned_positions(), layout.returned_scores()  # (the slots up to the furthest frontier)
+        seen_rows, front = [rows.seen[r] for r in due], [rows.front[r] for r in due]
+        seen: int | torch.Tensor = seen_rows[0]
+        if len(due) < rows.batch:
+            index = torch.tensor(due, device=pos.device)
+            pos, scores = pos.index_select(0, index), scores.index_select(0, index)
+        if any(s != seen for s in seen_rows):
+            seen = torch.tensor(seen_rows, device=pos.device).view(-1, 1, 1)
+        if front.count(front[0]) == len(front):
+            # every head holds its newest `recent` tokens at the slots just below the frontier
+            # (never victims, always appended there): the candidates are the slots before them
+            candidates = scores[:, :, : front[0] - rule.recent]
+        else:
+            candidates = torch.where(pos < seen - rule.recent, scores, math.inf)
+        counts = layout.head_counts
+        if counts is None:  # (after slots moved: counted again, one host read)
+            counts = layout.head_counts = (layout.returned_positions() >= 0).sum(-1).tolist()
+        found = likely_victims(candidates, [counts[r] for r in due], rule)
+        if found is None:  # a tie on a cut, a NaN, or a read too short: the exact search
+            head, slot = headwise_victims(pos, scores, seen, rule)
+            victims = [list(zip(h, j)) for h, j in zip(head.tolist(), slot.tolist())]
+            for r, row in zip(due, victims):
+                for h, _ in row:
+                    counts[r][h] -= 1
+        else:
+            victims = [v for v, _ in found]
+            for r, (_, count) in zip(due, found):
+                counts[r] = count
+        free_slots(store, due, victims)
+        widest = [max(counts[r]) for r in due]
+        layout.scattered = True
+        if rows.batch == 1:  # (the common case, every step of every layer)
+            before, rows.count[0] = rows.count[0], widest[0]
+            rows.states[0] = {**rows.states[0], **rule.state_after(rows.seen[0])}
+            return [(before, widest[0])]
+        # a round per group of rows in the same host state, as a general eviction's (its widest head after)
+        groups = [(rows.count[r], rows.seen[r], tuple(sorted(rows.states[r].items()))) for r in due]
+        rounds: dict[tuple[Any, ...], tuple[int, int]] = {}
+        for w, g in zip(widest, groups):
+            rounds[g] = (g[0], max(w, rounds[g][1] if g in rounds else 0))
+        for r, g in zip(due, groups):
+            rows.count[r] = rounds[g][1]  # (a group's rows keep one count, its widest head's: as a compaction leaves them)
+            rows.states[r] = {**rows.states[r], **rule.state_after(rows.seen[r])}
+        return list(rounds.values())
 
     def score_keys(self, layout: SlotLayout, running: RunningMoments | None) -> None:
         """A statistic from the cache (Knorm, KeyDiff, Expected Attention): every held token's

@@ -7,21 +7,30 @@ widest head's; a head holding fewer tokens has holes (position ``-1``, score ``+
 :class:`~kvpolicy.CacheView` (holes lead; :func:`~kvpolicy_torch.compaction.slot_order` keeps them
 there) and attention masks them with the bias. The storage is ``[batch, kv_heads, slots,
 head_dim]`` with ``slots`` the widest head's need: kept bytes are the budget, allocated bytes the
-widest head's count times the heads (docs/design.md, "Head-wise budgets"). Two operations, each
-one pass over ``[batch, kv_heads, slots]`` bookkeeping:
+widest head's count times the heads (docs/design.md, "Head-wise budgets").
 
 * :func:`mark_dropped`: after a compaction, the slots a keep array filled with ``-1`` become holes;
 * :func:`held_tokens`: the tokens a layer holds (one host read);
-* :func:`fitted_slots`: the storage follows the widest head, without reallocating at every step.
+* :func:`fitted_slots`: the storage follows the widest head, without reallocating at every step;
+* a decode step's eviction (:class:`kvpolicy.HeadwiseEviction`, AdaKV's declared rule), applied
+  where the victims stand: :func:`likely_victims` finds them in two kernels and a small host read
+  where it is sure, :func:`headwise_victims` everywhere (a constant number of kernels, exact on
+  ties, NaN and floors), :func:`free_slots` makes them holes. Between two compactions a head's
+  holes may then stand between its tokens, not only in front of them.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
+
 import torch
+
+from kvpolicy.policy import HeadwiseEviction
 
 from .storage import HOLE, Storage, grown_slots
 
-__all__ = ["fitted_slots", "held_tokens", "mark_dropped"]
+__all__ = ["HOST_MERGE_HEADS", "fitted_slots", "free_slots", "headwise_victims", "held_tokens", "likely_victims", "mark_dropped"]
 
 
 def mark_dropped(storage: Storage, rows: torch.Tensor | None, keep: torch.Tensor) -> None:
@@ -74,3 +83,171 @@ def fitted_slots(slots: int, widest: int) -> int | None:
     """
     fit = grown_slots(widest)
     return fit if slots > widest + 2 * (fit - widest) and fit < slots else None
+
+
+def headwise_victims(positions: torch.Tensor, scores: torch.Tensor, seen: int | torch.Tensor,
+                     rule: HeadwiseEviction) -> tuple[torch.Tensor, torch.Tensor]:
+    """The victims of a head-wise decode eviction (:class:`~kvpolicy.HeadwiseEviction`) in rows
+    ``[rows, kv_heads, m]`` of positions and scores (holes: position ``-1``): ``(head, slot)``,
+    each ``[rows, kv_heads]``, the ``kv_heads`` lowest of each row over its heads by (score,
+    position, head), NaN as ``-inf``, outside the newest ``rule.recent`` positions (``seen``: tokens
+    seen, an int or ``[rows, 1, 1]``) and each head's ``rule.floor`` best.
+
+    A constant number of kernels whatever the heads, no sort of the layer: each head's ``H``
+    lowest candidates (one ``topk`` for the ``H``-th lowest score, the ties at it taken in slot
+    order, a second for their slots), in its order (a sort of ``H``), of which the head may lose
+    those outside its floor; then the ``H`` lowest of those ``H x H`` over the heads (three stable
+    sorts). Below a frontier slot order is position order, and every head holds the newest
+    ``recent`` positions (they are never victims), so they are the newest ``recent`` slots that
+    :class:`~kvpolicy.CacheView` ``.lowest_first`` protects. (:func:`likely_victims` is the
+    common case in fewer kernels.)
+
+    Example (head 0's two lowest go, unless its floor of 3 keeps one: then head 1's lowest):
+        >>> from kvpolicy import HeadwiseEviction
+        >>> pos, s = torch.arange(4).repeat(1, 2, 1), torch.tensor([[[0.1, 0.2, 0.3, 9], [5, 6, 7, 0]]])
+        >>> [t.tolist() for t in headwise_victims(pos, s, 4, HeadwiseEviction(limit=3, recent=1, floor=2))]
+        [[[0, 0]], [[0, 1]]]
+        >>> [t.tolist() for t in headwise_victims(pos, s, 4, HeadwiseEviction(limit=3, recent=1, floor=3))]
+        [[[0, 1]], [[0, 0]]]
+    """
+    rows, heads, m = positions.shape
+    held = positions >= 0
+    key = torch.nan_to_num(scores, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+    protected = held & (positions >= seen - rule.recent)
+    candidate = held & ~protected
+    count = held.sum(-1, keepdim=True)
+    # a head may lose its lowest candidates down to max(floor, its protected tokens)
+    may_lose = count - protected.sum(-1, keepdim=True).clamp(min=rule.floor)
+    k = min(heads, m)
+    inf = torch.tensor(math.inf, dtype=key.dtype, device=key.device)
+    threshold = torch.where(candidate, key, inf).topk(k, dim=-1, largest=False, sorted=True).values[..., k - 1 :]
+    below = candidate & (key < threshold)
+    at = candidate & (key == threshold)  # (ties at the k-th lowest: the earliest slots)
+    pick = below | (at & (at.cumsum(-1) <= k - below.sum(-1, keepdim=True)))
+    chosen = torch.where(pick, torch.arange(m, device=key.device), m).topk(k, dim=-1, largest=False, sorted=True).values
+    valid = chosen < m
+    chosen = chosen.clamp(max=m - 1)
+    chosen_key = key.gather(-1, chosen).masked_fill(~valid, math.inf)
+    order = chosen_key.sort(dim=-1, stable=True).indices  # the head's order: (score, slot); fillers last
+    chosen, chosen_key, valid = chosen.gather(-1, order), chosen_key.gather(-1, order), valid.gather(-1, order)
+    losable = valid & (torch.arange(k, device=key.device) < may_lose)
+    # the H lowest losable over the heads: by score, then position, then head (flattened head by head)
+    flat = [x.reshape(rows, heads * k) for x in (positions.gather(-1, chosen), chosen_key, (~losable).to(torch.int8))]
+    over = None
+    for x in flat:
+        x = x if over is None else x.gather(-1, over)
+        step = x.argsort(dim=-1, stable=True)
+        over = step if over is None else over.gather(-1, step)
+    first = over[:, :heads]  # (there are always H: HeadwiseEviction's docstring)
+    return torch.div(first, k, rounding_mode="floor"), chosen.reshape(rows, heads * k).gather(-1, first)
+
+
+#: Above this many KV heads :func:`likely_victims` merges the heads' lowest on the device (one more
+#: ``topk``) rather than on the host: ``H x H`` numbers in Python take ~15 us at 3 heads, ~400 at
+#: 32 (SmolLM2's shapes on one CPU core), four more kernels ~40.
+HOST_MERGE_HEADS = 8
+
+
+def likely_victims(candidates: torch.Tensor, counts: list[list[int]],
+                   rule: HeadwiseEviction) -> list[tuple[list[tuple[int, int]], list[int]]] | None:
+    """:func:`headwise_victims` in two kernels and a host read, where it is sure: per row, its
+    victims ``(head, slot)`` and its heads' tokens after the eviction; ``None`` where it is not
+    sure for some row (the caller then asks :func:`headwise_victims`).
+
+    ``candidates`` ``[rows, kv_heads, m]``: the scores of slots ``[0, m)``, ``+inf`` where a slot
+    is no candidate (a hole; a slot of the recent window, or past ``m``); ``counts``: per row, each
+    head's tokens, of which it keeps ``max(floor, recent)`` (its floor best and its recent window:
+    every head holds its ``recent`` newest), so it may lose ``q`` (at most ``H``). Each head's
+    ``H + 1`` lowest (one ``topk``) give its ``q`` lowest; the ``H`` lowest of those over the heads
+    are the victims (on the host: at most ``H x H`` numbers). Sure where no tie falls on a cut
+    (a head's ``q``-th and next, the layer's ``H``-th and next: the tie order could matter there)
+    and no victim scores ``-inf`` (a NaN, or a hole's score that a NaN step left NaN) or
+    ``+inf`` (holes and the recent window stand there).
+
+    Example:
+        >>> from kvpolicy import HeadwiseEviction
+        >>> scores = torch.tensor([[[0.1, 0.2, 0.3, 9], [5, 6, 7, 0]]])[..., :3]  # (slot 3: the recent window)
+        >>> likely_victims(scores, [[4, 4]], HeadwiseEviction(limit=3, recent=1, floor=2))
+        [([(0, 0), (0, 1)], [2, 4])]
+        >>> likely_victims(scores, [[4, 4]], HeadwiseEviction(limit=3, recent=1, floor=3))  # head 0 keeps 3: head 1 loses its lowest
+        [([(0, 0), (1, 0)], [3, 3])]
+    """
+    rows, heads, m = candidates.shape
+    k = min(heads + 1, m)
+    values, index = torch.nan_to_num(candidates, nan=-math.inf).topk(k, dim=-1, largest=False, sorted=True)
+    keeps = max(rule.floor, rule.recent)
+    if heads > HOST_MERGE_HEADS:
+        return _merged_on_device(values, index, counts, keeps)
+    out = []
+    for scored, slots, count in zip(values.tolist(), index.tolist(), counts):
+        losable = []
+        for h in range(heads):
+            q = min(count[h] - keeps, heads)
+            if q <= 0:
+                continue
+            if q >= k or scored[h][q - 1] == scored[h][q]:
+                return None  # (a tie at the head's cut, or too few slots read)
+            losable += [(scored[h][i], h, slots[h][i]) for i in range(q)]
+        if len(losable) < heads:
+            return None  # pragma: no cover - (AdaKV's budget leaves H losable: HeadwiseEviction)
+        lowest = heapq.nsmallest(heads + 1, losable)
+        if (len(lowest) > heads and lowest[heads - 1][0] == lowest[heads][0]) or not (
+            -math.inf < lowest[0][0] and lowest[heads - 1][0] < math.inf
+        ):
+            return None
+        count = list(count)
+        for _, h, _ in lowest[:heads]:
+            count[h] -= 1
+        out.append(([(h, j) for _, h, j in lowest[:heads]], count))
+    return out
+
+
+def _merged_on_device(values: torch.Tensor, index: torch.Tensor, counts: list[list[int]],
+                      keeps: int) -> list[tuple[list[tuple[int, int]], list[int]]] | None:
+    """:func:`likely_victims`' merge of each head's lowest (``values``, ``index``: ``[rows, H,
+    k]``, ascending) on the device: a head's ``q`` losable, the ``H`` lowest of them over the
+    heads by one ``topk``; the same checks, on what is read back."""
+    rows, heads, k = values.shape
+    quota = [[min(c - keeps, heads) for c in count] for count in counts]
+    if any(q >= k for row in quota for q in row):
+        return None  # (too few slots read)
+    q = torch.tensor(quota, device=values.device)[..., None]  # [rows, H, 1]
+    losable = torch.arange(k, device=values.device) < q
+    low, at = values.masked_fill(~losable, math.inf).view(rows, heads * k).topk(heads + 1, dim=-1, largest=False, sorted=True)
+    q = q.clamp(min=1)
+    cuts = torch.cat([values.gather(-1, q - 1), values.gather(-1, q)], -1)  # each head's q-th and next
+    slot = index.view(rows, heads * k).gather(-1, at[:, :heads])
+    out = []
+    for lows, ats, slots, cut, count, quotas in zip(low.tolist(), at.tolist(), slot.tolist(), cuts.tolist(), counts, quota):
+        if any(qh > 0 and c[0] == c[1] for qh, c in zip(quotas, cut)):
+            return None  # (a tie at a head's cut)
+        if lows[heads - 1] == lows[heads] or not -math.inf < lows[0] <= lows[heads - 1] < math.inf:
+            return None
+        count = list(count)
+        victims = []
+        for i, j in zip(ats[:heads], slots):
+            count[i // k] -= 1
+            victims.append((i // k, j))
+        out.append((victims, count))
+    return out
+
+
+def free_slots(storage: Storage, rows: list[int], victims: list[list[tuple[int, int]]]) -> None:
+    """Each row's ``victims`` ``(head, slot)`` (``rows``: the rows they belong to) become holes
+    (:data:`~kvpolicy_torch.storage.HOLE`), in place: one index of host integers, one write per
+    bookkeeping tensor.
+
+    Example:
+        >>> s = Storage.allocate(torch.zeros(1, 2, 1, 2), torch.zeros(1, 2, 1, 2), 3, torch.float32)
+        >>> _ = s.positions.copy_(torch.arange(3).repeat(1, 2, 1))
+        >>> free_slots(s, [0], [[(0, 0), (0, 2)]]); s.positions.tolist()
+        [[[-1, 1, -1], [0, 1, 2]]]
+    """
+    _, heads, slots = storage.positions.shape
+    flat = [(r * heads + h) * slots + j for r, row in zip(rows, victims) for h, j in row]
+    index = torch.tensor(flat, device=storage.positions.device)
+    for t, fill in zip(storage.bookkeeping(), HOLE):
+        if t.is_contiguous():
+            t.view(-1).index_fill_(0, index, fill)
+        else:  # (tensors not in one block: by their three indices)
+            t.index_put_(torch.unravel_index(index, t.shape), torch.tensor(fill, dtype=t.dtype, device=t.device))

@@ -80,6 +80,12 @@ class SlotLayout:
         #: their own): fixed for the layer's life; with either, the host cannot tell that the
         #: returned range has no hole, so the bias is always read
         self.static, self.ragged = static, ragged
+        #: head-wise budgets: a decode eviction left holes between a head's tokens (not only in
+        #: front of them, the core's ragged view), so no row reads as dense until it is compacted
+        self.scattered = False
+        #: head-wise budgets: per row, each head's tokens, while the host knows them (a head-wise
+        #: decode eviction counts them once and then follows them; whatever moves slots forgets them)
+        self.head_counts: list[list[int]] | None = None
         self.store: Storage | None = None
         self.extra: Storage | None = None
         self.rows = Rows()
@@ -113,12 +119,13 @@ class SlotLayout:
 
     def dense(self) -> bool:
         """Whether every row holds its kept tokens at slots ``[0, count)`` in position order."""
-        return self.extra is None and self.rows.dense()
+        return self.extra is None and not self.scattered and self.rows.dense()
 
     def moved(self) -> None:
         """Slots moved (or new ones came): the candidates and the ready tail no longer hold."""
         self.search.forget()
         self.drop_tail()
+        self.head_counts = None
 
     def drop_tail(self) -> None:
         """The slots past the frontier back to holes (position ``-1``, score ``+inf``, bias
@@ -178,6 +185,8 @@ class SlotLayout:
             ready_tail(store, rows.front[0], rows.seen[0])
             self.tail_ready = True
         write_token(store, rows, keys, values, tail_ready=one and self.tail_ready, score=score)
+        if self.head_counts is not None:  # (every head of every row gained the token)
+            self.head_counts = [[c + 1 for c in row] for row in self.head_counts]
         self.chunk = None
         self.returned = store.slots if self.static else max(rows.front)
         self.bias_needed = self.needs_bias()
@@ -190,6 +199,7 @@ class SlotLayout:
         q = keys.shape[2]
         start = max(rows.front)
         chunk = chunk_tokens(keys, values, valid, rows.seen, store.scores.dtype)
+        self.head_counts = None
         if start + q <= store.slots:
             store.write(start, chunk)
         else:  # the prompt exceeds the storage: attention needs all of it for this step
@@ -267,9 +277,11 @@ class SlotLayout:
         a ring of an ``"oldest"`` eviction with ``sink`` sinks unwrapped first)."""
         book = self.rows
         if self.extra is None:
-            rows = [r for r in rows if book.count[r] != book.front[r] or book.fifo[r] is not None]
+            rows = [r for r in rows if book.count[r] != book.front[r] or book.fifo[r] is not None or self.scattered]
         if not rows:
             return
+        if len(rows) == book.batch:
+            self.scattered = False  # (every row is compacted below)
         self.unshift()
         for r in rows:  # rare (a prompt chunk or a general eviction after decode steps): a loop over rows is fine
             fifo = book.fifo[r]
@@ -295,7 +307,9 @@ class SlotLayout:
         self.moved()
         old_front = max(self.rows.front[r] for r in rows)
         if self.ragged:  # -1: a hole, copied from slot 0, then marked
-            keep_slots(self.full(), rows, keep.clamp(min=0), old_front, chunk_bytes)
+            # in one chunk: a head keeping fewer than the widest may move its tokens to later
+            # slots (its holes lead), which a later chunk would read after an earlier one wrote them
+            keep_slots(self.full(), rows, keep.clamp(min=0), old_front, 1 << 62)
             whole = len(rows) == self.rows.batch
             mark_dropped(self.full(), None if whole else torch.tensor(rows, device=keep.device), keep)
         else:
@@ -325,6 +339,7 @@ class SlotLayout:
         self.moved()
         self.extra, self.chunk = None, None
         snap.write(store, self.rows.front)
+        self.scattered = self.ragged  # (a head-wise snapshot may hold holes between a head's tokens)
         self.returned = max(self.rows.front)
         self.bias_needed = self.needs_bias()
         self.phase = "decode"

@@ -8,7 +8,8 @@ import sys
 from typing import Any, Protocol, runtime_checkable
 
 from ..validation import check_float
-from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, Ranking, SizeRule, WrappingPolicy
+from ..policy import Array, CacheView, DecodeEviction, EvictionPolicy, HeadwiseEviction, Ranking, SizeRule, WrappingPolicy
+from .lowest import KeepAtMost
 from ..registry import get_policy, register_policy
 
 __all__ = ["AdaKV", "HeadExchange", "ShardedAdaKV", "headwise_keep", "keep_best"]
@@ -66,10 +67,7 @@ def headwise_keep(view: CacheView, ranking: Ranking, budget: int, floor: int) ->
     # one order over the row's heads (flattened head by head: a full tie goes to the lower head)
     flat = [xp.reshape(k, (batch, heads * n)) for k in (xp.astype(held, xp.int8), xp.astype(must, xp.int8), *ranking.keys)]
     rank = xp.argsort(_lexsort(flat, xp), axis=-1)
-    kept = xp.reshape(rank >= heads * n - budget, (batch, heads, n))
-    widest = int(xp.max(xp.sum(xp.astype(kept, xp.int64), axis=-1)))
-    slots = xp.where(kept, view.arange(n), -1)
-    return xp.sort(slots, axis=-1)[..., n - widest :]
+    return view.keep_where(xp.reshape(rank >= heads * n - budget, (batch, heads, n)))
 
 
 def keep_best(view: CacheView, ranking: Ranking, k: int) -> Array:
@@ -196,6 +194,32 @@ class AdaKV(WrappingPolicy):
     def decode_eviction(self) -> DecodeEviction | None:
         return None  # a step evicts one token per head of the layer, from whichever heads score lowest
 
+    @property
+    def headwise_eviction(self) -> HeadwiseEviction | None:
+        """The decode step's eviction as a declared rule (:class:`~kvpolicy.HeadwiseEviction`:
+        the layer's ``H`` lowest outside the floors and the recent window, applied by backends as
+        a masked write) over a scorer that evicts its lowest score one token a step and ranks by
+        it (:class:`~kvpolicy.policies.lowest.KeepAtMost` with ``victim="lowest"``: H2O, TOVA,
+        Knorm, KeyDiff, Expected Attention); ``None`` over any other (SnapKV: no decode eviction).
+
+        Example:
+            >>> from kvpolicy import H2O, SnapKV
+            >>> AdaKV(H2O(heavy=6, recent=2), alpha_safeguard=0.25).headwise_eviction
+            HeadwiseEviction(limit=8, recent=2, floor=2)
+            >>> AdaKV(SnapKV(size=40)).headwise_eviction is None
+            True
+        """
+        scorer = self.scorer
+        rule = scorer.decode_eviction
+        cls = type(scorer)
+        if (
+            not isinstance(scorer, KeepAtMost) or rule is None or rule.victim != "lowest"
+            or cls.ranking is not KeepAtMost.ranking or cls.head_budget is not KeepAtMost.head_budget
+            or cls.select is not KeepAtMost.select
+        ):
+            return None  # (its decode steps mean something else: select decides)
+        return HeadwiseEviction(limit=rule.limit, recent=rule.recent, floor=self.floor_of(rule.limit))
+
     # ---------------------------------------------------------------- the rule
     def init_state(self) -> dict[str, int]:
         # every head gains one token a step, so with `kept` per head (on average) after the last
@@ -207,9 +231,7 @@ class AdaKV(WrappingPolicy):
         """Tokens the layer holds per head on average (host integers only): ``n_cached`` until
         AdaKV first evicts (only it makes heads differ; another policy, e.g. a composition's
         prefill, may have evicted before), then what it kept plus the tokens seen since."""
-        if view.state["kept"] == 0:
-            return view.n_cached
-        return view.state["kept"] + view.n_seen - view.state["seen"]
+        return HeadwiseEviction.mean_tokens(view.n_cached, view.n_seen, view.state)
 
     def head_share(self, view: CacheView) -> int | None:
         """``b``, the tokens per head this view's eviction keeps on average (the scorer's

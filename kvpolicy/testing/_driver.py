@@ -181,6 +181,7 @@ def check_decode_eviction(policy: EvictionPolicy, view: CacheView, keep: Any, st
     step: nothing to evict up to ``limit`` tokens; at ``limit + 1`` exactly the rule's keep, state
     untouched (backends apply the rule instead of calling ``select``, in decode only: after a
     prompt they always call ``select``, e.g. a composition's prefill policy)."""
+    check_headwise_eviction(policy, view, keep, state_before)
     rule = policy.decode_eviction
     if rule is None or view.phase != "decode":
         return
@@ -204,6 +205,25 @@ def check_decode_eviction(policy: EvictionPolicy, view: CacheView, keep: Any, st
         if state_before != view.state:
             raise ContractViolation(f"{policy!r} declares {rule!r} but its state changed at a one-token eviction")
 
+
+
+def check_headwise_eviction(policy: EvictionPolicy, view: CacheView, keep: Any, state_before: dict[str, int]) -> None:
+    """A declared :class:`~kvpolicy.HeadwiseEviction` must mean what ``select`` does after a
+    decode step: wherever it applies (the heads hold ``limit + 1`` tokens on average), exactly the
+    rule's keep and the state it says (backends apply the rule instead of calling ``select``)."""
+    rule = policy.headwise_eviction
+    if rule is None or not rule.applies(view.n_cached, view.n_seen, state_before, view.phase):
+        return
+    want = np.asarray(rule.keep(CacheView(view.positions, view.scores, view.n_seen, dict(state_before), view.phase)))
+    got = None if keep is None else np.asarray(keep)
+    if got is None or got.shape != want.shape or not np.array_equal(got, want):
+        raise ContractViolation(
+            f"{policy!r} declares {rule!r}, but at {view.n_cached} tokens (state {state_before}) select() kept {_fmt(got)} "
+            f"where the rule keeps {_fmt(want)} (backends apply the rule as a masked write instead of calling select)"
+        )
+    after = {**state_before, **rule.state_after(view.n_seen)}
+    if view.state != after:
+        raise ContractViolation(f"{policy!r} declares {rule!r}, whose eviction leaves state {after}, but select left {view.state}")
 
 def probe_host_decision(policy: EvictionPolicy, view: CacheView) -> tuple[int | None, dict[str, Any]]:
     """Ask ``policy`` on ``view`` with negated scores and a copy of its state: ``(kept count or

@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 import kvpolicy_numpy
 from kvpolicy import H2O, TOVA, AdaKV, KeyDiff, Knorm, SnapKV
 
+from headwise_cases import decode_steps
+
 torch = pytest.importorskip("torch")
 import kvpolicy_torch  # noqa: E402
 from kvpolicy_torch import LayerCache  # noqa: E402
@@ -221,3 +223,86 @@ def test_over_expected_attention() -> None:
         assert all(int((k >= 0).sum()) == 3 * 8 for k in want.kept[11:])
     alone = kvpolicy_numpy.replay(ea, logits, 12, **example_inputs(ea, logits))
     assert all(np.array_equal(a, b) for a, b in zip(want.kept[11:], alone.kept[11:]))
+
+
+# ---------------------------------------------------------------------------- the decode step's victims
+@given(decode_steps(), st.booleans(), st.sampled_from([0, 8]))
+@settings(max_examples=400, deadline=None)
+def test_the_victim_search_frees_what_the_declared_rule_drops(case, slot_window, host_merge_heads) -> None:
+    """headwise_victims (exact, a constant number of kernels) and likely_victims (fewer, where it is
+    sure) free the tokens AdaKV's HeadwiseEviction drops, which the kit holds to select(): ties
+    across heads and within, NaN, floors that bind, 1 to 4 heads; the candidates cut either at the
+    recent window's slots (rows alike) or by position (rows on other frontiers); the heads' lowest
+    merged on the host (few heads) or on the device (many)."""
+    from unittest import mock
+
+    from kvpolicy_torch.headwise import headwise_victims, likely_victims
+
+    policy, view = case
+    rule = policy.headwise_eviction
+    want = rule.keep(view)
+    positions = torch.as_tensor(view.positions)
+    scores = torch.as_tensor(view.scores).masked_fill(positions < 0, float("inf"))  # (torch's holes: +inf)
+    n = view.n_cached
+
+    def kept(victims) -> np.ndarray:
+        held = view.held.copy()
+        for h, j in victims:
+            held[0, h, j] = False
+        return view.keep_where(held)
+
+    head, slot = headwise_victims(positions, scores, view.n_seen, rule)
+    np.testing.assert_array_equal(kept(zip(head[0].tolist(), slot[0].tolist())), want)
+    if slot_window:
+        candidates = scores[:, :, : n - rule.recent]
+    else:
+        candidates = torch.where(positions < view.n_seen - rule.recent, scores, float("inf"))
+    counts = (positions >= 0).sum(-1).tolist()
+    with mock.patch.object(kvpolicy_torch.headwise, "HOST_MERGE_HEADS", host_merge_heads):  # (0: merged on the device)
+        found = likely_victims(candidates, counts, rule)
+    if found is not None:
+        (victims, after), = found
+        np.testing.assert_array_equal(kept(victims), want)
+        assert after == (np.asarray(want) >= 0).sum(-1)[0].tolist()
+
+
+def test_a_decode_step_frees_its_victims_in_place() -> None:
+    """adakv_h2o's decode steps take the declared rule: select is not asked, no slot moves until a
+    row reaches the end of its storage (then one compaction, every few steps), and the layer keeps
+    what the reference keeps."""
+    from unittest import mock
+
+    policy = AdaKV(H2O(24, 8), 0.2)
+    heads, prompt, decode = 3, 64, 60
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(prompt + decode, heads, prompt + decode))
+    want = kvpolicy_numpy.replay(policy, logits, prompt)
+    with mock.patch.object(AdaKV, "select", autospec=True, side_effect=AdaKV.select) as select, \
+            mock.patch.object(kvpolicy_torch.layout.SlotLayout, "keep", autospec=True,
+                              side_effect=kvpolicy_torch.layout.SlotLayout.keep) as moves:
+        got = kvpolicy_torch.replay(policy, logits, prompt)
+    for a, b in zip(want.kept, got.kept):
+        assert (a is None and b is None) or np.array_equal(a, b)
+    assert select.call_count == 2  # the prompt's eviction (and the call that declines after it) only
+    assert 1 <= moves.call_count - 1 <= decode // 8  # compactions: one per several steps, not one a step
+
+
+@pytest.mark.parametrize("chunk_bytes", [64, 1 << 20])
+def test_compaction_of_ragged_heads_in_chunks_keeps_every_token(chunk_bytes) -> None:
+    """A compaction after head-wise decode evictions moves a narrow head's tokens to later slots
+    (its holes lead): in chunks too small for the layer it must still read each token before a
+    chunk overwrites it."""
+    policy = AdaKV(H2O(10, 4), 0.0)
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(70, 4, 70)) * np.array([0.1, 1.0, 4.0, 9.0])[None, :, None]
+    want = kvpolicy_numpy.replay(policy, logits, 20)
+    with mock_chunk(chunk_bytes):
+        got = kvpolicy_torch.replay(policy, logits, 20)
+    for a, b in zip(want.kept, got.kept):
+        assert (a is None and b is None) or np.array_equal(a, b)
+
+
+def mock_chunk(chunk_bytes):
+    from unittest import mock
+
+    return mock.patch.object(LayerCache, "compaction_chunk_bytes", chunk_bytes)

@@ -18,6 +18,8 @@ from kvpolicy import H2O, TOVA, AdaKV, BUZZ, CacheView, KeyDiff, Knorm, Ranking,
 from kvpolicy.policies.adakv import headwise_keep
 from kvpolicy_numpy import replay
 
+from headwise_cases import decode_steps
+
 
 # ---------------------------------------------------------------------------- one eviction
 def _brute_force(held, protected, keys, budget, floor):
@@ -301,3 +303,50 @@ def test_wrapped_in_a_composition_or_a_pyramid() -> None:
     assert pyramid.ragged_heads and pyramid.for_layer(0, 4).ragged_heads
     trace = replay(pyramid, logits, prompt_len=20)
     assert int((trace.kept[-1] >= 0).sum()) == 3 * pyramid.mean.share
+
+
+# ---------------------------------------------------------------------------- the declared decode rule
+@given(decode_steps())
+@settings(max_examples=400, deadline=None)
+def test_the_declared_decode_rule_keeps_what_select_keeps(case) -> None:
+    """AdaKV's HeadwiseEviction (what the torch backend applies as a masked write) keeps exactly
+    what select keeps at every decode step where it applies: ties, NaN, floors, GQA-sized layers."""
+    policy, view = case
+    rule = policy.headwise_eviction
+    assert rule.applies(view.n_cached, view.n_seen, view.state, "decode")
+    want = rule.keep(CacheView(view.positions, view.scores, view.n_seen, dict(view.state)))
+    got = policy.select(view)
+    np.testing.assert_array_equal(got, want)
+    assert view.state == rule.state_after(view.n_seen)
+    assert int((got >= 0).sum()) == view.heads * rule.limit  # H tokens went: one per head on average
+
+
+def test_the_rule_is_declared_over_one_token_scorers_only() -> None:
+    from kvpolicy import ExpectedAttention, HeadwiseEviction
+
+    for scorer in (H2O(4, 2), TOVA(size=6, selection="per_head"), Knorm(size=6), KeyDiff(size=6, recent=1), ExpectedAttention(size=6)):
+        rule = AdaKV(scorer, 0.5).headwise_eviction
+        assert rule == HeadwiseEviction(limit=scorer.rule.limit, recent=scorer.rule.recent, floor=3)
+    assert AdaKV(SnapKV(size=40)).headwise_eviction is None
+    assert AdaKV(H2O(4, 2)).decode_eviction is None  # (the one-token rule per head does not describe AdaKV)
+    for bad, match in [({"limit": 0}, "limit"), ({"limit": 3, "recent": 3}, "recent"), ({"limit": 3, "floor": 4}, "floor")]:
+        with pytest.raises(ValueError, match=match):
+            HeadwiseEviction(**bad)
+
+
+def test_the_kit_fails_a_wrong_headwise_declaration() -> None:
+    """A head-wise policy declaring the rule with another floor than select's: the kit names it."""
+    from kvpolicy import HeadwiseEviction
+    from kvpolicy.testing import ContractViolation, check_policy
+
+    class WrongFloor(AdaKV):
+        name = "adakv_wrong_floor_test"
+
+        @property
+        def headwise_eviction(self):
+            rule = super().headwise_eviction
+            return None if rule is None else HeadwiseEviction(rule.limit, rule.recent, 0)
+
+    with pytest.raises(ContractViolation, match=r"declares HeadwiseEviction\(.*floor=0\), but at"):
+        check_policy(lambda heavy, recent: WrongFloor(H2O(heavy, recent), 1.0), {"heavy": st.integers(1, 4), "recent": st.integers(1, 2)},
+                     checks=["backends"], torch=False, settings=settings(max_examples=40, deadline=None))

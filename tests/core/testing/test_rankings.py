@@ -39,6 +39,7 @@ class UpperHeadFirst(AdaKV):
 
     name = "upper_head_first_test"
     decode_eviction = AdaKV.decode_eviction
+    headwise_eviction = None  # (AdaKV's rule breaks head ties the documented way: this select does not)
     size_rule = AdaKV.size_rule  # (the same sizes: only which head loses a tied token differs)
 
     def select(self, view: CacheView):
