@@ -82,9 +82,11 @@ class SlotAllocator:
         layout.rows = Rows.start(b, policy.init_state())
         self.allocate(layout, keys, values, slots)
 
-    def allocate(self, layout: SlotLayout, like_k: torch.Tensor, like_v: torch.Tensor, slots: int) -> None:
+    def allocate(self, layout: SlotLayout, like_k: torch.Tensor, like_v: torch.Tensor, slots: int, *,
+                 move: bool = False) -> None:
         """A storage of ``slots`` shaped like ``like_k``/``like_v``: the first, or a grown or shrunk
-        one that takes over the kept slots (up to the furthest frontier; the rest is the transient set)."""
+        one that takes over the kept slots (up to the furthest frontier; the rest is the transient set).
+        ``move``: every layer of the group reallocates alike (:meth:`release_room`): it stays in the group."""
         b, h = like_k.shape[:2]
         dev = like_k.device
         # float64 for float64 models, and for records of low-attention events (exact integers < 2**52)
@@ -95,6 +97,8 @@ class SlotAllocator:
         if self.group is not None:
             if layout.store is None:
                 shared = self.group.storage(self.index, (b, h, slots), score_dtype, dev)
+            elif move and self.group.views(self.index) is not None:
+                shared = self.group.move(self.index, (b, h, slots), score_dtype, dev)
             else:
                 self.group.leave(self.index)  # growth: a shape of its own
         grown = Storage.allocate(like_k, like_v, slots, score_dtype, shared)
@@ -113,7 +117,11 @@ class SlotAllocator:
 
     def room_for_token(self, layout: SlotLayout, *, chunk_bytes: int) -> None:
         """Room for one decode token in every row: rows whose frontier is at the end of the storage
-        (and hold no freed slot) grow it where the plan allows, else are compacted."""
+        (and hold no freed slot) grow it where the plan allows, else are compacted. The first
+        decode step after a chunked prefill gives back the room held for a next chunk
+        (:meth:`release_room`)."""
+        if self.plan.room:
+            self.release_room(layout, chunk_bytes=chunk_bytes)
         full = layout.rows_at_end()
         if not full:
             return
@@ -128,6 +136,39 @@ class SlotAllocator:
         slots = layout.storage().slots
         if any(rows.front[r] >= slots for r in full):
             raise RuntimeError(f"{self.policy!r} holds {max(rows.count)} tokens, more than its capacity {self.policy.capacity}")
+
+    def release_room(self, layout: SlotLayout, *, chunk_bytes: int) -> None:
+        """Give back the slots a chunked prefill held for its next chunk (:attr:`SlotPlan.room
+        <kvpolicy_torch.storage.SlotPlan.room>`): once decoding starts the prompt is over, and a
+        512-token room beside a 129-token capacity would stay allocated for the whole run (a
+        prompt of exactly one chunk allocates it too). The rows are compacted if their frontier is
+        inside the room, then the storage is reallocated without it; the layers of a
+        :class:`~kvpolicy_torch.LayerGroup` move to the group's new tensors together
+        (:meth:`LayerGroup.move <kvpolicy_torch.LayerGroup.move>`), so their one victim search a
+        step goes on. A later prompt chunk makes room again as a chunk that does not fit does.
+
+        Example:
+            >>> from kvpolicy import H2O
+            >>> from kvpolicy_torch import LayerCache
+            >>> layer = LayerCache(H2O(heavy=2, recent=2), prompt_chunk=8)
+            >>> K, V = layer.append(torch.randn(1, 1, 8, 4), torch.randn(1, 1, 8, 4))
+            >>> layer.accumulate(torch.rand(1, 1, 8)); rounds = layer.evict()
+            >>> before = layer.slots
+            >>> K, V = layer.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
+            >>> before, layer.slots
+            (15, 7)
+        """
+        plan, store, rows = self.plan, layout.storage(), layout.rows
+        target = store.slots - plan.room
+        plan.room = 0
+        if self.ragged:
+            return  # (head-wise budgets fit their storage to the widest head at every compaction)
+        if max(rows.front) >= target:
+            layout.compact([r for r in range(rows.batch) if rows.count[r] < rows.front[r]], sink=self.sink, chunk_bytes=chunk_bytes)
+            if max(rows.front) >= target:
+                return  # (more held than the storage without the room: kept, as the plan allows)
+        plan.planned = min(plan.planned, target)
+        self.allocate(layout, store.keys[:, :, :1], store.values[:, :, :1], target, move=True)
 
     def room_for_headwise(self, layout: SlotLayout, full: list[int], *, chunk_bytes: int) -> None:
         """Head-wise budgets (:class:`kvpolicy.AdaKV`), rows ``full`` at the end of the storage:

@@ -80,6 +80,10 @@ class LayerGroup:
         self._pos: torch.Tensor | None = None  # [layers, batch, kv_heads, slots]
         self._scores: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
+        # layers moving to tensors of another shape together (:meth:`move`), and those tensors:
+        # they become the group's when the last layer has left the old ones
+        self._moved: set[int] = set()
+        self._next: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         #: Decode steps whose victims the group found for every layer at once (a diagnostic).
         self.batched_evictions = 0
 
@@ -122,9 +126,47 @@ class LayerGroup:
         self._members.add(index)
         return pos, scores, bias
 
+    def move(
+        self, index: int, shape: tuple[int, int, int], score_dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``index`` reallocates to ``shape`` ``[batch, kv_heads, slots]`` while the others
+        will follow (every layer giving back a chunked prefill's room at its first decode step):
+        its positions, scores and bias (all holes) as slices of the group's next tensors, which
+        become the group's when no layer is left in the old ones; the group stays whole, where
+        :meth:`storage` after :meth:`leave` would leave every layer on its own.
+
+        Example:
+            >>> group, cpu = LayerGroup(2), torch.device("cpu")
+            >>> views = [group.storage(i, (1, 1, 4), torch.float32, cpu) for i in range(2)]
+            >>> moved = [group.move(i, (1, 1, 2), torch.float32, cpu) for i in range(2)]
+            >>> group.complete, tuple(group.views(1)[0].shape)
+            (True, (1, 1, 2))
+        """
+        self._members.discard(index)
+        self._pending = [p for p in self._pending if p[0] != index]
+        nxt = self._next
+        if nxt is None or tuple(nxt[0].shape[1:]) != shape or nxt[1].dtype != score_dtype or nxt[0].device != device:
+            full = (self.layers, *shape)
+            nxt = self._next = (torch.full(full, -1, dtype=torch.int64, device=device),
+                                torch.full(full, math.inf, dtype=score_dtype, device=device),
+                                torch.full(full, -math.inf, dtype=score_dtype, device=device))
+            self._moved = set()
+        self._moved.add(index)
+        views = nxt[0][index], nxt[1][index], nxt[2][index]
+        self._promote()
+        return views
+
+    def _promote(self) -> None:
+        """The next tensors become the group's once no layer is left in the current ones."""
+        if self._next is not None and not self._members:
+            self._pos, self._scores, self._bias = self._next
+            self._members, self._moved, self._next = self._moved, set(), None
+
     def views(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Layer ``index``'s positions, scores and bias as the slices of the group's tensors it
         keeps them in, or ``None`` when it keeps its own (a restored copy re-links to them)."""
+        if index in self._moved and self._next is not None:
+            return self._next[0][index], self._next[1][index], self._next[2][index]
         if index not in self._members or self._pos is None or self._scores is None or self._bias is None:
             return None
         return self._pos[index], self._scores[index], self._bias[index]
@@ -152,9 +194,11 @@ class LayerGroup:
     def leave(self, index: int) -> None:
         """Layer ``index`` no longer keeps its storage in the group (it reallocated or was reset)."""
         self._members.discard(index)
+        self._moved.discard(index)
         self._pending = [p for p in self._pending if p[0] != index]
         if not self._members:  # nobody's storage any more: free it (the next layer to allocate sets a new one)
             self._pos = self._scores = self._bias = None
+            self._promote()
 
     def defer(self, index: int, hi: int, free_alone: Callable[[], None], freed: Callable[[], None],
               shared: bool = False, holes_by_position: bool = True) -> None:
@@ -164,6 +208,11 @@ class LayerGroup:
         :func:`~kvpolicy_torch.victims.lowest_victims` ranks accumulated scores). ``free_alone()``
         frees them the layer's own way; ``freed()`` tells it the group did. Once every layer has
         deferred, they are all found at once."""
+        if self._pending and self._pending[-1][0] >= index:
+            # layers defer in layer order: what waits is an earlier step's (a layer that deferred
+            # while the others freed alone, as in the step the group moved to new tensors): free it
+            # now, or every later step would wait for a layer one step behind and never search at once
+            self.flush()
         self._pending.append((index, hi, free_alone, freed, shared, holes_by_position))
         if len(self._pending) == self.layers:
             self.flush()

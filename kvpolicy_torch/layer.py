@@ -92,7 +92,9 @@ class LayerCache(LayerReads):
             bounded policy whose first append is a chunk of exactly this many tokens allocates
             one chunk beyond its capacity, so each later chunk is written in place and a chunked
             prefill never holds more than the capacity (plus spare slots) and one chunk
-            (:class:`~kvpolicy_torch.storage.SlotPlan`); ``None`` (default): no room (a chunk that
+            (:class:`~kvpolicy_torch.storage.SlotPlan`); the first decode step gives the room
+            back (:meth:`SlotAllocator.release_room
+            <kvpolicy_torch.allocation.SlotAllocator.release_room>`); ``None`` (default): no room (a chunk that
             does not fit is held transiently beside the storage). Not with ``static_shapes``
             (whose decode steps attend over every allocated slot).
 

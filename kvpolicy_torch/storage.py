@@ -83,6 +83,10 @@ class SlotPlan:
     slack: bool
     planned: int = 0
     chunk: int = 0
+    #: the slots the first allocation holds for a chunked prefill's next chunk (set by
+    #: :meth:`first`), given back at the first decode step (:meth:`SlotAllocator.release_room
+    #: <kvpolicy_torch.allocation.SlotAllocator.release_room>`); ``0`` once given back, or when none
+    room: int = 0
 
     def spare(self, per_slot: int, min_slack: int, chunk_bytes: int) -> int:
         """Spare slots over the capacity (``per_slot``: bytes of one slot over the heads)."""
@@ -106,12 +110,14 @@ class SlotPlan:
             self.planned = slots
             return slots
         room = self.chunk if self.chunk > 1 and tokens == self.chunk else 0  # (a chunked prefill's next chunk)
-        self.planned = max(self.capacity + self.spare(per_slot, min_slack, chunk_bytes) + room, widest)
-        slots = self.capacity + self.spare(per_slot, min_slack, chunk_bytes) + room
+        base = self.capacity + self.spare(per_slot, min_slack, chunk_bytes)
+        self.planned = max(base + room, widest)
+        slots = base + room
         if self.reserve is not None and max(tokens, self.reserve) + 1 < slots:
             # the run needs at most `reserve` tokens (generate(): the prompt plus the new tokens):
             # allocate those (and one spare a step appends into), growing only if more come
             slots = max(tokens, self.reserve) + 1
+        self.room = max(0, slots - max(base, widest))
         return slots
 
     def can_grow(self, slots: int) -> bool:

@@ -954,7 +954,8 @@ class EvictingCache(Cache):
             :func:`generate` and :func:`greedy_decode` feed a long prompt in): when the first
             forward brings exactly this many tokens, a bounded policy's layers allocate room for
             one chunk beyond the capacity, so the cache never holds more than the capacity and one
-            chunk during the prefill (:class:`kvpolicy_torch.LayerCache`'s ``prompt_chunk``);
+            chunk during the prefill (:class:`kvpolicy_torch.LayerCache`'s ``prompt_chunk``), and
+            gives the room back at the first decode step;
             ``None``: no room (a chunk that does not fit is held beside the storage until evicted).
 
     Left-padded batches work for every policy: pads are never attended, scored or kept, and each

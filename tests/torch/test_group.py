@@ -187,3 +187,34 @@ def test_a_group_frees_its_storage_when_every_layer_left() -> None:
         layer.select_batch(torch.tensor([0, 0]))  # beam-search style: each layer takes tensors of its own
     assert not group.complete and group.nbytes == 0
     assert [layer.length for layer in stack] == [3, 3]
+
+
+@given(prompt_chunks=st.integers(1, 3), steps=st.integers(1, 25), layers=st.integers(1, 3), batch=st.integers(1, 2),
+       data=st.data())
+@settings(max_examples=60, deadline=None)
+def test_a_chunked_prefill_gives_its_room_back_and_the_group_stays_whole(prompt_chunks, steps, layers, batch, data) -> None:
+    """A chunked prefill's room for a next chunk (``prompt_chunk``) is given back at the first decode
+    step: every layer moves to the group's new, smaller tensors (``LayerGroup.move``), keeps what
+    layers that never had the room keep (the same positions and scores), and the group's one search
+    a step resumes at the next step (an earlier step's deferral left waiting once made it search
+    layer by layer for good)."""
+    policy, chunk = H2O(heavy=3, recent=3), 8
+    group = LayerGroup(layers)
+    roomy = [LayerCache(policy, group=group, prompt_chunk=chunk) for _ in range(layers)]
+    plain = [LayerCache(policy) for _ in range(layers)]
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    for t in range(prompt_chunks + steps):
+        q = chunk if t < prompt_chunks else 1
+        kv = torch.randn(batch, HEADS, q, DIM, generator=g)
+        received = [torch.randint(0, 3, (batch, HEADS, 64), generator=g).float() for _ in range(layers)]
+        _step(roomy, kv, received, None)
+        _step(plain, kv, received, None)
+        for a, b in zip(roomy, plain):
+            assert _state(a) == _state(b), t
+        if t == prompt_chunks - 1:  # the room for a next chunk: one chunk more than the storage without it
+            assert [layer.slots for layer in roomy] == [layer.slots + chunk for layer in plain]
+        if t >= prompt_chunks:
+            assert [layer.slots for layer in roomy] == [layer.slots for layer in plain]  # the room given back
+    searched = group.batched_evictions
+    _step(roomy, torch.randn(batch, HEADS, 1, DIM, generator=g), [torch.rand(batch, HEADS, 64, generator=g)] * layers, None)
+    assert group.complete and group.batched_evictions == searched + 1
