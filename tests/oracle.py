@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["OracleResult", "buzz_round", "keep_highest_oracle", "oracle", "oracle_params"]
+__all__ = ["OracleResult", "buzz_round", "keep_highest_oracle", "literal_replay", "oracle", "oracle_params"]
 
 
 # --------------------------------------------------------------------------- arithmetic shared
@@ -417,16 +417,35 @@ def oracle(
     return result
 
 
+def literal_replay(steps: int, heads: int, prompt_len: int,
+                   evict: Callable[[list[list[int]], int, bool], None]) -> list[list[list[int]] | None]:
+    """The driver of the literal rules written out in the tests (kept per step and head, ``None``
+    before the prompt's last token): every head holds the prompt's positions and
+    ``evict(cached, t, prompt)`` is called once after it (``prompt``: it had more than one token),
+    then each token is appended to every head and ``evict(cached, t, False)`` called. ``evict``
+    replaces ``cached[h]`` with what head ``h`` keeps."""
+    kept: list[list[list[int]] | None] = [None] * steps
+    cached: list[list[int]] = [[] for _ in range(heads)]
+    if prompt_len:
+        cached = [list(range(prompt_len)) for _ in range(heads)]
+        evict(cached, prompt_len - 1, prompt_len > 1)
+        kept[prompt_len - 1] = [list(c) for c in cached]
+    for t in range(prompt_len, steps):
+        for c in cached:
+            c.append(t)
+        evict(cached, t, False)
+        kept[t] = [list(c) for c in cached]
+    return kept
+
+
 def keep_highest_oracle(policy: Any, steps: int, heads: int, prompt_len: int, head_scores: Any) -> list[list[list[int]] | None]:
     """Kept positions per step and head of a policy that keeps the ``size`` highest scores
     computed from the cache (Knorm, KeyDiff, Expected Attention): append, then while more than
     ``size`` are held drop the lowest score outside the newest ``recent`` (the earliest of a tie),
     all surplus at once from one set of scores; ``selection="shared"`` sums the scores over heads.
     ``head_scores(h, held, t)``: head ``h``'s scores of its ``held`` positions after token ``t``."""
-    kept: list[list[list[int]] | None] = [None] * steps
-    cached: list[list[int]] = [[] for _ in range(heads)]
 
-    def evict(t: int) -> None:
+    def evict(cached: list[list[int]], t: int, prompt: bool) -> None:
         n = len(cached[0])
         if n <= policy.size:
             return
@@ -438,13 +457,4 @@ def keep_highest_oracle(policy: Any, steps: int, heads: int, prompt_len: int, he
             drop = sorted(range(n - policy.recent), key=lambda i: (scores[h][i], i))[: n - policy.size]
             cached[h] = [p for i, p in enumerate(cached[h]) if i not in drop]
 
-    if prompt_len:
-        cached = [list(range(prompt_len)) for _ in range(heads)]
-        evict(prompt_len - 1)
-        kept[prompt_len - 1] = [list(c) for c in cached]
-    for t in range(prompt_len, steps):
-        for c in cached:
-            c.append(t)
-        evict(t)
-        kept[t] = [list(c) for c in cached]
-    return kept
+    return literal_replay(steps, heads, prompt_len, evict)

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import kvpolicy_numpy
 from kvpolicy import H2O, TOVA, AdaKV, ChunkKV, ExpectedAttention, KeyDiff, Knorm, SnapKV, StreamingLLM, make_policy, prefill_only
 from kvpolicy.policies.chunkkv import chunk_scores
+from oracle import literal_replay
 
 torch = pytest.importorskip("torch")
 import kvpolicy_torch  # noqa: E402
@@ -31,11 +32,9 @@ def literal(size: int, recent: int, length: int, shared: bool, keys: np.ndarray,
     """Kept positions per step and head of ``ChunkKV(Knorm(size, recent), length)``, literally
     (``ratio``: under ``prefill_only`` instead, once after the prompt with ``b = int(n (1 - r))``)."""
     steps, heads, _ = keys.shape
-    kept: list[list[list[int]] | None] = [None] * steps
-    cached: list[list[int]] = [[] for _ in range(heads)]
     done = False
 
-    def evict(t: int) -> None:
+    def evict(cached: list[list[int]], t: int, prompt: bool) -> None:
         nonlocal done
         n = len(cached[0])
         if ratio is None:
@@ -69,16 +68,7 @@ def literal(size: int, recent: int, length: int, shared: bool, keys: np.ndarray,
             slots = sorted(i for c in best for i in range(c * length, (c + 1) * length)) + list(range(chunks * length, n))
             cached[h] = [cached[h][i] for i in slots]
 
-    if prompt_len:
-        cached = [list(range(prompt_len)) for _ in range(heads)]
-        evict(prompt_len - 1)
-        kept[prompt_len - 1] = [list(c) for c in cached]
-    for t in range(prompt_len, steps):
-        for c in cached:
-            c.append(t)
-        evict(t)
-        kept[t] = [list(c) for c in cached]
-    return kept
+    return literal_replay(steps, heads, prompt_len, evict)
 
 
 @st.composite

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import kvpolicy_numpy
 from kvpolicy import ExpectedAttention, compose, make_policy
 from kvpolicy.statistics import UNSCORED, QueryMoments, Rotary, average_rotation, expected_attention, query_moments
-from oracle import keep_highest_oracle
+from oracle import keep_highest_oracle, literal_replay
 from strategies import expected_attention_policies, logits_arrays, prompt_lengths
 
 torch = pytest.importorskip("torch")
@@ -148,12 +148,10 @@ def refresh_oracle(policy, keys, values, queries, prompt_len: int, inv_freq=None
     ``+inf``); then, while more than ``size`` are held, the lowest score outside the newest
     ``recent`` goes (the earliest of a tie; ``"shared"``: scores summed over heads)."""
     steps, heads, _ = keys.shape
-    kept: list[list[list[int]] | None] = [None] * steps
-    cached: list[list[int]] = [[] for _ in range(heads)]
     stored: list[dict[int, float]] = [{} for _ in range(heads)]
     scored_at = None
 
-    def evict(t: int, prompt: bool) -> None:
+    def evict(cached: list[list[int]], t: int, prompt: bool) -> None:
         nonlocal scored_at
         if prompt or scored_at is None or t + 1 - scored_at >= policy.refresh:
             for h in range(heads):
@@ -169,16 +167,7 @@ def refresh_oracle(policy, keys, values, queries, prompt_len: int, inv_freq=None
             drop = sorted(range(n - policy.recent), key=lambda i: (scores[h][i], i))[: n - policy.size]
             cached[h] = [p for i, p in enumerate(cached[h]) if i not in drop]
 
-    if prompt_len:
-        cached = [list(range(prompt_len)) for _ in range(heads)]
-        evict(prompt_len - 1, prompt_len > 1)
-        kept[prompt_len - 1] = [list(c) for c in cached]
-    for t in range(prompt_len, steps):
-        for c in cached:
-            c.append(t)
-        evict(t, False)
-        kept[t] = [list(c) for c in cached]
-    return kept
+    return literal_replay(steps, heads, prompt_len, evict)
 
 
 @settings(max_examples=120, deadline=None)
