@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["OracleResult", "buzz_round", "keep_highest_oracle", "literal_replay", "oracle", "oracle_params"]
+__all__ = ["OracleResult", "buzz_round", "keep_highest_oracle", "literal_replay", "oracle", "oracle_params", "same_kept"]
 
 
 # --------------------------------------------------------------------------- arithmetic shared
@@ -415,6 +415,16 @@ def oracle(
         evict_until_stable(t)
         result.kept[t] = [list(c_) for c_ in caches]
     return result
+
+
+def same_kept(got: list[Any], want: list[Any]) -> None:
+    """Assert two replays' kept positions (``kept`` of a trace, or an oracle's nested lists) are
+    the same at every step: both ``None`` (before the prompt's last token) or equal."""
+    assert len(got) == len(want), (len(got), len(want))
+    for t, (a, b) in enumerate(zip(got, want)):
+        assert (a is None) == (b is None), f"step {t}"
+        if a is not None:
+            assert np.asarray(a).tolist() == np.asarray(b).tolist(), f"step {t}"
 
 
 def literal_replay(steps: int, heads: int, prompt_len: int,

@@ -19,6 +19,7 @@ import kvpolicy_numpy
 from kvpolicy import H2O, TOVA, AdaKV, KeyDiff, Knorm, SnapKV
 
 from headwise_cases import decode_steps
+from oracle import same_kept
 
 torch = pytest.importorskip("torch")
 import kvpolicy_torch  # noqa: E402
@@ -46,8 +47,7 @@ def test_torch_keeps_what_the_reference_keeps(scorer, alpha, heads, steps, data)
     policy = AdaKV(scorer, alpha)
     want = kvpolicy_numpy.replay(policy, logits, prompt, keys=keys)
     got = kvpolicy_torch.replay(policy, logits, prompt, keys=keys)
-    for a, b in zip(want.kept, got.kept):
-        assert (a is None and b is None) or np.array_equal(a, b)
+    same_kept(want.kept, got.kept)
     assert want.sizes.tolist() == got.sizes.tolist()
 
 
@@ -281,8 +281,7 @@ def test_a_decode_step_frees_its_victims_in_place() -> None:
             mock.patch.object(kvpolicy_torch.layout.SlotLayout, "keep", autospec=True,
                               side_effect=kvpolicy_torch.layout.SlotLayout.keep) as moves:
         got = kvpolicy_torch.replay(policy, logits, prompt)
-    for a, b in zip(want.kept, got.kept):
-        assert (a is None and b is None) or np.array_equal(a, b)
+    same_kept(want.kept, got.kept)
     assert select.call_count == 2  # the prompt's eviction (and the call that declines after it) only
     assert 1 <= moves.call_count - 1 <= decode // 8  # compactions: one per several steps, not one a step
 
@@ -298,8 +297,7 @@ def test_compaction_of_ragged_heads_in_chunks_keeps_every_token(chunk_bytes) -> 
     want = kvpolicy_numpy.replay(policy, logits, 20)
     with mock_chunk(chunk_bytes):
         got = kvpolicy_torch.replay(policy, logits, 20)
-    for a, b in zip(want.kept, got.kept):
-        assert (a is None and b is None) or np.array_equal(a, b)
+    same_kept(want.kept, got.kept)
 
 
 def mock_chunk(chunk_bytes):

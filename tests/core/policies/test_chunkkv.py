@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import kvpolicy_numpy
 from kvpolicy import H2O, TOVA, AdaKV, ChunkKV, ExpectedAttention, KeyDiff, Knorm, SnapKV, StreamingLLM, make_policy, prefill_only
 from kvpolicy.policies.chunkkv import chunk_scores
-from oracle import literal_replay
+from oracle import literal_replay, same_kept
 
 torch = pytest.importorskip("torch")
 import kvpolicy_torch  # noqa: E402
@@ -84,13 +84,6 @@ def cases(draw):
     return size, recent, length, draw(st.booleans()), keys, prompt_len
 
 
-def _same(trace, want) -> None:
-    for t, w in enumerate(want):
-        assert (trace.kept[t] is None) == (w is None), f"step {t}"
-        if w is not None:
-            assert trace.kept[t].tolist() == w, f"step {t}"
-
-
 @settings(max_examples=60, deadline=None)
 @given(cases())
 def test_the_reference_keeps_the_literal_chunks_and_torch_the_same(case) -> None:
@@ -98,10 +91,9 @@ def test_the_reference_keeps_the_literal_chunks_and_torch_the_same(case) -> None
     policy = ChunkKV(Knorm(size=size, recent=recent), length, selection="shared" if shared else "per_head")
     logits = np.zeros((keys.shape[0], keys.shape[1], keys.shape[0]))
     ref = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=keys)
-    _same(ref, literal(size, recent, length, shared, keys, prompt_len))
+    same_kept(ref.kept, literal(size, recent, length, shared, keys, prompt_len))
     got = kvpolicy_torch.replay(policy, logits, prompt_len, keys=keys)
-    for t, (a, b) in enumerate(zip(ref.kept, got.kept)):
-        assert (a is None and b is None) or np.array_equal(a, b), f"step {t}"
+    same_kept(got.kept, ref.kept)
 
 
 @settings(max_examples=40, deadline=None)
@@ -112,10 +104,9 @@ def test_under_kvpress_protocol_the_context_keeps_whole_chunks_once(case, ratio)
                                   selection="shared" if shared else "per_head"), ratio)
     logits = np.zeros((keys.shape[0], keys.shape[1], keys.shape[0]))
     ref = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=keys)
-    _same(ref, literal(size, recent, length, shared, keys, prompt_len, ratio=ratio))
+    same_kept(ref.kept, literal(size, recent, length, shared, keys, prompt_len, ratio=ratio))
     got = kvpolicy_torch.replay(policy, logits, prompt_len, keys=keys)
-    for t, (a, b) in enumerate(zip(ref.kept, got.kept)):
-        assert (a is None and b is None) or np.array_equal(a, b), f"step {t}"
+    same_kept(got.kept, ref.kept)
 
 
 @given(st.integers(1, 12), st.integers(1, 8), st.sampled_from([0.25, 0.5, 0.75, 0.875]))

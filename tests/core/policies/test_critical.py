@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import kvpolicy_numpy
 from kvpolicy import H2O, AdaKV, CriticalKV, ExpectedAttention, KeyDiff, Knorm, LagKV, SnapKV, make_policy, prefill_only
 from kvpolicy.statistics import value_weights
-from oracle import keep_highest_oracle
+from oracle import keep_highest_oracle, same_kept
 
 torch = pytest.importorskip("torch")
 import kvpolicy_torch  # noqa: E402
@@ -69,13 +69,9 @@ def test_the_reference_keeps_what_kvpress_scores_and_torch_the_same(case) -> Non
     want = keep_highest_oracle(policy.scorer, steps, heads, prompt_len, lambda h, held, t: kvpress_critical(
         keys[:, h], values[:, h], None if w_o is None else w_o[h], held, first, policy.epsilon))
     ref = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=keys, values=values)
-    for t, w in enumerate(want):
-        assert (ref.kept[t] is None) == (w is None), f"step {t}"
-        if w is not None:
-            assert ref.kept[t].tolist() == w, f"step {t}"
+    same_kept(ref.kept, want)
     got = kvpolicy_torch.replay(policy, logits, prompt_len, keys=keys, values=values)
-    for t, (a, b) in enumerate(zip(ref.kept, got.kept)):
-        assert (a is None and b is None) or np.array_equal(a, b), f"step {t}"
+    same_kept(got.kept, ref.kept)
 
 
 @settings(max_examples=25, deadline=None)
@@ -92,8 +88,7 @@ def test_wrapped_and_wrapping_the_torch_replay_keeps_what_the_reference_keeps(se
     logits = np.zeros((steps, heads, steps))
     ref = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=keys, values=values, queries=queries)
     got = kvpolicy_torch.replay(policy, logits, prompt_len, keys=keys, values=values, queries=queries)
-    for t, (a, b) in enumerate(zip(ref.kept, got.kept)):
-        assert (a is None and b is None) or np.array_equal(a, b), f"step {t}"
+    same_kept(got.kept, ref.kept)
     if kind == "expected_attention":  # the sinks' +inf stays
         assert all(set(range(2)) <= set(row.tolist()) for row in ref.kept[-1])
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import kvpolicy_numpy
 from kvpolicy import LagKV, make_policy, prefill_only
 from kvpolicy.statistics import lag_scores
-from oracle import keep_highest_oracle
+from oracle import keep_highest_oracle, same_kept
 
 torch = pytest.importorskip("torch")
 import kvpolicy_torch  # noqa: E402
@@ -77,13 +77,9 @@ def test_the_reference_keeps_what_kvpress_scores_and_torch_the_same(case) -> Non
     want = keep_highest_oracle(policy, steps, heads, prompt_len, lambda h, held, t: kvpress_lag(
         keys[held, h], values[held, h], policy.sink, policy.lag, policy.cross_scoring))
     ref = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=keys, values=values)
-    for t, w in enumerate(want):
-        assert (ref.kept[t] is None) == (w is None), f"step {t}"
-        if w is not None:
-            assert ref.kept[t].tolist() == w, f"step {t}"
+    same_kept(ref.kept, want)
     got = kvpolicy_torch.replay(policy, logits, prompt_len, keys=keys, values=values)
-    for t, (a, b) in enumerate(zip(ref.kept, got.kept)):
-        assert (a is None and b is None) or np.array_equal(a, b), f"step {t}"
+    same_kept(got.kept, ref.kept)
 
 
 def test_scores_ignore_slot_order_and_holes() -> None:
