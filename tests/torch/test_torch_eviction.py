@@ -53,22 +53,29 @@ def _step(layer: LayerCache, k: torch.Tensor, scores: torch.Tensor) -> list[tupl
     return layer.evict()
 
 
-@settings(max_examples=40, deadline=None)
-@given(sink=st.integers(1, 3), window=st.integers(1, 4), stride=st.integers(3, 5), prompt=st.integers(1, 30),
-       steps=st.integers(1, 60), seed=st.integers(0, 2**16))
-def test_declining_by_the_size_rule_keeps_what_asking_every_step_keeps(sink, window, stride, prompt, steps, seed) -> None:
+def _asked_in_lockstep(declining: LayerCache, every: LayerCache, prompt: int, steps: int, seed: int):
+    """Feed both layers the same prompt and decode steps; per step, the tokens appended, the
+    rounds evicted and how often each policy's ``select`` was asked in it. Both layers keep the
+    same rounds and positions at every step."""
     CALLS.clear()
-    params = dict(sink=sink, window=window, stride=stride)
-    declining, every = LayerCache(CountedBUZZ(**params)), LayerCache(AskedEveryStep(**params))
     gen = torch.Generator().manual_seed(seed)
     for q in [prompt] + [1] * steps:
         k = torch.randn(1, 2, q, 4, generator=gen)
         scores = torch.rand(1, 2, declining.length + q, generator=gen)
-        asked = dict(CALLS)
+        before = dict(CALLS)
         rounds = _step(declining, k, scores)
         assert rounds == _step(every, k, scores)
         assert torch.equal(declining.positions, every.positions)
-        asked = {name: CALLS.get(name, 0) - asked.get(name, 0) for name in ("declining", "every")}
+        yield q, rounds, {name: CALLS.get(name, 0) - before.get(name, 0) for name in ("declining", "every")}
+
+
+@settings(max_examples=40, deadline=None)
+@given(sink=st.integers(1, 3), window=st.integers(1, 4), stride=st.integers(3, 5), prompt=st.integers(1, 30),
+       steps=st.integers(1, 60), seed=st.integers(0, 2**16))
+def test_declining_by_the_size_rule_keeps_what_asking_every_step_keeps(sink, window, stride, prompt, steps, seed) -> None:
+    params = dict(sink=sink, window=window, stride=stride)
+    declining, every = LayerCache(CountedBUZZ(**params)), LayerCache(AskedEveryStep(**params))
+    for q, rounds, asked in _asked_in_lockstep(declining, every, prompt, steps, seed):
         if q == 1 and not rounds:  # the rule kept every token: not asked (the other asked once, in vain)
             assert asked == {"declining": 0, "every": 1}
         else:  # evicting, or a prompt chunk: asked alike (one call per round and one that declines)
@@ -85,20 +92,11 @@ def test_a_composition_declines_by_its_decode_policys_size_rule(sink, window, st
     and the layer keeps what asking every step keeps."""
     from kvpolicy import SnapKV, compose
 
-    CALLS.clear()
     params = dict(sink=sink, window=window, stride=stride)
     cap = CountedBUZZ(**params).capacity
     declining, every = (LayerCache(compose(prefill=SnapKV(size=cap - 1, window=1), decode=decode(**params)))
                         for decode in (CountedBUZZ, AskedEveryStep))
-    gen = torch.Generator().manual_seed(seed)
-    for q in [prompt] + [1] * steps:
-        k = torch.randn(1, 2, q, 4, generator=gen)
-        scores = torch.rand(1, 2, declining.length + q, generator=gen)
-        asked = dict(CALLS)
-        rounds = _step(declining, k, scores)
-        assert rounds == _step(every, k, scores)
-        assert torch.equal(declining.positions, every.positions)
-        asked = {name: CALLS.get(name, 0) - asked.get(name, 0) for name in ("declining", "every")}
+    for q, rounds, asked in _asked_in_lockstep(declining, every, prompt, steps, seed):
         if q == 1:
             # BUZZ keeping every token is not asked (the other is, in vain); evicting, asked alike
             assert asked == ({"declining": 0, "every": 1} if not rounds else {"declining": len(rounds) + 1, "every": len(rounds) + 1})
