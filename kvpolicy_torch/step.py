@@ -88,38 +88,34 @@ def attend_slots(
     if (plain and statistic == "low_history" and not layout.bias_needed and policy.uses_scores
             and store.keys.dtype in (torch.float32, torch.float64)):
         return _attend_low_history(layout, policy, query, scaling)
-    if (
-        plain and not layout.search.active and query.dtype == store.scores.dtype
-        and statistic in ("accumulate", "latest") and policy.uses_scores
+    # (attributes only, no property: a decode step counts its calls, benchmarks/decode_calls.py)
+    captures = statistic in ("accumulate", "latest") and policy.uses_scores
+    scoreless = statistic in KEY_STATISTICS or not policy.uses_scores
+    if plain and (
+        (captures and not layout.search.active and query.dtype == store.scores.dtype)
+        or (scoreless and query.dtype == store.values.dtype and query.dtype in (torch.float32, torch.float64))
     ):
-        # the common step (H2O, BUZZ, TOVA) on the storage's grouped views: grouped_decode, then
-        # the probabilities summed per KV head into the scores
+        # the common step on the storage's grouped views: grouped_decode, then (H2O, BUZZ, TOVA)
+        # the probabilities summed per KV head into the scores. A policy that captures nothing
+        # (Knorm, KeyDiff, Expected Attention: scores from the cache; the local window) takes the
+        # output alone, its hole bias cast from the scores' dtype (float64 for a score from the
+        # cache: ~1 us, where the general path cast the logits and summed the probabilities)
         b, hq, _, d = query.shape
         views = store.range_views(hi)
         bh = views.keys3t.shape[0]
         r = hq * b // bh
-        out3, probs3 = grouped_decode(query.reshape(bh, r, d), views.keys3t, views.values3, scaling,
-                                      views.bias3 if layout.bias_needed else None)
-        # fold_received's two rules inlined (no candidates to void, dtypes equal, the sum a fresh
-        # tensor: NaN made -inf in place): the hot path of every H2O, BUZZ and TOVA decode step
-        received = probs3.view(b, bh // b, r, hi).sum(dim=2).nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
-        if statistic == "accumulate":
-            views.scores.add_(received)
-        else:  # "latest" (TOVA): this query's attention replaces the scores; holes keep +inf
-            views.scores.copy_(received.masked_fill_(views.positions < 0, math.inf))
-        return out3.view(b, 1, hq, -1)
-    # (attributes only, no property: a decode step counts its calls, benchmarks/decode_calls.py)
-    if (plain and (statistic in KEY_STATISTICS or not policy.uses_scores) and query.dtype == store.keys.dtype == store.values.dtype
-            and query.dtype in (torch.float32, torch.float64)):
-        # nothing to capture (Knorm, KeyDiff, Expected Attention: scores from the cache; the
-        # local window): the grouped step's output alone, holes masked (no per-head sums; the
-        # bias is kept in the scores' dtype, float64 for a score from the cache: cast, ~1 us,
-        # where the general path cast the logits)
-        b, hq, _, d = query.shape
-        views = store.range_views(hi)
-        bh = views.keys3t.shape[0]
-        bias3 = views.bias3.to(query.dtype) if layout.bias_needed else None
-        out3, _ = grouped_decode(query.reshape(bh, hq * b // bh, d), views.keys3t, views.values3, scaling, bias3)
+        bias3 = views.bias3 if layout.bias_needed else None
+        if bias3 is not None and bias3.dtype != query.dtype:
+            bias3 = bias3.to(query.dtype)
+        out3, probs3 = grouped_decode(query.reshape(bh, r, d), views.keys3t, views.values3, scaling, bias3)
+        if captures:
+            # fold_received's two rules inlined (no candidates to void, dtypes equal, the sum a fresh
+            # tensor: NaN made -inf in place): the hot path of every H2O, BUZZ and TOVA decode step
+            received = probs3.view(b, bh // b, r, hi).sum(dim=2).nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+            if statistic == "accumulate":
+                views.scores.add_(received)
+            else:  # "latest" (TOVA): this query's attention replaces the scores; holes keep +inf
+                views.scores.copy_(received.masked_fill_(views.positions < 0, math.inf))
         return out3.view(b, 1, hq, -1)
     key, value = store.keys.narrow(2, 0, hi), store.values.narrow(2, 0, hi)
     bias = store.bias.narrow(2, 0, hi) if layout.bias_needed else None
