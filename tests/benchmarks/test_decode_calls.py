@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 #: The most calls and modules one layer's decode step may take (today's counts).
-CEILINGS = {("h2o", False): (49, 14), ("h2o", True): (32, 7), ("knorm", False): (61, 19), ("knorm", True): (35, 10)}
+CEILINGS = {("h2o", False): (49, 14), ("h2o", True): (32, 7), ("knorm", False): (60, 19), ("knorm", True): (35, 10)}
 
 
 @pytest.mark.parametrize("policy,static", sorted(CEILINGS))
