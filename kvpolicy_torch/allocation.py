@@ -78,7 +78,9 @@ class SlotAllocator:
         # head-wise budgets: one head may hold more than the mean (up to the layer's budget less
         # the others' floors): allocated for the mean, grown to the widest head's need (kvpolicy.AdaKV)
         widest = policy.head_capacity(h) if self.ragged and policy.capacity is not None else 0  # type: ignore[attr-defined]
-        slots = self.plan.first(q, token_bytes(keys, values), min_slack, chunk_bytes, widest)
+        # a slot's position (int64), score and bias (the score's dtype) over the heads
+        bookkeeping = h * (8 + 2 * torch.empty((), dtype=self.score_dtype(keys)).element_size())
+        slots = self.plan.first(q, token_bytes(keys, values), min_slack, chunk_bytes, widest, bookkeeping)
         layout.rows = Rows.start(b, policy.init_state())
         self.allocate(layout, keys, values, slots)
 
@@ -89,10 +91,7 @@ class SlotAllocator:
         ``move``: every layer of the group reallocates alike (:meth:`release_room`): it stays in the group."""
         b, h = like_k.shape[:2]
         dev = like_k.device
-        # float64 for float64 models, and for records of low-attention events (exact integers < 2**52)
-        # (and for scores from keys: computed in float64, as the reference does)
-        exact = like_k.dtype == torch.float64 or self.policy.score_statistic in ("low_history", *KEY_STATISTICS)
-        score_dtype = torch.float64 if exact else torch.float32
+        score_dtype = self.score_dtype(like_k)
         shared = None
         if self.group is not None:
             if layout.store is None:
@@ -108,6 +107,13 @@ class SlotAllocator:
         layout.moved()
         if self.static is not None:
             self.static.fit(b, h, dev)
+
+    def score_dtype(self, like_k: torch.Tensor) -> torch.dtype:
+        """The dtype of the scores and bias of a storage for keys like ``like_k``."""
+        # float64 for float64 models, and for records of low-attention events (exact integers < 2**52)
+        # (and for scores from keys: computed in float64, as the reference does)
+        exact = like_k.dtype == torch.float64 or self.policy.score_statistic in ("low_history", *KEY_STATISTICS)
+        return torch.float64 if exact else torch.float32
 
     def grow(self, layout: SlotLayout, need: int = 0) -> None:
         """One growth step, to hold at least ``need`` slots (:meth:`SlotPlan.grown
@@ -156,7 +162,7 @@ class SlotAllocator:
             >>> before = layer.slots
             >>> K, V = layer.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
             >>> before, layer.slots
-            (15, 7)
+            (14, 6)
         """
         plan, store, rows = self.plan, layout.storage(), layout.rows
         target = store.slots - plan.room

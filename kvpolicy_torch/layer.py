@@ -24,7 +24,9 @@ per row and head into a hole: ``O(batch x kv_heads)`` writes, and no kept token 
 ``victim="oldest"`` the next append writes into the freed slot (a ring, never compacted). A general
 eviction (:meth:`EvictionPolicy.select`, e.g. BUZZ's, or any prefill's) sees each row dense at
 ``[0, count)`` and is applied by compacting the kept tokens to the front in place. Rows also compact
-when a frontier reaches the end of the storage: once per ``slack`` steps for one-token evictions.
+when a frontier reaches the end of the storage: once per ``slack`` steps for one-token evictions
+(about 5% of the capacity: the storage allocates at most
+:data:`~kvpolicy_torch.storage.MEMORY_BOUND` x the keys and values it holds).
 """
 
 from __future__ import annotations
@@ -119,7 +121,8 @@ class LayerCache(LayerReads):
     #: Candidate slots per row and head.
     candidates: int = 256
     #: Floor of the spare slots of a one-token ``"lowest"`` eviction (H2O, TOVA), up to half the
-    #: capacity (:meth:`SlotPlan.spare <kvpolicy_torch.storage.SlotPlan.spare>`; ``benchmarks/slack_sweep.py``).
+    #: capacity and within :data:`~kvpolicy_torch.storage.MEMORY_BOUND` (:meth:`SlotPlan.spare
+    #: <kvpolicy_torch.storage.SlotPlan.spare>`; ``benchmarks/slack_sweep.py``).
     min_slack: int = 64
 
     def __init__(

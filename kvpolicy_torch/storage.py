@@ -20,10 +20,15 @@ from typing import Any, Iterator, NamedTuple
 
 import torch
 
-__all__ = ["HOLE", "RangeViews", "SlotPlan", "Storage", "fixed_addresses", "grown_slots", "token_bytes"]
+__all__ = ["HOLE", "MEMORY_BOUND", "RangeViews", "SlotPlan", "Storage", "fixed_addresses", "grown_slots", "token_bytes"]
 
 _MIN_GROWTH = 16  # slots an unbounded store grows by at least
 _MAX_GROWTH = 4096  # and at most (bounded chunks: a long run never doubles its allocation at once)
+
+#: The most a bounded layer's storage allocates (keys, values, positions, scores, bias and its spare
+#: slots together) over the bytes of the keys and values its capacity holds, where the spare slots
+#: decide it (:meth:`SlotPlan.spare`): a one-token eviction by lowest score in the eager layout.
+MEMORY_BOUND = 1.1
 
 
 def grown_slots(slots: int, need: int = 0) -> int:
@@ -60,7 +65,8 @@ class SlotPlan:
         capacity: the policy's capacity (``None``: unbounded).
         reserve: the most tokens the run will append, if known.
         slack: whether holes accumulate below the frontier (a one-token ``"lowest"`` eviction in
-            the eager layout), so spare slots save compactions.
+            the eager layout), so spare slots save compactions (as many as :data:`MEMORY_BOUND`
+            leaves: :meth:`spare`).
         planned: the slots the layer may grow to (set by :meth:`first`).
         chunk: a chunked prefill's chunk size (``0``: none): a bounded policy whose first append
             is a chunk of exactly this many tokens allocates room for one more chunk beyond its
@@ -70,8 +76,8 @@ class SlotPlan:
 
     Example:
         >>> plan = SlotPlan(capacity=1000, reserve=None, slack=True)
-        >>> plan.first(tokens=10, per_slot=768, min_slack=64, chunk_bytes=8 << 20), plan.planned
-        (1125, 1125)
+        >>> plan.first(tokens=10, per_slot=768, min_slack=64, chunk_bytes=8 << 20, bookkeeping=48), plan.planned
+        (1034, 1034)
         >>> SlotPlan(capacity=1000, reserve=100, slack=True).first(10, 768, 64, 8 << 20)
         101
         >>> SlotPlan(capacity=1000, reserve=None, slack=False, chunk=512).first(512, 768, 64, 8 << 20)
@@ -88,8 +94,9 @@ class SlotPlan:
     #: <kvpolicy_torch.allocation.SlotAllocator.release_room>`); ``0`` once given back, or when none
     room: int = 0
 
-    def spare(self, per_slot: int, min_slack: int, chunk_bytes: int) -> int:
-        """Spare slots over the capacity (``per_slot``: bytes of one slot over the heads)."""
+    def spare(self, per_slot: int, min_slack: int, chunk_bytes: int, bookkeeping: int = 0) -> int:
+        """Spare slots over the capacity (``per_slot``: bytes of one slot's key and value over the
+        heads; ``bookkeeping``: of its position, score and bias)."""
         if not self.slack or self.capacity is None:
             return 0
         # A compaction costs a fixed setup (~0.1 ms on a CPU) plus a move per kept slot, once per
@@ -100,17 +107,26 @@ class SlotPlan:
         # SmolLM2-135M, benchmarks/slack_sweep.py). One compaction chunk bounds it: allocated
         # bytes stay within capacity plus one chunk.
         slack = max(self.capacity // 8, min(self.capacity // 2, min_slack))
+        # ... and the memory bound: the storage (keys, values, positions, scores, bias and the spare
+        # slots) allocates at most MEMORY_BOUND x the bytes of the keys and values it holds between
+        # two steps (capacity - 1 tokens: a one-token eviction has just freed one), what a
+        # 64-dimensional head leaves: ~5% of the capacity
+        held = (self.capacity - 1) * per_slot
+        room = math.floor(MEMORY_BOUND * held / max(per_slot + bookkeeping, 1) + 1e-9) - self.capacity
+        slack = min(slack, room)
         return max(1, min(slack, chunk_bytes // max(per_slot, 1)))
 
-    def first(self, tokens: int, per_slot: int, min_slack: int, chunk_bytes: int, widest: int = 0) -> int:
+    def first(self, tokens: int, per_slot: int, min_slack: int, chunk_bytes: int, widest: int = 0,
+              bookkeeping: int = 0) -> int:
         """The slots of the first allocation, for a first append of ``tokens``; sets
-        :attr:`planned` (at least ``widest``: one head's most tokens under head-wise budgets)."""
+        :attr:`planned` (at least ``widest``: one head's most tokens under head-wise budgets;
+        ``bookkeeping``: bytes of one slot's position, score and bias over the heads)."""
         if self.capacity is None:
             slots = max(tokens, self.reserve or 0)
             self.planned = slots
             return slots
         room = self.chunk if self.chunk > 1 and tokens == self.chunk else 0  # (a chunked prefill's next chunk)
-        base = self.capacity + self.spare(per_slot, min_slack, chunk_bytes)
+        base = self.capacity + self.spare(per_slot, min_slack, chunk_bytes, bookkeeping)
         self.planned = max(base + room, widest)
         slots = base + room
         if self.reserve is not None and max(tokens, self.reserve) + 1 < slots:

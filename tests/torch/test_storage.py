@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from kvpolicy_torch.storage import RangeViews, Storage  # noqa: E402
+from kvpolicy_torch.storage import MEMORY_BOUND, RangeViews, SlotPlan, Storage  # noqa: E402
 
 
 def _storage(batch: int, heads: int, slots: int) -> Storage:
@@ -77,3 +77,24 @@ def test_a_view_of_some_slots_has_no_range_views() -> None:
     assert not store.whole
     with pytest.raises(ValueError, match="whole tensors"):
         store.range_views(2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(capacity=st.integers(2, 20_000), heads=st.integers(1, 8), head_dim=st.sampled_from([32, 64, 80, 128, 256]),
+       kv_itemsize=st.sampled_from([2, 4, 8]), score_itemsize=st.sampled_from([4, 8]), min_slack=st.integers(0, 128))
+def test_spare_slots_keep_the_storage_within_the_memory_bound(capacity, heads, head_dim, kv_itemsize, score_itemsize,
+                                                              min_slack) -> None:
+    """Issue 43: a one-token eviction's storage (keys, values, positions, scores, bias and the spare
+    slots) allocates at most MEMORY_BOUND x the key and value bytes it holds between steps
+    (capacity - 1 tokens), wherever the bookkeeping leaves room for one spare slot at all."""
+    per_slot = heads * 2 * head_dim * kv_itemsize
+    bookkeeping = heads * (8 + 2 * score_itemsize)
+    plan = SlotPlan(capacity, None, slack=True)
+    slots = plan.first(1, per_slot, min_slack, 1 << 30, bookkeeping=bookkeeping)
+    allocated, held = slots * (per_slot + bookkeeping), (capacity - 1) * per_slot
+    if (capacity + 1) * (per_slot + bookkeeping) <= MEMORY_BOUND * held:
+        assert allocated <= MEMORY_BOUND * held
+    else:  # (a tiny capacity or a tiny head: one spare slot, the least a one-token eviction appends into)
+        assert slots == capacity + 1
+    # never more than the speed rule alone would take (capacity / 8, or min_slack up to half the capacity)
+    assert slots - capacity <= max(1, max(capacity // 8, min(capacity // 2, min_slack)))
