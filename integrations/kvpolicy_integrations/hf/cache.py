@@ -1,5 +1,5 @@
-"""The whole evicting cache: :class:`EvictingCache`, a transformers ``Cache`` of
-:class:`~kvpolicy_integrations.hf.EvictingLayer` s, and the forward hooks that switch a model to
+"""The whole evicting cache: :class:`EvictingCache`, a transformers ``Cache`` whose layers are
+:class:`~kvpolicy_integrations.hf.EvictingLayer`, and the forward hooks that switch a model to
 kvpolicy's attention during (and only during) its forwards (:func:`scope_attention`); also
 :func:`output_projections`, the model's ``W_o`` as CriticalKV reads it (a part of
 :mod:`kvpolicy_integrations.hf`, whose docstring describes the whole). The hooks live here, with the
