@@ -72,7 +72,7 @@ KEY_STATISTICS: tuple[str, ...] = ("key_norm", "key_diff", "expected_attention",
 #: reconstruction): the maximum, over the reconstruction's queries and the query heads of a KV
 #: head, of the attention probability (:func:`kvpolicy.statistics.reconstruction_scores`). No
 #: attention is captured while the prompt and the decode steps run; a backend runs the pass (the
-#: transformers integration: ``kvpolicy_integrations.hf.reconstruct``) or is given its scores (the
+#: transformers integration: ``kvpolicy_integrations.reconstruction.reconstruct``) or is given its scores (the
 #: NumPy reference: ``replay(reconstruction=...)``), then asks the policy once, and refuses a
 #: decode step before that.
 RECONSTRUCTION = "reconstruction"

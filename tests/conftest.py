@@ -34,8 +34,9 @@ def pytest_configure(config) -> None:
 @pytest.fixture
 def no_score_capture(monkeypatch):
     """The transformers cache must not capture attention (a policy scoring from the cache: Knorm,
-    KeyDiff, Expected Attention): ``received_attention`` raises if it is called."""
-    import kvpolicy_integrations.hf as hf
+    KeyDiff, Expected Attention): ``received_attention`` raises if it is called (patched where the
+    cache layer calls it, kvpolicy_integrations.hf.layer)."""
+    import kvpolicy_integrations.hf.layer as hf
 
     def refuse(*args, **kwargs):
         raise AssertionError("a policy scoring from the cache must not capture attention")

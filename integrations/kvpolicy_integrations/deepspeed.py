@@ -64,7 +64,8 @@ from kvpolicy.policy import EvictionPolicy
 from kvpolicy.registry import get_policy
 
 from .capabilities import Geometry, cache_kwargs, detect, geometry, model_layers
-from .hf import EvictingCache, PositionsMode
+from .hf.cache import EvictingCache
+from .hf.layer import PositionsMode
 
 __all__ = [
     "ATTENTION_SPECS",

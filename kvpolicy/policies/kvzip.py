@@ -19,7 +19,7 @@ class KVzip(EvictionPolicy):
 
     After the prompt (the context), the backend feeds the model a repeat prompt and the context
     again ("Repeat the previous context exactly." then the context, in chunks of kvpress's 2,048
-    tokens: ``kvpolicy_integrations.hf.reconstruct``), on the cache holding the context, without
+    tokens: ``kvpolicy_integrations.reconstruction.reconstruct``), on the cache holding the context, without
     keeping those tokens. Each context token's score is the most attention it receives from any
     query of that pass, in any query head of its KV head (``score_statistic =
     "reconstruction"``, :func:`kvpolicy.statistics.reconstruction_scores`). The policy is then

@@ -1,14 +1,17 @@
 """benchmarks/decode_calls.py: the counts of one decode step's project calls (issue 43), on tiny
 random-weight Llamas. A ratchet: the eager and the static step may not wander further than they
 did when the count was last taken (2026-11-27 20:30: H2O eager 49 calls in 14 modules a layer, static
-32 in 7); lower them when a change takes calls out."""
+32 in 7); lower them when a change takes calls out. The modules rose by 2 everywhere, the calls by
+none, when hf.py became the package hf/ by role (issue 43, item 2): the layer's 8 integration calls
+are the same functions, now in three files (EvictingCache.update in hf/cache.py, the layer's in
+hf/layer.py, the attention function in hf/attention.py) where they were in one."""
 
 from __future__ import annotations
 
 import pytest
 
 #: The most calls and modules one layer's decode step may take (today's counts).
-CEILINGS = {("h2o", False): (49, 14), ("h2o", True): (32, 7), ("knorm", False): (60, 19), ("knorm", True): (35, 10)}
+CEILINGS = {("h2o", False): (49, 16), ("h2o", True): (32, 9), ("knorm", False): (60, 21), ("knorm", True): (35, 12)}
 
 
 @pytest.mark.parametrize("policy,static", sorted(CEILINGS))

@@ -321,7 +321,7 @@ def test_pos_shift_runs_for_every_layout(model_type):
 # The walk over transformers' causal-LM auto mapping
 # ------------------------------------------------------------------------------------------------
 
-#: The named refusals (capabilities.py, hf.py); any other exception is an obscure error.
+#: The named refusals (capabilities.py, hf/); any other exception is an obscure error.
 NAMED = (
     "attention interface", "not a causal decoder", "multi-head latent attention", "soft-capped",
     "attention sinks", "not softmax attention over a KV cache", "layer types cannot be read", "has no integer",

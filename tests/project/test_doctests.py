@@ -39,6 +39,7 @@ def test_docstring_examples(name: str) -> None:
 def test_the_sweep_runs_examples() -> None:
     """Not a vacuous sweep: the modules a reader starts from have examples, and they ran."""
     for name in ("kvpolicy.policy", "kvpolicy.budget", "kvpolicy.registry", "kvpolicy.policies.h2o", "kvpolicy_numpy.replay",
-                 "kvpolicy_integrations.hf", "kvpolicy_tools.eval.tasks.base"):
+                 "kvpolicy_integrations.hf.layer", "kvpolicy_integrations.hf.cache",
+                 "kvpolicy_integrations.hf.generation", "kvpolicy_tools.eval.tasks.base"):
         assert name in MODULES
         assert run_examples(name).attempted > 0, name

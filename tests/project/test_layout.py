@@ -36,7 +36,7 @@ def test_every_path_in_the_layout_exists() -> None:
 
 def test_where_new_things_go() -> None:
     _, bullets = _layout()
-    for what, path in (("new policy", "kvpolicy/policies/"), ("new model family", "integrations/kvpolicy_integrations/hf.py"),
+    for what, path in (("new policy", "kvpolicy/policies/"), ("new model family", "integrations/kvpolicy_integrations/hf/"),
                        ("new eval task", "kvpolicy_tools/eval/")):
         line = next((b for b in bullets.splitlines() if b.startswith(f"* A {what}")), None)
         assert line is not None and path in line, what

@@ -88,7 +88,6 @@ CROSS_CUTTING = {
     "tests/integrations/test_deepspeed_multi.py": "DeepSpeed AutoTP on 2 CPU ranks (slow, multi-process)",
     "tests/integrations/test_families.py": "the family matrix of transformers model types",
     "tests/integrations/test_hardening_hf.py": "issue 28 hardening of the transformers cache",
-    "tests/integrations/test_hf_edges.py": "issue 44: the transformers cache at its edges (a compiled serving loop, Ctrl-C mid-forward, a padded batch's keys, update() by hand)",
     "tests/integrations/test_hf_real_model.py": "the transformers cache on the embedded SmolLM2 (slow)",
     "tests/integrations/test_ragged.py": "left-padded batches, every built-in policy, torch and transformers",
     "tests/tools/test_hardening_cli.py": "issue 28 hardening of the command line and data loaders",

@@ -35,9 +35,14 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("kvpolicy_tools/models.py", "_attn_implementation"): (
         "transformers has no public getter for a config's attention implementation; read for the model card"
     ),
-    ("integrations/kvpolicy_integrations/hf.py", "_attn_implementation"): (
-        "transformers has no public getter for a config's attention implementation; hf.py checks "
-        "that kvpolicy_sdpa is the one in use"
+    ("integrations/kvpolicy_integrations/hf/attention.py", "_attn_implementation"): (
+        "transformers has no public getter for a config's attention implementation; use_kvpolicy_attention "
+        "checks whether kvpolicy_sdpa is the one in use"
+    ),
+    ("integrations/kvpolicy_integrations/hf/cache.py", "_attn_implementation"): (
+        "transformers has no public getter (and no traceable setter) for a config's attention implementation; "
+        "the forward hooks of scope_attention read it and switch it (_switch_attention, docs/design.md, "
+        "\"The attention switch\")"
     ),
     ("integrations/kvpolicy_integrations/reconstruction.py", "_attn_implementation"): (
         "transformers has no public getter for a config's attention implementation; KVzip's reconstruction "

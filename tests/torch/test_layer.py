@@ -167,7 +167,7 @@ def test_shift_matrices_rotate_every_layer_as_rope_rotate_would(steps, fresh) ->
 
 def test_shift_matrices_batch_serves_the_layers_of_a_step_from_one_rotation(monkeypatch) -> None:
     pytest.importorskip("transformers")
-    import kvpolicy_integrations.hf as hf
+    import kvpolicy_integrations.hf.layer as hf  # (where ShiftMatrices calls rope_rotate)
 
     calls = []
     real = hf.rope_rotate

@@ -1,0 +1,591 @@
+"""One layer of the evicting cache: :class:`EvictingLayer`, a transformers cache layer backed by
+:class:`kvpolicy_torch.LayerCache`, with what the layers of one cache share (:class:`Padding`,
+:class:`ShiftMatrices`) (a part of :mod:`kvpolicy_integrations.hf`, whose docstring describes the
+whole). A layer appends a step's keys and values (``update``), serves that step's attention
+(``attention``: SDPA, the fused decode path, or one blocked pass over a prompt chunk) and evicts
+right after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kvpolicy.policy import EvictionPolicy
+from kvpolicy.statistics import Rotary
+from kvpolicy_torch import LayerCache, LayerGroup, PrefixShift, prefill_attention, received_attention, rope_matrix, rope_rotate
+from kvpolicy_torch.queries import PreRope
+from kvpolicy_torch.static import StepOptions, device_flag
+
+from ..capabilities import LayerAttention, RopeLayout
+from .attention import ATTENTION_NAME, LAYER_KWARG
+
+PositionsMode = Literal["original", "cache"]
+
+
+def _chunk_log_n_scales(log_n: Any, store: LayerCache, q: int, device: torch.device) -> torch.Tensor:
+    """``[batch, q]`` log-n scale of each query of a chunk, ``n`` the keys it attends to (paper,
+    section 3.5): query ``i`` of row ``r`` sees the row's kept tokens before the chunk plus the
+    chunk's real tokens up to ``i`` (causal)."""
+    valid = store.query_valid
+    kept = torch.tensor(store.lengths, device=device)[:, None]  # after the append: the chunk's real tokens included
+    if valid is None:
+        counts = kept - q + 1 + torch.arange(q, device=device)
+    else:
+        real = valid.to(torch.int64)
+        counts = kept - real.sum(dim=-1, keepdim=True) + torch.cumsum(real, dim=-1)
+    return log_n.scales(counts.clamp(min=1)).to(torch.float32)
+
+
+def _fusable(kwargs: dict[str, Any]) -> bool:
+    """Whether a decode step may take :func:`~kvpolicy_torch.decode_attention` (nothing
+    SDPA-specific such as a position bias or softcap)."""
+    return kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+
+
+def _unfusable_message(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> str:
+    """Why a decode step cannot take :func:`~kvpolicy_torch.decode_attention`: what it was given
+    (an attention dropout is a model in training mode: say ``model.eval()``)."""
+    given = []
+    if dropout:
+        mode = " (the model is in training mode: call model.eval() before decoding)" if module.training else ""
+        given.append(f"attention dropout {dropout:g}{mode}")
+    if kwargs.get("softcap") is not None:
+        given.append(f"softcap={kwargs['softcap']!r}")
+    if kwargs.get("position_bias") is not None:
+        given.append("a position bias (position_bias)")
+    return f"kvpolicy's decode attention takes no dropout, softcap or position bias; got {'; '.join(given)}"
+
+
+@dataclass
+class Padding:
+    """The padding of the forward in flight, shared by the layers of one :class:`EvictingCache`:
+    ``valid`` ``[batch, q]`` (False: pad) and per-row real counts, or ``None`` for none. ``serial``
+    counts forwards, so a layer never reuses the padding of an earlier forward."""
+
+    valid: torch.Tensor | None = None
+    real: list[int] | None = None
+    q: int = 0
+    serial: int = 0
+
+
+class ShiftMatrices:
+    """StreamingLLM's pos-shift rotations shared by the layers of one :class:`EvictingCache`.
+
+    At a decode step every layer's sinks move by the same shift, so :meth:`rotate` turns every
+    layer's sinks at once: the first layer to ask at a new shift rotates all layers' sinks in one
+    batch (:func:`~kvpolicy_torch.rope_rotate` on ``[layers, batch, kv_heads, sink, head_dim]``),
+    the others take their slice of it (a rotation per layer cost ~20 us of a decode step's
+    per-layer bookkeeping on a CPU). Layers whose shifts or RoPE differ within a step (per-layer
+    budgets, per-layer frequencies) fall back to one product per layer with a RoPE matrix per row
+    (:func:`~kvpolicy_torch.rope_matrix`, built once per shift and RoPE: :meth:`get`).
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._frequencies: torch.Tensor | None = None  # kept alive, so its id cannot be reused
+        self._value: torch.Tensor | None = None
+        self._sinks: dict[int, torch.Tensor] = {}  # layer -> its sinks' original keys [b, h, s, d]
+        self._batch: tuple[torch.Tensor, ...] | None = None  # per layer of the batch, its sinks rotated [b, h, s, d]
+        self._batch_key: tuple[Any, ...] | None = None  # (shifts, style, rotary_dim, dtype, device) of the batch
+        self._batch_frequencies: torch.Tensor | None = None  # and its frequencies
+        self._index: dict[int, int] = {}  # layer -> its row of the batch
+        self._served: set[int] = set()  # layers that took their slice of the batch
+        #: False once layers asked for different shifts or RoPE in one step: a product per layer
+        self.batched = True
+
+    def get(self, delta: Sequence[int], inv_freq: torch.Tensor, head_dim: int, style: str, rotary_dim: int,
+            dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``[batch, 1, head_dim, head_dim]`` for these shifts (see :func:`~kvpolicy_torch.rope_matrix`)."""
+        key = (tuple(delta), id(inv_freq), head_dim, style, rotary_dim, dtype, device)
+        if key != self._key or self._frequencies is not inv_freq:
+            work = torch.float64 if dtype == torch.float64 else torch.float32
+            matrix = rope_matrix(torch.tensor(list(delta), device=device), inv_freq, head_dim, style=style,
+                                 rotary_dim=rotary_dim, dtype=work)
+            self._key, self._frequencies, self._value = key, inv_freq, matrix
+        return self._value  # type: ignore[return-value]
+
+    def rotate(self, layer: int, keys: torch.Tensor, delta: Sequence[int], inv_freq: torch.Tensor, style: str,
+               rotary_dim: int) -> torch.Tensor:
+        """Layer ``layer``'s sinks ``keys`` ``[batch, kv_heads, s, head_dim]`` (their original keys)
+        rotated by ``delta[r]`` positions in row ``r``, as :func:`~kvpolicy_torch.rope_rotate`.
+
+        Example:
+            >>> import torch
+            >>> from kvpolicy_torch import rope_rotate
+            >>> shifts, freq = ShiftMatrices(), torch.tensor([1.0, 0.1])
+            >>> sinks = [torch.randn(1, 2, 3, 4) for _ in range(2)]
+            >>> out = [shifts.rotate(l, sinks[l], [5], freq, "half", 4) for l in range(2)]
+            >>> all(torch.allclose(o, rope_rotate(k, torch.tensor([5]), freq), atol=1e-5) for o, k in zip(out, sinks))
+            True
+        """
+        if self.batched:
+            key = (tuple(delta), style, rotary_dim, keys.dtype, keys.device)
+            if self._sinks.get(layer) is not keys:  # new sinks (a first shift, or taken again after a chunk)
+                self._sinks[layer] = keys
+                self._batch = None
+            same = self._batch_key == key and self._batch_frequencies is inv_freq
+            if self._batch is not None and same and layer in self._index:
+                self._served.add(layer)
+                return self._batch[self._index[layer]]
+            if self._batch is not None and not same and len(self._served) < len(self._index):
+                self.batched = False  # a layer still waits for the last shift: shifts differ between layers
+            else:
+                like = [l for l, k in self._sinks.items()
+                        if k.shape == keys.shape and k.dtype == keys.dtype and k.device == keys.device]
+                shifts = torch.tensor(list(delta), device=keys.device).view(-1, 1, 1)  # [b, 1, 1] against [L, b, h, s]
+                # unbound once: each layer then takes a view made here (no op a layer)
+                self._batch = rope_rotate(torch.stack([self._sinks[l] for l in like]), shifts, inv_freq, style=style,
+                                          rotary_dim=rotary_dim).unbind(0)
+                # served at this shift so far (a layer joining mid-step: its first shift) plus this one
+                served = self._served if same else set()
+                self._batch_key, self._batch_frequencies = key, inv_freq
+                self._index, self._served = {l: i for i, l in enumerate(like)}, served | {layer}
+                return self._batch[self._index[layer]]
+        matrix = self.get(delta, inv_freq, keys.shape[-1], style, rotary_dim, keys.dtype, keys.device)
+        b, h, s, d = keys.shape
+        # one [h * s, d] x [d, d] product per row (a broadcast 4-D matmul costs twice as much here)
+        rows = keys.reshape(b, h * s, d)
+        if rows.dtype != matrix.dtype:
+            return torch.bmm(rows.to(matrix.dtype), matrix[:, 0]).to(keys.dtype).view(b, h, s, d)
+        return torch.bmm(rows, matrix[:, 0]).view(b, h, s, d)
+
+
+class EvictingLayer(DynamicLayer):
+    """One transformers cache layer backed by :class:`kvpolicy_torch.LayerCache`."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(
+        self,
+        policy: EvictionPolicy,
+        layer_idx: int,
+        *,
+        positions: PositionsMode = "original",
+        inv_freq: torch.Tensor | None = None,
+        rope: RopeLayout | None = None,
+        attention: LayerAttention | None = None,
+        reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        fused_decode: bool = True,
+        static_shapes: bool = False,
+        reserve: int | None = None,
+        padding: Padding | None = None,
+        shift_matrices: ShiftMatrices | None = None,
+        pre_rope: PreRope | None = None,
+        group: LayerGroup | None = None,
+        prefill_chunk: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.policy = policy
+        self.layer_idx = layer_idx
+        self.positions_mode = positions
+        self.inv_freq = inv_freq
+        # pos-shift rotation: the measured layout, else (an explicit inv_freq) full half-split RoPE,
+        # else none (a NoPE layer: positions do not enter its scores, so there is nothing to shift)
+        self.rope = rope
+        # keys move under pos-shift (positions="cache"), except in a NoPE layer
+        self.shifts = positions == "cache" and (rope is not None or inv_freq is not None)
+        # pos-shift of StreamingLLM's sinks is done in the storage (their keys rotated when the
+        # shift changes): the decode step then attends with plain SDPA
+        self.store = LayerCache(
+            policy, reduce_scores=reduce_scores, static_shapes=static_shapes, reserve=reserve,
+            key_shift=self._shift_keys if self.shifts else None, group=group, prompt_chunk=prefill_chunk,
+        )
+        self.shift_matrices = shift_matrices if shift_matrices is not None else ShiftMatrices()
+        #: Expected Attention's queries rotated back to before RoPE (one rotation a step for all layers)
+        self.pre_rope = pre_rope if pre_rope is not None else PreRope()
+        #: this layer's attention pattern (full, or a sliding or chunked window)
+        self.attention_kind = attention if attention is not None else LayerAttention("full")
+
+        self.fused_decode = fused_decode
+        # what the policy needs of each attention call, fixed for the layer's life (read per step)
+        self.observes, self.captures = policy.observes_queries, policy.captures_attention
+        self.padding = padding if padding is not None else Padding()
+        self.pending = False
+        self._seen_serial = -1
+        self._prefix: PrefixShift | None = None
+        self._step_options = self._make_step_options()
+        #: a ``[]`` bool device flag: some attention output of a log-n policy was not finite since
+        #: the last reset (see :meth:`EvictingCache.report_nonfinite`); ``None`` before the first
+        self.nonfinite: torch.Tensor | None = None
+
+    # transformers' base classes assign self.keys / self.values; they live in the store here.
+    @property  # type: ignore[override]
+    def keys(self) -> torch.Tensor | None:
+        """The kept keys in position order, transformers' shape ``[batch, kv_heads, length,
+        head_dim]`` (``None`` before the first update). ``length`` is the most any row keeps: after
+        a left-padded prompt a row keeping fewer has zeros in front of its keys, where
+        ``DynamicCache`` has its pad columns; :attr:`kept_mask` says which are kept tokens
+        (:attr:`kvpolicy_torch.LayerCache.keys`)."""
+        return self.store.keys if self.store.is_initialized else None
+
+    @keys.setter
+    def keys(self, value: Any) -> None:
+        if value is not None:
+            raise AttributeError("EvictingLayer.keys is read-only; use update()")
+
+    @property  # type: ignore[override]
+    def values(self) -> torch.Tensor | None:
+        """The kept values, laid out as :attr:`keys`."""
+        return self.store.values if self.store.is_initialized else None
+
+    @property
+    def kept_mask(self) -> torch.Tensor | None:
+        """``[batch, kv_heads, length]`` bool: which entries of :attr:`keys` and :attr:`values` are
+        kept tokens (False: a row or head that keeps fewer than the longest, e.g. after a
+        left-padded prompt); ``None`` before the first update.
+
+        Example:
+            >>> from kvpolicy import FullCache
+            >>> from kvpolicy_integrations.hf import EvictingCache, cache_kwargs
+            >>> from kvpolicy_tools.models import tiny_llama
+            >>> model = tiny_llama()
+            >>> cache = EvictingCache(FullCache(), model)
+            >>> mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])  # row 0: two left pads
+            >>> _ = model(torch.arange(1, 11).view(2, 5), attention_mask=mask, **cache_kwargs(model, cache))
+            >>> layer = cache.layers[0]
+            >>> tuple(layer.keys.shape), layer.kept_mask[:, 0].long().tolist()
+            ((2, 2, 5, 16), [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+        """
+        return self.store.kept_mask if self.store.is_initialized else None
+
+    @values.setter
+    def values(self, value: Any) -> None:
+        if value is not None:
+            raise AttributeError("EvictingLayer.values is read-only; use update()")
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, kwargs: dict[str, Any] | None = None,
+        **extra: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``[batch, kv_heads, q, head_dim]`` keys/values; return the slots the queries attend.
+
+        ``kwargs``: the attention module's keyword arguments, which transformers then unpacks into
+        the attention function: this layer adds itself there (:data:`LAYER_KWARG`), so that
+        :meth:`attention` serves the call that follows. A call without them is one made by hand,
+        outside a model's forward, and is refused (``RuntimeError``, nothing appended): the layer
+        evicts only after the step's attention, so such an append would hold the keys past the
+        policy's capacity. (:meth:`EvictingCache.update` hands them, an empty dict for a model
+        whose attention passes none; a caller that runs the attention itself passes
+        ``kwargs={}``, then calls :meth:`attention` or :meth:`finish_received`.)"""
+        if kwargs is None:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: EvictingLayer.update() was called by hand, outside a model's forward, which is "
+                f"not supported: an evicting layer appends a step's keys and values and evicts by that step's attention, "
+                f"which only the model's forward computes (an append without it holds the keys past the policy's "
+                f"capacity). Run the model with the cache (model(ids, cache=cache) or model.generate(..., cache=cache)); to "
+                f"append keys and values by hand, use transformers' DynamicCache. (To drive a layer by hand: "
+                f"update(keys, values, kwargs={{}}), then attention(module, query, keys, values) or finish_received(scores).)"
+            )
+        kwargs[LAYER_KWARG] = self
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.pending:
+            self.pending = False
+            raise RuntimeError(
+                f"layer {self.layer_idx}: the previous step's attention did not go through kvpolicy, so no scores "
+                f"were captured and nothing was evicted. Either the model was not switched to it (pass the model, not "
+                f"its config, to EvictingCache, or call kvpolicy_integrations.hf.use_kvpolicy_attention(model), or "
+                f"load it with attn_implementation='{ATTENTION_NAME}'), or this layer's attention does not dispatch "
+                f"through transformers' attention interface (then kvpolicy cannot serve the model)"
+            )
+        q = key_states.shape[2]
+        if q == 1 and self.store.static_shapes and self.store.is_initialized:
+            # a static-shaped decode step: device bookkeeping only (kvpolicy_torch.static)
+            keys, values = self.store.append(key_states, value_states)
+            if self.store.on_device:
+                self.pending = True
+                return keys, values
+            self._prefix = None  # (a first step without a prompt: the host path below)
+            return self._finish_update(keys, values)
+        pad = self.padding
+        valid = real = None
+        if q > 1 and pad.serial != self._seen_serial:  # the padding noted for this forward (once per layer)
+            self._seen_serial = pad.serial
+            if pad.valid is not None and pad.q == q and q > 1:
+                valid, real = pad.valid, pad.real
+        keys, values = self.store.append(key_states, value_states, valid=valid, real=real)
+        self._prefix = None
+        return self._finish_update(keys, values)
+
+    def _finish_update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.shifts and not self.store.keys_shifted:  # (keys_shifted: the store moved the sinks already)
+            shift = self.store.shift()
+            if isinstance(shift, PrefixShift):
+                if shift.length and any(shift.delta):
+                    self._prefix = shift  # the attention rotates the query back for those slots
+            else:
+                keys = self._rotate(keys, shift)
+        self.pending = True
+        return keys, values
+
+    def attention(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """The attention of the step :meth:`update` just appended, then its scores and eviction:
+        what the attention function calls (transformers passes no cache to attention functions;
+        :meth:`update` hands this layer over through the call's kwargs).
+
+        The mask comes from the layer's slots (holes, pads, causal order inside a prompt chunk,
+        a sliding window on original positions), not from transformers: slot order is not
+        sequence order once tokens are evicted.
+
+        Returns:
+            ``(output [batch, q, q_heads, head_dim], None)``: no attention weights.
+        """
+        out = self._attention(module, query, key, value, dropout=dropout, scaling=scaling, **kwargs)
+        if self.policy.log_n is not None:
+            # the logits times the log-n scale may overflow (paper, section 3.5), which makes the
+            # probabilities NaN (their scores then rank lowest, the NaN rule): flagged on the device
+            # (no host read in the decode path), reported by EvictingCache.report_nonfinite
+            if self.nonfinite is None:
+                self.nonfinite = device_flag(out.device)
+            self.nonfinite.logical_or_(~torch.isfinite(out).all())
+        return out, None
+
+    def _attention(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                   dropout: float, scaling: float | None, **kwargs: Any) -> torch.Tensor:
+        """The body of :meth:`attention`: its output."""
+        if not self.pending:
+            raise ValueError(
+                f"layer {self.layer_idx}: the model's attention ran more than once for one cache update (e.g. DiffLlama's "
+                f"differential attention): not softmax attention over a KV cache as kvpolicy serves it"
+            )
+        self.pending = False
+        store = self.store
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if self.observes:  # Expected Attention: the queries' running moments, before evict()
+            self.observe_queries(query, kwargs.get("position_ids"))
+        if store.on_device:  # a static-shaped decode step: one graph (kvpolicy_torch.static)
+            if dropout or not _fusable(kwargs):
+                raise ValueError(_unfusable_message(module, dropout, kwargs))
+            out = store.attend(query, scale, options=self.step_options)
+            store.evict()
+            return out
+        q_len = query.shape[2]
+        log_n = self.policy.log_n
+        uses_scores = self.captures  # (scores from keys: no capture, the store computes them)
+        if q_len == 1:
+            # (two host checks first: most layers have no window and no shifted prefix)
+            window = None if self.attention_kind.kind == "full" else self.window_bias()
+            prefix = None if self._prefix is None else self.take_prefix(query)
+            # log n: n = the keys the query attends to (paper, section 3.5): the row's kept tokens
+            scales = [log_n.scale(n) for n in store.lengths] if log_n is not None else None
+            if scales is not None and all(x == scales[0] for x in scales):
+                # every row attends to as many keys (one row, always): one logit scale, which SDPA
+                # and the store's grouped step take as they take the plain one (a tensor of row
+                # scales costs BUZZ with log n ~7% of its decode step at 2,048 tokens)
+                scale, scales = scale * scales[0], None
+            # (the fused path never needs `plain`: store.bias, a slice, is read only when SDPA may serve)
+            sdpa = not (uses_scores and self.fused_decode) and window is None and prefix is None
+            if sdpa and store.bias is None and scales is None:
+                # SDPA: nothing to mask or shift, and no scores wanted (or the unfused path asked for)
+                out, _ = sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scale, **kwargs)
+                if uses_scores:
+                    store.accumulate_query(received_attention(query, key, scale), query.shape[1] // key.shape[1])
+                self.finish_received(None)
+                return out
+            if dropout or not _fusable(kwargs):
+                raise ValueError(_unfusable_message(module, dropout, kwargs))
+            row_scale = torch.tensor(scales, device=query.device) if scales is not None else None
+            out = store.attend(query, scale, extra_bias=window, row_scale=row_scale, prefix=prefix)
+            self.finish_received(None)
+            return out
+        # the first chunk of a prompt (no pads, nothing held before it, every key inside this
+        # layer's window): plain causal over its own keys, SDPA's causal kernel (an explicit mask
+        # costs a 2,048-token prefill ~2.4x the attention time: every masked block computed)
+        causal = store.chunk_causal and self._window_limits() is None
+        mask = None if causal else self.window_chunk_mask(store.chunk_mask())
+        query_scale = None if log_n is None else _chunk_log_n_scales(log_n, store, q_len, query.device)
+        if (uses_scores and self.policy.prompt_rows is None and self.history is None and not dropout and _fusable(kwargs)
+                and query.dtype in (torch.float32, torch.float64) and key.dtype == value.dtype == query.dtype):
+            # every prompt row's attention wanted (H2O, BUZZ): the output and the received sums in
+            # one blocked pass (SDPA and then a second pass over the logits cost 1.3-1.4x a plain
+            # prefill at 2,048 tokens); 16-bit inputs keep SDPA (their softmax wants float32)
+            out, received = prefill_attention(query, key, value, scale, query_scale=query_scale, mask=mask,
+                                              query_valid=store.query_valid)
+            self.finish_received(received)
+            return out
+        sdpa_query = query if query_scale is None else query * query_scale[:, None, :, None].to(query.dtype)
+        if causal:  # (the mask kvpolicy builds is causal whatever the module says)
+            kwargs = {**kwargs, "is_causal": True}
+        out, _ = sdpa_attention_forward(module, sdpa_query, key, value, mask, dropout=dropout, scaling=scale, **kwargs)
+        received = None
+        if uses_scores:
+            received = received_attention(
+                query, key, scale, query_scale=query_scale, mask=mask, query_valid=store.query_valid,
+                rows=self.policy.prompt_rows, history=self.history,
+            )
+        self.finish_received(received)
+        return out
+
+    def observe_queries(self, query: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
+        """Expected Attention: hand the store this step's queries ``[batch, q_heads, q, head_dim]``
+        rotated back to before RoPE (:meth:`LayerCache.observe_queries`). Each query is rotated
+        by minus the position the model rotated it by (``position_ids`` when the attention is
+        given them, else its position in the store), angles only (a scaled RoPE's magnitude factor
+        stays, as it does in the cached keys); pads are not counted. The layer's RoPE layout goes
+        with them, for the scores' rotation averaged over the next positions (none in a NoPE layer)."""
+        store = self.store
+        positions = store.query_positions(query.shape[2])  # [batch, q], -1 at pads
+        rotated = positions if position_ids is None else position_ids.to(positions.device)
+        rotary = None
+        if self.rope is not None:
+            rotary = Rotary(self.rope.inv_freq, self.rope.style, self.rope.rotary_dim)
+        elif self.inv_freq is not None:
+            rotary = Rotary(self.inv_freq, "half", None)
+        pre_rope = query if rotary is None else self.pre_rope.unrotate(
+            query, rotated, rotary.inv_freq, style=rotary.style, rotary_dim=rotary.rotary_dim, step=self.padding.serial)
+        store.observe_queries(pre_rope, positions, rotary)
+
+    @property
+    def step_options(self) -> StepOptions:
+        """What a static-shaped decode step of this layer adds to plain attention (fixed for the
+        layer's life, so a compiled step traces it as constants)."""
+        return self._step_options
+
+    def _make_step_options(self) -> StepOptions:
+        kind, w = self.attention_kind.kind, self.attention_kind.window
+        window = (kind, int(w)) if kind != "full" and w is not None else None
+        rope = None
+        rule = self.policy.decode_eviction
+        if self.shifts and rule is not None and rule.victim == "oldest" and rule.sink > 0:
+            if self.rope is not None:
+                rope = (self.rope.inv_freq, self.rope.style, self.rope.rotary_dim)
+            else:
+                rope = (self.inv_freq, "half", None)
+        return StepOptions(window=window, log_n=self.policy.log_n, shift_prefix=rule.sink if rope is not None else 0,
+                           rope=rope)
+
+    def take_prefix(self, query: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """For a pos-shift decode step: ``(k, query rotated back by each row's shift)`` for the
+        prefix slots whose keys sit later than their original positions (see LayerCache.shift)."""
+        shift, self._prefix = self._prefix, None
+        if shift is None:
+            return None
+        delta = torch.tensor(shift.delta, device=query.device).view(-1, 1, 1)
+        return shift.length, self._rotate(query, -delta)
+
+    def _rotate(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``x`` rotated by ``delta`` positions with this layer's RoPE (unchanged in a NoPE layer)."""
+        if self.rope is not None:
+            return rope_rotate(x, delta, self.rope.inv_freq, style=self.rope.style, rotary_dim=self.rope.rotary_dim)
+        if self.inv_freq is not None:
+            return rope_rotate(x, delta, self.inv_freq)
+        return x
+
+    def _shift_keys(self, keys: torch.Tensor, delta: list[int]) -> torch.Tensor:
+        """Keys ``[batch, kv_heads, s, head_dim]`` rotated by ``delta[r]`` positions in row ``r``
+        (the store's ``key_shift``: StreamingLLM's sinks, rotated with every layer's at once)."""
+        if self.rope is not None:
+            freq, style, dim = self.rope.inv_freq, self.rope.style, self.rope.rotary_dim
+        else:
+            freq, style, dim = self.inv_freq, "half", keys.shape[-1]
+        return self.shift_matrices.rotate(self.layer_idx, keys, delta, freq, style, dim)  # type: ignore[arg-type]
+
+    def _window_limits(self) -> list[int] | None:
+        """Per row, the newest original position a query can no longer see in this sliding or
+        chunked layer (keys at positions ``<= limit`` are masked), or ``None`` when no kept token
+        can be outside the window yet (host ints only)."""
+        kind, w = self.attention_kind.kind, self.attention_kind.window
+        if kind == "full" or w is None:
+            return None
+        newest = [s - 1 for s in self.store.seen]  # the query's original position in each row
+        if max(newest) < w:
+            return None  # every position so far is inside the window (or the first chunk)
+        if kind == "sliding":  # transformers: kv > q - window
+            return [p - w for p in newest]
+        return [p // w * w - 1 for p in newest]  # chunked: same chunk as the query
+
+    def window_bias(self) -> torch.Tensor | None:
+        """A decode step's additive bias ``[batch, kv_heads, n]`` for this sliding or chunked layer:
+        ``-inf`` at kept tokens whose *original* position lies outside the window or chunk, else
+        ``0`` (the holes' ``-inf`` is the store's, :attr:`LayerCache.bias`); ``None`` when no kept
+        token can be outside it yet."""
+        limits = self._window_limits()
+        if limits is None:
+            return None
+        pos = self.store.slot_positions
+        lim = torch.tensor(limits, device=pos.device).view(-1, 1, 1)
+        zero = torch.zeros((), dtype=torch.float32, device=pos.device)
+        return torch.where(pos > lim, zero, float("-inf"))
+
+    def window_chunk_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """A prompt chunk's boolean mask ``[batch | 1, 1, q, n]`` restricted to this layer's sliding
+        window or chunk, measured on original positions (pad queries keep their own column)."""
+        if self._window_limits() is None:
+            return mask
+        kind, w = self.attention_kind.kind, int(self.attention_kind.window)  # type: ignore[arg-type]
+        pos = self.store.slot_positions[:, 0, :]  # rows are compacted for a chunk: head 0 speaks for all
+        qpos = pos[:, -mask.shape[-2] :]
+        lim = qpos - w if kind == "sliding" else torch.div(qpos, w, rounding_mode="floor") * w - 1
+        inside = (pos[:, None, :] > lim[:, :, None]) | (qpos < 0)[:, :, None]
+        return mask & inside[:, None]
+
+    @property
+    def history(self) -> int | None:
+        """The queries a token's record covers for a ``"low_history"`` policy (Scissorhands), else ``None``."""
+        return self.policy.score_history if self.policy.score_statistic == "low_history" else None
+
+    def finish_received(self, received: torch.Tensor | None) -> None:
+        """After attention: accumulate ``received`` ``[batch, kv_heads, n]`` (if any), then evict."""
+        if received is not None:
+            self.store.accumulate(received)
+        self.pending = False
+        self.store.evict()
+
+    def get_seq_length(self) -> int | torch.Tensor:  # type: ignore[override]
+        """Columns seen so far, pads included (positions of new tokens start here), not the cached
+        length; a ``[]`` device tensor inside a compiled static-shaped step
+        (:attr:`LayerCache.sequence_length`)."""
+        return self.store.sequence_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(columns + query_length, 0)``; no 4-D mask is built from it (the forwards of an
+        :class:`EvictingCache` run under a mask function that builds none, :func:`scope_attention`).
+        Static shapes: ``(slots + query_length, 0)``, the same at every step."""
+        if self.store.static_shapes and self.store.is_initialized:
+            return self.store.slots + query_length, 0
+        return self.store.columns + query_length, 0
+
+    def get_max_length(self) -> int:
+        cap = self.policy.capacity
+        return -1 if cap is None else cap
+
+    def reset(self) -> None:
+        self.store.reset()
+        self.pending = False
+        self.is_initialized = False
+        self.nonfinite = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise ValueError("an evicting cache cannot be cropped: evicted tokens cannot be restored")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.store.select_batch(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.store.select_batch(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.store.is_initialized:
+            self.store.select_batch(torch.arange(self.store.batch).repeat_interleave(repeats))
