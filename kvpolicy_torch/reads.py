@@ -265,26 +265,42 @@ class LayerReads:
     def chunk_mask(self) -> torch.Tensor:
         """Boolean mask ``[batch | 1, 1, q, n]`` (True: attend) for the chunk the last ``append``
         added: every kept token before the chunk, causal inside it, pads attended by nobody (a pad
-        query sees only itself, so its row stays finite)."""
+        query sees only itself, so its row stays finite). After a head-wise eviction (AdaKV: the
+        KV heads hold different tokens) the mask is per KV head, ``[batch, kv_heads, q, n]``: a
+        query head reads its KV head's (:func:`~kvpolicy_torch.scores.prefill_attention` and
+        :func:`~kvpolicy_torch.scores.received_attention` take either shape).
+
+        Example:
+            >>> from kvpolicy import AdaKV, H2O
+            >>> from kvpolicy_torch import LayerCache
+            >>> layer = LayerCache(AdaKV(H2O(heavy=2, recent=1)))
+            >>> K, V = layer.append(torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4))
+            >>> layer.accumulate(torch.tensor([[[9.0, 9, 9, 9, 0, 0], [0, 0, 0, 0, 0, 0]]])); rounds = layer.evict()
+            >>> layer.slot_positions.tolist()  # head 0 kept five tokens, head 1 the newest one
+            [[[0, 1, 2, 3, 5, -1], [-1, -1, -1, -1, 5, -1]]]
+            >>> K, V = layer.append(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4))
+            >>> layer.chunk_mask()[0, 1].int().tolist()  # head 1's queries see its token 5 and the chunk, causal
+            [[0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1]]
+        """
         layout = self.synced()
         if layout.chunk is None:
             raise ValueError("chunk_mask() follows an append of more than one token")
         start, q, valid = layout.chunk
         pos = layout.returned_positions()
-        if self.policy.ragged_heads and bool(((pos >= 0) != (pos[:, :1] >= 0)).any()):
-            raise NotImplementedError(
-                f"{self.policy!r}: a prompt chunk after a head-wise eviction (heads holding different tokens) needs a "
-                "mask per KV head, which this backend does not build yet; append the whole prompt at once"
-            )
         rows = torch.arange(q, device=pos.device)[:, None]
         cols = torch.arange(pos.shape[-1], device=pos.device)[None, :]
         causal = cols <= start + rows  # [q, n]
-        if valid is None and all(c == start + q for c in layout.rows.count):  # no pads, no holes before the chunk
+        # rows are compacted for a chunk, so head 0 speaks for all, unless a head-wise eviction left
+        # the heads holding different tokens (each head's kept tokens at its own front slots; a
+        # row's count is then its widest head's)
+        per_head = self.policy.ragged_heads and bool(((pos >= 0) != (pos[:, :1] >= 0)).any())
+        if not per_head and valid is None and all(c == start + q for c in layout.rows.count):  # no pads, no holes before the chunk
             return causal[None, None]
-        mask = causal[None] & (pos[:, 0, :] >= 0)[:, None, :]  # [b, q, n]: rows are compacted, so head 0 speaks for all
+        held = pos >= 0 if per_head else pos[:, :1] >= 0  # [b, h | 1, n]
+        mask = causal[None, None] & held[:, :, None, :]  # [b, h | 1, q, n]
         if valid is not None:
-            mask = mask | ((cols == start + rows)[None] & ~valid[:, :, None])
-        return mask[:, None]
+            mask = mask | ((cols == start + rows)[None, None] & ~valid[:, None, :, None])
+        return mask
 
     def shift(self) -> PrefixShift | torch.Tensor:
         """How far each returned slot sits from its original position under StreamingLLM's

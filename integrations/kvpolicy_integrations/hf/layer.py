@@ -427,7 +427,10 @@ class EvictingLayer(DynamicLayer):
         sdpa_query = query if query_scale is None else query * query_scale[:, None, :, None].to(query.dtype)
         if causal:  # (the mask kvpolicy builds is causal whatever the module says)
             kwargs = {**kwargs, "is_causal": True}
-        out, _ = sdpa_attention_forward(module, sdpa_query, key, value, mask, dropout=dropout, scaling=scale, **kwargs)
+        sdpa_mask = mask
+        if mask is not None and mask.shape[1] not in (1, query.shape[1]):  # per KV head (AdaKV): each query head its group's
+            sdpa_mask = mask.repeat_interleave(query.shape[1] // mask.shape[1], dim=1)
+        out, _ = sdpa_attention_forward(module, sdpa_query, key, value, sdpa_mask, dropout=dropout, scaling=scale, **kwargs)
         received = None
         if uses_scores:
             received = received_attention(
@@ -529,16 +532,18 @@ class EvictingLayer(DynamicLayer):
         return torch.where(pos > lim, zero, float("-inf"))
 
     def window_chunk_mask(self, mask: torch.Tensor) -> torch.Tensor:
-        """A prompt chunk's boolean mask ``[batch | 1, 1, q, n]`` restricted to this layer's sliding
-        window or chunk, measured on original positions (pad queries keep their own column)."""
+        """A prompt chunk's boolean mask ``[batch | 1, 1 | kv_heads, q, n]`` restricted to this
+        layer's sliding window or chunk, measured on original positions (pad queries keep their own
+        column)."""
         if self._window_limits() is None:
             return mask
         kind, w = self.attention_kind.kind, int(self.attention_kind.window)  # type: ignore[arg-type]
-        pos = self.store.slot_positions[:, 0, :]  # rows are compacted for a chunk: head 0 speaks for all
-        qpos = pos[:, -mask.shape[-2] :]
+        # rows are compacted for a chunk: head 0 speaks for all, unless the mask is per KV head
+        pos = self.store.slot_positions[:, : mask.shape[1], :]  # [b, h | 1, n]
+        qpos = pos[:, 0, -mask.shape[-2] :]  # the chunk's own slots: the same positions on every head
         lim = qpos - w if kind == "sliding" else torch.div(qpos, w, rounding_mode="floor") * w - 1
-        inside = (pos[:, None, :] > lim[:, :, None]) | (qpos < 0)[:, :, None]
-        return mask & inside[:, None]
+        inside = (pos[:, :, None, :] > lim[:, None, :, None]) | (qpos < 0)[:, None, :, None]
+        return mask & inside
 
     @property
     def history(self) -> int | None:
