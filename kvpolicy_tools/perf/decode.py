@@ -44,6 +44,7 @@ from kvpolicy_integrations.capabilities import cache_kwargs, text_config
 from kvpolicy_integrations.hf import ATTENTION_NAME, EvictingCache
 from kvpolicy_torch import LayerCache
 
+from ..eval.display import policy_name
 from .report import median_interval
 
 __all__ = [
@@ -88,9 +89,6 @@ class Candidate:
         return self.policy is None
 
 
-POLICY_LABELS = {"streaming_llm": "StreamingLLM", "h2o": "H2O", "buzz": "BUZZ", "buzz_logn": "BUZZ log n", "local": "Local"}
-
-
 @dataclass(frozen=True)
 class PolicySpec:
     """How to build a policy for a run: ``planner(budget, context_length, prompt_length)``.
@@ -113,7 +111,7 @@ class PolicySpec:
         def planner(budget: float | None, context_length: int, prompt_length: int) -> Any:
             return plan_policy(entry, budget, context_length=context_length, prompt_length=prompt_length).policy
 
-        return cls(POLICY_LABELS.get(name, name), planner)
+        return cls(policy_name(name), planner)  # (the display name kvpolicy compare shows)
 
 
 def standard_candidates(

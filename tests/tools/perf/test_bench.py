@@ -159,8 +159,8 @@ def test_bench_policy_all_measures_every_decoding_policy(tmp_path) -> None:
     ]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["decode"]["results"]
     measured = {r["label"].rsplit(" ", 1)[0]: r for r in rows if r.get("budget") is not None and not r["label"].startswith("limit")}
-    from kvpolicy_tools.perf.decode import POLICY_LABELS
+    from kvpolicy_tools.eval.display import policy_name
 
-    assert set(measured) == {POLICY_LABELS.get(n, n) for n in decoding_policy_names()}  # (h2o named twice: measured once)
+    assert set(measured) == {policy_name(n) for n in decoding_policy_names()}  # (h2o named twice: measured once)
     for label, row in measured.items():  # timed against its own limit (BUZZ evicts every stride: none in one step)
         assert row["share_of_limit"] > 0 and row["kept"] < 48, label
