@@ -291,3 +291,54 @@ def test_a_layer_updated_by_hand_is_refused_at_the_first_call(edge_model, policy
     with torch.no_grad():
         edge_model(_edge_ids(12), **cache_kwargs(edge_model, cache))
     assert cache.layers[1].store.seen == [12] and cache.layers[1].store.length <= policy.capacity
+
+
+def _grouped_twin(seed: int = 3):
+    """A GQA model (4 query heads over 2 KV heads) whose two query heads of each group are one
+    head twice, and the MHA model (2 heads) it equals: the same keys, values and outputs (its
+    ``o_proj`` sums the pair's columns), and per KV head exactly twice the attention the MHA head
+    receives (a pair's probabilities are equal, and x + x = 2x exactly). Tiny random weights, float64."""
+    gqa = tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=8, vocab=96, seed=seed).double()
+    mha = tiny_llama(num_layers=2, heads=2, kv_heads=2, head_dim=8, vocab=96, seed=seed, hidden_size=32,
+                     intermediate_size=64).double()
+    state = gqa.state_dict()
+    twin = {}
+    for name, w in state.items():
+        if name.endswith("self_attn.q_proj.weight"):
+            w = w.view(4, 8, 32).clone()
+            w[1], w[3] = w[0], w[2]  # each group's second query head is its first
+            state[name] = w.reshape(32, 32)
+            twin[name] = w[[0, 2]].reshape(16, 32)
+        elif name.endswith("self_attn.o_proj.weight"):
+            cols = w.view(32, 4, 8)
+            twin[name] = torch.cat([cols[:, 0] + cols[:, 1], cols[:, 2] + cols[:, 3]], dim=1)
+        else:
+            twin[name] = w
+    gqa.load_state_dict(state)
+    mha.load_state_dict(twin)
+    return gqa, mha
+
+
+@pytest.mark.parametrize("chunk", [7, 16])
+def test_adakv_chunks_per_kv_head_mask_serves_each_query_head_its_groups(chunk):
+    """GQA: a prompt chunk after a head-wise eviction attends through a mask per KV head, which the
+    SDPA call repeats over each KV head's query heads and the score pass broadcasts over the group.
+    Against the MHA twin (:func:`_grouped_twin`): every layer keeps the same tokens in every head
+    (the heads end with different lengths, so the per-head masks mattered) and the logits agree."""
+    from kvpolicy import AdaKV
+
+    gqa, mha = _grouped_twin()
+    ids = _ids(batch=1, length=45, seed=5) % 96
+    policy = AdaKV(TOVA(12, selection="per_head"))
+    caches = [EvictingCache(policy, m, prefill_chunk=chunk) for m in (gqa, mha)]
+    logits = []
+    for m, cache in zip((gqa, mha), caches):
+        with torch.no_grad():
+            for start in range(0, ids.shape[1], chunk):
+                out = m(input_ids=ids[:, start:start + chunk], **cache_kwargs(m, cache), use_cache=True)
+        logits.append(out.logits[:, -1])
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.store.positions, b.store.positions)
+    held = (caches[0].layers[0].store.positions[0] >= 0).sum(-1)
+    assert int(held.max()) > int(held.min()), held
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-9, atol=1e-9)
