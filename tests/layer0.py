@@ -90,3 +90,20 @@ def layer0_cached_values(model: Any, tokens: torch.Tensor, prompt_len: int) -> t
         hook.remove()
     v = torch.cat(seen, dim=1)[0].view(tokens.shape[1], -1, attn.head_dim)  # [steps, kv_heads, d]
     return logits, keys, v.double().numpy()
+
+
+def layer0_logits(model: Any, tokens: torch.Tensor) -> Any:
+    """Layer 0's pre-softmax logits ``[steps, heads, steps]`` (float64 NumPy) in a full
+    (non-evicting) forward of ``tokens`` ``[1, steps]`` by a Llama-shaped ``model`` with as many
+    query heads as KV heads: what :func:`kvpolicy_numpy.replay` takes."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    attn = model.model.layers[0].self_attn
+    hidden, (cos, sin) = layer0_inputs(model, tokens)
+    b, s, _ = hidden.shape
+    d = attn.head_dim
+    q = attn.q_proj(hidden).view(b, s, -1, d).transpose(1, 2)
+    k = attn.k_proj(hidden).view(b, s, -1, d).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    logits = torch.einsum("bhqd,bhkd->bqhk", q, k) * attn.scaling
+    return logits[0].detach().double().numpy()

@@ -22,24 +22,9 @@ from kvpolicy_tools.models import tiny_llama  # noqa: E402
 from kvpolicy_integrations.hf import ATTENTION_NAME, EvictingCache, cache_kwargs, register_attention, use_kvpolicy_attention  # noqa: E402
 from kvpolicy_integrations.hf.attention import kvpolicy_sdpa_attention  # noqa: E402
 
+from hf_cases import token_ids as _ids, greedy as _greedy  # noqa: E402
+
 pytestmark = [pytest.mark.hf, pytest.mark.torch]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=0)
-
-
-def _ids(batch=2, length=40, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 128, (batch, length), generator=g)
-
-
-def _greedy(model, ids, cache, n=16):
-    with torch.no_grad():
-        return model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, **cache_kwargs(model, cache)
-        )
 
 
 def test_mask_function_hands_padding_to_the_cache_and_serves_other_caches(model):

@@ -27,37 +27,10 @@ COVERING = [FullCache(), BUZZ(4, 64, 5, 300), H2O(100, 100), StreamingLLM(4, 100
 EVICTING = [BUZZ(2, 6, 3, 10), BUZZ(2, 6, 4, 12, log_n=True, log_base=8.0), H2O(8, 8), StreamingLLM(2, 10), LocalWindow(12), TOVA(12),
             Scissorhands(14, history=6, drop=0.25, recent=3), ExpectedAttention(12, sink=2, future=32)]
 
+from hf_cases import EDGE_SEED as SEED, edge_ids as _edge_ids, greedy as _greedy, token_ids as _ids  # noqa: E402
+from layer0 import layer0_logits as _layer0_logits  # noqa: E402
+
 pytestmark = [pytest.mark.hf, pytest.mark.torch]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=0)
-
-
-def _ids(batch=2, length=40, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 128, (batch, length), generator=g)
-
-
-def _greedy(model, ids, cache, n=16):
-    with torch.no_grad():
-        return model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, **cache_kwargs(model, cache)
-        )
-
-
-#: The seed of the issue 44 edge tests' model (tiny_llama's default shape).
-SEED = 11
-
-
-@pytest.fixture(scope="module")
-def edge_model():
-    return tiny_llama(seed=SEED)
-
-
-def _edge_ids(n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("policy", COVERING, ids=repr)
@@ -100,23 +73,6 @@ def test_cache_never_exceeds_capacity_and_frees_memory(model, policy):
     full = cache.full_kv_bytes()
     assert cache.kv_bytes <= full * policy.capacity / cache.get_seq_length() + 1
 
-def _layer0_logits(model, tokens):
-    """Pre-softmax logits of layer 0 for a full (non-evicting) forward, [steps, heads, steps]."""
-    from layer0 import layer0_inputs
-
-    attn = model.model.layers[0].self_attn
-    hidden, pos = layer0_inputs(model, tokens)
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    x = hidden
-    b, s, _ = x.shape
-    d = attn.head_dim
-    q = attn.q_proj(x).view(b, s, -1, d).transpose(1, 2)
-    k = attn.k_proj(x).view(b, s, -1, d).transpose(1, 2)
-    cos, sin = pos
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    logits = torch.einsum("bhqd,bhkd->bqhk", q, k) * attn.scaling
-    return logits[0].detach().double().numpy()
 
 @pytest.mark.parametrize(
     "policy",

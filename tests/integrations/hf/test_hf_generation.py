@@ -24,30 +24,10 @@ from kvpolicy_tools.models import tiny_llama  # noqa: E402
 from tiny_eval import CallTokenizer  # noqa: E402
 from kvpolicy_integrations.hf import EvictingCache, cache_kwargs, compile_decode_step, generate, greedy_decode  # noqa: E402
 
+from hf_cases import token_ids as _ids, edge_ids as _edge_ids  # noqa: E402
+from layer0 import layer0_logits as _layer0_logits  # noqa: E402
+
 pytestmark = [pytest.mark.hf, pytest.mark.torch]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=0)
-
-
-def _ids(batch=2, length=40, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 128, (batch, length), generator=g)
-
-
-#: The seed of the issue 44 edge tests' model (tiny_llama's default shape).
-SEED = 11
-
-
-@pytest.fixture(scope="module")
-def edge_model():
-    return tiny_llama(seed=SEED)
-
-
-def _edge_ids(n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture
@@ -62,23 +42,6 @@ def eager_backend():
     torch.compiler.reset()
 
 
-def _layer0_logits(model, tokens):
-    """Pre-softmax logits of layer 0 for a full (non-evicting) forward, [steps, heads, steps]."""
-    from layer0 import layer0_inputs
-
-    attn = model.model.layers[0].self_attn
-    hidden, pos = layer0_inputs(model, tokens)
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    x = hidden
-    b, s, _ = x.shape
-    d = attn.head_dim
-    q = attn.q_proj(x).view(b, s, -1, d).transpose(1, 2)
-    k = attn.k_proj(x).view(b, s, -1, d).transpose(1, 2)
-    cos, sin = pos
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    logits = torch.einsum("bhqd,bhkd->bqhk", q, k) * attn.scaling
-    return logits[0].detach().double().numpy()
 
 @pytest.mark.parametrize(
     "policy",

@@ -21,30 +21,9 @@ from kvpolicy import BUZZ, H2O, TOVA, FullCache, LocalWindow, StreamingLLM  # no
 from kvpolicy_tools.models import tiny_llama  # noqa: E402
 from kvpolicy_integrations.hf import EvictingCache, cache_kwargs, greedy_decode  # noqa: E402
 
+from hf_cases import token_ids as _ids, edge_ids as _edge_ids  # noqa: E402
+
 pytestmark = [pytest.mark.hf, pytest.mark.torch]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama(num_layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=0)
-
-
-def _ids(batch=2, length=40, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 128, (batch, length), generator=g)
-
-
-#: The seed of the issue 44 edge tests' model (tiny_llama's default shape).
-SEED = 11
-
-
-@pytest.fixture(scope="module")
-def edge_model():
-    return tiny_llama(seed=SEED)
-
-
-def _edge_ids(n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("policy", [FullCache(), StreamingLLM(2, 10), TOVA(12)], ids=repr)
