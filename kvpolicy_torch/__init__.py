@@ -26,6 +26,7 @@ step); a prompt chunk and a policy's general ``select`` run on the host in both.
 """
 
 from .attention import decode_attention, grouped_decode, rope_matrix, rope_rotate
+from .posshift import ShiftMatrices
 from .group import LayerGroup
 from .layer import LayerCache, LayerSnapshot, PrefixShift
 from .ops import first_argmin
@@ -37,6 +38,7 @@ __all__ = [
     "LayerGroup",
     "LayerSnapshot",
     "PrefixShift",
+    "ShiftMatrices",
     "decode_attention",
     "first_argmin",
     "grouped_decode",

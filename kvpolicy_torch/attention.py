@@ -1,10 +1,14 @@
-"""Decode attention over a slot cache, with the scores the policies need, and RoPE re-rotation."""
+"""Decode attention over a slot cache, with the scores the policies need, RoPE re-rotation, and
+the masks of sliding and chunked windows on original positions."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["decode_attention", "grouped_decode", "rope_matrix", "rope_rotate"]
+__all__ = ["decode_attention", "grouped_decode", "rope_matrix", "rope_rotate", "window_bias", "window_chunk_mask",
+           "window_limit"]
 
 
 def rope_rotate(
@@ -207,3 +211,56 @@ def decode_attention(
     probs = torch.softmax(logits, dim=-1)  # [b, g, r, n]
     out = torch.bmm(probs.view(b * g, r, n).to(value.dtype), value.reshape(b * g, n, dv))  # [b * g, r, dv]
     return out.view(b, 1, hq, dv), probs.sum(dim=2)
+
+
+# ---------------------------------------------------------------- sliding and chunked windows
+def window_limit(newest: Any, kind: str, width: int) -> Any:
+    """The newest original position a query at position ``newest`` no longer sees in a layer of
+    this ``kind`` and ``width`` (keys at positions ``<= limit`` are outside): ``"sliding"`` (as
+    transformers: a key is seen while ``key > query - width``) or ``"chunked"`` (a key is seen in
+    the query's own chunk of ``width`` positions). ``newest``: an int, or an int64 tensor of them
+    (the static step's device counts, a chunk's query positions); floor division either way.
+
+    Example:
+        >>> window_limit(9, "sliding", 4), window_limit(9, "chunked", 4)
+        (5, 7)
+        >>> window_limit(torch.tensor([3, 8]), "chunked", 4).tolist()
+        [-1, 7]
+    """
+    if kind == "sliding":
+        return newest - width
+    if kind == "chunked":
+        return newest // width * width - 1
+    raise ValueError(f"kind must be 'sliding' or 'chunked', got {kind!r}")
+
+
+def window_bias(positions: torch.Tensor, limits: list[int]) -> torch.Tensor:
+    """A decode step's additive bias ``[batch, kv_heads, n]`` float32: ``-inf`` where a slot's
+    original position (``positions`` ``[batch, kv_heads, n]``; a hole's ``-1`` too) is at or
+    below its row's limit (:func:`window_limit`, ``limits``: one per row), else ``0``.
+
+    Example:
+        >>> window_bias(torch.tensor([[[0, 4, 6]]]), [4]).tolist()
+        [[[-inf, -inf, 0.0]]]
+    """
+    lim = torch.tensor(limits, device=positions.device).view(-1, 1, 1)
+    zero = torch.zeros((), dtype=torch.float32, device=positions.device)
+    return torch.where(positions > lim, zero, float("-inf"))
+
+
+def window_chunk_mask(mask: torch.Tensor, positions: torch.Tensor, kind: str, width: int) -> torch.Tensor:
+    """A prompt chunk's boolean mask ``[batch | 1, 1 | kv_heads, q, n]`` (True: attend) restricted
+    to a sliding or chunked window on original positions: ``positions`` ``[batch, kv_heads, n]``
+    are the slots' (a chunk's queries are its last ``q`` slots, at the same positions on every
+    head); a pad query (position ``-1``) keeps what ``mask`` gives it (its own column).
+
+    Example:
+        >>> causal = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
+        >>> window_chunk_mask(causal, torch.tensor([[[0, 1, 2]]]), "sliding", 2)[0, 0].int().tolist()
+        [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+    """
+    pos = positions[:, : mask.shape[1], :]  # [b, h | 1, n]: rows are compacted for a chunk, head 0 speaks for all
+    qpos = pos[:, 0, -mask.shape[-2] :]  # the chunk's own slots
+    lim = window_limit(qpos, kind, width)
+    inside = (pos[:, :, None, :] > lim[:, None, :, None]) | (qpos < 0)[:, None, :, None]
+    return mask & inside

@@ -10,13 +10,14 @@ is plain SDPA; :func:`slot_shifts` gives the per-slot shift of any other layout.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from .attention import rope_matrix, rope_rotate
 from .storage import Storage
 
-__all__ = ["KeyShift", "PrefixShift", "SinkShift", "slot_shifts"]
+__all__ = ["KeyShift", "PrefixShift", "ShiftMatrices", "SinkShift", "slot_shifts"]
 
 #: ``key_shift(keys, delta)``: keys ``[batch, kv_heads, s, head_dim]`` rotated by ``delta`` positions
 #: (RoPE), ``delta`` one host int per row.
@@ -96,3 +97,85 @@ class SinkShift:
         if self.originals is not None and storage is not None:
             storage.keys[:, :, : self.originals.shape[2]] = self.originals
         self.originals, self.delta, self.held, self.slots = None, None, None, None
+
+
+class ShiftMatrices:
+    """StreamingLLM's pos-shift rotations shared by the layers of one cache (the transformers
+    integration's ``EvictingCache`` gives its layers one).
+
+    At a decode step every layer's sinks move by the same shift, so :meth:`rotate` turns every
+    layer's sinks at once: the first layer to ask at a new shift rotates all layers' sinks in one
+    batch (:func:`~kvpolicy_torch.rope_rotate` on ``[layers, batch, kv_heads, sink, head_dim]``),
+    the others take their slice of it (a rotation per layer cost ~20 us of a decode step's
+    per-layer bookkeeping on a CPU). Layers whose shifts or RoPE differ within a step (per-layer
+    budgets, per-layer frequencies) fall back to one product per layer with a RoPE matrix per row
+    (:func:`~kvpolicy_torch.rope_matrix`, built once per shift and RoPE: :meth:`get`).
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._frequencies: torch.Tensor | None = None  # kept alive, so its id cannot be reused
+        self._value: torch.Tensor | None = None
+        self._sinks: dict[int, torch.Tensor] = {}  # layer -> its sinks' original keys [b, h, s, d]
+        self._batch: tuple[torch.Tensor, ...] | None = None  # per layer of the batch, its sinks rotated [b, h, s, d]
+        self._batch_key: tuple[Any, ...] | None = None  # (shifts, style, rotary_dim, dtype, device) of the batch
+        self._batch_frequencies: torch.Tensor | None = None  # and its frequencies
+        self._index: dict[int, int] = {}  # layer -> its row of the batch
+        self._served: set[int] = set()  # layers that took their slice of the batch
+        #: False once layers asked for different shifts or RoPE in one step: a product per layer
+        self.batched = True
+
+    def get(self, delta: Sequence[int], inv_freq: torch.Tensor, head_dim: int, style: str, rotary_dim: int,
+            dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``[batch, 1, head_dim, head_dim]`` for these shifts (see :func:`~kvpolicy_torch.rope_matrix`)."""
+        key = (tuple(delta), id(inv_freq), head_dim, style, rotary_dim, dtype, device)
+        if key != self._key or self._frequencies is not inv_freq:
+            work = torch.float64 if dtype == torch.float64 else torch.float32
+            matrix = rope_matrix(torch.tensor(list(delta), device=device), inv_freq, head_dim, style=style,
+                                 rotary_dim=rotary_dim, dtype=work)
+            self._key, self._frequencies, self._value = key, inv_freq, matrix
+        return self._value  # type: ignore[return-value]
+
+    def rotate(self, layer: int, keys: torch.Tensor, delta: Sequence[int], inv_freq: torch.Tensor, style: str,
+               rotary_dim: int) -> torch.Tensor:
+        """Layer ``layer``'s sinks ``keys`` ``[batch, kv_heads, s, head_dim]`` (their original keys)
+        rotated by ``delta[r]`` positions in row ``r``, as :func:`~kvpolicy_torch.rope_rotate`.
+
+        Example:
+            >>> from kvpolicy_torch import rope_rotate
+            >>> shifts, freq = ShiftMatrices(), torch.tensor([1.0, 0.1])
+            >>> sinks = [torch.randn(1, 2, 3, 4) for _ in range(2)]
+            >>> out = [shifts.rotate(l, sinks[l], [5], freq, "half", 4) for l in range(2)]
+            >>> all(torch.allclose(o, rope_rotate(k, torch.tensor([5]), freq), atol=1e-5) for o, k in zip(out, sinks))
+            True
+        """
+        if self.batched:
+            key = (tuple(delta), style, rotary_dim, keys.dtype, keys.device)
+            if self._sinks.get(layer) is not keys:  # new sinks (a first shift, or taken again after a chunk)
+                self._sinks[layer] = keys
+                self._batch = None
+            same = self._batch_key == key and self._batch_frequencies is inv_freq
+            if self._batch is not None and same and layer in self._index:
+                self._served.add(layer)
+                return self._batch[self._index[layer]]
+            if self._batch is not None and not same and len(self._served) < len(self._index):
+                self.batched = False  # a layer still waits for the last shift: shifts differ between layers
+            else:
+                like = [l for l, k in self._sinks.items()
+                        if k.shape == keys.shape and k.dtype == keys.dtype and k.device == keys.device]
+                shifts = torch.tensor(list(delta), device=keys.device).view(-1, 1, 1)  # [b, 1, 1] against [L, b, h, s]
+                # unbound once: each layer then takes a view made here (no op a layer)
+                self._batch = rope_rotate(torch.stack([self._sinks[l] for l in like]), shifts, inv_freq, style=style,
+                                          rotary_dim=rotary_dim).unbind(0)
+                # served at this shift so far (a layer joining mid-step: its first shift) plus this one
+                served = self._served if same else set()
+                self._batch_key, self._batch_frequencies = key, inv_freq
+                self._index, self._served = {l: i for i, l in enumerate(like)}, served | {layer}
+                return self._batch[self._index[layer]]
+        matrix = self.get(delta, inv_freq, keys.shape[-1], style, rotary_dim, keys.dtype, keys.device)
+        b, h, s, d = keys.shape
+        # one [h * s, d] x [d, d] product per row (a broadcast 4-D matmul costs twice as much here)
+        rows = keys.reshape(b, h * s, d)
+        if rows.dtype != matrix.dtype:
+            return torch.bmm(rows.to(matrix.dtype), matrix[:, 0]).to(keys.dtype).view(b, h, s, d)
+        return torch.bmm(rows, matrix[:, 0]).view(b, h, s, d)

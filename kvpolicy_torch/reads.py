@@ -10,6 +10,8 @@ A read never changes what the layer holds; inside a decode step, the reads that 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvpolicy.policy import DecodeEviction, EvictionPolicy
@@ -239,6 +241,33 @@ class LayerReads:
         """``[batch, q]`` bool: which queries of the last chunk are real (``None``: all)."""
         chunk = self.synced(storage=False).chunk
         return chunk[2] if chunk is not None else None
+
+    def chunk_log_n_scales(self, log_n: Any) -> torch.Tensor:
+        """``[batch, q]`` float32: BUZZ's log-n scale (``log_n``: a :class:`~kvpolicy.LogNScaling`)
+        of each query of the chunk the last ``append`` added, ``n`` the keys it attends to (the
+        paper, section 3.5): query ``i`` of a row sees the row's kept tokens before the chunk plus
+        the chunk's real tokens up to ``i`` (causal).
+
+        Example:
+            >>> from kvpolicy import FullCache, LogNScaling
+            >>> from kvpolicy_torch import LayerCache
+            >>> layer = LayerCache(FullCache())
+            >>> K, V = layer.append(torch.randn(1, 1, 3, 2), torch.randn(1, 1, 3, 2))
+            >>> scaling = LogNScaling(base=2.0)
+            >>> torch.equal(layer.chunk_log_n_scales(scaling), scaling.scales(torch.tensor([[1, 2, 3]])).float())
+            True
+        """
+        chunk = self.synced(storage=False).chunk
+        if chunk is None:
+            raise ValueError("chunk_log_n_scales() follows an append of more than one token")
+        q, valid = chunk[1], chunk[2]
+        kept = torch.tensor(self.lengths, device=self.slot_positions.device)[:, None]  # the chunk's real tokens included
+        if valid is None:
+            counts = kept - q + 1 + torch.arange(q, device=kept.device)
+        else:
+            real = valid.to(torch.int64)
+            counts = kept - real.sum(dim=-1, keepdim=True) + torch.cumsum(real, dim=-1)
+        return log_n.scales(counts.clamp(min=1)).to(torch.float32)
 
     @property
     def chunk_causal(self) -> bool:

@@ -38,7 +38,7 @@ import torch
 from kvpolicy.policy import KEY_STATISTICS, DecodeEviction, EvictionPolicy
 from kvpolicy.statistics import low_attention, scored_once
 
-from .attention import rope_rotate
+from .attention import rope_rotate, window_limit
 from .compaction import sort_by_position
 from .layout import SlotLayout
 from .queries import RunningMoments, held_scores, token_scores
@@ -202,9 +202,7 @@ class DecodeState:
         visible = pos >= 0
         if options.window is not None:
             kind, w = options.window
-            newest = (self.seen - 1)[:, None, None]
-            limit = newest - w if kind == "sliding" else torch.div(newest, w, rounding_mode="floor") * w - 1
-            visible = visible & (pos > limit)
+            visible = visible & (pos > window_limit((self.seen - 1)[:, None, None], kind, w))
         q3 = query.reshape(b * h, r, d)
         logits = torch.bmm(q3, k.view(b * h, n, d).transpose(1, 2)).to(work).view(b, h, r, n)
         if options.shift_prefix:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -52,3 +54,31 @@ def test_rope_rotate_equals_rope_at_the_shifted_position() -> None:
         c, s = rotary(raw, (pos + delta[0, h])[None])
         want, _ = apply_rotary_pos_emb(raw[:, h : h + 1], raw[:, h : h + 1], c, s)
         torch.testing.assert_close(got[:, h : h + 1], want, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=300, deadline=None)
+@example(kind="sliding", width=5, positions=[-1, 0], q=1)  # (a hole inside the window: the store's bias masks it)
+@given(kind=st.sampled_from(["sliding", "chunked"]), width=st.integers(1, 9),
+       positions=st.lists(st.integers(-1, 40), min_size=1, max_size=12), q=st.integers(1, 4))
+def test_window_masks_keep_exactly_the_positions_inside_the_window(kind, width, positions, q) -> None:
+    """The window helpers (sliding: a key is seen while key > query - width, as transformers; chunked:
+    in the query's own chunk of width positions) on host ints, on int64 tensors and as a chunk's
+    mask agree with the rule written out per query and key (the window alone: holes and causality are
+    the store's bias and the chunk's mask); a pad query (-1) keeps its mask row."""
+    from kvpolicy_torch.attention import window_bias, window_chunk_mask, window_limit
+
+    def seen(key: int, query: int) -> bool:  # the window alone (causality and holes are the caller's mask's)
+        return key > query - width if kind == "sliding" else key >= query // width * width
+
+    newest = max(positions)
+    assert window_limit(torch.tensor([newest]), kind, width).tolist() == [window_limit(newest, kind, width)]
+    pos = torch.tensor(positions)[None, None]
+    bias = window_bias(pos, [window_limit(newest, kind, width)])[0, 0].tolist()
+    assert bias == [0.0 if seen(p, newest) else float("-inf") for p in positions]
+    # a chunk: its queries are the last q slots, every one attends to every slot before the chunk
+    qpos = positions[-q:]
+    mask = torch.ones(1, 1, min(q, len(positions)), len(positions), dtype=torch.bool)
+    got = window_chunk_mask(mask, pos, kind, width)[0, 0].tolist()
+    for row, query in zip(got, qpos):
+        want = [True] * len(positions) if query < 0 else [seen(p, query) for p in positions]
+        assert row == want, (query, positions)

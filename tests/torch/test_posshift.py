@@ -5,7 +5,8 @@ a view of those slots made once; a storage that grew while the sinks were held s
 the shifted keys) gets a view of its own, and ``undo`` puts the originals back in whatever storage
 the layer holds then. The rotation here is a stand-in (a multiplication by ``1 + delta``: any map of
 keys and shift will do, since SinkShift only stores what ``key_shift`` returns); the RoPE rotation
-itself is held to transformers' in tests/integrations/test_families.py.
+itself is held to transformers' in tests/integrations/test_families.py. ``ShiftMatrices`` (the sinks
+of every layer rotated in one batch) is held to ``rope_rotate`` one layer at a time.
 """
 
 from __future__ import annotations
@@ -89,3 +90,49 @@ def test_slot_shifts_move_each_kept_token_by_the_evictions_after_it() -> None:
     """A kept token's shifted position is seen - count + rank: with 4 evicted and holes between, the
     sinks move by 4 and the contiguous tail not at all."""
     assert slot_shifts(torch.tensor([[[0, 1, -1, 6, 7]]]), [4]).tolist() == [[[4, 4, 0, 0, 0]]]
+
+
+# ---------------------------------------------------------------- the sinks of every layer in one rotation
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.lists(st.lists(st.integers(0, 3), min_size=3, max_size=3), min_size=1, max_size=6),
+    fresh=st.lists(st.booleans(), min_size=6, max_size=6),
+)
+def test_shift_matrices_rotate_every_layer_as_rope_rotate_would(steps, fresh) -> None:
+    """``ShiftMatrices.rotate`` (StreamingLLM's sinks of every layer in one batch) returns each
+    layer's sinks rotated by its shift, as ``rope_rotate`` does one layer at a time: when all layers
+    share the shift (the batch), when they differ within a step (it falls back to one product per
+    layer), and when a layer takes new sinks (a prompt chunk put the originals back)."""
+    from kvpolicy_torch import ShiftMatrices, rope_rotate
+
+    g = torch.Generator().manual_seed(3)
+    freq = 1.0 / (100.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    sinks = [torch.randn(2, 2, 3, 8, generator=g) for _ in range(3)]
+    shifts = ShiftMatrices()
+    uniform = True
+    for i, deltas in enumerate(steps):
+        if fresh[i]:  # layer 1 takes its sinks anew (a new tensor)
+            sinks[1] = torch.randn(2, 2, 3, 8, generator=g)
+        uniform &= len(set(deltas)) == 1
+        for layer, d in enumerate(deltas):
+            delta = [d, d + 1]  # two rows, each its own shift
+            got = shifts.rotate(layer, sinks[layer], delta, freq, "half", 8)
+            want = rope_rotate(sinks[layer], torch.tensor(delta).view(-1, 1, 1), freq)
+            assert torch.allclose(got, want, atol=1e-5)
+    assert shifts.batched or not uniform  # layers that always agree keep the one batch
+
+
+def test_shift_matrices_batch_serves_the_layers_of_a_step_from_one_rotation(monkeypatch) -> None:
+    import kvpolicy_torch.posshift as hf  # (where ShiftMatrices calls rope_rotate)
+
+    calls = []
+    real = hf.rope_rotate
+    monkeypatch.setattr(hf, "rope_rotate", lambda *a, **k: (calls.append(a[0].shape), real(*a, **k))[1])
+    shifts = hf.ShiftMatrices()
+    freq = torch.tensor([1.0, 0.1])
+    sinks = [torch.randn(1, 2, 4, 4) for _ in range(30)]
+    for step in range(1, 5):
+        for layer in range(30):
+            shifts.rotate(layer, sinks[layer], [step], freq, "half", 4)
+    # the first step gathers the layers as they arrive; every later step is one rotation of all 30
+    assert calls[-3:] == [torch.Size([30, 1, 2, 4, 4])] * 3 and shifts.batched

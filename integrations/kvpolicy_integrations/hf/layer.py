@@ -1,6 +1,6 @@
 """One layer of the evicting cache: :class:`EvictingLayer`, a transformers cache layer backed by
-:class:`kvpolicy_torch.LayerCache`, with what the layers of one cache share (:class:`Padding`,
-:class:`ShiftMatrices`) (a part of :mod:`kvpolicy_integrations.hf`, whose docstring describes the
+:class:`kvpolicy_torch.LayerCache`, with what the layers of one cache share (:class:`Padding`;
+:class:`~kvpolicy_torch.posshift.ShiftMatrices`, re-exported) (a part of :mod:`kvpolicy_integrations.hf`, whose docstring describes the
 whole). A layer appends a step's keys and values (``update``), serves that step's attention
 (``attention``: SDPA, the fused decode path, or one blocked pass over a prompt chunk) and evicts
 right after it.
@@ -9,7 +9,7 @@ right after it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -17,7 +17,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvpolicy.policy import EvictionPolicy
 from kvpolicy.statistics import Rotary
-from kvpolicy_torch import LayerCache, LayerGroup, PrefixShift, prefill_attention, received_attention, rope_matrix, rope_rotate
+from kvpolicy_torch import LayerCache, LayerGroup, PrefixShift, prefill_attention, received_attention, rope_rotate
+from kvpolicy_torch.attention import window_bias, window_chunk_mask, window_limit
+from kvpolicy_torch.posshift import ShiftMatrices
 from kvpolicy_torch.queries import PreRope
 from kvpolicy_torch.static import StepOptions, device_flag
 
@@ -25,20 +27,6 @@ from ..capabilities import LayerAttention, RopeLayout
 from .attention import ATTENTION_NAME, LAYER_KWARG
 
 PositionsMode = Literal["original", "cache"]
-
-
-def _chunk_log_n_scales(log_n: Any, store: LayerCache, q: int, device: torch.device) -> torch.Tensor:
-    """``[batch, q]`` log-n scale of each query of a chunk, ``n`` the keys it attends to (paper,
-    section 3.5): query ``i`` of row ``r`` sees the row's kept tokens before the chunk plus the
-    chunk's real tokens up to ``i`` (causal)."""
-    valid = store.query_valid
-    kept = torch.tensor(store.lengths, device=device)[:, None]  # after the append: the chunk's real tokens included
-    if valid is None:
-        counts = kept - q + 1 + torch.arange(q, device=device)
-    else:
-        real = valid.to(torch.int64)
-        counts = kept - real.sum(dim=-1, keepdim=True) + torch.cumsum(real, dim=-1)
-    return log_n.scales(counts.clamp(min=1)).to(torch.float32)
 
 
 def _fusable(kwargs: dict[str, Any]) -> bool:
@@ -71,88 +59,6 @@ class Padding:
     real: list[int] | None = None
     q: int = 0
     serial: int = 0
-
-
-class ShiftMatrices:
-    """StreamingLLM's pos-shift rotations shared by the layers of one :class:`EvictingCache`.
-
-    At a decode step every layer's sinks move by the same shift, so :meth:`rotate` turns every
-    layer's sinks at once: the first layer to ask at a new shift rotates all layers' sinks in one
-    batch (:func:`~kvpolicy_torch.rope_rotate` on ``[layers, batch, kv_heads, sink, head_dim]``),
-    the others take their slice of it (a rotation per layer cost ~20 us of a decode step's
-    per-layer bookkeeping on a CPU). Layers whose shifts or RoPE differ within a step (per-layer
-    budgets, per-layer frequencies) fall back to one product per layer with a RoPE matrix per row
-    (:func:`~kvpolicy_torch.rope_matrix`, built once per shift and RoPE: :meth:`get`).
-    """
-
-    def __init__(self) -> None:
-        self._key: tuple[Any, ...] | None = None
-        self._frequencies: torch.Tensor | None = None  # kept alive, so its id cannot be reused
-        self._value: torch.Tensor | None = None
-        self._sinks: dict[int, torch.Tensor] = {}  # layer -> its sinks' original keys [b, h, s, d]
-        self._batch: tuple[torch.Tensor, ...] | None = None  # per layer of the batch, its sinks rotated [b, h, s, d]
-        self._batch_key: tuple[Any, ...] | None = None  # (shifts, style, rotary_dim, dtype, device) of the batch
-        self._batch_frequencies: torch.Tensor | None = None  # and its frequencies
-        self._index: dict[int, int] = {}  # layer -> its row of the batch
-        self._served: set[int] = set()  # layers that took their slice of the batch
-        #: False once layers asked for different shifts or RoPE in one step: a product per layer
-        self.batched = True
-
-    def get(self, delta: Sequence[int], inv_freq: torch.Tensor, head_dim: int, style: str, rotary_dim: int,
-            dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """``[batch, 1, head_dim, head_dim]`` for these shifts (see :func:`~kvpolicy_torch.rope_matrix`)."""
-        key = (tuple(delta), id(inv_freq), head_dim, style, rotary_dim, dtype, device)
-        if key != self._key or self._frequencies is not inv_freq:
-            work = torch.float64 if dtype == torch.float64 else torch.float32
-            matrix = rope_matrix(torch.tensor(list(delta), device=device), inv_freq, head_dim, style=style,
-                                 rotary_dim=rotary_dim, dtype=work)
-            self._key, self._frequencies, self._value = key, inv_freq, matrix
-        return self._value  # type: ignore[return-value]
-
-    def rotate(self, layer: int, keys: torch.Tensor, delta: Sequence[int], inv_freq: torch.Tensor, style: str,
-               rotary_dim: int) -> torch.Tensor:
-        """Layer ``layer``'s sinks ``keys`` ``[batch, kv_heads, s, head_dim]`` (their original keys)
-        rotated by ``delta[r]`` positions in row ``r``, as :func:`~kvpolicy_torch.rope_rotate`.
-
-        Example:
-            >>> import torch
-            >>> from kvpolicy_torch import rope_rotate
-            >>> shifts, freq = ShiftMatrices(), torch.tensor([1.0, 0.1])
-            >>> sinks = [torch.randn(1, 2, 3, 4) for _ in range(2)]
-            >>> out = [shifts.rotate(l, sinks[l], [5], freq, "half", 4) for l in range(2)]
-            >>> all(torch.allclose(o, rope_rotate(k, torch.tensor([5]), freq), atol=1e-5) for o, k in zip(out, sinks))
-            True
-        """
-        if self.batched:
-            key = (tuple(delta), style, rotary_dim, keys.dtype, keys.device)
-            if self._sinks.get(layer) is not keys:  # new sinks (a first shift, or taken again after a chunk)
-                self._sinks[layer] = keys
-                self._batch = None
-            same = self._batch_key == key and self._batch_frequencies is inv_freq
-            if self._batch is not None and same and layer in self._index:
-                self._served.add(layer)
-                return self._batch[self._index[layer]]
-            if self._batch is not None and not same and len(self._served) < len(self._index):
-                self.batched = False  # a layer still waits for the last shift: shifts differ between layers
-            else:
-                like = [l for l, k in self._sinks.items()
-                        if k.shape == keys.shape and k.dtype == keys.dtype and k.device == keys.device]
-                shifts = torch.tensor(list(delta), device=keys.device).view(-1, 1, 1)  # [b, 1, 1] against [L, b, h, s]
-                # unbound once: each layer then takes a view made here (no op a layer)
-                self._batch = rope_rotate(torch.stack([self._sinks[l] for l in like]), shifts, inv_freq, style=style,
-                                          rotary_dim=rotary_dim).unbind(0)
-                # served at this shift so far (a layer joining mid-step: its first shift) plus this one
-                served = self._served if same else set()
-                self._batch_key, self._batch_frequencies = key, inv_freq
-                self._index, self._served = {l: i for i, l in enumerate(like)}, served | {layer}
-                return self._batch[self._index[layer]]
-        matrix = self.get(delta, inv_freq, keys.shape[-1], style, rotary_dim, keys.dtype, keys.device)
-        b, h, s, d = keys.shape
-        # one [h * s, d] x [d, d] product per row (a broadcast 4-D matmul costs twice as much here)
-        rows = keys.reshape(b, h * s, d)
-        if rows.dtype != matrix.dtype:
-            return torch.bmm(rows.to(matrix.dtype), matrix[:, 0]).to(keys.dtype).view(b, h, s, d)
-        return torch.bmm(rows, matrix[:, 0]).view(b, h, s, d)
 
 
 class EvictingLayer(DynamicLayer):
@@ -414,7 +320,7 @@ class EvictingLayer(DynamicLayer):
         # costs a 2,048-token prefill ~2.4x the attention time: every masked block computed)
         causal = store.chunk_causal and self._window_limits() is None
         mask = None if causal else self.window_chunk_mask(store.chunk_mask())
-        query_scale = None if log_n is None else _chunk_log_n_scales(log_n, store, q_len, query.device)
+        query_scale = None if log_n is None else store.chunk_log_n_scales(log_n)
         if (uses_scores and self.policy.prompt_rows is None and self.history is None and not dropout and _fusable(kwargs)
                 and query.dtype in (torch.float32, torch.float64) and key.dtype == value.dtype == query.dtype):
             # every prompt row's attention wanted (H2O, BUZZ): the output and the received sums in
@@ -506,44 +412,30 @@ class EvictingLayer(DynamicLayer):
 
     def _window_limits(self) -> list[int] | None:
         """Per row, the newest original position a query can no longer see in this sliding or
-        chunked layer (keys at positions ``<= limit`` are masked), or ``None`` when no kept token
-        can be outside the window yet (host ints only)."""
+        chunked layer (:func:`~kvpolicy_torch.attention.window_limit`), or ``None`` when no kept
+        token can be outside the window yet (host ints only)."""
         kind, w = self.attention_kind.kind, self.attention_kind.window
         if kind == "full" or w is None:
             return None
         newest = [s - 1 for s in self.store.seen]  # the query's original position in each row
         if max(newest) < w:
             return None  # every position so far is inside the window (or the first chunk)
-        if kind == "sliding":  # transformers: kv > q - window
-            return [p - w for p in newest]
-        return [p // w * w - 1 for p in newest]  # chunked: same chunk as the query
+        return [window_limit(p, kind, int(w)) for p in newest]
 
     def window_bias(self) -> torch.Tensor | None:
-        """A decode step's additive bias ``[batch, kv_heads, n]`` for this sliding or chunked layer:
-        ``-inf`` at kept tokens whose *original* position lies outside the window or chunk, else
-        ``0`` (the holes' ``-inf`` is the store's, :attr:`LayerCache.bias`); ``None`` when no kept
-        token can be outside it yet."""
+        """A decode step's additive bias ``[batch, kv_heads, n]`` for this sliding or chunked layer
+        (:func:`~kvpolicy_torch.attention.window_bias`: ``-inf`` at kept tokens whose *original*
+        position lies outside the window; the holes' ``-inf`` is the store's); ``None`` when no
+        kept token can be outside it yet."""
         limits = self._window_limits()
-        if limits is None:
-            return None
-        pos = self.store.slot_positions
-        lim = torch.tensor(limits, device=pos.device).view(-1, 1, 1)
-        zero = torch.zeros((), dtype=torch.float32, device=pos.device)
-        return torch.where(pos > lim, zero, float("-inf"))
+        return None if limits is None else window_bias(self.store.slot_positions, limits)
 
     def window_chunk_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """A prompt chunk's boolean mask ``[batch | 1, 1 | kv_heads, q, n]`` restricted to this
-        layer's sliding window or chunk, measured on original positions (pad queries keep their own
-        column)."""
+        layer's sliding window or chunk (:func:`~kvpolicy_torch.attention.window_chunk_mask`)."""
         if self._window_limits() is None:
             return mask
-        kind, w = self.attention_kind.kind, int(self.attention_kind.window)  # type: ignore[arg-type]
-        # rows are compacted for a chunk: head 0 speaks for all, unless the mask is per KV head
-        pos = self.store.slot_positions[:, : mask.shape[1], :]  # [b, h | 1, n]
-        qpos = pos[:, 0, -mask.shape[-2] :]  # the chunk's own slots: the same positions on every head
-        lim = qpos - w if kind == "sliding" else torch.div(qpos, w, rounding_mode="floor") * w - 1
-        inside = (pos[:, :, None, :] > lim[:, None, :, None]) | (qpos < 0)[:, None, :, None]
-        return mask & inside
+        return window_chunk_mask(mask, self.store.slot_positions, self.attention_kind.kind, int(self.attention_kind.window))  # type: ignore[arg-type]
 
     @property
     def history(self) -> int | None:
