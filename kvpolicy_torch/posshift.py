@@ -17,7 +17,7 @@ import torch
 from .attention import rope_matrix, rope_rotate
 from .storage import Storage
 
-__all__ = ["KeyShift", "PrefixShift", "ShiftMatrices", "SinkShift", "slot_shifts"]
+__all__ = ["KeyShift", "PrefixShift", "RopeShift", "ShiftMatrices", "SinkShift", "slot_shifts"]
 
 #: ``key_shift(keys, delta)``: keys ``[batch, kv_heads, s, head_dim]`` rotated by ``delta`` positions
 #: (RoPE), ``delta`` one host int per row.
@@ -179,3 +179,47 @@ class ShiftMatrices:
         if rows.dtype != matrix.dtype:
             return torch.bmm(rows.to(matrix.dtype), matrix[:, 0]).to(keys.dtype).view(b, h, s, d)
         return torch.bmm(rows, matrix[:, 0]).view(b, h, s, d)
+
+
+class RopeShift:
+    """One layer's RoPE as pos-shift needs it: a :data:`KeyShift` for its
+    :class:`~kvpolicy_torch.LayerCache` (StreamingLLM's sinks, rotated with every other layer's at
+    once by the cache's shared :class:`ShiftMatrices`) and :meth:`rotate` for the queries of a
+    shifted prefix, with no call back into the framework that owns the layer.
+
+    Args:
+        frequencies: the rotary frequencies ``[rotary_dim / 2]``: a tensor, or an object whose
+            ``inv_freq`` is read at each use (a model's rotary module, whose buffer dynamic RoPE
+            scaling updates in place).
+        style: ``"half"`` or ``"interleaved"`` (:func:`~kvpolicy_torch.rope_rotate`).
+        rotary_dim: the leading dimensions rotated (``None``: all of them).
+        layer: the layer's index among those sharing ``matrices``.
+        matrices: the rotations the layers of one cache share.
+
+    Example:
+        >>> from kvpolicy_torch import rope_rotate
+        >>> freq, keys = torch.tensor([1.0, 0.1]), torch.randn(1, 2, 3, 4)
+        >>> shift = RopeShift(freq, "half", None, 0, ShiftMatrices())
+        >>> bool(torch.allclose(shift(keys, [5]), rope_rotate(keys, torch.tensor([5]), freq), atol=1e-5))
+        True
+    """
+
+    def __init__(self, frequencies: Any, style: str, rotary_dim: int | None, layer: int, matrices: ShiftMatrices) -> None:
+        self.frequencies, self.style, self.rotary_dim = frequencies, style, rotary_dim
+        self.layer, self.matrices = layer, matrices
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """The frequencies now."""
+        f = self.frequencies
+        return f if isinstance(f, torch.Tensor) else f.inv_freq
+
+    def __call__(self, keys: torch.Tensor, delta: list[int]) -> torch.Tensor:
+        """Keys ``[batch, kv_heads, s, head_dim]`` rotated by ``delta[r]`` positions in row ``r``."""
+        dim = self.rotary_dim if self.rotary_dim is not None else keys.shape[-1]
+        return self.matrices.rotate(self.layer, keys, delta, self.inv_freq, self.style, dim)
+
+    def rotate(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[batch, heads, q, head_dim]`` rotated by ``delta`` positions (broadcast to its
+        first three dimensions), as :func:`~kvpolicy_torch.rope_rotate`."""
+        return rope_rotate(x, delta, self.inv_freq, style=self.style, rotary_dim=self.rotary_dim)

@@ -136,3 +136,22 @@ def test_shift_matrices_batch_serves_the_layers_of_a_step_from_one_rotation(monk
             shifts.rotate(layer, sinks[layer], [step], freq, "half", 4)
     # the first step gathers the layers as they arrive; every later step is one rotation of all 30
     assert calls[-3:] == [torch.Size([30, 1, 2, 4, 4])] * 3 and shifts.batched
+
+
+def test_rope_shift_reads_the_frequencies_at_each_use() -> None:
+    """RopeShift (a layer's RoPE for pos-shift, built once) reads a rotary module's ``inv_freq`` at
+    every rotation, as the layer did: dynamic RoPE scaling rewrites the buffer in place, and a
+    shift must use the frequencies of now, for the sinks (through ShiftMatrices) and for queries."""
+    from types import SimpleNamespace
+
+    from kvpolicy_torch import rope_rotate
+    from kvpolicy_torch.posshift import RopeShift, ShiftMatrices
+
+    module = SimpleNamespace(inv_freq=torch.tensor([1.0, 0.1]))
+    shift = RopeShift(module, "half", None, 0, ShiftMatrices())
+    keys = torch.randn(1, 2, 3, 4, generator=torch.Generator().manual_seed(0))
+    for freq in ([1.0, 0.1], [0.5, 0.05]):
+        module.inv_freq = torch.tensor(freq)
+        want = rope_rotate(keys, torch.tensor([3]).view(-1, 1, 1), module.inv_freq)
+        assert torch.allclose(shift(keys, [3]), want, atol=1e-5)
+        assert torch.allclose(shift.rotate(keys, torch.tensor([3]).view(-1, 1, 1)), want, atol=1e-6)

@@ -17,9 +17,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvpolicy.policy import EvictionPolicy
 from kvpolicy.statistics import Rotary
-from kvpolicy_torch import LayerCache, LayerGroup, PrefixShift, prefill_attention, received_attention, rope_rotate
+from kvpolicy_torch import LayerCache, LayerGroup, PrefixShift, prefill_attention, received_attention
 from kvpolicy_torch.attention import window_bias, window_chunk_mask, window_limit
-from kvpolicy_torch.posshift import ShiftMatrices
+from kvpolicy_torch.posshift import RopeShift, ShiftMatrices
 from kvpolicy_torch.queries import PreRope
 from kvpolicy_torch.static import StepOptions, device_flag
 
@@ -97,13 +97,19 @@ class EvictingLayer(DynamicLayer):
         self.rope = rope
         # keys move under pos-shift (positions="cache"), except in a NoPE layer
         self.shifts = positions == "cache" and (rope is not None or inv_freq is not None)
+        self.shift_matrices = shift_matrices if shift_matrices is not None else ShiftMatrices()
+        #: this layer's RoPE for pos-shift (kvpolicy_torch rotates; ``None`` in a NoPE layer)
+        self.rope_shift: RopeShift | None = None
+        if rope is not None:  # (its frequencies read at each use: dynamic scaling updates them)
+            self.rope_shift = RopeShift(rope, rope.style, rope.rotary_dim, layer_idx, self.shift_matrices)
+        elif inv_freq is not None:
+            self.rope_shift = RopeShift(inv_freq, "half", None, layer_idx, self.shift_matrices)
         # pos-shift of StreamingLLM's sinks is done in the storage (their keys rotated when the
         # shift changes): the decode step then attends with plain SDPA
         self.store = LayerCache(
             policy, reduce_scores=reduce_scores, static_shapes=static_shapes, reserve=reserve,
-            key_shift=self._shift_keys if self.shifts else None, group=group, prompt_chunk=prefill_chunk,
+            key_shift=self.rope_shift if self.shifts else None, group=group, prompt_chunk=prefill_chunk,
         )
-        self.shift_matrices = shift_matrices if shift_matrices is not None else ShiftMatrices()
         #: Expected Attention's queries rotated back to before RoPE (one rotation a step for all layers)
         self.pre_rope = pre_rope if pre_rope is not None else PreRope()
         #: this layer's attention pattern (full, or a sliding or chunked window)
@@ -395,20 +401,7 @@ class EvictingLayer(DynamicLayer):
 
     def _rotate(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """``x`` rotated by ``delta`` positions with this layer's RoPE (unchanged in a NoPE layer)."""
-        if self.rope is not None:
-            return rope_rotate(x, delta, self.rope.inv_freq, style=self.rope.style, rotary_dim=self.rope.rotary_dim)
-        if self.inv_freq is not None:
-            return rope_rotate(x, delta, self.inv_freq)
-        return x
-
-    def _shift_keys(self, keys: torch.Tensor, delta: list[int]) -> torch.Tensor:
-        """Keys ``[batch, kv_heads, s, head_dim]`` rotated by ``delta[r]`` positions in row ``r``
-        (the store's ``key_shift``: StreamingLLM's sinks, rotated with every layer's at once)."""
-        if self.rope is not None:
-            freq, style, dim = self.rope.inv_freq, self.rope.style, self.rope.rotary_dim
-        else:
-            freq, style, dim = self.inv_freq, "half", keys.shape[-1]
-        return self.shift_matrices.rotate(self.layer_idx, keys, delta, freq, style, dim)  # type: ignore[arg-type]
+        return x if self.rope_shift is None else self.rope_shift.rotate(x, delta)
 
     def _window_limits(self) -> list[int] | None:
         """Per row, the newest original position a query can no longer see in this sliding or
