@@ -105,14 +105,22 @@ def test_attention_never_reads_a_hole() -> None:
         torch.testing.assert_close(out[0, 0, h] if out.ndim == 4 and out.shape[1] == 1 else out[0, h, 0], w @ V[0, h][held])
 
 
-def test_static_shapes_and_chunks_after_a_headwise_eviction_are_refused() -> None:
+def test_static_shapes_are_refused_and_a_chunk_after_a_headwise_eviction_is_masked_per_head() -> None:
+    """Head-wise budgets need the eager layout (static_shapes refused by name). A prompt chunk after
+    a head-wise eviction (heads holding different tokens) gets a mask per KV head: each head's
+    queries see that head's kept tokens and the chunk, causally (it raised NotImplementedError
+    before 2026-11-28; the transformers differentials in tests/integrations/hf hold the attention)."""
     with pytest.raises(ValueError, match="static_shapes"):
         LayerCache(AdaKV(H2O(4, 2)), static_shapes=True)
     layer = _layer(AdaKV(H2O(6, 3), 0.0), heads=3, decode=5)
     k = torch.randn(1, 3, 4, 8, dtype=torch.float64)
     layer.append(k, k.clone())
-    with pytest.raises(NotImplementedError, match="per KV head"):
-        layer.chunk_mask()
+    mask, pos = layer.chunk_mask(), layer.slot_positions
+    assert mask.shape == (1, 3, 4, pos.shape[-1])
+    held_before = (pos[:, :, :-4] >= 0)  # [1, 3, n - 4]: what each head kept before the chunk
+    assert bool((held_before.sum(-1) != held_before[:, :1].sum(-1)).any())  # the heads differ
+    assert torch.equal(mask[..., :-4], held_before[:, :, None, :].expand(-1, -1, 4, -1))
+    assert torch.equal(mask[0, :, :, -4:], torch.ones(4, 4, dtype=torch.bool).tril().expand(3, -1, -1))
 
 
 # ============================================================================ transformers
