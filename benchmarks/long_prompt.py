@@ -43,6 +43,7 @@ def run_one(candidate: str, n: int, budget: float, chunk: int, text: Path) -> di
     from kvpolicy import make_policy
     from kvpolicy.hf import EvictingCache, cache_kwargs, greedy_decode
     from kvpolicy_tools.models import load
+    from kvpolicy_tools.perf.decode import cache_bytes
 
     sys.path.insert(0, str(HERE))
     from prefill_time import prompt_ids
@@ -50,7 +51,6 @@ def run_one(candidate: str, n: int, budget: float, chunk: int, text: Path) -> di
     torch.set_num_threads(1)
     model, tok = load()
     ids = prompt_ids(tok, text, n)
-    full_kv = 0
     start_cpu, start_wall = time.process_time(), time.perf_counter()
     with torch.inference_mode():
         if candidate == "plain":
@@ -61,12 +61,11 @@ def run_one(candidate: str, n: int, budget: float, chunk: int, text: Path) -> di
             cache = EvictingCache(policy, model, prefill_chunk=chunk)
             greedy_decode(model, ids, cache, 1, prefill_chunk=chunk)
     cpu, wall = time.process_time() - start_cpu, time.perf_counter() - start_wall
-    if candidate == "plain":
-        peak = held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-        full_kv = held
+    held, _ = cache_bytes(cache)
+    if candidate == "plain":  # (the full cache: what it holds is its peak)
+        peak = full_kv = held
     else:
         peak = sum(layer.store.peak_bytes for layer in cache.layers)
-        held = cache.kv_bytes
         full_kv = cache.full_kv_bytes()
     return {
         "candidate": candidate, "tokens": n, "budget": None if candidate == "plain" else budget,
