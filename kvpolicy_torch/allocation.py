@@ -24,7 +24,7 @@ from .layout import SlotLayout
 from .rows import Rows
 from .static import StaticSteps
 from .headwise import fitted_slots
-from .storage import SlotPlan, Storage, grown_slots, token_bytes
+from .storage import SlotPlan, Storage, bookkeeping_bytes, grown_slots, token_bytes
 
 __all__ = ["SlotAllocator"]
 
@@ -78,9 +78,8 @@ class SlotAllocator:
         # head-wise budgets: one head may hold more than the mean (up to the layer's budget less
         # the others' floors): allocated for the mean, grown to the widest head's need (kvpolicy.AdaKV)
         widest = policy.head_capacity(h) if self.ragged and policy.capacity is not None else 0  # type: ignore[attr-defined]
-        # a slot's position (int64), score and bias (the score's dtype) over the heads
-        bookkeeping = h * (8 + 2 * torch.empty((), dtype=self.score_dtype(keys)).element_size())
-        slots = self.plan.first(q, token_bytes(keys, values), min_slack, chunk_bytes, widest, bookkeeping)
+        slots = self.plan.first(q, token_bytes(keys, values), min_slack, chunk_bytes, widest,
+                                bookkeeping_bytes(h, self.score_dtype(keys)))
         layout.rows = Rows.start(b, policy.init_state())
         self.allocate(layout, keys, values, slots)
 

@@ -182,10 +182,12 @@ class ShiftMatrices:
 
 
 class RopeShift:
-    """One layer's RoPE as pos-shift needs it: a :data:`KeyShift` for its
-    :class:`~kvpolicy_torch.LayerCache` (StreamingLLM's sinks, rotated with every other layer's at
-    once by the cache's shared :class:`ShiftMatrices`) and :meth:`rotate` for the queries of a
-    shifted prefix, with no call back into the framework that owns the layer.
+    """One layer's RoPE (its frequencies, style and rotated dimensions), as the layer's other parts
+    read it: a :data:`KeyShift` for its :class:`~kvpolicy_torch.LayerCache` (StreamingLLM's sinks,
+    rotated with every other layer's at once by the cache's shared :class:`ShiftMatrices`),
+    :meth:`rotate` for the queries of a shifted prefix, and the description a query's rotation
+    back (Expected Attention) or a static step's prefix is built from, with no call back into the
+    framework that owns the layer.
 
     Args:
         frequencies: the rotary frequencies ``[rotary_dim / 2]``: a tensor, or an object whose

@@ -20,7 +20,8 @@ from typing import Any, Iterator, NamedTuple
 
 import torch
 
-__all__ = ["HOLE", "MEMORY_BOUND", "RangeViews", "SlotPlan", "Storage", "fixed_addresses", "grown_slots", "token_bytes"]
+__all__ = ["HOLE", "MEMORY_BOUND", "RangeViews", "SlotPlan", "Storage", "bookkeeping_bytes", "fixed_addresses", "grown_slots",
+           "token_bytes"]
 
 _MIN_GROWTH = 16  # slots an unbounded store grows by at least
 _MAX_GROWTH = 4096  # and at most (bounded chunks: a long run never doubles its allocation at once)
@@ -42,6 +43,17 @@ def grown_slots(slots: int, need: int = 0) -> int:
         (1063, 2000, 104096)
     """
     return max(need, slots + min(_MAX_GROWTH, max(_MIN_GROWTH, math.ceil(slots / 16))))
+
+
+def bookkeeping_bytes(heads: int, score_dtype: torch.dtype) -> int:
+    """Bytes of one slot's position (int64), score and bias (``score_dtype``) over ``heads`` KV
+    heads: what :meth:`Storage.allocate` adds to each slot's key and value.
+
+    Example:
+        >>> bookkeeping_bytes(3, torch.float32), bookkeeping_bytes(3, torch.float64)
+        (48, 72)
+    """
+    return heads * (torch.int64.itemsize + 2 * score_dtype.itemsize)
 
 
 def token_bytes(keys: torch.Tensor, values: torch.Tensor) -> int:

@@ -91,19 +91,18 @@ class EvictingLayer(DynamicLayer):
         self.policy = policy
         self.layer_idx = layer_idx
         self.positions_mode = positions
-        self.inv_freq = inv_freq
-        # pos-shift rotation: the measured layout, else (an explicit inv_freq) full half-split RoPE,
-        # else none (a NoPE layer: positions do not enter its scores, so there is nothing to shift)
-        self.rope = rope
-        # keys move under pos-shift (positions="cache"), except in a NoPE layer
-        self.shifts = positions == "cache" and (rope is not None or inv_freq is not None)
         self.shift_matrices = shift_matrices if shift_matrices is not None else ShiftMatrices()
-        #: this layer's RoPE for pos-shift (kvpolicy_torch rotates; ``None`` in a NoPE layer)
+        #: this layer's RoPE, the one description of it (pos-shift rotations, Expected Attention's
+        #: rotation back, the static step's prefix): the measured layout, its frequencies read at
+        #: each use (dynamic scaling updates them), else (an explicit inv_freq) full half-split
+        #: RoPE, else ``None`` (a NoPE layer: positions do not enter its scores)
         self.rope_shift: RopeShift | None = None
-        if rope is not None:  # (its frequencies read at each use: dynamic scaling updates them)
+        if rope is not None:
             self.rope_shift = RopeShift(rope, rope.style, rope.rotary_dim, layer_idx, self.shift_matrices)
         elif inv_freq is not None:
             self.rope_shift = RopeShift(inv_freq, "half", None, layer_idx, self.shift_matrices)
+        # keys move under pos-shift (positions="cache"), except in a NoPE layer
+        self.shifts = positions == "cache" and self.rope_shift is not None
         # pos-shift of StreamingLLM's sinks is done in the storage (their keys rotated when the
         # shift changes): the decode step then attends with plain SDPA
         self.store = LayerCache(
@@ -362,11 +361,8 @@ class EvictingLayer(DynamicLayer):
         store = self.store
         positions = store.query_positions(query.shape[2])  # [batch, q], -1 at pads
         rotated = positions if position_ids is None else position_ids.to(positions.device)
-        rotary = None
-        if self.rope is not None:
-            rotary = Rotary(self.rope.inv_freq, self.rope.style, self.rope.rotary_dim)
-        elif self.inv_freq is not None:
-            rotary = Rotary(self.inv_freq, "half", None)
+        rope = self.rope_shift
+        rotary = None if rope is None else Rotary(rope.inv_freq, rope.style, rope.rotary_dim)
         pre_rope = query if rotary is None else self.pre_rope.unrotate(
             query, rotated, rotary.inv_freq, style=rotary.style, rotary_dim=rotary.rotary_dim, step=self.padding.serial)
         store.observe_queries(pre_rope, positions, rotary)
@@ -383,10 +379,8 @@ class EvictingLayer(DynamicLayer):
         rope = None
         rule = self.policy.decode_eviction
         if self.shifts and rule is not None and rule.victim == "oldest" and rule.sink > 0:
-            if self.rope is not None:
-                rope = (self.rope.inv_freq, self.rope.style, self.rope.rotary_dim)
-            else:
-                rope = (self.inv_freq, "half", None)
+            assert self.rope_shift is not None  # (self.shifts says so)
+            rope = (self.rope_shift.inv_freq, self.rope_shift.style, self.rope_shift.rotary_dim)
         return StepOptions(window=window, log_n=self.policy.log_n, shift_prefix=rule.sink if rope is not None else 0,
                            rope=rope)
 
