@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from .ops import eviction_ranks, first_argmin
-from .storage import Storage
+from .storage import Storage, hole_bookkeeping
 
 __all__ = ["LayerGroup", "mark_holes"]
 
@@ -112,9 +112,7 @@ class LayerGroup:
         cannot be (another shape, dtype or device than the group's)."""
         if self._pos is None or not self._members - {index}:  # the first layer (again) fixes the shape
             full = (self.layers, *shape)
-            self._pos = torch.full(full, -1, dtype=torch.int64, device=device)
-            self._scores = torch.full(full, math.inf, dtype=score_dtype, device=device)
-            self._bias = torch.full(full, -math.inf, dtype=score_dtype, device=device)
+            self._pos, self._scores, self._bias = hole_bookkeeping(full, score_dtype, device)
         assert self._scores is not None and self._bias is not None
         if tuple(self._pos.shape[1:]) != shape or self._scores.dtype != score_dtype or self._pos.device != device:
             self.leave(index)
@@ -147,9 +145,7 @@ class LayerGroup:
         nxt = self._next
         if nxt is None or tuple(nxt[0].shape[1:]) != shape or nxt[1].dtype != score_dtype or nxt[0].device != device:
             full = (self.layers, *shape)
-            nxt = self._next = (torch.full(full, -1, dtype=torch.int64, device=device),
-                                torch.full(full, math.inf, dtype=score_dtype, device=device),
-                                torch.full(full, -math.inf, dtype=score_dtype, device=device))
+            nxt = self._next = hole_bookkeeping(full, score_dtype, device)
             self._moved = set()
         self._moved.add(index)
         views = nxt[0][index], nxt[1][index], nxt[2][index]

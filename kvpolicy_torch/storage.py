@@ -21,7 +21,7 @@ from typing import Any, Iterator, NamedTuple
 import torch
 
 __all__ = ["HOLE", "MEMORY_BOUND", "RangeViews", "SlotPlan", "Storage", "bookkeeping_bytes", "fixed_addresses", "grown_slots",
-           "token_bytes"]
+           "hole_bookkeeping", "token_bytes"]
 
 _MIN_GROWTH = 16  # slots an unbounded store grows by at least
 _MAX_GROWTH = 4096  # and at most (bounded chunks: a long run never doubles its allocation at once)
@@ -181,6 +181,20 @@ class SlotPlan:
 HOLE = (-1, math.inf, -math.inf)
 
 
+def hole_bookkeeping(shape: tuple[int, ...], score_dtype: torch.dtype,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Positions (int64), scores and bias (``score_dtype``) of ``shape`` slots, every one a hole
+    (:data:`HOLE`): a new storage's, or a :class:`~kvpolicy_torch.LayerGroup`'s for its layers.
+
+    Example:
+        >>> pos, scores, bias = hole_bookkeeping((1, 2), torch.float32, torch.device("cpu"))
+        >>> pos.tolist(), scores.tolist(), bias.tolist()
+        ([[-1, -1]], [[inf, inf]], [[-inf, -inf]])
+    """
+    return tuple(torch.full(shape, fill, dtype=dtype, device=device)  # type: ignore[return-value]
+                 for fill, dtype in zip(HOLE, (torch.int64, score_dtype, score_dtype)))
+
+
 def fixed_addresses(*tensors: torch.Tensor) -> None:
     """Tell ``torch.compile`` that these tensors keep their addresses between calls (a compiled
     decode step's state, written in place): CUDA graphs (``mode="reduce-overhead"``) then replay
@@ -299,11 +313,7 @@ class Storage:
         keys = torch.zeros(b, h, slots, d, dtype=like_k.dtype, device=dev)
         values = torch.zeros(b, h, slots, like_v.shape[-1], dtype=like_v.dtype, device=dev)
         if bookkeeping is None:
-            bookkeeping = (
-                torch.full((b, h, slots), -1, dtype=torch.int64, device=dev),
-                torch.full((b, h, slots), math.inf, dtype=score_dtype, device=dev),
-                torch.full((b, h, slots), -math.inf, dtype=score_dtype, device=dev),
-            )
+            bookkeeping = hole_bookkeeping((b, h, slots), score_dtype, dev)
         return cls(keys, values, *bookkeeping)
 
     # ------------------------------------------------------------------ copies
