@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import kvpolicy_numpy
 from kvpolicy import ExpectedAttention, compose, make_policy
-from kvpolicy.statistics import UNSCORED, QueryMoments, Rotary, average_rotation, expected_attention, query_moments
+from kvpolicy.statistics import SCORE_BITS, UNSCORED, QueryMoments, Rotary, average_rotation, expected_attention, query_moments
 from oracle import keep_highest_oracle, literal_replay
 from strategies import expected_attention_policies, logits_arrays, prompt_lengths
 
@@ -54,7 +54,9 @@ def kvpress_scores(policy, keys, values, queries, held: list[int], t: int, inv_f
     """One head's scores of the ``held`` positions after token ``t``: queries ``[steps, group, d]``
     of positions ``sink..t``, mean and centred covariance (divided by the count), rotated by RoPE's
     average, ``z = k mu / sqrt(d) + k cov k / 2d``, softmax over the non-sink held tokens per query
-    head, mean over the group, ``(p + epsilon) * |v|``; sinks ``+inf``."""
+    head, mean over the group, ``(p + epsilon) * |v|``, rounded to ``SCORE_BITS`` significant bits
+    (the reference's one declared departure: a near tie, which saturated softmaxes of a group make
+    at ``0.5 +- 1e-14``, is a tie that goes to the earliest on every backend); sinks ``+inf``."""
     d = keys.shape[-1]
     seen = queries[policy.sink : t + 1]  # [c, group, d]
     if len(seen):
@@ -76,8 +78,15 @@ def kvpress_scores(policy, keys, values, queries, held: list[int], t: int, inv_f
     probs = (z / z.sum(axis=0)).mean(axis=1) if len(cand) else z[:, 0]
     if policy.value_norm:
         probs = (probs + policy.epsilon) * np.linalg.norm(values[cand], axis=-1)
-    by_position = dict(zip(cand, probs.tolist()))
+    by_position = dict(zip(cand, round_bits(probs, SCORE_BITS).tolist()))
     return [by_position.get(p, math.inf) for p in held]
+
+
+def round_bits(x: np.ndarray, bits: int) -> np.ndarray:
+    """Positive ``x`` to ``bits`` significant bits (``x = m 2**e``, ``m`` in ``[0.5, 1)``: a
+    multiple of ``2**(e - 1 - bits)``, halves to even)."""
+    m, e = np.frexp(np.asarray(x, dtype=np.float64))
+    return np.where(m > 0, np.ldexp(np.round(np.ldexp(m, bits + 1)), e - 1 - bits), x)
 
 
 def oracle(policy, keys, values, queries, prompt_len: int, inv_freq=None) -> list[list[list[int]] | None]:
@@ -125,6 +134,20 @@ def test_reference_equals_kvpress_procedure(case) -> None:
     """The reference's scores, re-estimated at every eviction from every query seen, keep what
     kvpress's procedure keeps (normal draws: no exact ties, which the oracle breaks unrounded)."""
     _reference_keeps_what(oracle, case)
+
+
+def test_a_near_tie_goes_to_the_earliest() -> None:
+    """A group of two query heads whose softmaxes saturate on different tokens scores them
+    ``0.5 + 7.8e-15`` and ``0.5 - 7.7e-15`` (kvpress's procedure in float64): a tie at
+    ``SCORE_BITS``, so the earlier token goes (hypothesis found it; unrounded, the oracle kept it)."""
+    policy = ExpectedAttention(size=1, sink=0, future=1, value_norm=False)
+    keys = np.array([[3.2, 5.3], [-7.7, -0.4], [3.0, 4.1]])[:, None]  # [steps, heads, d]
+    queries = np.array([[[2.0, 4.5], [0.9, 1.7]], [[0.5, -3.2], [-2.5, 1.1]], [[-1.7, 3.8], [3.9, 5.4]]])[:, None]
+    values, logits = np.ones((3, 1, 3)), np.zeros((3, 1, 3))
+    first = kvpress_scores(policy, keys[:, 0], values[:, 0], queries[:, 0], [0, 1], 1, None)
+    assert first[0] == first[1] == 0.5
+    ref = kvpolicy_numpy.replay(policy, logits, 0, values=values, keys=keys, queries=queries)
+    assert [k.tolist() for k in ref.kept] == [[[0]], [[1]], [[2]]] == oracle(policy, keys, values, queries, 0)
 
 
 def _reference_keeps_what(literal, case) -> None:
