@@ -303,45 +303,59 @@ def _blocked(
     cast = keys.dtype != work
     above_diagonal = torch.ones(min(block, q), min(block, q), dtype=torch.bool, device=keys.device).triu_(1)
     r = hq // kv_heads
+    # On a CPU one KV head at a time, its block's logits in one workspace reused by every block and
+    # the softmax written over them: a block's logits stay in the caches, and no block pays for
+    # fresh pages (one layer at SmolLM2's shapes, 8,192 tokens: 1.47-1.55 s with every head's
+    # block at once and a new tensor per block and softmax, 1.11-1.27 s so; SDPA alone 1.02-1.05 s).
+    # Elsewhere every head at once (fewer, larger kernels; a softmax over its own output is not
+    # relied on there).
+    on_cpu = keys.device.type == "cpu"
+    heads = 1 if on_cpu else kv_heads
+    workspace = torch.empty(b * heads * r * min(block, q) * n, dtype=work, device=keys.device) if on_cpu else None
     for start in range(0, q, block):  # a few blocks for a long prefill
         stop = min(q, start + block)
         rows = stop - start
         visible = offset + stop  # keys past it are masked for every row of this block
-        qb = grouped[:, :, :, start:stop].to(work)  # small: [b, g, r, rows, d]
         factor = torch.full((1, 1, 1, rows, 1), scaling, dtype=work, device=keys.device)
         if query_scale is not None:  # [b, 1, 1, rows, 1]
             factor = factor * query_scale[:, None, None, start:stop, None].to(work)
-        if not cast:  # float32/float64: fold the scale into the (small) query block
-            qb = (qb * factor).reshape(b, kv_heads, r * rows, d)  # one [r * rows, d] x [d, keys] product per KV head
-            logits = torch.matmul(qb, keys[:, :, :visible].mT)
-        else:  # upcast a key chunk at a time: never a float32 copy of all keys
-            qb = qb.reshape(b, kv_heads, r * rows, d)  # unscaled: exact 16-bit values, so TF32 is exact
-            logits = torch.empty(b, kv_heads, r * rows, visible, dtype=work, device=keys.device)
-            chunk = max(1, workspace_bytes // max(1, b * kv_heads * d * itemsize))
-            with _tf32_for_16bit(keys.dtype if query.dtype == keys.dtype else work, keys.device):  # the matmul only
-                for k0 in range(0, visible, chunk):
-                    k1 = min(visible, k0 + chunk)
-                    logits[..., k0:k1] = torch.matmul(qb, keys[:, :, k0:k1].to(work).mT)
-            logits.view(b, kv_heads, r, rows, visible).mul_(factor)  # before the mask: no -inf * 0
-        # causal within the chunk: row i sees keys up to offset + start + i; only the last `rows`
-        # columns can be masked
-        tail = logits.view(b, kv_heads, r, rows, visible)[..., offset + start : visible]
-        tail.masked_fill_(above_diagonal[:rows, :rows], float("-inf"))
-        if mask is not None:  # [b|1, 1, rows, visible] -> over the KV heads' r query heads
-            logits.view(b, kv_heads, r, rows, visible).masked_fill_(~mask[:, :, None, start:stop, :visible], float("-inf"))
-        # one softmax kernel (row by row in cache: half the time of max, subtract, exp and sum as
-        # four passes over the block), then the sum over query rows as one [1, r * rows] x
-        # [r * rows, keys] product per KV head, a pad query's row weighted 0
-        probs = torch.softmax(logits, dim=-1)
-        del logits
-        if attended is not None and values is not None:  # the output: the same probabilities times the values
-            rows_out = torch.matmul(probs, values[:, :, :visible])  # [b, g, r * rows, dv]
-            attended[:, start:stop] = rows_out.view(b, kv_heads, r, rows, -1).permute(0, 3, 1, 2, 4)
-        if query_valid is None:
-            weights = torch.ones(1, 1, 1, r * rows, dtype=work, device=keys.device).expand(b, kv_heads, 1, r * rows)
-        else:
-            weights = query_valid[:, None, None, None, start:stop].to(work).expand(b, kv_heads, 1, r, rows).reshape(b, kv_heads, 1, r * rows)
-        out[..., :visible] += torch.matmul(weights, probs)[:, :, 0]
+        for h0 in range(0, kv_heads, heads):
+            hs = slice(h0, h0 + heads)
+            qb = grouped[:, hs, :, start:stop].to(work)  # small: [b, heads, r, rows, d]
+            logits = None if workspace is None else workspace[: b * heads * r * rows * visible].view(b, heads, r * rows, visible)
+            if not cast:  # float32/float64: fold the scale into the (small) query block
+                qb = (qb * factor).reshape(b, heads, r * rows, d)  # one [r * rows, d] x [d, keys] product per KV head
+                logits = torch.matmul(qb, keys[:, hs, :visible].mT, out=logits)
+            else:  # upcast a key chunk at a time: never a float32 copy of all keys
+                qb = qb.reshape(b, heads, r * rows, d)  # unscaled: exact 16-bit values, so TF32 is exact
+                if logits is None:
+                    logits = torch.empty(b, heads, r * rows, visible, dtype=work, device=keys.device)
+                chunk = max(1, workspace_bytes // max(1, b * heads * d * itemsize))
+                with _tf32_for_16bit(keys.dtype if query.dtype == keys.dtype else work, keys.device):  # the matmul only
+                    for k0 in range(0, visible, chunk):
+                        k1 = min(visible, k0 + chunk)
+                        logits[..., k0:k1] = torch.matmul(qb, keys[:, hs, k0:k1].to(work).mT)
+                logits.view(b, heads, r, rows, visible).mul_(factor)  # before the mask: no -inf * 0
+            # causal within the chunk: row i sees keys up to offset + start + i; only the last `rows`
+            # columns can be masked
+            tail = logits.view(b, heads, r, rows, visible)[..., offset + start : visible]
+            tail.masked_fill_(above_diagonal[:rows, :rows], float("-inf"))
+            if mask is not None:  # [b|1, 1|kv_heads, rows, visible] -> over the KV heads' r query heads
+                head_mask = mask if mask.shape[1] == 1 else mask[:, hs]
+                logits.view(b, heads, r, rows, visible).masked_fill_(~head_mask[:, :, None, start:stop, :visible], float("-inf"))
+            # one softmax kernel (row by row in cache: half the time of max, subtract, exp and sum as
+            # four passes over the block), then the sum over query rows as one [1, r * rows] x
+            # [r * rows, keys] product per KV head, a pad query's row weighted 0
+            probs = torch.softmax(logits, dim=-1, out=logits) if on_cpu else torch.softmax(logits, dim=-1)
+            if attended is not None and values is not None:  # the output: the same probabilities times the values
+                rows_out = torch.matmul(probs, values[:, hs, :visible])  # [b, heads, r * rows, dv]
+                attended[:, start:stop, hs] = rows_out.view(b, heads, r, rows, -1).permute(0, 3, 1, 2, 4)
+            if query_valid is None:
+                weights = torch.ones(1, 1, 1, r * rows, dtype=work, device=keys.device).expand(b, heads, 1, r * rows)
+            else:
+                weights = query_valid[:, None, None, None, start:stop].to(work).expand(b, heads, 1, r, rows).reshape(b, heads, 1, r * rows)
+            out[:, hs, :visible] += torch.matmul(weights, probs)[:, :, 0]
+            del logits, probs
     return out, None if attended is None else attended.view(b, q, hq, -1)
 
 
