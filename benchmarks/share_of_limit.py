@@ -46,6 +46,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="decode steps per candidate and round")
     p.add_argument("--limit", choices=("held", "grows"), default="held")
     p.add_argument("--twin", action="store_true", help="also decode an identical second cache of the policy (the noise floor)")
+    p.add_argument("--static", action="store_true",
+                   help="also decode a cache of the policy with static_shapes=True, eagerly (the compiled step's layout)")
     args = p.parse_args()
     torch.set_num_threads(1)
     model, _ = models.load()
@@ -57,6 +59,8 @@ def main() -> None:
               "limit": build_cache(model, Candidate("limit", keep_last=keep_last), pre)}
     if args.twin:
         caches["twin"] = build_cache(model, Candidate(args.policy, policy=policy), pre)
+    if args.static:
+        caches["static"] = build_cache(model, Candidate(args.policy, policy=policy, cache_options={"static_shapes": True}), pre)
     position = dict.fromkeys(caches, args.context)
     token = torch.tensor([[5]])
     for name, cache in caches.items():  # warm-up
@@ -80,6 +84,9 @@ def main() -> None:
         twin = statistics.median(lim / pol for lim, pol in zip(seconds["limit"], seconds["twin"]))
         ratio = statistics.median(a / b for a, b in zip(seconds["policy"], seconds["twin"]))
         print(f"  its twin (the same policy, a second cache): share {twin:.4f}; policy/twin time ratio {ratio:.4f}")
+    if args.static:
+        static = statistics.median(lim / pol for lim, pol in zip(seconds["limit"], seconds["static"]))
+        print(f"  static_shapes=True, eager: share {static:.4f}")
 
 
 if __name__ == "__main__":
