@@ -11,24 +11,15 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tiny_eval import CallTokenizer  # noqa: E402
-
 
 @pytest.fixture(scope="module")
 def long_prompt(benchmark_module):
     return benchmark_module("long_prompt")
 
 
-def test_a_chunked_prefill_peaks_at_its_storage_and_one_chunk(long_prompt, monkeypatch, tmp_path):
-    import kvpolicy_tools.models
-    from kvpolicy_tools.models import tiny_llama
-
-    model = tiny_llama(num_layers=2, vocab=128)
-    monkeypatch.setattr(kvpolicy_tools.models, "load", lambda *a, **k: (model, CallTokenizer()))
-    text = tmp_path / "prompt.txt"
-    text.write_text("the quick brown fox jumps over the lazy dog. " * 10, encoding="utf-8")
-    plain = long_prompt.run_one("plain", 300, 0.25, 32, text)
-    h2o = long_prompt.run_one("h2o", 300, 0.25, 32, text)
+def test_a_chunked_prefill_peaks_at_its_storage_and_one_chunk(long_prompt, tiny_model_text):
+    plain = long_prompt.run_one("plain", 300, 0.25, 32, tiny_model_text)
+    h2o = long_prompt.run_one("h2o", 300, 0.25, 32, tiny_model_text)
     assert plain["cache_peak_mib"] == plain["full_kv_mib"] == h2o["full_kv_mib"]  # the same 300 tokens
     per_token = plain["full_kv_mib"] / 300
     # the policy's capacity (76 tokens at 25% of 301) plus spare slots plus one chunk of 32, far under 300

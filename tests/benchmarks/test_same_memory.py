@@ -9,23 +9,14 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tiny_eval import CallTokenizer  # noqa: E402
-
 
 @pytest.fixture(scope="module")
 def same_memory(benchmark_module):
     return benchmark_module("same_memory")
 
 
-def test_the_sequences_that_fit_allocate_within_the_full_caches_memory(same_memory, monkeypatch, tmp_path):
-    import kvpolicy_tools.models
-    from kvpolicy_tools.models import tiny_llama
-
-    model = tiny_llama(num_layers=2, vocab=128)
-    monkeypatch.setattr(kvpolicy_tools.models, "load", lambda *a, **k: (model, CallTokenizer()))
-    text = tmp_path / "prompt.txt"
-    text.write_text("the quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
-    row = same_memory.run("h2o", 0.25, 64, 4, 2, text, max_batch=16)
+def test_the_sequences_that_fit_allocate_within_the_full_caches_memory(same_memory, tiny_model_text):
+    row = same_memory.run("h2o", 0.25, 64, 4, 2, tiny_model_text, max_batch=16)
     # two full caches of 68 tokens; H2O keeps ~25% of 64: several sequences fit, not all 16
     assert 2 <= row["sequences"] < 16
     assert row["sequences"] * row["per_sequence_bytes"] <= row["memory_bytes"] < (row["sequences"] + 1) * row["per_sequence_bytes"]
