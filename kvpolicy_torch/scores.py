@@ -311,7 +311,9 @@ def _blocked(
     # relied on there).
     on_cpu = keys.device.type == "cpu"
     heads = 1 if on_cpu else kv_heads
-    workspace = torch.empty(b * heads * r * min(block, q) * n, dtype=work, device=keys.device) if on_cpu else None
+    # (out= writes do not record gradients: inputs that require them take fresh tensors)
+    reuse = on_cpu and not any(t is not None and t.requires_grad for t in (query, keys, values))
+    workspace = torch.empty(b * heads * r * min(block, q) * n, dtype=work, device=keys.device) if reuse else None
     for start in range(0, q, block):  # a few blocks for a long prefill
         stop = min(q, start + block)
         rows = stop - start
@@ -346,7 +348,7 @@ def _blocked(
             # one softmax kernel (row by row in cache: half the time of max, subtract, exp and sum as
             # four passes over the block), then the sum over query rows as one [1, r * rows] x
             # [r * rows, keys] product per KV head, a pad query's row weighted 0
-            probs = torch.softmax(logits, dim=-1, out=logits) if on_cpu else torch.softmax(logits, dim=-1)
+            probs = torch.softmax(logits, dim=-1, out=logits) if reuse else torch.softmax(logits, dim=-1)
             if attended is not None and values is not None:  # the output: the same probabilities times the values
                 rows_out = torch.matmul(probs, values[:, hs, :visible])  # [b, heads, r * rows, dv]
                 attended[:, start:stop, hs] = rows_out.view(b, heads, r, rows, -1).permute(0, 3, 1, 2, 4)
