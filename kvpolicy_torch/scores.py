@@ -321,6 +321,11 @@ def _blocked(
         factor = torch.full((1, 1, 1, rows, 1), scaling, dtype=work, device=keys.device)
         if query_scale is not None:  # [b, 1, 1, rows, 1]
             factor = factor * query_scale[:, None, None, start:stop, None].to(work)
+        # each query row's weight in the sums over rows (a pad query's 0), alike for every KV head
+        if query_valid is None:
+            weights = torch.ones(1, 1, 1, r * rows, dtype=work, device=keys.device).expand(b, heads, 1, r * rows)
+        else:
+            weights = query_valid[:, None, None, None, start:stop].to(work).expand(b, heads, 1, r, rows).reshape(b, heads, 1, r * rows)
         for h0 in range(0, kv_heads, heads):
             hs = slice(h0, h0 + heads)
             qb = grouped[:, hs, :, start:stop].to(work)  # small: [b, heads, r, rows, d]
@@ -352,10 +357,6 @@ def _blocked(
             if attended is not None and values is not None:  # the output: the same probabilities times the values
                 rows_out = torch.matmul(probs, values[:, hs, :visible])  # [b, heads, r * rows, dv]
                 attended[:, start:stop, hs] = rows_out.view(b, heads, r, rows, -1).permute(0, 3, 1, 2, 4)
-            if query_valid is None:
-                weights = torch.ones(1, 1, 1, r * rows, dtype=work, device=keys.device).expand(b, heads, 1, r * rows)
-            else:
-                weights = query_valid[:, None, None, None, start:stop].to(work).expand(b, heads, 1, r, rows).reshape(b, heads, 1, r * rows)
             out[:, hs, :visible] += torch.matmul(weights, probs)[:, :, 0]
             del logits, probs
     return out, None if attended is None else attended.view(b, q, hq, -1)
