@@ -8,10 +8,10 @@ tokens each (consecutive segments of the text, :func:`prefill_time.prompt_ids`) 
 forward and decoded greedily for ``--steps`` tokens with a plain ``DynamicCache``: the KV bytes it
 holds at the end (``prompt + steps`` tokens a sequence) are the memory budget. The policy (planned by
 :func:`kvpolicy.make_policy` for ``--budget`` of the prompt) then decodes one sequence the same way,
-its ``EvictingCache``'s allocated peak (every layer's storage: keys, values, positions, scores, bias
-and spare slots, :attr:`~kvpolicy_torch.LayerCache.peak_bytes`) being what a sequence costs; as many
-sequences as fit in the budget decode as one batch, whose allocated peak is checked against the
-budget. Reported: the sequences that fit, the bytes, and the decode throughput (tokens a second of
+the bytes its ``EvictingCache`` allocates after the decode (every layer's storage: keys, values,
+positions, scores, bias and spare slots) being what a sequence costs (the one-shot prompt's transient
+peak, :attr:`~kvpolicy_torch.LayerCache.peak_bytes`, is reported beside it); as many sequences as fit
+in the budget decode as one batch, whose allocated and held bytes are reported beside the budget. Reported: the sequences that fit, the bytes, and the decode throughput (tokens a second of
 process CPU time, all sequences together) of the policy's batch over the full caches' batch.
 """
 
