@@ -10,7 +10,8 @@ a wikitext-2 prompt (:func:`prefill_time.prompt_ids`, the same text as ``prefill
 
 * ``plain``: one forward of the whole prompt with a ``DynamicCache`` and transformers' SDPA (the
   full cache, the causal kernel);
-* a policy name (planned for ``--budget`` of the prompt by :func:`kvpolicy.make_policy`):
+* a policy name (planned for ``--budget`` of the prompt by :func:`kvpolicy.make_policy`; one that
+  keeps every token, ``full``, at 1.0):
   :func:`kvpolicy.hf.greedy_decode` with one new token, which prefills a prompt longer than
   ``--chunk`` (default :data:`~kvpolicy.hf.PREFILL_CHUNK`, 512) in chunks of that many tokens
   through an ``EvictingCache`` that holds at most its storage plus one chunk.
@@ -42,6 +43,7 @@ def run_one(candidate: str, n: int, budget: float, chunk: int, text: Path) -> di
 
     from kvpolicy import make_policy
     from kvpolicy.hf import EvictingCache, cache_kwargs, greedy_decode
+    from kvpolicy_tools.eval.tasks.base import is_reference
     from kvpolicy_tools.models import load
     from kvpolicy_tools.perf.decode import cache_bytes
 
@@ -51,13 +53,17 @@ def run_one(candidate: str, n: int, budget: float, chunk: int, text: Path) -> di
     torch.set_num_threads(1)
     model, tok = load()
     ids = prompt_ids(tok, text, n)
+    planned = budget
     start_cpu, start_wall = time.process_time(), time.perf_counter()
     with torch.inference_mode():
         if candidate == "plain":
             cache: Any = DynamicCache(config=model.config)
             model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         else:
-            policy = make_policy(candidate, budget, context_length=n + 1, prompt_length=n)
+            # (a policy that keeps every token, `full`, is planned at 1.0: its row is the chunked
+            # prefill's own cost, the cache the full one)
+            planned = 1.0 if is_reference(candidate) else budget
+            policy = make_policy(candidate, planned, context_length=n + 1, prompt_length=n)
             cache = EvictingCache(policy, model, prefill_chunk=chunk)
             greedy_decode(model, ids, cache, 1, prefill_chunk=chunk)
     cpu, wall = time.process_time() - start_cpu, time.perf_counter() - start_wall
@@ -68,7 +74,7 @@ def run_one(candidate: str, n: int, budget: float, chunk: int, text: Path) -> di
         peak = sum(layer.store.peak_bytes for layer in cache.layers)
         full_kv = cache.full_kv_bytes()
     return {
-        "candidate": candidate, "tokens": n, "budget": None if candidate == "plain" else budget,
+        "candidate": candidate, "tokens": n, "budget": None if candidate == "plain" else planned,
         "chunk": None if candidate == "plain" else chunk, "cpu_seconds": cpu, "wall_seconds": wall,
         # ru_maxrss is in KiB on Linux
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -100,7 +106,10 @@ def main() -> None:
         for candidate in args.candidates:
             cmd = [sys.executable, __file__, "--one", "--lengths", str(n), "--candidates", candidate,
                    "--budget", str(args.budget), "--chunk", str(args.chunk), "--text", str(args.text)]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:  # (the child's own error, not only its exit status)
+                raise RuntimeError(f"{candidate} at {n} tokens failed:\n{done.stderr[-4000:]}")
+            out = done.stdout
             row = json.loads(out.strip().splitlines()[-1])
             rows.append(row)
             print(f"{n:>6} {candidate:>14}: {row['cpu_seconds']:8.1f} s CPU ({row['wall_seconds']:.1f} s wall), "
