@@ -34,3 +34,10 @@ def test_bad_flags_are_refused_before_any_run(long_prompt, monkeypatch, flags, n
     monkeypatch.setattr(sys, "argv", ["long_prompt.py", *flags])
     with pytest.raises(ValueError, match=name):
         long_prompt.main()
+
+
+def test_a_policy_that_keeps_every_token_is_planned_whole(long_prompt, tiny_model_text):
+    # `full` refuses a 25% budget: its row is planned at 1.0 and holds the whole prompt, as a plain cache
+    full = long_prompt.run_one("full", 100, 0.25, 32, tiny_model_text)
+    assert full["budget"] == 1.0
+    assert full["kv_held_mib"] == pytest.approx(full["full_kv_mib"], rel=0.02)
