@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="process")
+    ap.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True,
+                    help="time the plain forward too (--no-plain: the presses alone, so the process's peak "
+                         "resident memory is theirs; no ratios)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     if not 0.0 <= args.compression < 1.0:
@@ -118,17 +122,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for n in args.lengths:
         ids = prompt_ids(tokenizer, args.text, n)
         forward(model, ids[:, :256], None, clock)  # (warm-up)
-        times: dict[str, list[float]] = {k: [] for k in ["plain", *names]}
+        times: dict[str, list[float]] = {k: [] for k in (["plain"] if args.plain else []) + names}
         kept: dict[str, int] = {}
         for _ in range(args.repeats):
             for name in times:
                 seconds, kept[name] = forward(model, ids, presses.get(name), clock)
                 times[name].append(seconds)
         best = {k: min(v) for k, v in times.items()}
-        results["rows"].append({"prompt": n, "seconds": best, "ratio": {k: best[k] / best["plain"] for k in best},
-                                "kept_layer0": kept})
-        print(f"| {n} | {best['plain']:.2f} s | " + " | ".join(f"{best[k] / best['plain']:.2f}x" for k in names) + " |",
-              flush=True)
+        # ru_maxrss (KiB on Linux): the process's peak so far, the model and every forward before included
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        ratio = {k: best[k] / best["plain"] for k in best} if args.plain else None
+        results["rows"].append({"prompt": n, "seconds": best, "ratio": ratio, "kept_layer0": kept,
+                                "peak_rss_mib": peak_rss})
+        cells = [f"{best[k] / best['plain']:.2f}x" if args.plain else f"{best[k]:.2f} s" for k in names]
+        plain = f"{best['plain']:.2f} s" if args.plain else "-"
+        print(f"| {n} | {plain} | " + " | ".join(cells) + f" |  (peak RSS {peak_rss:.0f} MiB)", flush=True)
     results["load_after"] = os.getloadavg()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
