@@ -79,7 +79,7 @@ from .policies import (
     threshold_ratio,
 )
 from .params import REQUIRED, Param, declared_params
-from .policy import KEY_STATISTICS, CacheView, DecodeEviction, DeferredScoresView, EvictionPolicy, HeadwiseEviction, LogNScaling, Ranking, WrappingPolicy
+from .policy import KEY_STATISTICS, CacheView, CandidateSum, DecodeEviction, DeferredScoresView, EvictionPolicy, HeadwiseEviction, LogNScaling, Ranking, WrappingPolicy
 from .registry import (
     ENTRY_POINT_GROUP,
     Preset,
@@ -107,6 +107,7 @@ __all__ = [
     "FullCache",
     "H2O",
     "HeadwiseEviction",
+    "CandidateSum",
     "KeyDiff",
     "Knorm",
     "KVzip",

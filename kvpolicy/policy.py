@@ -36,6 +36,7 @@ __all__ = [
     "RECONSTRUCTION",
     "CachedTokens",
     "CacheView",
+    "CandidateSum",
     "DecodeEviction",
     "DeferredScoresView",
     "HeadwiseEviction",
@@ -387,6 +388,53 @@ class DecodeEviction:
         victim = xp.sum(xp.astype(view.positions < self.sink, xp.int64), axis=-1)  # [batch, heads]
         rest = view.arange(n - 1)
         return rest + xp.astype(rest >= victim[..., None], xp.int64)
+
+
+class CandidateSum:
+    """How a score from the cache depends on the other tokens, when it does only through a sum,
+    over the candidates (the held tokens outside the newest :attr:`EvictionPolicy.key_recent`),
+    of one vector per token (KeyDiff: the candidates' unit keys, whose mean is its anchor).
+
+    A policy declares it (:attr:`EvictionPolicy.candidate_sum`) beside its
+    :meth:`~EvictionPolicy.cache_score`, so a backend may keep the sum as tokens come and go and,
+    at a decode step whose eviction reads only each head's lowest score, compute the score
+    exactly for the few tokens whose estimate is near the lowest instead of for every held token.
+    The NumPy reference never uses it (it calls ``cache_score``), so the kept tokens are the
+    reference's whenever the declaration is true; ``kvpolicy.testing.check_candidate_sum`` checks
+    it. Five methods on array-API arrays (``keys`` ``[..., n, d]`` of any real dtype):
+
+    * :meth:`summand`: float64 ``[..., n, e]``, each token's vector;
+    * :meth:`statistic`: what the scores read of the others, from ``total`` ``[..., e]`` (the
+      candidates' summands summed) and ``count`` ``[..., 1]`` (the candidates, at least 1):
+      KeyDiff's anchor, computed once a step;
+    * :meth:`exact`: float64 ``[..., n]``, the tokens' scores given their ``summand`` (as
+      :meth:`summand` gives it) and the ``statistic``: ``cache_score`` at every held token;
+    * :meth:`estimate`: ``[..., n]``, cheaper (float32), given the ``statistic``;
+    * :meth:`error`: a bound on ``|estimate - exact|`` for keys of ``head_dim``, in IEEE float32
+      arithmetic (a backend rescores every token exactly wherever the estimates cannot separate
+      the lowest by more than it, and does not estimate where float32 products may run in lower
+      precision: a GPU's TF32).
+
+    Example:
+        >>> from kvpolicy import KeyDiff
+        >>> type(KeyDiff(size=4).candidate_sum).__name__
+        'UnitKeySum'
+    """
+
+    def summand(self, keys: Array) -> Array:
+        raise NotImplementedError
+
+    def statistic(self, total: Array, count: Array) -> Array:
+        raise NotImplementedError
+
+    def exact(self, keys: Array, summand: Array, statistic: Array) -> Array:
+        raise NotImplementedError
+
+    def estimate(self, keys: Array, statistic: Array) -> Array:
+        raise NotImplementedError
+
+    def error(self, head_dim: int) -> float:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -782,6 +830,11 @@ class EvictionPolicy(ABC):
     #: (KeyDiff's anchor, Expected Attention's moments change at every step). The NumPy reference
     #: rescores every time either way, so the conformance kit fails a wrong declaration.
     score_once: ClassVar[bool] = False
+    #: For a score from the cache that depends on the other tokens only through a sum over the
+    #: candidates (KeyDiff's anchor): the declared decomposition (:class:`CandidateSum`), which lets
+    #: a backend keep the sum from step to step and rescore exactly only the tokens near the lowest
+    #: at a decode step. ``None`` (default): rescored in full. The reference ignores it.
+    candidate_sum: ClassVar[CandidateSum | None] = None
 
     @property
     def prompt_rows(self) -> int | None:

@@ -54,9 +54,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COSINE_GRID", "FIRST_STAGE", "KEY_EPS", "LOW_MARGIN", "MAX_HISTORY", "SCORE_BITS", "UNSCORED", "CachedTokens", "QueryMoments", "Rotary",
-    "average_rotation", "cache_scores", "critical_scores", "expected_attention", "history_counts", "history_record",
-    "key_scores", "lag_scores", "low_attention", "mark_unscored", "query_moments", "reconstruction_scores", "refresh_due",
-    "refresh_interval", "refresh_sink", "scored_once", "shift_history", "value_weights",
+    "anchor_scores", "average_rotation", "cache_scores", "critical_scores", "expected_attention", "history_counts", "history_record",
+    "key_anchor", "key_scores", "lag_scores", "low_attention", "mark_unscored", "query_moments", "reconstruction_scores", "refresh_due",
+    "refresh_interval", "refresh_sink", "scored_once", "shift_history", "unit_keys", "value_weights",
 ]
 
 #: KeyDiff's cosines are rounded to multiples of this (``2 ** -30``, far below the float32 precision
@@ -161,24 +161,68 @@ def key_scores(statistic: str, keys: Array, positions: Array, n_seen: Any, recen
     if statistic == "key_norm":
         score = -norm
     elif statistic == "key_diff":
-        # The unit keys by division (a one-dimensional key is then exactly +-1, and opposite keys
-        # cancel to an anchor of exactly 0, as the rule says; multiplying by an inverse norm
-        # would not), then two matrix products over them instead of three elementwise passes
-        # (a decode step rescores every held key)
-        unit = k / xp.clip(norm, min=KEY_EPS)[..., None]
+        unit = unit_keys(k, norm)
         candidate = kept & (positions < n_seen - recent)
         weight = xp.astype(candidate, xp.float64)
         count = xp.clip(xp.sum(weight, axis=-1, keepdims=True), min=1.0)
-        anchor = xp.matmul(weight[..., None, :], unit)[..., 0, :] / count  # [..., d]
-        anchor = anchor / xp.clip(xp.linalg.vector_norm(anchor, axis=-1, keepdims=True), min=KEY_EPS)
-        # (the anchor as a row against the transposed keys: a matrix times a one-column matrix
-        # takes a slow batched kernel on a CPU, 3x this one at a decode step's 3 x 560 keys)
-        cosine = xp.matmul(anchor[..., None, :], xp.matrix_transpose(unit))[..., 0, :]
-        score = -xp.round(cosine / COSINE_GRID) * COSINE_GRID
+        total = xp.matmul(weight[..., None, :], unit)[..., 0, :]  # [..., d]
+        score = anchor_scores(unit, key_anchor(total, count))
     else:
         raise ValueError(f"statistic must be one of key_norm, key_diff, got {statistic!r}")
     return xp.where(kept, score, xp.full_like(score, xp.inf))
 
+
+def unit_keys(keys: Array, norm: Array | None = None) -> Array:
+    """Float64 ``[..., n, d]``: each key divided by its L2 norm (at least :data:`KEY_EPS`), what
+    KeyDiff's anchor sums. Division, not a product with an inverse norm: a one-dimensional key is
+    then exactly +-1, and opposite keys cancel to an anchor of exactly 0, as the rule says.
+    ``norm``: the keys' norms, when the caller has them.
+
+    Example:
+        >>> import numpy as np
+        >>> unit_keys(np.array([[3.0, 4.0], [0.0, 0.0]])).tolist()
+        [[0.6, 0.8], [0.0, 0.0]]
+    """
+    xp = array_namespace(keys)
+    k = xp.astype(keys, xp.float64)
+    if norm is None:
+        norm = xp.linalg.vector_norm(k, axis=-1)
+    return k / xp.clip(norm, min=KEY_EPS)[..., None]
+
+
+def key_anchor(total: Array, count: Array) -> Array:
+    """Float64 ``[..., d]``: KeyDiff's anchor, the mean of the candidates' unit keys (their sum
+    ``total`` ``[..., d]`` over their ``count`` ``[..., 1]``, at least 1), L2-normalised (a norm
+    below :data:`KEY_EPS` counts as it: an anchor of 0 stays 0).
+
+    Example:
+        >>> import numpy as np
+        >>> key_anchor(np.array([2.0, 0.0]), np.array([2.0])).tolist()
+        [1.0, 0.0]
+    """
+    xp = array_namespace(total)
+    anchor = total / count
+    return anchor / xp.clip(xp.linalg.vector_norm(anchor, axis=-1, keepdims=True), min=KEY_EPS)
+
+
+def anchor_scores(unit: Array, anchor: Array) -> Array:
+    """Float64 ``[..., n]``: KeyDiff's scores of the tokens whose unit keys are ``unit``
+    ``[..., n, d]`` (:func:`unit_keys`) against the ``anchor`` ``[..., d]`` (:func:`key_anchor`):
+    minus the cosine, rounded to :data:`COSINE_GRID`. Any subset of the tokens may be scored: a
+    token's score depends on the others only through the anchor.
+
+    Example:
+        >>> import numpy as np
+        >>> unit = np.array([[1.0, 0.0], [0.0, 1.0]])
+        >>> anchor = key_anchor(np.array([1.0, 1.0]), np.array([2.0]))
+        >>> [round(x, 6) for x in anchor_scores(unit, anchor).tolist()]  # 45 degrees
+        [-0.707107, -0.707107]
+    """
+    xp = array_namespace(unit)
+    # (the anchor as a row against the transposed keys: a matrix times a one-column matrix
+    # takes a slow batched kernel on a CPU, 3x this one at a decode step's 3 x 560 keys)
+    cosine = xp.matmul(anchor[..., None, :], xp.matrix_transpose(unit))[..., 0, :]
+    return -xp.round(cosine / COSINE_GRID) * COSINE_GRID
 
 # ============================================================================ Expected Attention
 #: Expected Attention's scores are rounded to this many significant bits (far below float64's 52,

@@ -39,7 +39,7 @@ from .allocation import SlotAllocator
 from .general import declines, select_rounds
 from .headwise import fitted_slots, free_slots, headwise_victims, likely_victims
 from .layout import SlotLayout
-from .queries import RunningMoments, held_scores
+from .queries import CandidateSums, RunningMoments, held_scores
 from .victims import OneTokenEviction
 
 __all__ = ["HostEviction"]
@@ -79,9 +79,12 @@ class HostEviction:
         victims: OneTokenEviction | None,
         slots: SlotAllocator,
         reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        sums: CandidateSums | None = None,
     ) -> None:
         self.policy, self.victims, self.slots = policy, victims, slots
         self.reduce_scores = reduce_scores
+        #: a score declared as a sum over the candidates (KeyDiff), kept between decode steps
+        self.sums = sums
         self.rule = policy.decode_eviction
         self.refresh = refresh_interval(policy)  # decode steps between two scorings from the cache
         self.once = scored_once(policy)  # decode tokens scored when cached, never rescored
@@ -100,6 +103,11 @@ class HostEviction:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.size_rule = self.policy.decode_size_rule() if self.rule is None else None
+
+    def forget_sums(self) -> None:
+        """Rows were reordered or restored: a sum over the candidates is taken afresh at the next step."""
+        if self.sums is not None:
+            self.sums.forget()
 
     def declines(self, layout: SlotLayout) -> bool:
         """Whether the policy's size rule keeps every row at this decode step (it is not asked)."""
@@ -120,7 +128,7 @@ class HostEviction:
             # (a decode step under the rule's limit evicts nothing: no scores needed, unless a
             # refresh interval counts the steps between two scorings; a token-local score was
             # given to the decode token when it was cached: LayerCache.append)
-            self.score_keys(layout, running)
+            self.score_keys(layout, running, lowest_only=one_token)
         if not one_token:
             return [] if self.declines(layout) else self.general(layout, chunk_bytes=chunk_bytes)
         over = rule.limit + 1  # type: ignore[union-attr]
@@ -152,7 +160,7 @@ class HostEviction:
             elif mean > rule.limit:
                 return None
         if self.policy.score_statistic in KEY_STATISTICS and not self.once and (due or self.refresh > 1):
-            self.score_keys(layout, running)  # (as a one-token rule: no scores read below the limit)
+            self.score_keys(layout, running, lowest_only=True)  # (as a one-token rule: no scores read below the limit)
         if not due:
             return []
         store = layout.storage()
@@ -201,13 +209,21 @@ class HostEviction:
             rows.states[r] = {**rows.states[r], **rule.state_after(rows.seen[r])}
         return list(rounds.values())
 
-    def score_keys(self, layout: SlotLayout, running: RunningMoments | None) -> None:
+    def score_keys(self, layout: SlotLayout, running: RunningMoments | None, lowest_only: bool = False) -> None:
         """A statistic from the cache (Knorm, KeyDiff, Expected Attention): every held token's
-        score, recomputed from what the layer holds before the policy decides."""
+        score, recomputed from what the layer holds before the policy decides. ``lowest_only``:
+        the eviction reads only each head's lowest score (a decode step's one-token or head-wise
+        rule), so a score declared as a sum over the candidates is exact there only
+        (:class:`~kvpolicy_torch.queries.CandidateSums`)."""
         working, seen_rows = layout.working(), layout.rows.seen
         seen: Any = seen_rows[0]
         if any(s != seen for s in seen_rows):
             seen = torch.tensor(seen_rows, device=working.positions.device).view(-1, 1, 1)
+        if lowest_only and self.sums is not None and layout.phase == "decode" and layout.extra is None:
+            found = self.sums.scores(working.keys, working.positions, seen, self.policy.key_recent)
+            if found is not None:
+                working.scores.copy_(found)
+                return
         scores = held_scores(self.policy, running, working, seen, layout.phase, max(seen_rows))
         if scores is not working.scores:  # (between two scorings of a refresh interval: updated in place)
             working.scores.copy_(scores)

@@ -48,7 +48,7 @@ from .eviction import HostEviction
 from .group import LayerGroup
 from .layout import SlotLayout
 from .posshift import KeyShift, PrefixShift, SinkShift
-from .queries import RunningMoments, token_scores
+from .queries import CandidateSums, RunningMoments, token_scores
 from .reads import LayerReads
 from .rows import LayerSnapshot
 from .static import StaticSteps, StepOptions
@@ -178,7 +178,14 @@ class LayerCache(LayerReads):
         plan = SlotPlan(policy.capacity, self.reserve, slack=rule is not None and rule.victim != "oldest" and not self.static_shapes,
                         chunk=0 if self.static_shapes or self.prompt_chunk is None else self.prompt_chunk)
         self._slots = SlotAllocator(policy, plan, group=self.group, index=self._group_index, static=self._static, ragged=self._ragged)
-        self._eviction = HostEviction(policy, self._victims, self._slots, self.reduce_scores)
+        # a score declared as a sum over the candidates (KeyDiff's anchor): kept between eager decode
+        # steps, per head (not for scores summed over heads, keys rotated in place, or a refresh interval)
+        parts = policy.statistic_policy.candidate_sum
+        sums = CandidateSums(parts) if (
+            parts is not None and policy.selection != "shared" and self._key_shift is None and self.reduce_scores is None
+            and not self.static_shapes and refresh_interval(policy) == 1 and not policy.observes_queries
+        ) else None
+        self._eviction = HostEviction(policy, self._victims, self._slots, self.reduce_scores, sums=sums)
         #: a policy scored by a context reconstruction (KVzip): whether its scores came
         #: (:meth:`evict_reconstructed`); until then no eviction asks the policy
         self.reconstructed = False
@@ -588,7 +595,22 @@ class LayerCache(LayerReads):
         """Put the bookkeeping of ``snap`` back (keys and values stay as they are). Slots at or
         beyond a row's ``front`` become holes."""
         self.synced().restore(snap)
+        self._eviction.forget_sums()
         self._reload()
+
+    @property
+    def candidate_sums(self) -> CandidateSums | None:
+        """The sum over the candidates a score declared as one keeps between eager decode steps
+        (:class:`~kvpolicy.CandidateSum`: KeyDiff's anchor; ``None`` for other scores, static
+        shapes, scores summed over heads): a diagnostic (its ``full_sums`` counts the sums taken
+        afresh).
+
+        Example:
+            >>> from kvpolicy import H2O, KeyDiff
+            >>> LayerCache(KeyDiff(size=4)).candidate_sums is not None, LayerCache(H2O(heavy=2, recent=2)).candidate_sums
+            (True, None)
+        """
+        return self._eviction.sums
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep (or repeat) batch rows by ``index``, e.g. for beam search."""
@@ -602,6 +624,7 @@ class LayerCache(LayerReads):
         if self.group is not None:
             self.group.leave(self._group_index)  # rows change: tensors of its own
         layout.take_rows(index)
+        self._eviction.forget_sums()  # (rows alike in positions may now hold other keys)
         if self.running_queries is not None:
             self.running_queries.select(index)
         if self._static is not None:

@@ -30,7 +30,7 @@ from kvpolicy.statistics import (
 from .attention import rope_matrix, rope_rotate
 from .storage import Storage
 
-__all__ = ["PreRope", "RunningMoments", "held_scores", "token_scores"]
+__all__ = ["CandidateSums", "PreRope", "RunningMoments", "held_scores", "token_scores"]
 
 
 class PreRope:
@@ -267,3 +267,124 @@ def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: S
     running.scored_host = int(last.max()) if not compiling and seen_max is not None else None
     running.marked_host = seen_max if not compiling else None
     return scores
+
+
+class CandidateSums:
+    """A score from the cache declared as a sum over the candidates
+    (:class:`kvpolicy.CandidateSum`: KeyDiff's anchor), kept from one decode step to the next,
+    and the scores of a step whose eviction reads only each head's lowest.
+
+    The sum follows the tokens by position, so compaction (slots moving) leaves it as it is:
+    between two calls, a token that became a candidate (a new one, or one leaving the recent
+    window: its position is at or past the last call's ``seen - recent``) adds its summand, and
+    each of the last call's exactly scored tokens (the lowest, whatever the eviction took among
+    them) that is no longer held subtracts the summand kept for it. When the candidates a head
+    holds are not then what that accounts for (another token left: a general eviction), at the
+    first call, after :meth:`forget` (rows reordered or restored) or every :data:`RESUM`
+    updates (rounding drift), the sum is taken afresh, as the reference computes it (the
+    difference is float rounding in the sum, far below the scores' own rounding, as between any
+    two backends' summation orders).
+
+    The scores: the policy's cheap estimate for every held token, then the exact score for the
+    :data:`RESCORED` lowest estimates per head (at least the layer's heads + 1). When the next
+    estimate is above the highest of those exact scores by more than the declared error, every
+    token left at its estimate is above every exactly scored one of its head, so the victims (each
+    head's lowest, ties to the earliest; or the layer's H lowest over its heads under head-wise
+    budgets) are the ones the exact rule picks;
+    otherwise (ties at the cut, NaN, a head of few tokens) :meth:`scores` returns ``None`` and the
+    caller rescores everything. Only for an eviction that reads each head's lowest scores (the
+    one-token rule, head-wise budgets): the other scores are estimates.
+
+    Example:
+        >>> from kvpolicy import KeyDiff
+        >>> sums = CandidateSums(KeyDiff(size=4).candidate_sum, min_slots=0)  # (screen even 12 slots)
+        >>> keys = torch.randn(1, 2, 12, 8)
+        >>> positions = torch.arange(12).expand(1, 2, 12)
+        >>> scores = sums.scores(keys, positions, 12, 0)
+        >>> exact = KeyDiff(size=4).cache_score(CachedTokens(keys, None, positions, 12))
+        >>> bool((scores.argmin(-1) == exact.argmin(-1)).all())
+        True
+    """
+
+    #: incremental updates between two full sums (bounds the rounding drift of the kept sum)
+    RESUM = 64
+    #: tokens per head scored exactly at a step
+    RESCORED = 4
+    #: slots below which a full rescoring is cheaper than the ~50 small kernels of the screen (one
+    #: CPU thread, 64-dimensional heads: 136 slots 0.6x, 530 slots 3.5x, 2,070 slots 8.8x faster
+    #: than the full rescoring; ``min_slots`` per instance)
+    MIN_SLOTS = 256
+
+    def __init__(self, parts: Any, min_slots: int | None = None) -> None:
+        self.parts = parts
+        self.min_slots = self.MIN_SLOTS if min_slots is None else min_slots
+        self.full_sums = 0  # (a diagnostic: how often the sum was taken afresh)
+        self.forget()
+
+    def forget(self) -> None:
+        """Rows were reordered or restored: the next call sums afresh."""
+        self.total: torch.Tensor | None = None
+        self.count: torch.Tensor | None = None  # [b, h] candidates held at the last call
+        self.edge: Any = None  # the last call's seen - recent: a candidate from there on is new
+        self.rescored: torch.Tensor | None = None  # [b, h, k] positions scored exactly (-1: none)
+        self.rescored_sum: torch.Tensor | None = None  # [b, h, k, e] their summands
+        self.updates = 0
+
+    def _sum(self, keys: torch.Tensor, positions: torch.Tensor, candidate: torch.Tensor, edge: Any) -> torch.Tensor:
+        """``[batch, kv_heads, e]`` float64: the candidates' summands summed."""
+        count = candidate.sum(-1)
+        total, rescored, summands = self.total, self.rescored, self.rescored_sum
+        if (total is not None and rescored is not None and summands is not None and self.count is not None
+                and self.updates < self.RESUM and total.shape[:2] == positions.shape[:2]):
+            entering = candidate & (positions >= self.edge)
+            gone = (rescored >= 0) & ~(positions[..., None, :] == rescored[..., None]).any(-1)
+            if bool((self.count + entering.sum(-1) - gone.sum(-1) == count).all()):
+                total = total - (summands * gone[..., None]).sum(-2)
+                b, h, s = entering.nonzero(as_tuple=True)
+                if b.numel():
+                    total.index_put_((b, h), self.parts.summand(keys[b, h, s]), accumulate=True)
+                self.total, self.count, self.edge = total, count, edge
+                self.updates += 1
+                return total
+        weight = candidate.to(torch.float64)
+        self.total = torch.matmul(weight[..., None, :], self.parts.summand(keys))[..., 0, :]
+        self.count, self.edge, self.updates = count, edge, 0
+        self.full_sums += 1
+        return self.total
+
+    def scores(self, keys: torch.Tensor, positions: torch.Tensor, seen: Any, recent: int) -> torch.Tensor | None:
+        """Float64 ``[batch, kv_heads, n]``: exact at each head's lowest, estimates elsewhere, ``+inf``
+        at holes and pads; ``None`` where the estimates cannot tell the lowest (score every token).
+        ``keys`` ``[batch, kv_heads, n, d]``, ``positions`` ``[batch, kv_heads, n]`` (``-1``: hole
+        or pad), ``seen`` an int or ``[batch, 1, 1]``, ``recent`` the policy's ``key_recent``."""
+        # (head-wise budgets take the layer's H lowest over all its heads, so up to H from one head:
+        # each head's H + 1 lowest are scored exactly, enough to place the cut)
+        k = max(self.RESCORED, positions.shape[1] + 1)
+        if positions.shape[-1] < max(k + 1, self.min_slots) or (
+            keys.is_cuda and torch.get_float32_matmul_precision() != "highest"
+        ):
+            self.forget()  # (too few tokens to screen; or float32 products may run in TF32, beyond the error)
+            return None
+        held = positions >= 0
+        edge = seen - recent
+        candidate = held & (positions < edge)
+        total = self._sum(keys, positions, candidate, edge)
+        count = self.count.to(torch.float64).clamp(min=1.0)[..., None]  # type: ignore[union-attr]
+        statistic = self.parts.statistic(total, count)
+        estimate = self.parts.estimate(keys, statistic)
+        search = torch.where(candidate, estimate, torch.inf)
+        low, slot = torch.topk(search, k + 1, dim=-1, largest=False, sorted=True)
+        slot = slot[..., :k]
+        chosen = keys.gather(2, slot[..., None].expand(*slot.shape, keys.shape[-1]))
+        picked = candidate.gather(2, slot)
+        # (the tokens scored exactly, and their summands: what the next call subtracts if they go)
+        self.rescored = torch.where(picked, positions.gather(2, slot), -1)
+        self.rescored_sum = summand = self.parts.summand(chosen)
+        exact = self.parts.exact(chosen, summand, statistic)
+        # every token left at its estimate is above every exactly scored one (a head with at most
+        # k candidates: its next is +inf); NaN anywhere fails the test
+        highest = torch.where(picked, exact, -torch.inf).amax(-1)
+        if not bool((low[..., k] - self.parts.error(keys.shape[-1]) > highest).all()):
+            return None
+        scores = torch.where(held, estimate.to(torch.float64), torch.inf)
+        return scores.scatter_(2, slot, torch.where(picked, exact, scores.gather(2, slot)))

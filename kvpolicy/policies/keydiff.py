@@ -4,10 +4,38 @@ LLM Inference in Resource-Constrained Environments")."""
 from __future__ import annotations
 
 from ..params import Param
-from ..policy import Array
+from ..policy import Array, CandidateSum, array_namespace
 from ..registry import register_policy
-from ..statistics import CachedTokens, key_scores
+from ..statistics import COSINE_GRID, KEY_EPS, CachedTokens, anchor_scores, key_anchor, key_scores, unit_keys
 from .lowest import KeepHighest
+
+
+class UnitKeySum(CandidateSum):
+    """KeyDiff's score as a sum over the candidates (:class:`kvpolicy.CandidateSum`): a token's
+    score depends on the others only through the sum of their unit keys (the anchor is their
+    mean, normalised). The estimate is the same cosine in float32 (a matrix product: a backend that
+    may run float32 products in lower precision, a GPU's TF32, does not use the estimate)."""
+
+    def summand(self, keys: Array) -> Array:
+        return unit_keys(keys)
+
+    def statistic(self, total: Array, count: Array) -> Array:
+        return key_anchor(total, count)
+
+    def exact(self, keys: Array, summand: Array, statistic: Array) -> Array:
+        return anchor_scores(summand, statistic)
+
+    def estimate(self, keys: Array, statistic: Array) -> Array:
+        xp = array_namespace(keys)
+        k = xp.astype(keys, xp.float32, copy=False)  # (float32 keys: no copy)
+        dot = xp.matmul(xp.astype(statistic, xp.float32)[..., None, :], xp.matrix_transpose(k))[..., 0, :]
+        return -dot / xp.clip(xp.linalg.vector_norm(k, axis=-1), min=KEY_EPS)
+
+    def error(self, head_dim: int) -> float:
+        # float32 (unit roundoff 2**-24): the key's and the anchor's rounding, a d-term dot product,
+        # a d-term norm and a division are each within (d + 2) units of a cosine of at most 1; twice
+        # that for margin, and half the grid the exact cosine is rounded to
+        return (4 * head_dim + 16) * 2.0**-24 + COSINE_GRID
 
 
 @register_policy
@@ -48,6 +76,7 @@ class KeyDiff(KeepHighest):
 
     name = "keydiff"
     score_statistic = "key_diff"
+    candidate_sum = UnitKeySum()  # the anchor is a sum over the candidates: kept from step to step
 
     recent = Param(int, 0, minimum=0, maximum=lambda p: p.size - 1,
                    doc="most recent tokens always kept, outside the anchor (0: the paper's rule)")

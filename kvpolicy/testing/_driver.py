@@ -23,7 +23,8 @@ from kvpolicy.statistics import (
     shift_history,
 )
 
-__all__ = ["ContractViolation", "NumpyCache", "TorchCache", "Lockstep", "example_inputs", "example_keys", "seeded_keys", "softmax"]
+__all__ = ["ContractViolation", "NumpyCache", "TorchCache", "Lockstep", "check_candidate_sum", "example_inputs", "example_keys",
+           "seeded_keys", "softmax"]
 
 #: Width of the keys the kit draws for a policy whose scores come from keys.
 KEY_DIM = 3
@@ -225,6 +226,50 @@ def check_headwise_eviction(policy: EvictionPolicy, view: CacheView, keep: Any, 
     if view.state != after:
         raise ContractViolation(f"{policy!r} declares {rule!r}, whose eviction leaves state {after}, but select left {view.state}")
 
+def check_candidate_sum(policy: EvictionPolicy, keys: np.ndarray, positions: np.ndarray, n_seen: Any,
+                        scores: np.ndarray) -> None:
+    """A declared :class:`~kvpolicy.CandidateSum` must mean the policy's ``cache_score``: given the
+    candidates' summands summed (one matrix product over the held tokens, as KeyDiff's reference
+    sums them), :meth:`~kvpolicy.CandidateSum.exact` gives ``scores`` (the reference's, from
+    ``cache_scores``) at every held token, and :meth:`~kvpolicy.CandidateSum.estimate` is within
+    :meth:`~kvpolicy.CandidateSum.error` of them (non-finite scores aside). A backend keeps the
+    sum between decode steps and scores exactly only the tokens near the lowest estimate, so a
+    wrong declaration would change what it keeps. ``keys`` ``[batch, heads, n, d]``; the kit
+    calls it at every scoring.
+
+    Example:
+        >>> from kvpolicy import KeyDiff
+        >>> from kvpolicy.statistics import cache_scores
+        >>> keys, pos = np.array([[[[3.0, 4.0], [1.0, 0.0], [0.0, 2.0]]]]), np.arange(3)[None, None]
+        >>> check_candidate_sum(KeyDiff(size=2), keys, pos, 3, cache_scores(KeyDiff(size=2), keys, None, pos, 3))
+    """
+    parts = policy.statistic_policy.candidate_sum
+    if parts is None:
+        return
+    held = positions >= 0
+    candidate = held & (positions < np.asarray(n_seen) - policy.key_recent)
+    weight = candidate.astype(np.float64)
+    summand = parts.summand(keys)
+    total = np.matmul(weight[..., None, :], summand)[..., 0, :]
+    count = np.maximum(weight.sum(-1, keepdims=True), 1.0)
+    statistic = parts.statistic(total, count)
+    exact = np.asarray(parts.exact(keys, summand, statistic), dtype=np.float64)
+    estimate = np.asarray(parts.estimate(keys, statistic), dtype=np.float64)
+    want = np.asarray(scores, dtype=np.float64)
+    if not np.array_equal(np.where(held, exact, np.inf), np.where(held, want, np.inf), equal_nan=True):
+        raise ContractViolation(
+            f"{policy!r} declares {type(parts).__name__} as its score's sum over the candidates, but its exact() "
+            f"gives {_fmt(np.where(held, exact, np.inf))} where cache_score gives {_fmt(want)}"
+        )
+    finite = held & np.isfinite(want) & np.isfinite(estimate)
+    error = parts.error(keys.shape[-1])
+    if np.any(np.abs(estimate - want)[finite] > error):
+        raise ContractViolation(
+            f"{policy!r}: {type(parts).__name__}.estimate() is {float(np.abs(estimate - want)[finite].max()):.3g} from "
+            f"the exact scores, above its declared error {error:.3g}"
+        )
+
+
 def probe_host_decision(policy: EvictionPolicy, view: CacheView) -> tuple[int | None, dict[str, Any]]:
     """Ask ``policy`` on ``view`` with negated scores and a copy of its state: ``(kept count or
     None, state after)``. Whether to evict and how many to keep must come out the same as with
@@ -297,6 +342,7 @@ class NumpyCache:
                 counted = (np.arange(self.n_seen) >= self.policy.statistic_policy.sink).astype(np.float64)  # type: ignore[attr-defined]
                 moments = query_moments(self.all_keys[:, :, None], np.broadcast_to(counted, (self.batch, self.n_seen)))
             self.scores = cache_scores(self.policy, cached, cached, self.positions, self.n_seen, moments)
+            check_candidate_sum(self.policy, cached, self.positions, self.n_seen, self.scores)
         self.positions, self.scores, rounds = evict_until_done(
             self.policy, self.positions, self.scores, self.n_seen, self.state, self.phase, decide=self._decide
         )

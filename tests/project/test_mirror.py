@@ -42,7 +42,6 @@ EXCEPTIONS = {
     # and the differential suites); the refactoring that split them out of layer.py gives each its own file.
     "kvpolicy_torch.general": "through LayerCache's general eviction: tests/torch/test_layer.py, the differential suites",
     "kvpolicy_torch.layout": "through LayerCache: tests/torch/test_layer.py",
-    "kvpolicy_torch.queries": "through Expected Attention on torch: tests/core/policies/test_expected_attention.py",
     "kvpolicy_torch.reads": "through LayerCache's reads: tests/torch/test_layer.py, tests/torch/test_victims.py",
     "kvpolicy_torch.rows": "through LayerCache and left-padded batches: tests/integrations/test_ragged.py",
     "kvpolicy_torch.step": "through the compiled decode step: tests/torch/test_static.py, tests/torch/test_sync.py",

@@ -1,0 +1,163 @@
+"""kvpolicy_torch.queries (CandidateSums): a score declared as a sum over the candidates (KeyDiff's
+anchor) kept between eager decode steps, exact only near each head's lowest.
+
+Differential: the torch backend's LayerCache (which keeps the sum and rescores the few lowest
+estimates) keeps what the NumPy reference (which rescores every token from scratch) keeps, for
+KeyDiff alone and under AdaKV's head-wise budgets, on continuous and on tie-heavy integer keys;
+the victim ``CandidateSums.scores`` implies is the full rescoring's after appends, evictions,
+compactions and rows reordered; it declines (the caller rescores everything) on NaN keys and on
+ties at its cut; the kit refuses a declaration that does not mean the policy's score. Tiny
+shapes, random keys (no model).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvpolicy_numpy
+from kvpolicy import AdaKV, KeyDiff
+from kvpolicy.policies.keydiff import UnitKeySum
+from kvpolicy.statistics import CachedTokens, key_scores
+from kvpolicy.testing import ContractViolation, check_candidate_sum
+
+from oracle import same_kept
+
+torch = pytest.importorskip("torch")
+import kvpolicy_torch  # noqa: E402
+from kvpolicy_torch import LayerCache  # noqa: E402
+from kvpolicy_torch.queries import CandidateSums  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def screen_every_size(monkeypatch):
+    """Small caches take the full rescoring (CandidateSums.MIN_SLOTS); here every size screens."""
+    monkeypatch.setattr(CandidateSums, "MIN_SLOTS", 0)
+
+
+def _first_lowest(scores: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+    """Each head's lowest eligible score's slot, ties to the earliest."""
+    s = torch.where(eligible, scores, torch.inf)
+    low = s.amin(-1, keepdim=True)
+    slots = torch.arange(s.shape[-1]).expand_as(s)
+    return torch.where(s == low, slots, s.shape[-1]).amin(-1)
+
+
+@given(st.integers(2, 40), st.integers(0, 3), st.sampled_from(["normal", "integers"]), st.integers(0, 2**16))
+@settings(max_examples=60, deadline=None)
+def test_torch_keeps_what_the_reference_keeps(size, recent, kind, seed) -> None:
+    recent = min(recent, size - 1)
+    rng = np.random.default_rng(seed)
+    steps, heads = size + 60, 3
+    prompt = int(rng.integers(0, steps // 2))
+    keys = rng.normal(size=(steps, heads, 8)) if kind == "normal" else rng.integers(-2, 3, size=(steps, heads, 8)).astype(np.float64)
+    logits = rng.normal(size=(steps, heads, steps))
+    policy = KeyDiff(size=size, recent=recent)
+    want = kvpolicy_numpy.replay(policy, logits, prompt, keys=keys)
+    got = kvpolicy_torch.replay(policy, logits, prompt, keys=keys)
+    same_kept(want.kept, got.kept)
+
+
+@given(st.integers(3, 12), st.sampled_from([0.0, 0.5, 1.0]), st.integers(1, 6), st.integers(0, 2**16))
+@settings(max_examples=40, deadline=None)
+def test_headwise_budgets_keep_what_the_reference_keeps(size, alpha, heads, seed) -> None:
+    # (the layer's H lowest over its heads may all come from one head: up to 6 heads here)
+    rng = np.random.default_rng(seed)
+    steps = size + 40
+    keys = rng.normal(size=(steps, heads, 8))
+    logits = rng.normal(size=(steps, heads, steps))
+    policy = AdaKV(KeyDiff(size=size), alpha)
+    want = kvpolicy_numpy.replay(policy, logits, 4, keys=keys)
+    got = kvpolicy_torch.replay(policy, logits, 4, keys=keys)
+    same_kept(want.kept, got.kept)
+
+
+def test_a_decode_run_keeps_the_sum_and_rescores_a_few() -> None:
+    # 200 decode steps past the limit: the sum is taken afresh at the first step and every RESUM
+    # updates (and after compactions), not at every step
+    g = torch.Generator().manual_seed(0)
+    layer = LayerCache(KeyDiff(size=64))
+    layer.append(k := torch.randn(1, 3, 80, 16, generator=g), k.clone())
+    layer.evict()
+    for _ in range(200):
+        layer.append(k := torch.randn(1, 3, 1, 16, generator=g), k.clone())
+        layer.evict()
+    sums = layer.candidate_sums
+    assert sums is not None and 1 <= sums.full_sums <= 200 // CandidateSums.RESUM + 30
+
+
+@given(st.integers(6, 40), st.integers(0, 2), st.integers(0, 2**16), st.booleans())
+@settings(max_examples=80, deadline=None)
+def test_the_victim_is_the_full_rescorings(n, recent, seed, reorder) -> None:
+    # random histories: tokens appended, a victim made a hole each step, sometimes the slots
+    # compacted (moved) or the rows swapped; each step's lowest eligible slot equals the one
+    # the full rescoring gives (or the sums decline)
+    g = torch.Generator().manual_seed(seed)
+    parts = UnitKeySum()
+    sums = CandidateSums(parts, min_slots=0)
+    b, h, d = 2, 2, 8
+    keys = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+    positions = torch.arange(n).expand(b, h, n).clone()
+    seen = n
+    for step in range(30):
+        if step % 7 == 6:  # compaction: the held tokens moved to the front
+            order = torch.argsort((positions < 0).to(torch.int8), dim=-1, stable=True)
+            positions = positions.gather(2, order)
+            keys = keys.gather(2, order[..., None].expand_as(keys))
+        if reorder and step % 11 == 10:
+            positions, keys = positions.flip(0), keys.flip(0)
+            sums.forget()
+        free = (positions < 0).all(0).all(0).nonzero()
+        slot = int(free[0]) if free.numel() else positions.shape[-1]
+        if slot == positions.shape[-1]:
+            positions = torch.cat([positions, torch.full((b, h, 1), -1)], -1)
+            keys = torch.cat([keys, torch.zeros(b, h, 1, d, dtype=torch.float64)], 2)
+        keys[:, :, slot] = torch.randn(b, h, d, generator=g, dtype=torch.float64)
+        positions[:, :, slot] = seen
+        seen += 1
+        eligible = (positions >= 0) & (positions < seen - recent)
+        full = key_scores("key_diff", keys, positions, seen, recent)
+        want = _first_lowest(torch.where(positions >= 0, full, torch.inf), eligible)
+        got = sums.scores(keys, positions, seen, recent)
+        if got is not None:
+            assert torch.equal(_first_lowest(got, eligible), want)
+        victim = want
+        positions.scatter_(2, victim[..., None], -1)
+
+
+def test_nan_keys_and_ties_at_the_cut_are_declined() -> None:
+    sums = CandidateSums(UnitKeySum(), min_slots=0)
+    keys = torch.randn(1, 1, 10, 4, dtype=torch.float64)
+    positions = torch.arange(10).expand(1, 1, 10)
+    nan = keys.clone()
+    nan[0, 0, 3, 0] = float("nan")
+    assert sums.scores(nan, positions, 10, 0) is None
+    same = torch.ones(1, 1, 10, 4, dtype=torch.float64)  # every key alike: all tie, more than the rescored few
+    assert CandidateSums(UnitKeySum(), min_slots=0).scores(same, positions, 10, 0) is None
+
+
+class WrongEstimate(UnitKeySum):
+    def estimate(self, keys, statistic):
+        return super().estimate(keys, statistic) + 0.01
+
+
+class WrongExact(UnitKeySum):
+    def exact(self, keys, summand, statistic):
+        return super().exact(keys, summand, statistic) * 2
+
+
+@pytest.mark.parametrize("parts, match", [(WrongEstimate(), "declared error"), (WrongExact(), "cache_score gives")])
+def test_the_kit_refuses_a_declaration_that_is_not_the_score(parts, match) -> None:
+    class Declared(KeyDiff):
+        name = "keydiff_declared_test"
+        candidate_sum = parts
+
+    policy = Declared(size=2)
+    keys = np.random.default_rng(0).normal(size=(1, 2, 6, 4))
+    positions = np.arange(6)[None, None].repeat(2, 1)
+    scores = policy.cache_score(CachedTokens(keys, None, positions, 6))
+    check_candidate_sum(KeyDiff(size=2), keys, positions, 6, scores)
+    with pytest.raises(ContractViolation, match=match):
+        check_candidate_sum(policy, keys, positions, 6, scores)
