@@ -14,7 +14,9 @@ a wikitext-2 prompt (:func:`prefill_time.prompt_ids`, the same text as ``prefill
   keeps every token, ``full``, at 1.0):
   :func:`kvpolicy.hf.greedy_decode` with one new token, which prefills a prompt longer than
   ``--chunk`` (default :data:`~kvpolicy.hf.PREFILL_CHUNK`, 512) in chunks of that many tokens
-  through an ``EvictingCache`` that holds at most its storage plus one chunk.
+  through an ``EvictingCache`` that holds at most its storage plus one chunk (KVzip: the whole
+  prompt until its context reconstruction, which ``greedy_decode`` runs after it and which the
+  time includes).
 
 Reported per candidate and length: the process CPU time of the prefill (one thread: its work,
 not the time other jobs held the core) and its wall time, the peak resident memory of the
@@ -43,6 +45,7 @@ def run_one(candidate: str, n: int, budget: float, chunk: int, text: Path) -> di
 
     from kvpolicy import make_policy
     from kvpolicy.hf import EvictingCache, cache_kwargs, greedy_decode
+    from kvpolicy_integrations.reconstruction import reconstruct, repeat_prompts
     from kvpolicy_tools.eval.tasks.base import is_reference
     from kvpolicy_tools.models import load
     from kvpolicy_tools.perf.decode import cache_bytes
@@ -65,7 +68,11 @@ def run_one(candidate: str, n: int, budget: float, chunk: int, text: Path) -> di
             planned = 1.0 if is_reference(candidate) else budget
             policy = make_policy(candidate, planned, context_length=n + 1, prompt_length=n)
             cache = EvictingCache(policy, model, prefill_chunk=chunk)
-            greedy_decode(model, ids, cache, 1, prefill_chunk=chunk)
+            after = None
+            if policy.needs_reconstruction:  # (KVzip: its context reconstruction before the first token, as generate runs it)
+                prompts = repeat_prompts(tok)
+                after = lambda: reconstruct(model, cache, ids, prompts)  # noqa: E731
+            greedy_decode(model, ids, cache, 1, prefill_chunk=chunk, after_prompt=after)
     cpu, wall = time.process_time() - start_cpu, time.perf_counter() - start_wall
     held, _ = cache_bytes(cache)
     if candidate == "plain":  # (the full cache: what it holds is its peak)

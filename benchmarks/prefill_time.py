@@ -10,7 +10,9 @@ through the model in one forward (``logits_to_keep=1``, as ``generate`` asks for
 * ``plain``: a ``DynamicCache`` with transformers' own SDPA attention (the causal kernel);
 * each policy (``--policies``; planned for ``--budget`` of the prompt with
   :func:`kvpolicy.make_policy`, ``full`` is ``FullCache``): an ``EvictingCache`` of it, the
-  forward including the prefill eviction.
+  forward including the prefill eviction (KVzip's: its context reconstruction after the prompt,
+  :func:`kvpolicy_integrations.reconstruction.reconstruct`, as ``generate`` runs it before the
+  first token).
 
 Runs are interleaved (plain, every policy, plain, ... per repeat), the fastest of ``--repeats``
 is kept, and each policy's time is reported as a ratio to the plain forward's. ``--clock
@@ -46,6 +48,7 @@ from transformers import DynamicCache
 
 from kvpolicy import FullCache, make_policy
 from kvpolicy.hf import EvictingCache, cache_kwargs
+from kvpolicy_integrations.reconstruction import RepeatPrompts, reconstruct, repeat_prompts
 from kvpolicy_tools.models import load
 
 DEFAULT_POLICIES = ("full", "streaming_llm", "local", "knorm", "keydiff", "h2o", "tova", "buzz", "snapkv_h2o")
@@ -65,8 +68,10 @@ CLOCKS = {"process": time.process_time, "wall": time.perf_counter}
 clock = CLOCKS["process"]
 
 
-def forward(model: torch.nn.Module, ids: torch.Tensor, cache: Any, chunk: int | None) -> float:
-    """Seconds of the prompt forward(s) through ``cache``."""
+def forward(model: torch.nn.Module, ids: torch.Tensor, cache: Any, chunk: int | None,
+            prompts: RepeatPrompts | None = None) -> float:
+    """Seconds of the prompt forward(s) through ``cache``, and of KVzip's context reconstruction
+    (with its repeat ``prompts``) where the cache's policy scores by one."""
     n = ids.shape[1]
     step = n if not chunk else chunk
     t = clock()
@@ -75,6 +80,10 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, cache: Any, chunk: int | 
             part = ids[:, lo : lo + step]
             positions = torch.arange(lo, lo + part.shape[1])[None]
             model(input_ids=part, position_ids=positions, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+        if isinstance(cache, EvictingCache) and cache.policy.needs_reconstruction:
+            if prompts is None:
+                raise ValueError(f"{cache.policy!r} scores the prompt by a context reconstruction: give prompts")
+            reconstruct(model, cache, ids, prompts)
     return clock() - t
 
 
@@ -175,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"load average {os.getloadavg()}, {args.threads} thread(s), best of {args.repeats}, {args.clock} time")
     print("| prompt | plain | " + " | ".join(args.policies) + " |")
     print("|---:|---:|" + "---:|" * len(args.policies))
+    prompts = repeat_prompts(tok)  # (KVzip's reconstruction)
     for n in args.lengths:
         ids = prompt_ids(tok, args.text, n)
         make = makers(model, args.policies, n, args.budget)
@@ -182,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         times: dict[str, list[float]] = {k: [] for k in make}
         for _ in range(args.repeats):
             for name, factory in make.items():
-                times[name].append(forward(model, ids, factory(), None if name == "plain" else args.chunk or None))
+                times[name].append(forward(model, ids, factory(), None if name == "plain" else args.chunk or None, prompts))
         best = {k: min(v) for k, v in times.items()}
         results["rows"].append({"prompt": n, "seconds": best, "ratio": {k: best[k] / best["plain"] for k in best}})
         print(f"| {n} | {best['plain']:.2f} s | " + " | ".join(f"{best[k] / best['plain']:.2f}x" for k in args.policies) + " |",

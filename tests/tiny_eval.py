@@ -36,7 +36,11 @@ class CallTokenizer:
     def __call__(self, text, return_tensors=None):
         import torch
 
-        return {"input_ids": torch.tensor([[3 + ord(c) % 100 for c in text]])}
+        return {"input_ids": torch.tensor([self.encode(text)])}
+
+    def encode(self, text, add_special_tokens=False):
+        """The same ids as a list (what KVzip's repeat prompts are built from)."""
+        return [3 + ord(c) % 100 for c in text]
 
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(map(str, ids))
