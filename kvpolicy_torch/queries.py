@@ -1,4 +1,6 @@
-"""Expected Attention's running query statistics in one torch layer (decode-time).
+"""What a torch layer keeps between decode steps for a score from the cache: Expected Attention's
+running query statistics (below) and a sum over the candidates a score is declared as
+(:class:`CandidateSums`: KeyDiff's anchor).
 
 A layer whose policy scores with ``"expected_attention"`` keeps, per row and query head, the
 running sums of the queries it has seen (:class:`kvpolicy.statistics.QueryMoments`: their count,
