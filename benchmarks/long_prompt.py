@@ -56,16 +56,15 @@ def run_one(candidate: str, n: int, budget: float, chunk: int, text: Path) -> di
     torch.set_num_threads(1)
     model, tok = load()
     ids = prompt_ids(tok, text, n)
-    planned = budget
+    # (a policy that keeps every token, `full`, is planned at 1.0: its row is the chunked prefill's
+    # own cost, the cache the full one)
+    planned = 1.0 if candidate != "plain" and is_reference(candidate) else budget
     start_cpu, start_wall = time.process_time(), time.perf_counter()
     with torch.inference_mode():
         if candidate == "plain":
             cache: Any = DynamicCache(config=model.config)
             model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         else:
-            # (a policy that keeps every token, `full`, is planned at 1.0: its row is the chunked
-            # prefill's own cost, the cache the full one)
-            planned = 1.0 if is_reference(candidate) else budget
             policy = make_policy(candidate, planned, context_length=n + 1, prompt_length=n)
             cache = EvictingCache(policy, model, prefill_chunk=chunk)
             after = None

@@ -184,7 +184,7 @@ def unit_keys(keys: Array, norm: Array | None = None) -> Array:
         [[0.6, 0.8], [0.0, 0.0]]
     """
     xp = array_namespace(keys)
-    k = xp.astype(keys, xp.float64)
+    k = xp.astype(keys, xp.float64, copy=False)  # (key_scores hands float64 keys: no second copy)
     if norm is None:
         norm = xp.linalg.vector_norm(k, axis=-1)
     return k / xp.clip(norm, min=KEY_EPS)[..., None]

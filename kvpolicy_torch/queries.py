@@ -312,7 +312,7 @@ class CandidateSums:
     RESUM = 64
     #: tokens per head scored exactly at a step
     RESCORED = 4
-    #: slots below which a full rescoring is cheaper than the ~50 small kernels of the screen (one
+    #: slots below which a full rescoring is cheaper than the ~80 small kernels of the screen (one
     #: CPU thread, 64-dimensional heads: 136 slots 0.6x, 530 slots 3.5x, 2,070 slots 8.8x faster
     #: than the full rescoring; ``min_slots`` per instance)
     MIN_SLOTS = 256

@@ -226,6 +226,7 @@ def check_headwise_eviction(policy: EvictionPolicy, view: CacheView, keep: Any, 
     if view.state != after:
         raise ContractViolation(f"{policy!r} declares {rule!r}, whose eviction leaves state {after}, but select left {view.state}")
 
+
 def check_candidate_sum(policy: EvictionPolicy, keys: np.ndarray, positions: np.ndarray, n_seen: Any,
                         scores: np.ndarray) -> None:
     """A declared :class:`~kvpolicy.CandidateSum` must mean the policy's ``cache_score``: given the
