@@ -192,7 +192,10 @@ class LayerCache(LayerReads):
         #: Expected Attention: the running moments of the queries seen (:meth:`observe_queries`)
         #: (and a refresh interval's bookkeeping for any score from the cache that declares one)
         refreshes = policy.score_statistic in KEY_STATISTICS and refresh_interval(policy) > 1
-        self.running_queries = RunningMoments(refresh_sink(policy)) if policy.observes_queries or refreshes else None
+        # (eager under a refresh interval, the decode queries are held until a scoring reads the sums)
+        self.running_queries = RunningMoments(
+            refresh_sink(policy), buffered=not self.static_shapes and refresh_interval(policy) > 1,
+        ) if policy.observes_queries or refreshes else None
 
     # ------------------------------------------------------------------ copies (pickle, deepcopy, torch.save)
     def __setstate__(self, state: dict[str, Any]) -> None:

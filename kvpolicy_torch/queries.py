@@ -79,7 +79,9 @@ class PreRope:
                 self._matrix = self.matrix(positions, inv_freq, b, d, style, rotary_dim)
                 self._key, self._held = key, (positions, inv_freq)
             matrix = self._matrix
-        return torch.matmul(queries.to(torch.float64), matrix)
+        # (one product per row, its query heads the rows of one matrix: a broadcast matmul over the
+        # heads expanded the rotation per head)
+        return torch.bmm(queries.reshape(b, -1, d).to(torch.float64), matrix.reshape(b, d, d)).view(queries.shape)
 
     @staticmethod
     def matrix(positions: torch.Tensor, inv_freq: torch.Tensor, batch: int, head_dim: int, style: str,
@@ -97,9 +99,12 @@ class RunningMoments:
 
     Args:
         sink: queries at positions below this are not counted (the policy's ``sink``).
+        buffered: hold each decode query until the sums are read (:data:`PENDING`): for a layer
+            whose scores are computed every ``refresh > 1`` steps, eager.
 
     Attributes:
-        moments: the sums so far (``None`` before the first query).
+        moments: the sums so far (``None`` before the first query; reading them takes the held
+            queries in).
         rotary: the RoPE the queries were rotated back from (:class:`~kvpolicy.statistics.Rotary`,
             ``None``: no rotation), as the last :meth:`observe` gave it.
         scored_seen: int64 ``[batch]`` tokens each row had seen when the scores were last
@@ -114,9 +119,20 @@ class RunningMoments:
         ([2.0], [[[[4.0, 4.0]]]])
     """
 
-    def __init__(self, sink: int) -> None:
+    #: decode queries held before the sums take them (eager, ``buffered``): the sums are read only
+    #: when the scores are computed (every ``refresh``-th step under a refresh interval), so a step
+    #: appends its query to a list and the sums take the held ones in one product when read, or
+    #: when this many are held (``[batch, q_heads, PENDING, head_dim]`` float64 a layer at most)
+    PENDING = 64
+
+    def __init__(self, sink: int, *, buffered: bool = False) -> None:
         self.sink = sink
-        self.moments: QueryMoments | None = None
+        #: hold decode queries until the sums are read (:data:`PENDING`); not for a compiled step,
+        #: whose graph takes each query into the sums in place
+        self.buffered = buffered
+        self._moments: QueryMoments | None = None
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # ([b, hq, 1, d] float64, positions [b, 1])
+        self._kv_heads = 0
         self.rotary: Rotary | None = None
         self.scored_seen: torch.Tensor | None = None
         #: the most tokens a row had seen at the last scoring, when decided on the host (eager),
@@ -135,42 +151,101 @@ class RunningMoments:
             raise ValueError(f"query heads ({hq}) must be a multiple of kv_heads ({kv_heads})")
         if tuple(positions.shape) != (b, q):
             raise ValueError(f"positions must have shape [batch, q] = [{b}, {q}], got {tuple(positions.shape)}")
-        counted = positions.to(queries.device) >= self.sink
-        moments = self.moments
-        if q == 1 and moments is not None and moments.total.shape == (b, kv_heads, hq // kv_heads, d):
-            # a decode step: its one query added in place (three kernels, no temporary [.., d, d])
-            w = counted.reshape(b).to(torch.float64)
-            q64 = queries.reshape(b * hq, d).to(torch.float64)
-            weighted = q64 * w.repeat_interleave(hq)[:, None]
-            moments.count.add_(w)
-            moments.total.view(b * hq, d).add_(weighted)
-            moments.outer.view(b * hq, d, d).baddbmm_(weighted[:, :, None], q64[:, None, :])
-            self.rotary = rotary
+        self.rotary = rotary
+        decode = q == 1 and self._moments is not None and self._moments.total.shape == (b, kv_heads, hq // kv_heads, d)
+        if decode and self.buffered and not torch.compiler.is_compiling():
+            # held until the sums are read (the query as float64: a copy unless it is one already)
+            self._pending.append((queries.to(torch.float64), positions))
+            if len(self._pending) >= self.PENDING:
+                self._take_pending()
             return
+        self._take_pending()
+        moments = self._moments
+        if decode and moments is not None:
+            self._add_one(moments, queries, positions)
+            return
+        counted = positions.to(queries.device) >= self.sink
         step = query_moments(queries.reshape(b, kv_heads, hq // kv_heads, q, d), counted)
-        if self.moments is None:
-            self.moments = step
-        elif self.moments.total.shape != step.total.shape:
+        self._kv_heads = kv_heads
+        if moments is None:
+            self._moments = step
+        elif moments.total.shape != step.total.shape:
             raise ValueError(
                 f"queries of shape {tuple(queries.shape)} do not match the earlier ones' statistics "
-                f"{tuple(self.moments.total.shape)} ([batch, kv_heads, group, head_dim]); reset() first"
+                f"{tuple(moments.total.shape)} ([batch, kv_heads, group, head_dim]); reset() first"
             )
         else:  # in place: a compiled step mutates the sums it was given
-            for mine, new in zip(self.moments, step):
+            for mine, new in zip(moments, step):
                 mine.add_(new)
-        self.rotary = rotary
+
+    @property
+    def moments(self) -> QueryMoments | None:
+        """The sums of every query observed so far (``None`` before the first); reading them makes
+        the sums take the decode queries held since the last read (``buffered``)."""
+        self._take_pending()
+        return self._moments
+
+    @property
+    def held_queries(self) -> int:
+        """Decode queries held that the sums have not taken yet (0 unless ``buffered``).
+
+        Example:
+            >>> running = RunningMoments(sink=0, buffered=True)
+            >>> running.observe(torch.randn(1, 2, 3, 4), torch.arange(3).view(1, 3), kv_heads=1)  # a prompt: taken
+            >>> for t in (3, 4):
+            ...     running.observe(torch.randn(1, 2, 1, 4), torch.tensor([[t]]), kv_heads=1)
+            >>> running.held_queries, running.moments.count.tolist(), running.held_queries
+            (2, [5.0], 0)
+        """
+        return len(self._pending)
+
+    @property
+    def observed(self) -> bool:
+        """Whether a query was observed (without making the sums take the held ones)."""
+        return self._moments is not None
+
+    def _take_pending(self) -> None:
+        """The held decode queries added to the sums, in one product (their order within it is a
+        matrix product's, as the NumPy reference sums a prompt's queries: the sums differ from
+        adding them one by one by float64 rounding, far below the scores' rounding)."""
+        pending, moments = self._pending, self._moments
+        if not pending or moments is None:
+            return
+        self._pending = []
+        if len(pending) == 1:
+            self._add_one(moments, *pending[0])
+            return
+        queries = torch.cat([q for q, _ in pending], dim=2)  # [b, hq, N, d]
+        positions = torch.cat([p for _, p in pending], dim=1).to(queries.device)  # [b, N]
+        b, hq, n, d = queries.shape
+        step = query_moments(queries.reshape(b, self._kv_heads, hq // self._kv_heads, n, d), positions >= self.sink)
+        for mine, new in zip(moments, step):
+            mine.add_(new)
+
+    def _add_one(self, moments: QueryMoments, queries: torch.Tensor, positions: torch.Tensor) -> None:
+        """A decode step's one query per row ``[batch, q_heads, 1, d]`` added in place (three
+        kernels, no temporary ``[.., d, d]``; a compiled step mutates the sums it was given)."""
+        b, hq, _, d = queries.shape
+        w = (positions.to(queries.device) >= self.sink).reshape(b).to(torch.float64)
+        q64 = queries.reshape(b * hq, d).to(torch.float64)
+        weighted = q64 * w.repeat_interleave(hq)[:, None]
+        moments.count.add_(w)
+        moments.total.view(b * hq, d).add_(weighted)
+        moments.outer.view(b * hq, d, d).baddbmm_(weighted[:, :, None], q64[:, None, :])
 
     def select(self, index: torch.Tensor) -> None:
         """Keep (or repeat) rows by ``index`` (beam search)."""
-        if self.moments is not None:
-            self.moments = QueryMoments(*(t.index_select(0, index.to(t.device)) for t in self.moments))
+        moments = self.moments  # (the held queries taken first: they are the old rows')
+        if moments is not None:
+            self._moments = QueryMoments(*(t.index_select(0, index.to(t.device)) for t in moments))
         if self.scored_seen is not None:
             self.scored_seen = self.scored_seen.index_select(0, index.to(self.scored_seen.device))
             self.scored_host = self.marked_host = None  # (the rows' most may change: read back once, at the next step)
 
     def reset(self) -> None:
         """Forget every query."""
-        self.moments = None
+        self._moments = None
+        self._pending = []
         self.scored_seen = self.scored_host = self.marked_host = None
 
 
@@ -221,25 +296,32 @@ def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: S
     step must come here (the layer's eviction calls it at each)."""
     if running is None:
         return cache_scores(policy, slots.keys, slots.values, slots.positions, seen)
-    if running.moments is None and policy.observes_queries:
+    if not running.observed and policy.observes_queries:
         raise RuntimeError(
             f"{policy!r} scores from the queries' moments, and no query was observed: call observe_queries() "
             f"with each step's queries before evict() (the transformers cache does)"
         )
-    moments, rotary = running.moments, running.rotary
+
+    # (held decode queries: the moments are read by a scoring only, so a step between two scorings
+    # leaves them held; otherwise read here, outside a compiled step's branches)
+    now = None if running.buffered else (running.moments, running.rotary)
 
     def fresh() -> torch.Tensor:
+        moments, rotary = now if now is not None else (running.moments, running.rotary)
         return cache_scores(policy, slots.keys, slots.values, slots.positions, seen, moments, rotary)
 
     refresh = refresh_interval(policy)
     if refresh == 1:
         return fresh()
     positions = slots.positions
-    rows = seen.reshape(-1) if isinstance(seen, torch.Tensor) else torch.full((1,), seen, device=positions.device)
-    rows = rows.to(positions.device, torch.int64).expand(positions.shape[0])
+
+    def per_row() -> torch.Tensor:
+        rows = seen.reshape(-1) if isinstance(seen, torch.Tensor) else torch.full((1,), seen, device=positions.device)
+        return rows.to(positions.device, torch.int64).expand(positions.shape[0])
+
     last, compiling = running.scored_seen, torch.compiler.is_compiling()
-    if phase != "decode" or last is None or last.shape != rows.shape:  # after a prompt, or the first time
-        running.scored_seen = rows.clone(memory_format=torch.contiguous_format)
+    if phase != "decode" or last is None or last.shape != (positions.shape[0],):  # after a prompt, or the first time
+        running.scored_seen = per_row().clone(memory_format=torch.contiguous_format)
         running.scored_host = running.marked_host = seen_max
         return fresh()
     sink = refresh_sink(policy)
@@ -256,9 +338,10 @@ def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: S
                 slots.scores.masked_fill_(positions == seen - 1, UNSCORED)
                 return slots.scores
             return stale()
-        last.copy_(rows)
+        last.copy_(per_row())
         running.scored_host = running.marked_host = seen_max
         return fresh()
+    rows = per_row()
     due = refresh_due(refresh, rows, last).any()
     if compiling:  # both branches in the one graph of a compiled step
         scores = torch.cond(due, lambda: fresh().to(slots.scores.dtype), lambda: stale().clone(), ())

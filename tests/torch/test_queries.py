@@ -1,5 +1,6 @@
-"""kvpolicy_torch.queries (CandidateSums): a score declared as a sum over the candidates (KeyDiff's
-anchor) kept between eager decode steps, exact only near each head's lowest.
+"""kvpolicy_torch.queries: a score declared as a sum over the candidates (CandidateSums: KeyDiff's
+anchor) kept between eager decode steps, exact only near each head's lowest; Expected Attention's
+decode queries held until a scoring reads their sums (RunningMoments, buffered).
 
 Differential: the torch backend's LayerCache (which keeps the sum and rescores the few lowest
 estimates) keeps what the NumPy reference (which rescores every token from scratch) keeps, for
@@ -161,3 +162,67 @@ def test_the_kit_refuses_a_declaration_that_is_not_the_score(parts, match) -> No
     check_candidate_sum(KeyDiff(size=2), keys, positions, 6, scores)
     with pytest.raises(ContractViolation, match=match):
         check_candidate_sum(policy, keys, positions, 6, scores)
+
+
+# ============================================================================ held decode queries
+from kvpolicy_torch.queries import RunningMoments  # noqa: E402
+
+
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(0, 4), st.integers(1, 150), st.integers(0, 2**16))
+@settings(max_examples=40, deadline=None)
+def test_held_decode_queries_give_the_sums_of_adding_each(batch, group, sink, steps, seed) -> None:
+    """Expected Attention under a refresh interval (eager) holds each decode query until the sums
+    are read: read at any step, after any number of steps (past RunningMoments.PENDING, where
+    they are taken unread), the sums equal those of adding each query as it comes, to float64
+    rounding; rows reordered (beam search) with queries held keep their own queries."""
+    gen = torch.Generator().manual_seed(seed)
+    kv, d, prompt = 2, 4, 3
+    held, each = RunningMoments(sink, buffered=True), RunningMoments(sink)
+    first = torch.randn(batch, kv * group, prompt, d, generator=gen, dtype=torch.float64)
+    positions = torch.arange(prompt).expand(batch, prompt)
+    for running in (held, each):
+        running.observe(first, positions, kv_heads=kv)
+    reads = {int(x) for x in torch.randint(0, steps, (3,), generator=gen)}
+    since = 0  # decode queries since the sums last took them
+    for t in range(steps):
+        q = torch.randn(batch, kv * group, 1, d, generator=gen, dtype=torch.float64)
+        for running in (held, each):
+            running.observe(q, torch.full((batch, 1), prompt + t), kv_heads=kv)
+        since = (since + 1) % RunningMoments.PENDING
+        assert (held.held_queries, each.held_queries) == (since, 0)
+        if t in reads:
+            for mine, theirs in zip(held.moments, each.moments):
+                torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+            assert held.held_queries == 0
+            since = 0
+    index = torch.arange(batch).flip(0)
+    held.select(index)
+    each.select(index)
+    for mine, theirs in zip(held.moments, each.moments):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+    assert held.moments.count.tolist() == [float(prompt + steps - min(sink, prompt + steps))] * batch
+
+
+def test_a_refresh_interval_holds_the_queries_between_scorings() -> None:
+    """An eager layer of Expected Attention with refresh=8 holds the decode queries it observes
+    until a scoring reads the sums (at most refresh - 1 held after an eviction); refresh=1 and
+    static shapes take each query at once."""
+    from kvpolicy import ExpectedAttention
+
+    def run(policy, **kw):
+        layer = LayerCache(policy, **kw)
+        gen = torch.Generator().manual_seed(0)
+        layer.append(torch.randn(1, 1, 12, 4, generator=gen), torch.randn(1, 1, 12, 4, generator=gen))
+        layer.observe_queries(torch.randn(1, 2, 12, 4, generator=gen))
+        layer.evict()
+        most = 0
+        for _ in range(20):
+            layer.append(torch.randn(1, 1, 1, 4, generator=gen), torch.randn(1, 1, 1, 4, generator=gen))
+            layer.observe_queries(torch.randn(1, 2, 1, 4, generator=gen))
+            layer.evict()
+            most = max(most, layer.running_queries.held_queries)
+        return most, layer.running_queries.moments.count.tolist()
+
+    assert run(ExpectedAttention(size=6, sink=1, refresh=8)) == (7, [31.0])
+    assert run(ExpectedAttention(size=6, sink=1)) == (0, [31.0])
+    assert run(ExpectedAttention(size=6, sink=1, refresh=8), static_shapes=True) == (0, [31.0])
