@@ -220,7 +220,9 @@ class HostEviction:
         if any(s != seen for s in seen_rows):
             seen = torch.tensor(seen_rows, device=working.positions.device).view(-1, 1, 1)
         if lowest_only and self.sums is not None and layout.phase == "decode" and layout.extra is None:
-            found = self.sums.scores(working.keys, working.positions, seen, self.policy.key_recent)
+            # (a one-token rule reads each head's lowest; head-wise budgets the layer's H lowest)
+            need = 1 if self.headwise is None else int(working.positions.shape[1])
+            found = self.sums.scores(working.keys, working.positions, seen, self.policy.key_recent, need=need)
             if found is not None:
                 working.scores.copy_(found)
                 return

@@ -371,13 +371,13 @@ class CandidateSums:
     two backends' summation orders).
 
     The scores: the policy's cheap estimate for every held token, then the exact score for the
-    :data:`RESCORED` lowest estimates per head (at least the layer's heads + 1). When the next
-    estimate is above the highest of those exact scores by more than the declared error, every
-    token left at its estimate is above every exactly scored one of its head, so the victims (each
-    head's lowest, ties to the earliest; or the layer's H lowest over its heads under head-wise
-    budgets) are the ones the exact rule picks;
-    otherwise (ties at the cut, NaN, a head of few tokens) :meth:`scores` returns ``None`` and the
-    caller rescores everything. Only for an eviction that reads each head's lowest scores (the
+    :data:`RESCORED` lowest estimates per head (at least the layer's heads + 1). Every token left
+    at its estimate scores above the next estimate minus the declared error; when each head has as
+    many exact scores below that as the eviction reads (its lowest; under head-wise budgets the
+    layer's H lowest over its heads, up to H from one head), those are below every score left, so
+    the victims (ties to the earliest) are the ones the exact rule picks; otherwise (a tie at the
+    cut, NaN, a head of few tokens) :meth:`scores` returns ``None`` and the caller rescores
+    everything. Only for an eviction that reads each head's lowest scores (the
     one-token rule, head-wise budgets): the other scores are estimates.
 
     Example:
@@ -437,11 +437,14 @@ class CandidateSums:
         self.full_sums += 1
         return self.total
 
-    def scores(self, keys: torch.Tensor, positions: torch.Tensor, seen: Any, recent: int) -> torch.Tensor | None:
+    def scores(self, keys: torch.Tensor, positions: torch.Tensor, seen: Any, recent: int, need: int = 1) -> torch.Tensor | None:
         """Float64 ``[batch, kv_heads, n]``: exact at each head's lowest, estimates elsewhere, ``+inf``
         at holes and pads; ``None`` where the estimates cannot tell the lowest (score every token).
         ``keys`` ``[batch, kv_heads, n, d]``, ``positions`` ``[batch, kv_heads, n]`` (``-1``: hole
-        or pad), ``seen`` an int or ``[batch, 1, 1]``, ``recent`` the policy's ``key_recent``."""
+        or pad), ``seen`` an int or ``[batch, 1, 1]``, ``recent`` the policy's ``key_recent``;
+        ``need``: how many of each head's lowest the eviction reads (1 for a one-token rule; the
+        layer's heads under head-wise budgets, whose ``H`` lowest over the layer may all come from
+        one head)."""
         # (head-wise budgets take the layer's H lowest over all its heads, so up to H from one head:
         # each head's H + 1 lowest are scored exactly, enough to place the cut)
         k = max(self.RESCORED, positions.shape[1] + 1)
@@ -466,10 +469,11 @@ class CandidateSums:
         self.rescored = torch.where(picked, positions.gather(2, slot), -1)
         self.rescored_sum = summand = self.parts.summand(chosen)
         exact = self.parts.exact(chosen, summand, statistic)
-        # every token left at its estimate is above every exactly scored one (a head with at most
-        # k candidates: its next is +inf); NaN anywhere fails the test
-        highest = torch.where(picked, exact, -torch.inf).amax(-1)
-        if not bool((low[..., k] - self.parts.error(keys.shape[-1]) > highest).all()):
+        # every token left at its estimate scores above low[k] - error: a head whose `need` lowest
+        # exact scores lie below that (or that has no candidate left at its estimate: low[k] is
+        # +inf) has its lowest, ties included, among the exact ones; NaN anywhere fails the test
+        below = (picked & (exact < low[..., k:] - self.parts.error(keys.shape[-1]))).sum(-1)
+        if not bool(((below >= need) | (low[..., k] == torch.inf)).all()):
             return None
         scores = torch.where(held, estimate.to(torch.float64), torch.inf)
         return scores.scatter_(2, slot, torch.where(picked, exact, scores.gather(2, slot)))

@@ -13,6 +13,8 @@ shapes, random keys (no model).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -126,6 +128,69 @@ def test_the_victim_is_the_full_rescorings(n, recent, seed, reorder) -> None:
             assert torch.equal(_first_lowest(got, eligible), want)
         victim = want
         positions.scatter_(2, victim[..., None], -1)
+
+
+def _layer_lowest(scores: torch.Tensor, positions: torch.Tensor, eligible: torch.Tensor, count: int) -> list[list]:
+    """Per row, the layer's ``count`` lowest eligible ``(head, position)`` by (score, position, head)."""
+    out = []
+    for r in range(scores.shape[0]):
+        cells = [(float(scores[r, h, j]), int(positions[r, h, j]), h) for h in range(scores.shape[1])
+                 for j in range(scores.shape[2]) if eligible[r, h, j]]
+        out.append([(h, p) for _, p, h in sorted(cells)[:count]])
+    return out
+
+
+@given(st.integers(8, 40), st.integers(1, 5), st.integers(0, 2**16), st.sampled_from(["normal", "integers"]),
+       st.sampled_from([2, 6]))
+@settings(max_examples=80, deadline=None)
+def test_the_layers_lowest_are_the_full_rescorings(n, heads, seed, kind, d) -> None:
+    # head-wise budgets read the layer's H lowest over its heads (up to H from one head): with
+    # need=H, wherever the sums answer, those are the full rescoring's (continuous keys, and
+    # integer keys of few directions: large ties)
+    g = torch.Generator().manual_seed(seed)
+    sums = CandidateSums(UnitKeySum(), min_slots=0)
+    keys = (torch.randn(1, heads, n, d, generator=g, dtype=torch.float64) if kind == "normal"
+            else torch.randint(-1, 2, (1, heads, n, d), generator=g).to(torch.float64))
+    positions = torch.arange(n).expand(1, heads, n).clone()
+    seen, answered = n, 0
+    for _ in range(12):
+        eligible = positions >= 0
+        full = key_scores("key_diff", keys, positions, seen, 0)
+        got = sums.scores(keys, positions, seen, 0, need=heads)
+        want = _layer_lowest(torch.where(eligible, full, torch.inf), positions, eligible, heads)
+        if got is not None:
+            answered += 1
+            assert _layer_lowest(got, positions, eligible, heads) == want
+        for h, p in want[0]:  # the victims go; a new token comes to each head
+            positions[0, h][positions[0, h] == p] = -1
+        slot = int((positions[0] < 0).all(0).nonzero()[0]) if bool((positions[0] < 0).all(0).any()) else None
+        if slot is None:
+            positions = torch.cat([positions, torch.full((1, heads, 1), -1)], -1)
+            keys = torch.cat([keys, torch.zeros(1, heads, 1, d, dtype=torch.float64)], 2)
+            slot = positions.shape[-1] - 1
+        keys[:, :, slot] = (torch.randn(1, heads, d, generator=g, dtype=torch.float64) if kind == "normal"
+                            else torch.randint(-1, 2, (1, heads, d), generator=g).to(torch.float64))
+        positions[:, :, slot] = seen
+        seen += 1
+    assert kind == "integers" or answered > 0
+
+
+def test_the_layers_lowest_may_all_come_from_one_head() -> None:
+    # head 0: ten keys a hair apart (1e-8 rad: one float32 estimate, ten exact scores) beside one
+    # at the anchor; head 1 scores above them all. The layer's 2 lowest are both head 0's, the
+    # second among the ten: only their exact scores tell which. Reading one lowest per head
+    # (need=1) would take a wrong one; need=2 declines (the caller rescores)
+    phi = math.atan(1 / 10)  # the anchor of 10 unit keys along a and one along b
+    head0 = [(math.cos(t), math.sin(t)) for t in [1e-8 * i for i in range(10)] + [math.pi / 2, phi]]
+    head1 = [(math.cos(math.radians(t)), math.sin(math.radians(t))) for t in (0,) * 5 + (90,) * 5 + (30, 60)]
+    keys = torch.tensor([[head0, head1]], dtype=torch.float64)
+    positions = torch.arange(12).expand(1, 2, 12)
+    held = positions >= 0
+    want = _layer_lowest(key_scores("key_diff", keys, positions, 12, 0), positions, held, 2)
+    assert want == [[(0, 11), (0, 9)]]
+    one = CandidateSums(UnitKeySum(), min_slots=0).scores(keys, positions, 12, 0, need=1)
+    assert one is not None and _layer_lowest(one, positions, held, 2) != want
+    assert CandidateSums(UnitKeySum(), min_slots=0).scores(keys, positions, 12, 0, need=2) is None
 
 
 def test_nan_keys_and_ties_at_the_cut_are_declined() -> None:
