@@ -1,7 +1,7 @@
-"""Expected Attention (and KeyDiff) with a refresh interval, against the exact rule: its speed
+"""Expected Attention (and KeyDiff, LagKV) with a refresh interval, against the exact rule: its speed
 (``kvpolicy bench``) and its quality (``kvpolicy compare``), docs/policies.md (Expected Attention,
-KeyDiff). KeyDiff's factories are ``keydiff_refresh4``, ``_16``, ``_64``; its presets
-``keydiff_r4``, ``_r16``, ``_r64``.
+KeyDiff, LagKV). KeyDiff's factories are ``keydiff_refresh4``, ``_16``, ``_64``, its presets
+``keydiff_r4``, ``_r16``, ``_r64``; LagKV's ``lagkv_refresh4`` ... and ``lagkv_r4`` ....
 
 Speed, as ``module:factory`` policies planned per budget like the built-ins::
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-from kvpolicy import EvictionPolicy, ExpectedAttention, KeyDiff, plan_policy, register_policy
+from kvpolicy import EvictionPolicy, ExpectedAttention, KeyDiff, LagKV, plan_policy, register_policy
 from kvpolicy.registry import Preset
 
 REFRESH = (4, 16, 64)
@@ -41,6 +41,7 @@ def planned(refresh: int, cls: type = ExpectedAttention, prefix: str = "ea_refre
 
 ea_refresh4, ea_refresh16, ea_refresh64 = (planned(n) for n in REFRESH)
 keydiff_refresh4, keydiff_refresh16, keydiff_refresh64 = (planned(n, KeyDiff, "keydiff_refresh") for n in REFRESH)
+lagkv_refresh4, lagkv_refresh16, lagkv_refresh64 = (planned(n, LagKV, "lagkv_refresh") for n in REFRESH)
 
 
 def main(argv: list[str]) -> int:
@@ -49,6 +50,7 @@ def main(argv: list[str]) -> int:
     for n in REFRESH:
         register_policy(ExpectedAttention, name=f"expected_attention_r{n}", preset={"refresh": n})
         register_policy(KeyDiff, name=f"keydiff_r{n}", preset={"refresh": n})
+        register_policy(LagKV, name=f"lagkv_r{n}", preset={"refresh": n})
     return compare(argv)
 
 

@@ -6,6 +6,9 @@
   averaged, ranks within a partition; sinks and the tail 1; the ramp below ``sink + 2 lag``),
   re-scored at every eviction, and the torch replay (slots not in position order after its O(1)
   decode evictions) against the reference;
+* a refresh interval: the reference keeps what the rule says literally (kvpress's scores after
+  the prompt and at every ``refresh``-th decode step, held in between, the tokens appended since
+  ``UNSCORED``), and the torch replay what the reference keeps;
 * the conformance kit; the transformers cache on layer 0 of a tiny random-weight Llama.
 """
 
@@ -18,8 +21,8 @@ from hypothesis import strategies as st
 
 import kvpolicy_numpy
 from kvpolicy import LagKV, make_policy, prefill_only
-from kvpolicy.statistics import lag_scores
-from oracle import keep_highest_oracle, same_kept
+from kvpolicy.statistics import UNSCORED, lag_scores
+from oracle import keep_highest_oracle, literal_replay, same_kept
 
 torch = pytest.importorskip("torch")
 import kvpolicy_torch  # noqa: E402
@@ -82,6 +85,60 @@ def test_the_reference_keeps_what_kvpress_scores_and_torch_the_same(case) -> Non
     same_kept(got.kept, ref.kept)
 
 
+def refresh_oracle(policy: LagKV, keys: np.ndarray, values: np.ndarray, prompt_len: int) -> list[list[list[int]] | None]:
+    """Kept positions per step and head under a refresh interval, literally: kvpress's scores of
+    the held tokens after the prompt and at every ``refresh``-th decode step since the last
+    scoring, kept per position in between; a token appended since scores ``UNSCORED``; then,
+    while more than ``size`` are held, the lowest outside the newest ``recent`` goes (the
+    earliest of a tie; ``"shared"``: scores summed over heads)."""
+    steps, heads, _ = keys.shape
+    stored: list[dict[int, float]] = [{} for _ in range(heads)]
+    scored_at = None
+
+    def evict(cached: list[list[int]], t: int, prompt: bool) -> None:
+        nonlocal scored_at
+        if prompt or scored_at is None or t + 1 - scored_at >= policy.refresh:
+            for h in range(heads):
+                held = cached[h]
+                stored[h] = dict(zip(held, kvpress_lag(keys[held, h], values[held, h], policy.sink, policy.lag,
+                                                       policy.cross_scoring)))
+            scored_at = t + 1
+        n = len(cached[0])
+        if n <= policy.size:
+            return
+        scores = [[stored[h].get(p, UNSCORED) for p in cached[h]] for h in range(heads)]
+        if policy.selection == "shared":
+            scores = [[sum(s[i] for s in scores) for i in range(n)]] * heads
+        for h in range(heads):
+            drop = sorted(range(n - policy.recent), key=lambda i: (scores[h][i], i))[: n - policy.size]
+            cached[h] = [p for i, p in enumerate(cached[h]) if i not in drop]
+
+    return literal_replay(steps, heads, prompt_len, evict)
+
+
+@settings(max_examples=50, deadline=None)
+@given(cases(), st.integers(2, 5))
+def test_a_refresh_interval_keeps_what_the_literal_rule_keeps(case, refresh) -> None:
+    policy, keys, values, prompt_len = case
+    policy = LagKV(**{**policy.params(), "refresh": refresh})
+    steps, heads, _ = keys.shape
+    logits = np.zeros((steps, heads, steps))
+    ref = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=keys, values=values)
+    same_kept(ref.kept, refresh_oracle(policy, keys, values, prompt_len))
+    got = kvpolicy_torch.replay(policy, logits, prompt_len, keys=keys, values=values)
+    same_kept(got.kept, ref.kept)
+
+
+def test_a_refresh_interval_changes_what_is_kept() -> None:
+    # (the oracle test above could pass with refresh ignored on both sides)
+    rng = np.random.default_rng(1)
+    keys, values = rng.normal(size=(60, 1, 4)), rng.normal(size=(60, 1, 4))
+    logits = np.zeros((60, 1, 60))
+    every = kvpolicy_numpy.replay(LagKV(size=16, sink=2, lag=3), logits, 20, keys=keys, values=values)
+    sparse = kvpolicy_numpy.replay(LagKV(size=16, sink=2, lag=3, refresh=5), logits, 20, keys=keys, values=values)
+    assert any(a.tolist() != b.tolist() for a, b in zip(every.kept[20:], sparse.kept[20:]))
+
+
 def test_scores_ignore_slot_order_and_holes() -> None:
     """The same tokens in another slot order, with holes among them, score the same."""
     rng = np.random.default_rng(3)
@@ -98,7 +155,7 @@ def test_the_kit_passes_lagkv() -> None:
     from kvpolicy.testing import check_policy
 
     report = check_policy(LagKV, {"size": st.integers(2, 8), "recent": st.just(0), "sink": st.integers(0, 2),
-                                  "lag": st.integers(1, 3), "cross_scoring": st.booleans()},
+                                  "lag": st.integers(1, 3), "cross_scoring": st.booleans(), "refresh": st.integers(1, 3)},
                           settings=settings(max_examples=12, deadline=None))
     assert report.passed == ["replay", "sizes", "full_cache", "backends", "stateful", "ranking"], report.results
 
