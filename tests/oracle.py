@@ -456,15 +456,45 @@ def keep_highest_oracle(policy: Any, steps: int, heads: int, prompt_len: int, he
     ``head_scores(h, held, t)``: head ``h``'s scores of its ``held`` positions after token ``t``."""
 
     def evict(cached: list[list[int]], t: int, prompt: bool) -> None:
-        n = len(cached[0])
-        if n <= policy.size:
-            return
-        scores = [head_scores(h, cached[h], t) for h in range(heads)]
-        if policy.selection == "shared":
-            summed = [sum(s[i] for s in scores) for i in range(n)]
-            scores = [summed] * heads
-        for h in range(heads):
-            drop = sorted(range(n - policy.recent), key=lambda i: (scores[h][i], i))[: n - policy.size]
-            cached[h] = [p for i, p in enumerate(cached[h]) if i not in drop]
+        if len(cached[0]) > policy.size:
+            drop_lowest(policy, cached, [head_scores(h, cached[h], t) for h in range(heads)])
+
+    return literal_replay(steps, heads, prompt_len, evict)
+
+
+def drop_lowest(policy: Any, cached: list[list[int]], scores: list[list[float]]) -> None:
+    """While more than ``policy.size`` are held, drop the lowest of ``scores`` (per head, of its
+    ``cached`` positions) outside the newest ``recent``, the earliest of a tie, all surplus at once;
+    ``selection="shared"``: the scores summed over the heads."""
+    n, heads = len(cached[0]), len(cached)
+    if n <= policy.size:
+        return
+    if policy.selection == "shared":
+        summed = [sum(s[i] for s in scores) for i in range(n)]
+        scores = [summed] * heads
+    for h in range(heads):
+        drop = sorted(range(n - policy.recent), key=lambda i: (scores[h][i], i))[: n - policy.size]
+        cached[h] = [p for i, p in enumerate(cached[h]) if i not in drop]
+
+
+def refresh_oracle(policy: Any, steps: int, heads: int, prompt_len: int, head_scores: Any,
+                   unscored: Any) -> list[list[list[int]] | None]:
+    """:func:`keep_highest_oracle` under a refresh interval (``policy.refresh``), literally: the
+    held tokens are scored after the prompt and at every ``refresh``-th decode step since the last
+    scoring, kept per position in between; a token appended since scores ``unscored(position)``
+    (``UNSCORED``; Expected Attention's sinks ``+inf``)."""
+    stored: list[dict[int, float]] = [{} for _ in range(heads)]
+    scored_at: int | None = None
+
+    def scores(h: int, held: list[int], t: int) -> list[float]:
+        return [stored[h].get(p, unscored(p)) for p in held]
+
+    def evict(cached: list[list[int]], t: int, prompt: bool) -> None:
+        nonlocal scored_at
+        if prompt or scored_at is None or t + 1 - scored_at >= policy.refresh:
+            for h in range(heads):
+                stored[h] = dict(zip(cached[h], head_scores(h, cached[h], t)))
+            scored_at = t + 1
+        drop_lowest(policy, cached, [scores(h, cached[h], t) for h in range(heads)])
 
     return literal_replay(steps, heads, prompt_len, evict)

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import kvpolicy_numpy
 from kvpolicy import ExpectedAttention, compose, make_policy
 from kvpolicy.statistics import SCORE_BITS, UNSCORED, QueryMoments, Rotary, average_rotation, expected_attention, query_moments
-from oracle import keep_highest_oracle, literal_replay
+from oracle import keep_highest_oracle, refresh_oracle as literal_refresh
 from strategies import expected_attention_policies, logits_arrays, prompt_lengths
 
 torch = pytest.importorskip("torch")
@@ -171,26 +171,11 @@ def refresh_oracle(policy, keys, values, queries, prompt_len: int, inv_freq=None
     ``+inf``); then, while more than ``size`` are held, the lowest score outside the newest
     ``recent`` goes (the earliest of a tie; ``"shared"``: scores summed over heads)."""
     steps, heads, _ = keys.shape
-    stored: list[dict[int, float]] = [{} for _ in range(heads)]
-    scored_at = None
-
-    def evict(cached: list[list[int]], t: int, prompt: bool) -> None:
-        nonlocal scored_at
-        if prompt or scored_at is None or t + 1 - scored_at >= policy.refresh:
-            for h in range(heads):
-                stored[h] = dict(zip(cached[h], kvpress_scores(policy, keys[:, h], values[:, h], queries[:, h], cached[h], t, inv_freq)))
-            scored_at = t + 1
-        n = len(cached[0])
-        if n <= policy.size:
-            return
-        scores = [[stored[h].get(p, UNSCORED if p >= policy.sink else math.inf) for p in cached[h]] for h in range(heads)]
-        if policy.selection == "shared":
-            scores = [[sum(s[i] for s in scores) for i in range(n)]] * heads
-        for h in range(heads):
-            drop = sorted(range(n - policy.recent), key=lambda i: (scores[h][i], i))[: n - policy.size]
-            cached[h] = [p for i, p in enumerate(cached[h]) if i not in drop]
-
-    return literal_replay(steps, heads, prompt_len, evict)
+    return literal_refresh(
+        policy, steps, heads, prompt_len,
+        lambda h, held, t: kvpress_scores(policy, keys[:, h], values[:, h], queries[:, h], held, t, inv_freq),
+        lambda p: UNSCORED if p >= policy.sink else math.inf,
+    )
 
 
 @settings(max_examples=120, deadline=None)

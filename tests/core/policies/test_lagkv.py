@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import kvpolicy_numpy
 from kvpolicy import LagKV, make_policy, prefill_only
 from kvpolicy.statistics import UNSCORED, lag_scores
-from oracle import keep_highest_oracle, literal_replay, same_kept
+from oracle import keep_highest_oracle, refresh_oracle as literal_refresh, same_kept
 
 torch = pytest.importorskip("torch")
 import kvpolicy_torch  # noqa: E402
@@ -92,28 +92,11 @@ def refresh_oracle(policy: LagKV, keys: np.ndarray, values: np.ndarray, prompt_l
     while more than ``size`` are held, the lowest outside the newest ``recent`` goes (the
     earliest of a tie; ``"shared"``: scores summed over heads)."""
     steps, heads, _ = keys.shape
-    stored: list[dict[int, float]] = [{} for _ in range(heads)]
-    scored_at = None
-
-    def evict(cached: list[list[int]], t: int, prompt: bool) -> None:
-        nonlocal scored_at
-        if prompt or scored_at is None or t + 1 - scored_at >= policy.refresh:
-            for h in range(heads):
-                held = cached[h]
-                stored[h] = dict(zip(held, kvpress_lag(keys[held, h], values[held, h], policy.sink, policy.lag,
-                                                       policy.cross_scoring)))
-            scored_at = t + 1
-        n = len(cached[0])
-        if n <= policy.size:
-            return
-        scores = [[stored[h].get(p, UNSCORED) for p in cached[h]] for h in range(heads)]
-        if policy.selection == "shared":
-            scores = [[sum(s[i] for s in scores) for i in range(n)]] * heads
-        for h in range(heads):
-            drop = sorted(range(n - policy.recent), key=lambda i: (scores[h][i], i))[: n - policy.size]
-            cached[h] = [p for i, p in enumerate(cached[h]) if i not in drop]
-
-    return literal_replay(steps, heads, prompt_len, evict)
+    return literal_refresh(
+        policy, steps, heads, prompt_len,
+        lambda h, held, t: kvpress_lag(keys[held, h], values[held, h], policy.sink, policy.lag, policy.cross_scoring),
+        lambda p: UNSCORED,
+    )
 
 
 @settings(max_examples=50, deadline=None)
