@@ -100,7 +100,8 @@ class RunningMoments:
     Args:
         sink: queries at positions below this are not counted (the policy's ``sink``).
         buffered: hold each decode query until the sums are read (:data:`PENDING`): for a layer
-            whose scores are computed every ``refresh > 1`` steps, eager.
+            whose scores are computed every ``refresh > 1`` steps, eager. A float64 query is held
+            as given, not copied: do not change it in place before the next scoring.
 
     Attributes:
         moments: the sums so far (``None`` before the first query; reading them takes the held
