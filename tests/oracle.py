@@ -486,7 +486,7 @@ def refresh_oracle(policy: Any, steps: int, heads: int, prompt_len: int, head_sc
     stored: list[dict[int, float]] = [{} for _ in range(heads)]
     scored_at: int | None = None
 
-    def scores(h: int, held: list[int], t: int) -> list[float]:
+    def scores(h: int, held: list[int]) -> list[float]:
         return [stored[h].get(p, unscored(p)) for p in held]
 
     def evict(cached: list[list[int]], t: int, prompt: bool) -> None:
@@ -495,6 +495,6 @@ def refresh_oracle(policy: Any, steps: int, heads: int, prompt_len: int, head_sc
             for h in range(heads):
                 stored[h] = dict(zip(cached[h], head_scores(h, cached[h], t)))
             scored_at = t + 1
-        drop_lowest(policy, cached, [scores(h, cached[h], t) for h in range(heads)])
+        drop_lowest(policy, cached, [scores(h, cached[h]) for h in range(heads)])
 
     return literal_replay(steps, heads, prompt_len, evict)

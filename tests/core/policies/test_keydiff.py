@@ -13,33 +13,21 @@ from hypothesis import strategies as st
 import kvpolicy_numpy
 from kvpolicy import KeyDiff
 from kvpolicy.statistics import UNSCORED, key_scores
-from oracle import literal_replay
+from oracle import refresh_oracle
 
 
 def literal_keep(policy: KeyDiff, keys: np.ndarray, prompt_len: int) -> list[list[list[int]]]:
-    """Per step and head, the positions kept, written out loop by loop (one head at a time)."""
+    """Per step and head, the positions kept, written out loop by loop (one head at a time): the
+    keys scored after the prompt and at every ``refresh``-th decode step, held in between, the
+    tokens appended since ``UNSCORED`` (:func:`oracle.refresh_oracle`)."""
     steps, heads, _ = keys.shape
-    stored: list[dict[int, float]] = [{} for _ in range(heads)]
-    scored_at: int | None = None
 
-    def evict(cached: list[list[int]], t: int, prompt: bool) -> None:
-        nonlocal scored_at
-        if prompt or scored_at is None or t + 1 - scored_at >= policy.refresh:
-            for h in range(heads):
-                pos = np.array(cached[h])
-                s = key_scores("key_diff", keys[pos, h][None], pos[None], t + 1, policy.recent)[0]
-                stored[h] = dict(zip(cached[h], s.tolist()))
-            scored_at = t + 1
-        n = len(cached[0])
-        if n <= policy.size:
-            return
-        for h in range(heads):
-            score = [stored[h].get(p, UNSCORED) for p in cached[h]]
-            drop = sorted(range(n - policy.recent), key=lambda i: (score[i], i))[: n - policy.size]
-            cached[h] = [p for i, p in enumerate(cached[h]) if i not in drop]
+    def head_scores(h: int, held: list[int], t: int) -> list[float]:
+        pos = np.array(held)
+        return key_scores("key_diff", keys[pos, h][None], pos[None], t + 1, policy.recent)[0].tolist()
 
     # (from the prompt's last step on: the tests' prompts have two tokens or more)
-    return literal_replay(steps, heads, prompt_len, evict)[prompt_len - 1 :]  # type: ignore[return-value]
+    return refresh_oracle(policy, steps, heads, prompt_len, head_scores, lambda p: UNSCORED)[prompt_len - 1 :]  # type: ignore[return-value]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
