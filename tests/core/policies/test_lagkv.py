@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvpolicy_numpy
-from kvpolicy import LagKV, make_policy, prefill_only
-from kvpolicy.statistics import UNSCORED, lag_scores
+from kvpolicy import LagKV, compose, make_policy, prefill_only
+from kvpolicy.statistics import UNSCORED, lag_scores, refresh_interval
 from oracle import keep_highest_oracle, refresh_oracle as literal_refresh, same_kept
 
 torch = pytest.importorskip("torch")
@@ -120,6 +120,19 @@ def test_a_refresh_interval_changes_what_is_kept() -> None:
     every = kvpolicy_numpy.replay(LagKV(size=16, sink=2, lag=3), logits, 20, keys=keys, values=values)
     sparse = kvpolicy_numpy.replay(LagKV(size=16, sink=2, lag=3, refresh=5), logits, 20, keys=keys, values=values)
     assert any(a.tolist() != b.tolist() for a, b in zip(every.kept[20:], sparse.kept[20:]))
+
+
+@pytest.mark.parametrize("prefill_refresh, decode_refresh", [(1, 4), (4, 1)])
+def test_a_composition_follows_its_decode_policys_refresh(prefill_refresh, decode_refresh) -> None:
+    # LagKV as the prompt's policy and as the decode policy: the interval is the decode policy's,
+    # and torch keeps what the reference keeps
+    rng = np.random.default_rng(0)
+    keys, values, logits = rng.normal(size=(60, 2, 4)), rng.normal(size=(60, 2, 4)), rng.normal(size=(60, 2, 60))
+    policy = compose(prefill=LagKV(size=10, sink=2, lag=2, refresh=prefill_refresh),
+                     decode=LagKV(size=12, sink=2, lag=3, refresh=decode_refresh))
+    assert refresh_interval(policy) == decode_refresh
+    ref = kvpolicy_numpy.replay(policy, logits, 30, keys=keys, values=values)
+    same_kept(kvpolicy_torch.replay(policy, logits, 30, keys=keys, values=values).kept, ref.kept)
 
 
 def test_scores_ignore_slot_order_and_holes() -> None:
