@@ -132,14 +132,14 @@ class HostEviction:
         if not one_token:
             return [] if self.declines(layout) else self.general(layout, chunk_bytes=chunk_bytes)
         over = rule.limit + 1  # type: ignore[union-attr]
-        batch = layout.rows.batch
+        batch = len(count)  # (rows.batch, without the property's call)
         # (list.count: every decode step of every layer asks, and most batches have rows alike)
         rows = list(range(batch)) if count.count(over) == batch else [r for r, c in enumerate(count) if c == over]
         if len(rows) < batch and any(c > over for c in count):
             return self.general(layout, chunk_bytes=chunk_bytes)  # (a padded row above the limit after its prompt)
         if not rows or self.victims is None:
             return []
-        self.victims.evict(layout.storage(), layout.rows, rows, candidates, min_scores)
+        self.victims.evict(layout.store, layout.rows, rows, candidates, min_scores)  # type: ignore[arg-type]
         return [(over, over - 1)]
 
     def evict_headwise(self, layout: SlotLayout, running: RunningMoments | None) -> list[tuple[int, int]] | None:

@@ -17,14 +17,25 @@ optimisation: a static-shaped layer evicts on the device, :mod:`kvpolicy_torch.s
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from .ops import eviction_ranks, first_argmin
 from .storage import Storage, hole_bookkeeping
 
-__all__ = ["LayerGroup", "mark_holes"]
+__all__ = ["LayerGroup", "PendingVictims", "mark_holes"]
+
+
+class PendingVictims(NamedTuple):
+    """One layer's victims of a decode step, waiting for the group (:meth:`LayerGroup.defer`)."""
+
+    index: int  #: the layer's index in the group
+    hi: int  #: the eligible slots, ``[0, hi)``
+    free_alone: Callable[[], None]  #: frees them the layer's own way (the group could not search them with the others')
+    freed: Callable[[], None]  #: tells the layer the group freed them
+    shared: bool  #: one victim for all heads, by the scores summed over the heads
+    holes_by_position: bool  #: holes ranked ``+inf`` by their position (accumulated scores)
 
 
 def mark_holes(pos: torch.Tensor, scores: torch.Tensor, bias: torch.Tensor, dim: int, index: torch.Tensor) -> None:
@@ -74,9 +85,10 @@ class LayerGroup:
         self.layers = layers
         self._joined = 0  # layers registered so far
         self._members: set[int] = set()  # indices whose storage is a slice of the group's tensors
+        self._members_changed()
         # layers whose victims wait for the group: (index, eligible slots, free_alone, freed, shared,
         # holes_by_position)
-        self._pending: list[tuple[int, int, Callable[[], None], Callable[[], None], bool, bool]] = []
+        self._pending: list[PendingVictims] = []
         self._pos: torch.Tensor | None = None  # [layers, batch, kv_heads, slots]
         self._scores: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
@@ -99,10 +111,10 @@ class LayerGroup:
         """Bytes of the positions, scores and bias the group holds for its layers."""
         return sum(t.numel() * t.element_size() for t in (self._pos, self._scores, self._bias) if t is not None)
 
-    @property
-    def complete(self) -> bool:
-        """Whether every layer keeps its positions, scores and bias in the group's tensors."""
-        return len(self._members) == self.layers
+    def _members_changed(self) -> None:
+        #: Whether every layer keeps its positions, scores and bias in the group's tensors (an
+        #: attribute, kept here whenever the members change: every decode step of every layer reads it)
+        self.complete = len(self._members) == self.layers
 
     def storage(
         self, index: int, shape: tuple[int, int, int], score_dtype: torch.dtype, device: torch.device
@@ -122,6 +134,7 @@ class LayerGroup:
         scores.fill_(math.inf)
         bias.fill_(-math.inf)
         self._members.add(index)
+        self._members_changed()
         return pos, scores, bias
 
     def move(
@@ -141,7 +154,8 @@ class LayerGroup:
             (True, (1, 1, 2))
         """
         self._members.discard(index)
-        self._pending = [p for p in self._pending if p[0] != index]
+        self._members_changed()
+        self._pending = [p for p in self._pending if p.index != index]
         nxt = self._next
         if nxt is None or tuple(nxt[0].shape[1:]) != shape or nxt[1].dtype != score_dtype or nxt[0].device != device:
             full = (self.layers, *shape)
@@ -157,6 +171,7 @@ class LayerGroup:
         if self._next is not None and not self._members:
             self._pos, self._scores, self._bias = self._next
             self._members, self._moved, self._next = self._moved, set(), None
+            self._members_changed()
 
     def views(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Layer ``index``'s positions, scores and bias as the slices of the group's tensors it
@@ -190,8 +205,9 @@ class LayerGroup:
     def leave(self, index: int) -> None:
         """Layer ``index`` no longer keeps its storage in the group (it reallocated or was reset)."""
         self._members.discard(index)
+        self._members_changed()
         self._moved.discard(index)
-        self._pending = [p for p in self._pending if p[0] != index]
+        self._pending = [p for p in self._pending if p.index != index]
         if not self._members:  # nobody's storage any more: free it (the next layer to allocate sets a new one)
             self._pos = self._scores = self._bias = None
             self._promote()
@@ -204,12 +220,12 @@ class LayerGroup:
         :func:`~kvpolicy_torch.victims.lowest_victims` ranks accumulated scores). ``free_alone()``
         frees them the layer's own way; ``freed()`` tells it the group did. Once every layer has
         deferred, they are all found at once."""
-        if self._pending and self._pending[-1][0] >= index:
+        if self._pending and self._pending[-1].index >= index:
             # layers defer in layer order: what waits is an earlier step's (a layer that deferred
             # while the others freed alone, as in the step the group moved to new tensors): free it
             # now, or every later step would wait for a layer one step behind and never search at once
             self.flush()
-        self._pending.append((index, hi, free_alone, freed, shared, holes_by_position))
+        self._pending.append(PendingVictims(index, hi, free_alone, freed, shared, holes_by_position))
         if len(self._pending) == self.layers:
             self.flush()
 
@@ -219,12 +235,17 @@ class LayerGroup:
         pending, self._pending = self._pending, []
         if not pending:
             return
-        hi, shared = pending[0][1], pending[0][4]
-        if len(pending) == self.layers and self.complete and all(p[1] == hi and p[4] == shared for p in pending):
+        hi, shared = pending[0].hi, pending[0].shared
+        # (a loop, no generator: the last layer of every decode step asks; a generator is a call each)
+        alike, by_position = len(pending) == self.layers and self.complete, False
+        for p in pending:
+            alike = alike and p.hi == hi and p.shared == shared
+            by_position = by_position or p.holes_by_position
+        if alike:
             assert self._pos is not None and self._scores is not None and self._bias is not None
             # each layer's plain scan (victims.lowest_victims), for every layer at once: the same answer
             window = self._scores.narrow(3, 0, hi)
-            if any(p[5] for p in pending):
+            if by_position:
                 window = eviction_ranks(window, self._pos.narrow(3, 0, hi))
             if shared:  # the heads' scores summed as each layer sums them, one victim for all heads
                 victims = first_argmin(window.sum(dim=2, keepdim=True)).unsqueeze(-1).expand(-1, -1, window.shape[2], -1)
@@ -232,8 +253,8 @@ class LayerGroup:
                 victims = first_argmin(window).unsqueeze(-1)  # [layers, batch, heads, 1]
             mark_holes(self._pos, self._scores, self._bias, 3, victims)
             for p in pending:
-                p[3]()
+                p.freed()
             self.batched_evictions += 1
             return
         for p in pending:
-            p[2]()
+            p.free_alone()

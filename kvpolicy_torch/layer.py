@@ -53,7 +53,7 @@ from .reads import LayerReads
 from .rows import LayerSnapshot
 from .static import StaticSteps, StepOptions
 from .step import add_received, attend_slots, query_record
-from .storage import SlotPlan
+from .storage import SlotPlan, Storage
 from .victims import CandidateSearch, OneTokenEviction
 
 __all__ = ["LayerCache", "LayerSnapshot", "PrefixShift"]
@@ -155,6 +155,13 @@ class LayerCache(LayerReads):
 
     def _clear(self) -> None:
         self._peak = 0  # (peak_bytes)
+        self._step_store: Storage | None = None  # (append: the storage and shapes a decode step last passed its checks in)
+        self._step_like: tuple[Any, ...] | None = None
+        self._query_store: Storage | None = None  # (attend: the same for a decode query)
+        self._query_like: tuple[Any, ...] | None = None
+        # (needs_settle: its answer, for the storage and planned slots it was given for)
+        self._settle_store: Storage | None = None
+        self._settle_planned, self._settle_needed = -1, False
         if self.group is not None:
             self.group.leave(self._group_index)
         rule, policy = self.rule, self.policy
@@ -221,6 +228,29 @@ class LayerCache(LayerReads):
         return self._layout
 
     @property
+    def has_holes(self) -> bool:
+        """Whether some slot the last decode :meth:`append` returned is a hole in some row, so that
+        attention over them needs :attr:`bias`; answered from host integers, where :attr:`bias`
+        builds the tensor (an attention choosing its kernel asks this at every step).
+
+        Example:
+            >>> from kvpolicy import H2O
+            >>> layer = LayerCache(H2O(heavy=2, recent=2))
+            >>> K, V = layer.append(torch.randn(1, 1, 8, 2), torch.randn(1, 1, 8, 2))
+            >>> layer.accumulate(torch.rand(1, 1, 8)); rounds = layer.evict()
+            >>> for t in range(2):  # the first step's victim leaves a hole the second attends over
+            ...     K, V = layer.append(torch.randn(1, 1, 1, 2), torch.randn(1, 1, 1, 2))
+            ...     print(layer.has_holes, layer.bias is not None)
+            ...     layer.accumulate(torch.rand(1, 1, K.shape[2])); rounds = layer.evict()
+            False False
+            True True
+        """
+        layout = self._layout
+        if layout.store is None or self._static is not None or (self._victims is not None and self._victims.deferred):
+            layout = self.synced()
+        return layout.bias_needed
+
+    @property
     def on_device(self) -> bool:
         """Whether the newest decode steps ran on the device (``static_shapes``) and the host rows
         have not read them back yet; any read of the layer's state reads them back first."""
@@ -260,20 +290,25 @@ class LayerCache(LayerReads):
             check_append(self, keys, values)  # (later appends: held to the first one's shapes below)
         if self._victims is not None and self._victims.deferred and self.group is not None:
             self.group.flush()
-        check_step_kv(keys, values)
+        store = layout.store
+        # a decode step shaped as the last one, into the same storage, passed the checks below
+        # already (one tuple comparison a step; the check functions say what differs)
+        step_like = (keys.shape, values.shape, keys.dtype, values.dtype, keys.device)
+        if store is None or store is not self._step_store or step_like != self._step_like:
+            check_step_kv(keys, values)
+            if store is not None:
+                check_like(store, keys, values)
+                if keys.shape[2] == 1:
+                    self._step_store, self._step_like = store, step_like
         if layout.extra is not None:
             raise RuntimeError(
                 "append() called while the previous step was not evicted: call accumulate() and evict() "
                 "after each attention (with transformers, use the 'kvpolicy_sdpa' attention implementation)"
             )
         b, h, q, d = keys.shape
-        store = layout.store
-        # what later appends must match the first one in (one tuple comparison a step; check_like says what differs)
-        like = (b, h, d, values.shape[3], keys.dtype, values.dtype, keys.device)
-        if store is not None and like != self._like:
-            check_like(store, keys, values)
         static = self._static
-        if static is not None and static.takes(store, q, valid):
+        if static is not None and static.state is not None and store is not None and q == 1 and valid is None:
+            # (StaticSteps.takes, inlined: a decode token, no pads, a state)
             # static shapes: the step's bookkeeping in device tensors (kvpolicy_torch.static), no
             # host read and no branch on data, so a compiled step is one graph
             static.append(store, keys, values)  # type: ignore[arg-type]
@@ -284,11 +319,11 @@ class LayerCache(LayerReads):
         chunk_bytes = self.compaction_chunk_bytes
         if store is None:
             self._slots.start(layout, keys, values, min_slack=self.min_slack, chunk_bytes=chunk_bytes)
-            self._like = like
         if valid is not None:
             valid, real = checked_valid(valid, real, keys)
         if q == 1:
-            self._slots.room_for_token(layout, chunk_bytes=chunk_bytes)
+            if self._slots.plan.room or layout.rows_at_end():  # (room_for_token's own tests: a step asks them here)
+                self._slots.room_for_token(layout, chunk_bytes=chunk_bytes)
             # a score from the cache that is the token's own (Knorm): computed once, here
             score = token_scores(self.policy, keys, values, layout.rows.seen, layout.store.scores.dtype) if self._once else None
             layout.write_one(keys, values, score)
@@ -303,7 +338,7 @@ class LayerCache(LayerReads):
         layout.phase = "prefill" if q > 1 else "decode"
         if layout.extra is not None:
             return layout.extra.keys, layout.extra.values
-        views = layout.storage().range_views(layout.returned)  # (made once per range: every decode step reads them)
+        views = layout.store.range_views(layout.returned)  # type: ignore[union-attr]  # (made once per range: every decode step reads them)
         return views.keys, views.values
 
     @property
@@ -394,13 +429,19 @@ class LayerCache(LayerReads):
             (torch.Size([1, 1, 4, 8]), 4)
         """
         store = self._layout.store
-        check_query(query, None if store is None else store.keys)
+        # a query shaped as the last one, over the same storage, passed check_query already
+        if store is None or store is not self._query_store or (query.shape, query.dtype) != self._query_like:
+            check_query(query, None if store is None else store.keys)
+            self._query_store, self._query_like = store, (query.shape, query.dtype)
         if self._static is not None and self._static.newer and store is not None:
             # a static-shaped decode step: everything on the device
             if extra_bias is not None or row_scale is not None or prefix is not None:
                 raise ValueError("with static_shapes, pass the window, log n and pos-shift as options=StepOptions(...)")
             return self._static.attend(store, query, scaling, options or StepOptions())
-        layout = self.synced()
+        # (synced() inlined where it has nothing to do: eager, no victims left to the group)
+        layout = self._layout
+        if store is None or self._static is not None or (self._victims is not None and self._victims.deferred):
+            layout = self.synced()
         if layout.phase != "decode" or layout.extra is not None:
             raise ValueError("attend() serves a decode step (one token appended per row); a prompt chunk takes chunk_mask() and accumulate()")
         return attend_slots(layout, self.policy, query, scaling, extra_bias=extra_bias, row_scale=row_scale, prefix=prefix)
@@ -429,9 +470,16 @@ class LayerCache(LayerReads):
                     "kvpolicy_integrations.hf.generate does), or give LayerCache.evict_reconstructed its scores"
                 )
             return self._evicted([])  # the prompt is kept whole until its reconstruction scores it
-        rounds = self._eviction.evict(self.synced(), self.running_queries, candidates=self.candidates,
+        layout = self._layout
+        if store is None or static is not None or (self._victims is not None and self._victims.deferred):
+            layout = self.synced()  # (else it has nothing to do: inlined, as in attend)
+        rounds = self._eviction.evict(layout, self.running_queries, candidates=self.candidates,
                                       min_scores=self.candidate_min_scores, chunk_bytes=self.compaction_chunk_bytes)
-        return self._evicted(rounds)
+        if static is not None:
+            return self._evicted(rounds)
+        layout.chunk = None  # (_evicted, without a device to hand the layer to)
+        self.evictions += len(rounds)
+        return rounds
 
     def evict_reconstructed(self, scores: torch.Tensor) -> list[tuple[int, int]]:
         """For a policy scored by a context reconstruction (KVzip,
@@ -489,7 +537,15 @@ class LayerCache(LayerReads):
         host, between steps; and a storage that may still grow (an unbounded policy, or one
         sized for ``reserve`` tokens that may be given more) grows there, before a step would
         find no free slot. Then call :meth:`settle` after every compiled step."""
-        return self._static is not None and (self._static.needs_settle or self._grows_between_steps())
+        static = self._static
+        if static is None:
+            return False
+        store, planned = self._layout.store, self._slots.plan.planned
+        if store is not self._settle_store or planned != self._settle_planned:
+            # (fixed while the storage and the plan are: answered from here at every decode step)
+            self._settle_store, self._settle_planned = store, planned
+            self._settle_needed = static.needs_settle or self._grows_between_steps()
+        return self._settle_needed
 
     def _grows_between_steps(self) -> bool:
         store = self._layout.store

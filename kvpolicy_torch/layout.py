@@ -165,7 +165,9 @@ class SlotLayout:
     def rows_at_end(self) -> list[int]:
         """Rows whose next token has no slot: the frontier at the end of the storage and no freed
         slot (the caller makes room: growth or compaction)."""
-        front, free, slots = self.rows.front, self.rows.free, self.storage().slots
+        # (attributes, no call: every decode step of every layer asks, benchmarks/decode_calls.py)
+        store = self.store if self.store is not None else self.storage()
+        front, free, slots = self.rows.front, self.rows.free, store.keys.shape[2]
         if len(front) == 1:
             return [] if front[0] < slots or free[0] else [0]
         return [r for r, f in enumerate(front) if f >= slots and not free[r]]
@@ -175,8 +177,8 @@ class SlotLayout:
         :meth:`rows_at_end` is empty); the range returned is the slots up to the furthest frontier
         (every slot under static shapes). ``score`` ``[batch, kv_heads, 1]``: the token's score
         where the policy scores it once (else 0)."""
-        store, rows = self.storage(), self.rows
-        one = rows.batch == 1 and not self.static
+        store, rows = self.store if self.store is not None else self.storage(), self.rows
+        one = len(rows.count) == 1 and not self.static
         if one and rows.free[0]:
             self.drop_tail()  # (a ring's freed slot takes the token)
         elif one and not self.tail_ready:

@@ -264,7 +264,7 @@ def token_scores(policy: EvictionPolicy, keys: torch.Tensor, values: torch.Tenso
     """
     b, h, q, _ = keys.shape
     n_seen: Any
-    if isinstance(positions, list) and all(p == positions[0] for p in positions):
+    if isinstance(positions, list) and positions.count(positions[0]) == len(positions):  # (no generator: a decode step)
         positions, n_seen = torch.full((b, h, q), positions[0], device=keys.device), positions[0] + 1
     else:
         if isinstance(positions, list):

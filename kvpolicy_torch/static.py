@@ -170,7 +170,7 @@ class DecodeState:
         frees one at every step from ``limit + 1`` tokens on, and the storage holds more), so the
         check is left out of the step."""
         k, v, pos, scores = storage.keys, storage.values, storage.positions, storage.scores
-        slots = k.shape[2]
+        slots = k.shape[2]  # (storage.slots, without the property's call)
         if may_overflow:
             self.overflow |= (self.free >= slots).any()
         at = self.free.clamp(max=slots - 1)[..., None]  # [b, h, 1]
@@ -322,7 +322,7 @@ class StaticSteps:
         score = token_scores(self.policy, keys, values, state.seen.view(-1, 1, 1), store.scores.dtype) if self.once else None
         # a one-token eviction keeps every row at or below limit + 1 tokens: no overflow while the
         # storage holds more than the limit
-        state.append(store, keys, values, may_overflow=self.rule is None or store.slots <= self.rule.limit, score=score)
+        state.append(store, keys, values, may_overflow=self.rule is None or store.keys.shape[2] <= self.rule.limit, score=score)
         self.newer = True
 
     def attend(self, store: Storage, query: torch.Tensor, scaling: float, options: StepOptions) -> torch.Tensor:

@@ -79,7 +79,7 @@ def attend_slots(
     """A decode query ``[batch, q_heads, 1, head_dim]`` over the slots the last append returned
     (they start at slot 0), holes masked; what each slot received is folded into its score when
     the policy captures attention. Returns ``[batch, 1, q_heads, head_dim]``."""
-    store = layout.storage()
+    store = layout.store if layout.store is not None else layout.storage()
     hi = layout.returned
     statistic = policy.score_statistic
     plain = extra_bias is None and row_scale is None and prefix is None and query.dtype == store.keys.dtype
@@ -92,7 +92,7 @@ def attend_slots(
     captures = statistic in ("accumulate", "latest") and policy.uses_scores
     scoreless = statistic in KEY_STATISTICS or not policy.uses_scores
     if plain and (
-        (captures and not layout.search.active and query.dtype == store.scores.dtype)
+        (captures and layout.search.slots is None and query.dtype == store.scores.dtype)  # (search.active)
         or (scoreless and query.dtype == store.values.dtype and query.dtype in (torch.float32, torch.float64))
     ):
         # the common step on the storage's grouped views: grouped_decode, then (H2O, BUZZ, TOVA)

@@ -244,7 +244,7 @@ class OneTokenEviction:
     def evict(self, store: Storage, rows: Rows, which: list[int], candidates: int, min_scores: int) -> None:
         """Free one slot in each row of ``which`` (all heads): ``O(batch x heads)`` writes, nothing moves."""
         rule = self.rule
-        every = len(which) == rows.batch
+        every = len(which) == len(rows.count)  # (rows.batch without the property's call)
         if rule.victim == "oldest":
             slots = []
             for r in which:
@@ -280,10 +280,12 @@ class OneTokenEviction:
         group, front = self.group, rows.front
         if group is None or not group.complete or (self.shared and self.reduce_scores is not None):
             return False
-        if front.count(front[0]) != len(front) or self.uses_candidates(store.scores, front[0] - self.rule.recent,
-                                                                        candidates, min_scores):
+        hi = front[0] - self.rule.recent
+        # (small caches take the plain scan, CandidateSearch.applies' first test, asked here first:
+        # every decode step of every layer asks)
+        if front.count(front[0]) != len(front) or (hi > 4 * candidates and self.uses_candidates(store.scores, hi, candidates, min_scores)):
             return False
-        if self.search.active:
+        if self.search.slots is not None:  # (search.active)
             self.search.forget()  # (as the plain scan would)
         return True
 

@@ -29,10 +29,14 @@ from .attention import ATTENTION_NAME, LAYER_KWARG
 PositionsMode = Literal["original", "cache"]
 
 
+#: What SDPA takes and :func:`~kvpolicy_torch.decode_attention` does not (see :func:`_fusable`).
+_SDPA_ONLY = frozenset({"position_bias", "softcap"})
+
+
 def _fusable(kwargs: dict[str, Any]) -> bool:
     """Whether a decode step may take :func:`~kvpolicy_torch.decode_attention` (nothing
-    SDPA-specific such as a position bias or softcap)."""
-    return kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+    SDPA-specific such as a position bias or softcap: :data:`_SDPA_ONLY` given as ``None`` is nothing)."""
+    return all(kwargs.get(name) is None for name in _SDPA_ONLY)
 
 
 def _unfusable_message(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> str:
@@ -211,8 +215,9 @@ class EvictingLayer(DynamicLayer):
                 f"through transformers' attention interface (then kvpolicy cannot serve the model)"
             )
         q = key_states.shape[2]
-        if q == 1 and self.store.static_shapes and self.store.is_initialized:
-            # a static-shaped decode step: device bookkeeping only (kvpolicy_torch.static)
+        if q == 1 and self.store.static_shapes:
+            # a static-shaped decode step: device bookkeeping only (kvpolicy_torch.static); the
+            # first step after no prompt takes the host path inside append (on_device stays False)
             keys, values = self.store.append(key_states, value_states)
             if self.store.on_device:
                 self.pending = True
@@ -227,6 +232,9 @@ class EvictingLayer(DynamicLayer):
                 valid, real = pad.valid, pad.real
         keys, values = self.store.append(key_states, value_states, valid=valid, real=real)
         self._prefix = None
+        if not self.shifts:  # (most layers: no pos-shift to describe, one call fewer a step)
+            self.pending = True
+            return keys, values
         return self._finish_update(keys, values)
 
     def _finish_update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,37 +270,23 @@ class EvictingLayer(DynamicLayer):
         Returns:
             ``(output [batch, q, q_heads, head_dim], None)``: no attention weights.
         """
-        out = self._attention(module, query, key, value, dropout=dropout, scaling=scaling, **kwargs)
-        if self.policy.log_n is not None:
-            # the logits times the log-n scale may overflow (paper, section 3.5), which makes the
-            # probabilities NaN (their scores then rank lowest, the NaN rule): flagged on the device
-            # (no host read in the decode path), reported by EvictingCache.report_nonfinite
-            if self.nonfinite is None:
-                self.nonfinite = device_flag(out.device)
-            self.nonfinite.logical_or_(~torch.isfinite(out).all())
-        return out, None
-
-    def _attention(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-                   dropout: float, scaling: float | None, **kwargs: Any) -> torch.Tensor:
-        """The body of :meth:`attention`: its output."""
         if not self.pending:
             raise ValueError(
                 f"layer {self.layer_idx}: the model's attention ran more than once for one cache update (e.g. DiffLlama's "
                 f"differential attention): not softmax attention over a KV cache as kvpolicy serves it"
             )
         self.pending = False
-        store = self.store
+        store, log_n = self.store, self.policy.log_n
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         if self.observes:  # Expected Attention: the queries' running moments, before evict()
             self.observe_queries(query, kwargs.get("position_ids"))
-        if store.on_device:  # a static-shaped decode step: one graph (kvpolicy_torch.static)
-            if dropout or not _fusable(kwargs):
+        if store.static_shapes and store.on_device:  # a static-shaped decode step: one graph (kvpolicy_torch.static)
+            if dropout or (_SDPA_ONLY & kwargs.keys() and not _fusable(kwargs)):  # (asked only if given: every step traces this)
                 raise ValueError(_unfusable_message(module, dropout, kwargs))
-            out = store.attend(query, scale, options=self.step_options)
+            out = store.attend(query, scale, options=self._step_options)
             store.evict()
-            return out
+            return (out if log_n is None else self._flag_nonfinite(out)), None
         q_len = query.shape[2]
-        log_n = self.policy.log_n
         uses_scores = self.captures  # (scores from keys: no capture, the store computes them)
         if q_len == 1:
             # (two host checks first: most layers have no window and no shifted prefix)
@@ -305,21 +299,20 @@ class EvictingLayer(DynamicLayer):
                 # and the store's grouped step take as they take the plain one (a tensor of row
                 # scales costs BUZZ with log n ~7% of its decode step at 2,048 tokens)
                 scale, scales = scale * scales[0], None
-            # (the fused path never needs `plain`: store.bias, a slice, is read only when SDPA may serve)
             sdpa = not (uses_scores and self.fused_decode) and window is None and prefix is None
-            if sdpa and store.bias is None and scales is None:
+            if sdpa and scales is None and not store.has_holes:  # (has_holes: no bias tensor made to ask)
                 # SDPA: nothing to mask or shift, and no scores wanted (or the unfused path asked for)
                 out, _ = sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scale, **kwargs)
                 if uses_scores:
                     store.accumulate_query(received_attention(query, key, scale), query.shape[1] // key.shape[1])
-                self.finish_received(None)
-                return out
-            if dropout or not _fusable(kwargs):
+                store.evict()  # (finish_received(None): the step's scores are in)
+                return (out if log_n is None else self._flag_nonfinite(out)), None
+            if dropout or (_SDPA_ONLY & kwargs.keys() and not _fusable(kwargs)):  # (asked only if given: every step)
                 raise ValueError(_unfusable_message(module, dropout, kwargs))
             row_scale = torch.tensor(scales, device=query.device) if scales is not None else None
             out = store.attend(query, scale, extra_bias=window, row_scale=row_scale, prefix=prefix)
-            self.finish_received(None)
-            return out
+            store.evict()
+            return (out if log_n is None else self._flag_nonfinite(out)), None
         # the first chunk of a prompt (no pads, nothing held before it, every key inside this
         # layer's window): plain causal over its own keys, SDPA's causal kernel (an explicit mask
         # costs a 2,048-token prefill ~2.4x the attention time: every masked block computed)
@@ -334,7 +327,7 @@ class EvictingLayer(DynamicLayer):
             out, received = prefill_attention(query, key, value, scale, query_scale=query_scale, mask=mask,
                                               query_valid=store.query_valid)
             self.finish_received(received)
-            return out
+            return (out if log_n is None else self._flag_nonfinite(out)), None
         sdpa_query = query if query_scale is None else query * query_scale[:, None, :, None].to(query.dtype)
         if causal:  # (the mask kvpolicy builds is causal whatever the module says)
             kwargs = {**kwargs, "is_causal": True}
@@ -349,6 +342,15 @@ class EvictingLayer(DynamicLayer):
                 rows=self.policy.prompt_rows, history=self.history,
             )
         self.finish_received(received)
+        return (out if log_n is None else self._flag_nonfinite(out)), None
+
+    def _flag_nonfinite(self, out: torch.Tensor) -> torch.Tensor:
+        """BUZZ's log n: the logits times the scale may overflow (paper, section 3.5), which makes
+        the probabilities NaN (their scores then rank lowest, the NaN rule): flagged on the device
+        (no host read in the decode path), reported by EvictingCache.report_nonfinite."""
+        if self.nonfinite is None:
+            self.nonfinite = device_flag(out.device)
+        self.nonfinite.logical_or_(~torch.isfinite(out).all())
         return out
 
     def observe_queries(self, query: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
