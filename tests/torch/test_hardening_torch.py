@@ -271,3 +271,37 @@ def test_generate_says_a_prompt_that_tokenizes_to_nothing_is_empty(tiny) -> None
 
     with pytest.raises(ValueError, match="empty after tokenization"):
         generate(tiny, Nothing(), "hello", "h2o", budget=0.5, max_new_tokens=4)
+
+
+# A decode step shaped as the last one, into the same storage, skips append's and attend's check
+# functions (one tuple comparison: benchmarks/decode_calls.py). Whatever differs from it is checked.
+BAD_STEPS = {
+    "head_dim changed": lambda: (kv(d=8), kv(d=8)),
+    "dtype changed": lambda: (kv(dtype=torch.float64), kv(dtype=torch.float64)),
+    "batch and kv_heads changed": lambda: (kv(heads=1), kv(heads=1)),
+    "equal first three dims": lambda: (kv(), kv(q=2)),
+    "at least one token": lambda: (kv(q=0), kv(q=0)),
+}
+
+
+@pytest.mark.parametrize("message", sorted(BAD_STEPS))
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_a_step_unlike_the_last_one_is_still_checked(message: str, static_shapes: bool) -> None:
+    layer = LayerCache(H2O(heavy=2, recent=2), static_shapes=static_shapes)
+    layer.append(kv(q=6), kv(q=6))
+    layer.accumulate(torch.ones(1, 2, 6))
+    layer.evict()
+    for _ in range(3):  # decode steps that passed: the fast comparison is armed
+        layer.append(kv(), kv())
+        layer.attend(torch.zeros(1, 4, 1, 4), 0.5)
+        layer.evict()
+    keys, values = BAD_STEPS[message]()
+    with pytest.raises(ValueError, match=message):
+        layer.append(keys, values)
+    layer.append(kv(), kv())  # (the refused step wrote nothing: a good one still goes)
+    for query, refused in [(torch.zeros(1, 3, 1, 4), "must be a multiple"), (torch.zeros(1, 4, 1, 4, dtype=torch.float64), "differs"),
+                           (torch.zeros(2, 4, 1, 4), "batch")]:
+        with pytest.raises(ValueError, match=refused):
+            layer.attend(query, 0.5)
+    layer.attend(torch.zeros(1, 4, 1, 4), 0.5)
+    layer.evict()
