@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from .policy import EvictionPolicy
 
 __all__ = [
-    "COSINE_GRID", "FIRST_STAGE", "KEY_EPS", "LOW_MARGIN", "MAX_HISTORY", "SCORE_BITS", "UNSCORED", "CachedTokens", "QueryMoments", "Rotary",
+    "ANCHOR_EPS", "COSINE_GRID", "FIRST_STAGE", "KEY_EPS", "LOW_MARGIN", "MAX_HISTORY", "SCORE_BITS", "UNSCORED", "CachedTokens", "QueryMoments", "Rotary",
     "anchor_scores", "average_rotation", "cache_scores", "critical_scores", "expected_attention", "history_counts", "history_record",
     "key_anchor", "key_scores", "lag_scores", "low_attention", "mark_unscored", "query_moments", "reconstruction_scores", "refresh_due",
     "refresh_interval", "refresh_sink", "scored_once", "shift_history", "unit_keys", "value_weights",
@@ -67,6 +67,11 @@ COSINE_GRID = 2.0**-30
 #: Norms below this count as this when a key (or KeyDiff's anchor) is L2-normalised, as
 #: ``torch.nn.functional.normalize`` does: a zero key has cosine 0 with everything.
 KEY_EPS = 1e-12
+#: KeyDiff's anchor (the mean of the candidates' unit keys) shorter than this (``2 ** -30``) is
+#: taken as 0: candidates whose unit keys cancel (the mean is exactly 0) leave a float rounding
+#: of ~1e-17 that depends on the order each backend sums in, and normalising it would make every
+#: cosine that rounding's; an anchor of 0 gives every token cosine 0 (the earliest goes).
+ANCHOR_EPS = 2.0**-30
 
 #: A token is "below average" when it receives less than ``(1 - LOW_MARGIN)`` times the average:
 #: exact ties (uniform attention) stay "average" whatever the float rounding of each backend.
@@ -192,17 +197,20 @@ def unit_keys(keys: Array, norm: Array | None = None) -> Array:
 
 def key_anchor(total: Array, count: Array) -> Array:
     """Float64 ``[..., d]``: KeyDiff's anchor, the mean of the candidates' unit keys (their sum
-    ``total`` ``[..., d]`` over their ``count`` ``[..., 1]``, at least 1), L2-normalised (a norm
-    below :data:`KEY_EPS` counts as it: an anchor of 0 stays 0).
+    ``total`` ``[..., d]`` over their ``count`` ``[..., 1]``, at least 1), L2-normalised; a mean
+    no longer than :data:`ANCHOR_EPS` is 0 (what is left when the unit keys cancel is rounding).
 
     Example:
         >>> import numpy as np
         >>> key_anchor(np.array([2.0, 0.0]), np.array([2.0])).tolist()
         [1.0, 0.0]
+        >>> key_anchor(np.array([1e-17, 0.0]), np.array([4.0])).tolist()  # (cancelled: rounding left)
+        [0.0, 0.0]
     """
     xp = array_namespace(total)
     anchor = total / count
-    return anchor / xp.clip(xp.linalg.vector_norm(anchor, axis=-1, keepdims=True), min=KEY_EPS)
+    size = xp.linalg.vector_norm(anchor, axis=-1, keepdims=True)
+    return xp.where(size > ANCHOR_EPS, anchor / xp.clip(size, min=ANCHOR_EPS), 0.0)
 
 
 def anchor_scores(unit: Array, anchor: Array) -> Array:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import kvpolicy_numpy
 from kvpolicy import KeyDiff, Knorm, compose, SnapKV, make_policy
-from kvpolicy.statistics import COSINE_GRID, key_scores
+from kvpolicy.statistics import ANCHOR_EPS, COSINE_GRID, key_scores
 from oracle import keep_highest_oracle
 from strategies import key_policies, logits_arrays, prompt_lengths
 
@@ -38,8 +38,8 @@ def _oracle_scores(policy, keys: np.ndarray, cached: list[int], t: int) -> list[
     candidates = [p for p in cached if p < t + 1 - policy.recent]
     d = keys.shape[-1]
     anchor = [sum(units[p][i] for p in candidates) / max(len(candidates), 1) for i in range(d)]
-    size = max(norm(anchor), 1e-12)
-    anchor = [a / size for a in anchor]
+    size = norm(anchor)
+    anchor = [a / size for a in anchor] if size > ANCHOR_EPS else [0.0] * d  # (cancelled unit keys: an anchor of 0)
     return [-round(sum(u * a for u, a in zip(units[p], anchor)) / COSINE_GRID) * COSINE_GRID for p in cached]
 
 
@@ -70,6 +70,14 @@ def key_cases(draw):
 @given(key_cases())
 @example((KeyDiff(size=1), np.array([[[3.0, 1.0, 0.5]], [[0.0, 0.0, -2.0]], [[-2.0, -2.0, -2.0]]]),
           np.array([[[0.00012573]], [[-0.0001321]], [[0.00064042]]]), 0))  # opposite 1-d keys: an anchor of exactly 0
+# candidates whose unit keys cancel in pairs (head 0 at step 12: [2, -2] and [-1, 1], [-2, -1] and
+# [2, 1], and a zero key): the mean is 0, and the float rounding the NumPy and torch sums left of
+# it (~1e-17, each its own) chose different victims before ANCHOR_EPS (hypothesis, 2026-11-28)
+@example((KeyDiff(size=4), np.zeros((13, 3, 13)), np.array(
+    [[[2, 1], [0, -1], [-1, -2]], [[-2, -2], [-2, 2], [1, 2]], [[0, 1], [2, 1], [1, 0]], [[0, 2], [-1, 2], [1, -2]],
+     [[-1, 2], [0, -2], [1, 1]], [[2, -2], [-2, 2], [-2, 0]], [[-2, -1], [0, 0], [0, -2]], [[-2, -2], [-2, 1], [0, 1]],
+     [[-1, 1], [1, -1], [0, 2]], [[2, 2], [-1, 1], [2, 1]], [[2, 1], [1, -1], [2, -2]], [[0, 1], [2, 0], [-1, -1]],
+     [[0, 0], [1, 2], [-2, 2]]], dtype=np.float64), 0))
 def test_reference_and_torch_equal_the_oracle(case) -> None:
     policy, logits, keys, prompt_len = case
     ref = kvpolicy_numpy.replay(policy, logits, prompt_len, keys=keys)
