@@ -160,7 +160,8 @@ def key_scores(statistic: str, keys: Array, positions: Array, n_seen: Any, recen
     rounding would otherwise break differently per backend). Raises ``ValueError`` for another statistic.
     """
     xp = array_namespace(keys)
-    k = xp.astype(keys, xp.float64)
+    # (no cast, no filler array where none is needed: a decode step of every layer runs this)
+    k = keys if keys.dtype == xp.float64 else xp.astype(keys, xp.float64)
     kept = positions >= 0
     norm = xp.linalg.vector_norm(k, axis=-1)  # (one kernel: Knorm scores every decode token with it)
     if statistic == "key_norm":
@@ -170,11 +171,11 @@ def key_scores(statistic: str, keys: Array, positions: Array, n_seen: Any, recen
         candidate = kept & (positions < n_seen - recent)
         weight = xp.astype(candidate, xp.float64)
         count = xp.clip(xp.sum(weight, axis=-1, keepdims=True), min=1.0)
-        total = xp.matmul(weight[..., None, :], unit)[..., 0, :]  # [..., d]
+        total = (weight[..., None, :] @ unit)[..., 0, :]  # [..., d] (`@`: both float64, no promotion to fix)
         score = anchor_scores(unit, key_anchor(total, count))
     else:
         raise ValueError(f"statistic must be one of key_norm, key_diff, got {statistic!r}")
-    return xp.where(kept, score, xp.full_like(score, xp.inf))
+    return xp.where(kept, score, xp.inf)
 
 
 def unit_keys(keys: Array, norm: Array | None = None) -> Array:
@@ -189,7 +190,7 @@ def unit_keys(keys: Array, norm: Array | None = None) -> Array:
         [[0.6, 0.8], [0.0, 0.0]]
     """
     xp = array_namespace(keys)
-    k = xp.astype(keys, xp.float64, copy=False)  # (key_scores hands float64 keys: no second copy)
+    k = keys if keys.dtype == xp.float64 else xp.astype(keys, xp.float64)  # (key_scores hands float64 keys)
     if norm is None:
         norm = xp.linalg.vector_norm(k, axis=-1)
     return k / xp.clip(norm, min=KEY_EPS)[..., None]
@@ -229,8 +230,13 @@ def anchor_scores(unit: Array, anchor: Array) -> Array:
     xp = array_namespace(unit)
     # (the anchor as a row against the transposed keys: a matrix times a one-column matrix
     # takes a slow batched kernel on a CPU, 3x this one at a decode step's 3 x 560 keys)
-    cosine = xp.matmul(anchor[..., None, :], xp.matrix_transpose(unit))[..., 0, :]
-    return -xp.round(cosine / COSINE_GRID) * COSINE_GRID
+    row, keys_t = anchor[..., None, :], xp.matrix_transpose(unit)
+    # (`@` where the dtypes agree, as unit_keys' and key_anchor's float64 do: the compat wrapper's
+    # matmul casts each to the common dtype again, two dispatches a decode step of every layer)
+    cosine = (row @ keys_t if row.dtype == keys_t.dtype else xp.matmul(row, keys_t))[..., 0, :]
+    # -round(cosine / grid) * grid, in one op fewer: the grid is a power of two, so scaling by it
+    # (or by minus its inverse) is exact, and rounding half to even is symmetric
+    return xp.round(cosine * (-1.0 / COSINE_GRID)) * COSINE_GRID
 
 # ============================================================================ Expected Attention
 #: Expected Attention's scores are rounded to this many significant bits (far below float64's 52,
@@ -729,8 +735,8 @@ def cache_scores(
             f"{scorer!r}.cache_score must return one score per cached token, shape {tuple(positions.shape)}; "
             f"got {tuple(score.shape)}"
         )
-    score = xp.astype(score, xp.float64)
-    return xp.where(positions >= 0, score, xp.full_like(score, xp.inf))
+    score = score if score.dtype == xp.float64 else xp.astype(score, xp.float64)
+    return xp.where(positions >= 0, score, xp.inf)
 
 
 # ============================================================================ context reconstruction

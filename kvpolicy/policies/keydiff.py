@@ -27,8 +27,9 @@ class UnitKeySum(CandidateSum):
 
     def estimate(self, keys: Array, statistic: Array) -> Array:
         xp = array_namespace(keys)
-        k = xp.astype(keys, xp.float32, copy=False)  # (float32 keys: no copy)
-        dot = xp.matmul(xp.astype(statistic, xp.float32)[..., None, :], xp.matrix_transpose(k))[..., 0, :]
+        k = keys if keys.dtype == xp.float32 else xp.astype(keys, xp.float32)  # (float32 keys: no copy)
+        # (`@`, both float32: the compat wrapper's matmul would cast each to it again)
+        dot = (xp.astype(statistic, xp.float32)[..., None, :] @ xp.matrix_transpose(k))[..., 0, :]
         return -dot / xp.clip(xp.linalg.vector_norm(k, axis=-1), min=KEY_EPS)
 
     def error(self, head_dim: int) -> float:
