@@ -280,7 +280,7 @@ def token_scores(policy: EvictionPolicy, keys: torch.Tensor, values: torch.Tenso
             f"{scorer!r}.cache_score must return one score per cached token, shape {tuple(positions.shape)}; "
             f"got {tuple(score.shape)}"
         )
-    return score.to(dtype)
+    return score if score.dtype == dtype else score.to(dtype)
 
 
 def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: Storage, seen: Any,

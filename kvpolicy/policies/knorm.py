@@ -3,9 +3,9 @@ Compression")."""
 
 from __future__ import annotations
 
-from ..policy import Array
+from ..policy import Array, array_namespace
 from ..registry import register_policy
-from ..statistics import CachedTokens, key_scores
+from ..statistics import CachedTokens
 from .lowest import KeepHighest
 
 
@@ -13,8 +13,8 @@ from .lowest import KeepHighest
 class Knorm(KeepHighest):
     """Keep the ``size`` tokens whose keys have the lowest L2 norm.
 
-    A token's score is minus the L2 norm of its cached key (``score_statistic = "key_norm"``,
-    :func:`kvpolicy.statistics.key_scores`): the backends compute it from the keys they hold, so
+    A token's score is minus the L2 norm of its cached key, in float64 (``score_statistic =
+    "key_norm"``, as :func:`kvpolicy.statistics.key_scores` gives it): the backends compute it from the keys they hold, so
     attention is never captured (decode takes plain SDPA); a norm depends on its key alone
     (``score_once``), so a decode token is scored once, when it is cached. While the cache holds more than
     ``size`` tokens, the token with the largest key norm outside the newest ``recent`` goes (ties:
@@ -40,5 +40,9 @@ class Knorm(KeepHighest):
     score_once = True  # a key's norm is its own: scored once, when the key is cached
 
     def cache_score(self, tokens: CachedTokens) -> Array:
-        """Minus the L2 norm of each cached key (:func:`kvpolicy.statistics.key_scores`)."""
-        return key_scores("key_norm", tokens.keys, tokens.positions, tokens.n_seen)
+        """Minus the L2 norm of each cached key, in float64 (holes are the backends' to mask:
+        :meth:`~kvpolicy.EvictionPolicy.cache_score`; a decode token, scored when it is cached, is
+        none, so its score is these three ops)."""
+        xp = array_namespace(tokens.keys)
+        keys = tokens.keys if tokens.keys.dtype == xp.float64 else xp.astype(tokens.keys, xp.float64)
+        return -xp.linalg.vector_norm(keys, axis=-1)
