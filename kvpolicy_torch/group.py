@@ -86,9 +86,7 @@ class LayerGroup:
         self._joined = 0  # layers registered so far
         self._members: set[int] = set()  # indices whose storage is a slice of the group's tensors
         self._members_changed()
-        # layers whose victims wait for the group: (index, eligible slots, free_alone, freed, shared,
-        # holes_by_position)
-        self._pending: list[PendingVictims] = []
+        self._pending: list[PendingVictims] = []  # layers whose victims wait for the group, in layer order
         self._pos: torch.Tensor | None = None  # [layers, batch, kv_heads, slots]
         self._scores: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None

@@ -100,6 +100,9 @@ class CandidateSearch:
         True
     """
 
+    #: eligible slots up to this many times ``candidates`` take the plain scan (small caches)
+    PLAIN_SCAN_FACTOR = 4
+
     def __init__(self) -> None:
         self.searches = 0  # full searches so far (LayerCache.candidate_searches)
         self.pause = 0  # decode steps left on full scans (the candidates drained too fast)
@@ -122,7 +125,7 @@ class CandidateSearch:
         """Whether rows alike, with eligible slots ``[0, hi)``, are worth a candidate search (large
         CPU caches); the caller checks that the policy's scores only grow and are per head."""
         return (
-            hi > 4 * candidates  # small caches: the plain scan, decided first (every decode step)
+            hi > CandidateSearch.PLAIN_SCAN_FACTOR * candidates  # small caches: the plain scan, decided first (every decode step)
             and scores.device.type == "cpu"
             and scores.shape[0] * scores.shape[1] * hi >= min_scores
         )
@@ -283,7 +286,9 @@ class OneTokenEviction:
         hi = front[0] - self.rule.recent
         # (small caches take the plain scan, CandidateSearch.applies' first test, asked here first:
         # every decode step of every layer asks)
-        if front.count(front[0]) != len(front) or (hi > 4 * candidates and self.uses_candidates(store.scores, hi, candidates, min_scores)):
+        if front.count(front[0]) != len(front) or (
+            hi > CandidateSearch.PLAIN_SCAN_FACTOR * candidates and self.uses_candidates(store.scores, hi, candidates, min_scores)
+        ):
             return False
         if self.search.slots is not None:  # (search.active)
             self.search.forget()  # (as the plain scan would)
