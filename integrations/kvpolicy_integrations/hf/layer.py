@@ -125,7 +125,9 @@ class EvictingLayer(DynamicLayer):
         self.pending = False
         self._seen_serial = -1
         self._prefix: PrefixShift | None = None
-        self._step_options = self._make_step_options()
+        #: What a static-shaped decode step of this layer adds to plain attention (fixed for the
+        #: layer's life, so a compiled step traces it as constants).
+        self.step_options: StepOptions = self._make_step_options()
         #: a ``[]`` bool device flag: some attention output of a log-n policy was not finite since
         #: the last reset (see :meth:`EvictingCache.report_nonfinite`); ``None`` before the first
         self.nonfinite: torch.Tensor | None = None
@@ -283,7 +285,7 @@ class EvictingLayer(DynamicLayer):
         if store.static_shapes and store.on_device:  # a static-shaped decode step: one graph (kvpolicy_torch.static)
             if dropout or (_SDPA_ONLY & kwargs.keys() and not _fusable(kwargs)):  # (asked only if given: every step traces this)
                 raise ValueError(_unfusable_message(module, dropout, kwargs))
-            out = store.attend(query, scale, options=self._step_options)
+            out = store.attend(query, scale, options=self.step_options)
             store.evict()
             return (out if log_n is None else self._flag_nonfinite(out)), None
         q_len = query.shape[2]
@@ -368,12 +370,6 @@ class EvictingLayer(DynamicLayer):
         pre_rope = query if rotary is None else self.pre_rope.unrotate(
             query, rotated, rotary.inv_freq, style=rotary.style, rotary_dim=rotary.rotary_dim, step=self.padding.serial)
         store.observe_queries(pre_rope, positions, rotary)
-
-    @property
-    def step_options(self) -> StepOptions:
-        """What a static-shaped decode step of this layer adds to plain attention (fixed for the
-        layer's life, so a compiled step traces it as constants)."""
-        return self._step_options
 
     def _make_step_options(self) -> StepOptions:
         kind, w = self.attention_kind.kind, self.attention_kind.window
