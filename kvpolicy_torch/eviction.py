@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
-from kvpolicy.statistics import refresh_interval, scored_once
+from kvpolicy.statistics import UNSCORED, refresh_interval, refresh_sink, scored_once
 
 from .allocation import SlotAllocator
 from .general import declines, select_rounds
@@ -87,6 +87,7 @@ class HostEviction:
         self.sums = sums
         self.rule = policy.decode_eviction
         self.refresh = refresh_interval(policy)  # decode steps between two scorings from the cache
+        self.refresh_sink = refresh_sink(policy)  # (the positions a refresh interval leaves +inf)
         self.once = scored_once(policy)  # decode tokens scored when cached, never rescored
         # a policy without one-token evictions (BUZZ, SnapKV and its compositions) that declares
         # its decode steps' size rule: a decode step at which the rule keeps every token skips the
@@ -215,8 +216,16 @@ class HostEviction:
         the eviction reads only each head's lowest score (a decode step's one-token or head-wise
         rule), so a score declared as a sum over the candidates is exact there only
         (:class:`~kvpolicy_torch.queries.CandidateSums`)."""
-        working, seen_rows = layout.working(), layout.rows.seen
+        seen_rows = layout.rows.seen
         seen: Any = seen_rows[0]
+        if running is not None and self.refresh > 1 and layout.extra is None and layout.phase == "decode" \
+                and seen_rows.count(seen) == len(seen_rows) and running.unscored_since(self.refresh, seen, self.refresh_sink):
+            # between two scorings, the step before marked the tokens since: the newest alone is
+            # marked, on the storage itself (its slots past the frontier hold no such position)
+            store = layout.storage()
+            store.scores.masked_fill_(store.positions == seen - 1, UNSCORED)
+            return
+        working = layout.working()
         if any(s != seen for s in seen_rows):
             seen = torch.tensor(seen_rows, device=working.positions.device).view(-1, 1, 1)
         if lowest_only and self.sums is not None and layout.phase == "decode" and layout.extra is None:

@@ -604,13 +604,17 @@ class LayerCache(LayerReads):
         state.load(layout.rows.seen, layout.rows.count, layout.rows.columns)
 
     # ------------------------------------------------------------------ Expected Attention
-    def observe_queries(self, queries: torch.Tensor, positions: torch.Tensor | None = None, rotary: Rotary | None = None) -> None:
+    def observe_queries(self, queries: torch.Tensor, positions: torch.Tensor | list[int] | None = None,
+                        rotary: Rotary | None = None, *, inverse: torch.Tensor | None = None) -> None:
         """Expected Attention: add the step's queries ``[batch, q_heads, q, head_dim]``, before
         RoPE, to the running moments the scores come from (:mod:`kvpolicy_torch.queries`); a no-op
         for any other policy. ``positions`` ``[batch, q]``: theirs (default
-        :meth:`query_positions`, ``-1`` at pads); ``rotary``: the RoPE they were rotated back from,
-        whose rotations the scores average over the next positions (``None``: none). Call it
-        after :meth:`append` and before :meth:`evict`.
+        :meth:`host_positions` where the host knows them, else :meth:`query_positions`; ``-1`` at
+        pads); ``rotary``: the RoPE they were rotated back from, whose rotations the scores average
+        over the next positions (``None``: none); ``inverse``: a decode step's queries still
+        rotated, and their ``[batch, head_dim, head_dim]`` rotation back
+        (:meth:`~kvpolicy_torch.queries.RunningMoments.observe`). Call it after :meth:`append`
+        and before :meth:`evict`.
 
         Example:
             >>> from kvpolicy import ExpectedAttention
@@ -628,8 +632,28 @@ class LayerCache(LayerReads):
         if store is None:
             raise ValueError("observe_queries() follows append(): nothing was appended to this LayerCache yet")
         if positions is None:
-            positions = self.query_positions(queries.shape[2])
-        self.running_queries.observe(queries, positions, int(store.keys.shape[1]), rotary)
+            q = queries.shape[2]
+            host = self.host_positions(q)
+            positions = host if host is not None else self.query_positions(q)
+        self.running_queries.observe(queries, positions, int(store.keys.shape[1]), rotary, inverse=inverse)
+
+    def host_positions(self, q: int) -> list[int] | None:
+        """The original position of the token the last :meth:`append` added to each row, as host
+        integers, at a decode step (``q == 1``) whose positions the host knows (eager; a
+        static-shaped step keeps them on the device: ``None``, as for a prompt chunk).
+
+        Example:
+            >>> from kvpolicy import H2O
+            >>> layer = LayerCache(H2O(heavy=2, recent=2))
+            >>> K, V = layer.append(torch.randn(2, 1, 5, 4), torch.randn(2, 1, 5, 4))
+            >>> rounds = layer.evict()
+            >>> K, V = layer.append(torch.randn(2, 1, 1, 4), torch.randn(2, 1, 1, 4))
+            >>> layer.host_positions(1), layer.host_positions(2)
+            ([5, 5], None)
+        """
+        if q != 1 or self._layout.chunk is not None or (self._static is not None and self._static.newer and self._static.state is not None):
+            return None
+        return [s - 1 for s in self._layout.rows.seen]
 
     def query_positions(self, q: int) -> torch.Tensor:
         """Int64 ``[batch, q]``: the original positions of the ``q`` tokens the last :meth:`append`
@@ -637,8 +661,9 @@ class LayerCache(LayerReads):
         if self._static is not None and self._static.newer and self._static.state is not None:
             return self._static.state.seen.view(-1, 1) - 1
         layout = self._layout
-        if q == 1 and layout.chunk is None:
-            return torch.tensor([s - 1 for s in layout.rows.seen], device=layout.storage().keys.device).view(-1, 1)
+        host = self.host_positions(q)
+        if host is not None:
+            return torch.tensor(host, device=layout.storage().keys.device).view(-1, 1)
         return layout.returned_positions()[:, 0, -q:]
 
     # ------------------------------------------------------------------ snapshots, batch ops

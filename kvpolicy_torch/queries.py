@@ -32,7 +32,7 @@ from kvpolicy.statistics import (
 from .attention import rope_matrix, rope_rotate
 from .storage import Storage
 
-__all__ = ["CandidateSums", "PreRope", "RunningMoments", "held_scores", "token_scores"]
+__all__ = ["CandidateSums", "PreRope", "RunningMoments", "held_scores", "token_scores", "unrotated"]
 
 
 class PreRope:
@@ -70,18 +70,28 @@ class PreRope:
         b, _, q, d = queries.shape
         if q != 1:
             return rope_rotate(queries, -positions.expand(b, -1)[:, None, :], inv_freq, style=style, rotary_dim=rotary_dim)
+        return unrotated(queries, self.inverse(positions, inv_freq, b, d, style=style, rotary_dim=rotary_dim, step=step))
+
+    def inverse(self, positions: torch.Tensor, inv_freq: torch.Tensor, batch: int, head_dim: int, *, style: str = "half",
+                rotary_dim: int | None = None, step: int = 0) -> torch.Tensor:
+        """``[batch, head_dim, head_dim]`` float64: the rotation back of a decode step's queries
+        rotated by ``positions`` ``[batch or 1, 1]`` (:func:`unrotated` applies it), built by the
+        first layer of a forward that asks and shared by the others (see the class docstring).
+
+        Example:
+            >>> pre, freq = PreRope(), torch.tensor([1.0, 0.1])
+            >>> at = torch.tensor([[7]])
+            >>> pre.inverse(at, freq, 1, 4, step=3) is pre.inverse(at, freq, 1, 4, step=3)
+            True
+        """
         if torch.compiler.is_compiling():
-            matrix = self.matrix(positions, inv_freq, b, d, style, rotary_dim)
-        else:
-            key = (step, id(positions), id(inv_freq), b, d, style, rotary_dim, queries.device)
-            held = self._held
-            if key != self._key or held is None or held[0] is not positions or held[1] is not inv_freq:
-                self._matrix = self.matrix(positions, inv_freq, b, d, style, rotary_dim)
-                self._key, self._held = key, (positions, inv_freq)
-            matrix = self._matrix
-        # (one product per row, its query heads the rows of one matrix: a broadcast matmul over the
-        # heads expanded the rotation per head)
-        return torch.bmm(queries.reshape(b, -1, d).to(torch.float64), matrix.reshape(b, d, d)).view(queries.shape)
+            return self.matrix(positions, inv_freq, batch, head_dim, style, rotary_dim).view(batch, head_dim, head_dim)
+        key = (step, id(positions), id(inv_freq), batch, head_dim, style, rotary_dim, inv_freq.device)
+        held = self._held
+        if key != self._key or held is None or held[0] is not positions or held[1] is not inv_freq:
+            self._matrix = self.matrix(positions, inv_freq, batch, head_dim, style, rotary_dim).view(batch, head_dim, head_dim)
+            self._key, self._held = key, (positions, inv_freq)
+        return self._matrix  # type: ignore[return-value]
 
     @staticmethod
     def matrix(positions: torch.Tensor, inv_freq: torch.Tensor, batch: int, head_dim: int, style: str,
@@ -89,6 +99,22 @@ class PreRope:
         """``[batch, 1, head_dim, head_dim]`` float64: the rotation by minus each row's position."""
         delta = -positions.expand(batch, -1)[:, 0].to(inv_freq.device)
         return rope_matrix(delta, inv_freq, head_dim, style=style, rotary_dim=rotary_dim, dtype=torch.float64)
+
+
+def unrotated(queries: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Float64 ``queries`` ``[batch, q_heads, 1, head_dim]`` turned back by ``inverse``
+    ``[batch, head_dim, head_dim]`` (:meth:`PreRope.inverse`): one product per row, its query heads
+    the rows of one matrix (a broadcast matmul over the heads expanded the rotation per head).
+
+    Example:
+        >>> freq, q = torch.tensor([1.0, 0.1]), torch.randn(1, 2, 1, 4)
+        >>> at = torch.tensor([[7]])
+        >>> back = unrotated(rope_rotate(q, at.view(1, 1, 1), freq), PreRope().inverse(at, freq, 1, 4))
+        >>> bool(torch.allclose(back, q.double(), atol=1e-6))
+        True
+    """
+    b, d = queries.shape[0], queries.shape[-1]
+    return torch.bmm(queries.reshape(b, -1, d).to(torch.float64), inverse).view(queries.shape)
 
 
 class RunningMoments:
@@ -132,7 +158,9 @@ class RunningMoments:
         #: whose graph takes each query into the sums in place
         self.buffered = buffered
         self._moments: QueryMoments | None = None
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # ([b, hq, 1, d] float64, positions [b, 1])
+        # decode queries held: ([b, hq, 1, d] float64, positions [b, 1] or one int per row, the
+        # rotation back still to apply [b, d, d] or None)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor | list[int], torch.Tensor | None]] = []
         self._kv_heads = 0
         self.rotary: Rotary | None = None
         self.scored_seen: torch.Tensor | None = None
@@ -141,26 +169,40 @@ class RunningMoments:
         self.scored_host: int | None = None
         self.marked_host: int | None = None
 
-    def observe(self, queries: torch.Tensor, positions: torch.Tensor, kv_heads: int, rotary: Rotary | None = None) -> None:
+    def observe(self, queries: torch.Tensor, positions: torch.Tensor | list[int], kv_heads: int, rotary: Rotary | None = None,
+                *, inverse: torch.Tensor | None = None) -> None:
         """Add ``queries`` ``[batch, q_heads, q, head_dim]`` (before RoPE) at ``positions``
-        ``[batch, q]`` (``-1``: a pad, not counted); ``q_heads`` is a multiple of ``kv_heads``
-        (GQA: query head ``j`` belongs to KV head ``j // (q_heads / kv_heads)``)."""
+        ``[batch, q]`` (``-1``: a pad, not counted; a decode step's, ``q == 1``, may be one int per
+        row, which spares a tensor); ``q_heads`` is a multiple of ``kv_heads`` (GQA: query head
+        ``j`` belongs to KV head ``j // (q_heads / kv_heads)``). ``inverse``: a decode step's
+        queries are still rotated by RoPE, and this ``[batch, head_dim, head_dim]`` float64 matrix
+        turns them back (:meth:`PreRope.inverse`), applied when the sums take them: a held query
+        costs no product at its step, the held ones one product together."""
         if queries.ndim != 4:
             raise ValueError(f"queries must be [batch, q_heads, q, head_dim], got shape {tuple(queries.shape)}")
         b, hq, q, d = queries.shape
         if hq % kv_heads:
             raise ValueError(f"query heads ({hq}) must be a multiple of kv_heads ({kv_heads})")
-        if tuple(positions.shape) != (b, q):
+        if isinstance(positions, list):
+            if q != 1 or len(positions) != b:
+                raise ValueError(f"positions as ints are a decode step's, one per row: {b} for queries of shape {tuple(queries.shape)}, got {len(positions)}")
+        elif tuple(positions.shape) != (b, q):
             raise ValueError(f"positions must have shape [batch, q] = [{b}, {q}], got {tuple(positions.shape)}")
+        if inverse is not None and (q != 1 or tuple(inverse.shape) != (b, d, d)):
+            raise ValueError(f"inverse must be a decode step's [batch, head_dim, head_dim] = [{b}, {d}, {d}], got {tuple(inverse.shape)} for q = {q}")
         self.rotary = rotary
         decode = q == 1 and self._moments is not None and self._moments.total.shape == (b, kv_heads, hq // kv_heads, d)
         if decode and self.buffered and not torch.compiler.is_compiling():
             # held until the sums are read (the query as float64: a copy unless it is one already)
-            self._pending.append((queries.to(torch.float64), positions))
+            self._pending.append((queries.to(torch.float64), positions, inverse))
             if len(self._pending) >= self.PENDING:
                 self._take_pending()
             return
         self._take_pending()
+        if inverse is not None:
+            queries = unrotated(queries, inverse)
+        if isinstance(positions, list):
+            positions = torch.tensor(positions, device=queries.device).view(b, 1)
         moments = self._moments
         if decode and moments is not None:
             self._add_one(moments, queries, positions)
@@ -208,18 +250,30 @@ class RunningMoments:
     def _take_pending(self) -> None:
         """The held decode queries added to the sums, in one product (their order within it is a
         matrix product's, as the NumPy reference sums a prompt's queries: the sums differ from
-        adding them one by one by float64 rounding, far below the scores' rounding)."""
+        adding them one by one by float64 rounding, far below the scores' rounding); the ones
+        still rotated turned back first, together (one product)."""
         pending, moments = self._pending, self._moments
         if not pending or moments is None:
             return
         self._pending = []
+        b, hq, _, d = pending[0][0].shape
+        if all(inverse is not None for _, _, inverse in pending):
+            # [N * b, hq, d] by [N * b, d, d]: each query by its own step's rotation back
+            held = torch.stack([q for q, _, _ in pending]).view(-1, hq, d)
+            back = torch.bmm(held, torch.stack([inv for _, _, inv in pending]).view(-1, d, d))
+            queries = back.view(len(pending), b, hq, d).permute(1, 2, 0, 3)  # [b, hq, N, d]
+        else:
+            queries = torch.cat([q if inv is None else unrotated(q, inv) for q, _, inv in pending], dim=2)  # [b, hq, N, d]
+        device = queries.device
+        if all(isinstance(p, list) for _, p, _ in pending):
+            positions = torch.tensor([p for _, p, _ in pending], device=device).T  # [b, N]
+        else:
+            positions = torch.cat([torch.tensor(p, device=device).view(b, 1) if isinstance(p, list) else p.to(device)
+                                   for _, p, _ in pending], dim=1)
         if len(pending) == 1:
-            self._add_one(moments, *pending[0])
+            self._add_one(moments, queries, positions)
             return
-        queries = torch.cat([q for q, _ in pending], dim=2)  # [b, hq, N, d]
-        positions = torch.cat([p for _, p in pending], dim=1).to(queries.device)  # [b, N]
-        b, hq, n, d = queries.shape
-        step = query_moments(queries.reshape(b, self._kv_heads, hq // self._kv_heads, n, d), positions >= self.sink)
+        step = query_moments(queries.reshape(b, self._kv_heads, hq // self._kv_heads, len(pending), d), positions >= self.sink)
         for mine, new in zip(moments, step):
             mine.add_(new)
 
@@ -233,6 +287,25 @@ class RunningMoments:
         moments.count.add_(w)
         moments.total.view(b * hq, d).add_(weighted)
         moments.outer.view(b * hq, d, d).baddbmm_(weighted[:, :, None], q64[:, None, :])
+
+    def unscored_since(self, refresh: int, seen: int, sink: int) -> bool:
+        """Eager, under a refresh interval: whether this decode step, every row having seen
+        ``seen`` tokens, falls between two scorings decided on the host and the step before it
+        marked the tokens appended since the last scoring, so that only the newest (position
+        ``seen - 1``, not a sink) is left to mark :data:`~kvpolicy.statistics.UNSCORED`; the
+        bookkeeping then counts it marked. ``False``: :func:`held_scores` decides the step.
+
+        Example:
+            >>> running = RunningMoments(sink=0)
+            >>> running.scored_host = running.marked_host = 10  # scored, then marked, at 10 seen
+            >>> running.unscored_since(4, 11, 0), running.unscored_since(4, 12, 0), running.unscored_since(4, 14, 0)
+            (True, True, False)
+        """
+        scored = self.scored_host
+        if scored is None or self.marked_host not in (seen - 1, seen) or refresh_due(refresh, seen, scored) or seen - 1 < max(sink, scored):
+            return False
+        self.marked_host = seen
+        return True
 
     def select(self, index: torch.Tensor) -> None:
         """Keep (or repeat) rows by ``index`` (beam search)."""
@@ -331,13 +404,13 @@ def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: S
         return mark_unscored(slots.scores, positions, last.view(-1, 1, 1), sink)
 
     if not compiling and seen_max is not None and running.scored_host is not None:  # eager: host ints decide
+        if isinstance(seen, int) and running.unscored_since(refresh, seen, sink):
+            # The last step came here too, so the tokens appended since the last scoring were
+            # marked at their own steps: only the newest is new (two kernels, in place, not O(n) several)
+            slots.scores.masked_fill_(positions == seen - 1, UNSCORED)
+            return slots.scores
         if not refresh_due(refresh, seen_max, running.scored_host):
-            marked, running.marked_host = running.marked_host, seen_max
-            if isinstance(seen, int) and marked in (seen - 1, seen) and seen - 1 >= max(sink, running.scored_host):
-                # The last step came here too, so the tokens appended since the last scoring were
-                # marked at their own steps: only the newest is new (two kernels, in place, not O(n) several)
-                slots.scores.masked_fill_(positions == seen - 1, UNSCORED)
-                return slots.scores
+            running.marked_host = seen_max
             return stale()
         last.copy_(per_row())
         running.scored_host = running.marked_host = seen_max

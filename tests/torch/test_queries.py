@@ -239,33 +239,60 @@ def test_held_decode_queries_give_the_sums_of_adding_each(batch, group, sink, st
     """Expected Attention under a refresh interval (eager) holds each decode query until the sums
     are read: read at any step, after any number of steps (past RunningMoments.PENDING, where
     they are taken unread), the sums equal those of adding each query as it comes, to float64
-    rounding; rows reordered (beam search) with queries held keep their own queries."""
+    rounding; rows reordered (beam search) with queries held keep their own queries. A query
+    held still rotated by RoPE, with its step's rotation back (``inverse``, the transformers
+    layer's eager decode step) and its position as host ints, is turned back when the sums take
+    it: the same sums, to the rotation's rounding."""
+    from kvpolicy_torch import rope_rotate
+    from kvpolicy_torch.queries import PreRope
+
     gen = torch.Generator().manual_seed(seed)
     kv, d, prompt = 2, 4, 3
-    held, each = RunningMoments(sink, buffered=True), RunningMoments(sink)
+    freq, pre = torch.tensor([1.0, 0.1]), PreRope()
+    held, each, turned = RunningMoments(sink, buffered=True), RunningMoments(sink), RunningMoments(sink, buffered=True)
     first = torch.randn(batch, kv * group, prompt, d, generator=gen, dtype=torch.float64)
     positions = torch.arange(prompt).expand(batch, prompt)
-    for running in (held, each):
+    for running in (held, each, turned):
         running.observe(first, positions, kv_heads=kv)
     reads = {int(x) for x in torch.randint(0, steps, (3,), generator=gen)}
     since = 0  # decode queries since the sums last took them
+
+    def same(a, b, tol=1e-12):
+        for mine, theirs in zip(a.moments, b.moments):
+            torch.testing.assert_close(mine, theirs, rtol=tol, atol=tol)
+
     for t in range(steps):
         q = torch.randn(batch, kv * group, 1, d, generator=gen, dtype=torch.float64)
         for running in (held, each):
             running.observe(q, torch.full((batch, 1), prompt + t), kv_heads=kv)
+        at = torch.tensor([[prompt + t]])  # (the forward's position_ids: one row for the batch)
+        turned.observe(rope_rotate(q, at.view(1, 1, 1), freq), [prompt + t] * batch, kv_heads=kv,
+                       inverse=pre.inverse(at, freq, batch, d, step=t))
         since = (since + 1) % RunningMoments.PENDING
-        assert (held.held_queries, each.held_queries) == (since, 0)
+        assert (held.held_queries, each.held_queries, turned.held_queries) == (since, 0, since)
         if t in reads:
-            for mine, theirs in zip(held.moments, each.moments):
-                torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
-            assert held.held_queries == 0
+            same(held, each)
+            same(turned, each, 1e-5)  # (RoPE's angles are float32's, as transformers computes them)
+            assert held.held_queries == turned.held_queries == 0
             since = 0
     index = torch.arange(batch).flip(0)
-    held.select(index)
-    each.select(index)
-    for mine, theirs in zip(held.moments, each.moments):
-        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
-    assert held.moments.count.tolist() == [float(prompt + steps - min(sink, prompt + steps))] * batch
+    for running in (held, each, turned):
+        running.select(index)
+    same(held, each)
+    same(turned, each, 1e-5)
+    assert held.moments.count.tolist() == turned.moments.count.tolist() == [float(prompt + steps - min(sink, prompt + steps))] * batch
+
+
+def test_held_queries_refuse_positions_and_rotations_of_the_wrong_shape() -> None:
+    """Positions as host ints are a decode step's, one per row; a rotation back is a decode
+    step's ``[batch, head_dim, head_dim]``: anything else is a ValueError naming it."""
+    running = RunningMoments(0, buffered=True)
+    with pytest.raises(ValueError, match="positions as ints"):
+        running.observe(torch.randn(2, 2, 1, 4), [3], kv_heads=1)
+    with pytest.raises(ValueError, match="positions as ints"):
+        running.observe(torch.randn(1, 2, 2, 4), [3], kv_heads=1)
+    with pytest.raises(ValueError, match="inverse must be"):
+        running.observe(torch.randn(1, 2, 1, 4), [3], kv_heads=1, inverse=torch.eye(4, dtype=torch.float64))
 
 
 def test_a_refresh_interval_holds_the_queries_between_scorings() -> None:

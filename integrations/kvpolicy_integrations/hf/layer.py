@@ -363,10 +363,19 @@ class EvictingLayer(DynamicLayer):
         stays, as it does in the cached keys); pads are not counted. The layer's RoPE layout goes
         with them, for the scores' rotation averaged over the next positions (none in a NoPE layer)."""
         store = self.store
-        positions = store.query_positions(query.shape[2])  # [batch, q], -1 at pads
-        rotated = positions if position_ids is None else position_ids.to(positions.device)
         rope = self.rope_shift
         rotary = None if rope is None else Rotary(rope.inv_freq, rope.style, rope.rotary_dim)
+        b, _, q, d = query.shape
+        host = store.host_positions(q)  # (an eager decode step's, as ints: no tensor made)
+        if host is not None and rotary is not None and position_ids is not None:
+            # the rotation back goes with the query (one matrix a forward, shared by the layers)
+            # and is applied when the sums take it: a step between two scorings holds it only
+            inverse = self.pre_rope.inverse(position_ids, rotary.inv_freq, b, d, style=rotary.style,
+                                            rotary_dim=rotary.rotary_dim, step=self.padding.serial)
+            store.observe_queries(query, host, rotary, inverse=inverse)
+            return
+        positions = store.query_positions(q)  # [batch, q], -1 at pads
+        rotated = positions if position_ids is None else position_ids.to(positions.device)
         pre_rope = query if rotary is None else self.pre_rope.unrotate(
             query, rotated, rotary.inv_freq, style=rotary.style, rotary_dim=rotary.rotary_dim, step=self.padding.serial)
         store.observe_queries(pre_rope, positions, rotary)
