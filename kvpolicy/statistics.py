@@ -417,19 +417,25 @@ def expected_attention(
         return xp.zeros(positions.shape, dtype=xp.float64, device=device(positions))
     kept = positions >= 0
     candidate = kept & (positions >= sink)
+    count = xp.clip(xp.astype(moments.count, xp.float64), min=1.0)[:, None, None, None]  # [batch, 1, 1, 1]
+    mean = moments.total / count  # [batch, kv_heads, group, d]
+    cov = moments.outer / count[..., None] - mean[..., :, None] * mean[..., None, :] if covariance else None
     if rotary is not None:
         start = n_seen if isinstance(n_seen, int) else xp.reshape(xp.asarray(n_seen), (-1,))[:, None, None]
         cos, sin = average_rotation(rotary, start, future)  # [d/2], or [batch, 1, 1, d/2] per row
-        # <R mu, k> = <mu, R^T k>: rotate the keys by R's transpose (the same pairs, -sin)
-        k = rotate_pairs(k, xp.astype(cos, xp.float64), -xp.astype(sin, xp.float64), rotary.style, rotary.rotary_dim)
-    count = xp.clip(xp.astype(moments.count, xp.float64), min=1.0)[:, None, None, None]  # [batch, 1, 1, 1]
-    mean = moments.total / count  # [batch, kv_heads, group, d]
+        cos, sin = xp.astype(cos, xp.float64), xp.astype(sin, xp.float64)
+        # The statistics rotated, R mu and R S R^T (as kvpress rotates them), not the n keys by
+        # R's transpose: group x d x (1 + 2d) values against n x d, and fewer as n grows
+        mean = rotate_pairs(mean, cos, sin, rotary.style, rotary.rotary_dim)
+        if cov is not None:
+            c, s = cos[..., None, :], sin[..., None, :]  # (over S's rows: a per-row start broadcasts one axis further)
+            rows = rotate_pairs(cov, c, s, rotary.style, rotary.rotary_dim)  # S R^T
+            cov = xp.matrix_transpose(rotate_pairs(xp.matrix_transpose(rows), c, s, rotary.style, rotary.rotary_dim))  # R S R^T
     # One product per KV head over its whole group ([n, d] x [d, group * d]), not one per query
     # head against the keys repeated (a broadcast matmul copies them group times): 4-5x faster.
     batch, kv_heads, group = (int(x) for x in mean.shape[:3])
     z = xp.matrix_transpose(xp.matmul(k, xp.matrix_transpose(mean))) / math.sqrt(d)  # [batch, kv_heads, group, n]
-    if covariance:
-        cov = moments.outer / count[..., None] - mean[..., :, None] * mean[..., None, :]
+    if cov is not None:
         side = xp.reshape(xp.permute_dims(cov, (0, 1, 3, 2, 4)), (batch, kv_heads, d, group * d))  # [.., d, group * d]
         ks = xp.reshape(xp.matmul(k, side), (batch, kv_heads, -1, group, d))  # k^T S_j per token and query head
         z = z + xp.matrix_transpose(xp.sum(ks * k[:, :, :, None, :], axis=-1)) / (2 * d)
