@@ -622,7 +622,9 @@ def critical_scores(scores: Array, weights: Array, positions: Array, first: int,
     finite = xp.isfinite(s)
     weighted = (xp.where(finite, s, xp.zeros_like(s)) + epsilon) * xp.astype(weights, xp.float64)
     weighted = xp.where(finite, _round_signed(weighted, SCORE_BITS), s)  # (a sink's +inf stays the scorer's verdict)
-    return xp.where(place >= n - first, xp.full_like(s, FIRST_STAGE), weighted)
+    # (a sink's +inf takes a first-stage place, as kvpress's largest value does, and stays +inf:
+    # never a victim, also when a refresh interval's unscored tokens outrank the first stage)
+    return xp.where((place >= n - first) & finite, xp.full_like(s, FIRST_STAGE), weighted)
 
 
 # ---------------------------------------------------------------------------- refresh interval

@@ -21,14 +21,15 @@ class ExpectedAttention(KeepHighest):
     over the non-sink cached tokens, of ``<R mu, k> / sqrt(d) + k^T R S R^T k / (2 d)`` (the log
     of ``E[exp(<q, k> / sqrt(d))]``), averaged over the query heads of its KV head; the score is
     that plus ``epsilon``, times the norm of the token's value (``score_statistic =
-    "expected_attention"``, :func:`kvpolicy.statistics.expected_attention`). Backends recompute
-    the scores before every eviction decision (the statistics move with every query), so
-    attention is never captured; with ``refresh = N > 1`` only after a prompt and at every
-    ``N``-th decode step (as kvpress's ``DecodingPress`` compresses every ``N`` steps): in between
-    the held tokens keep the scores of the last scoring, and a token appended since scores
-    :data:`~kvpolicy.statistics.UNSCORED` (kept before every scored token; when none is left
-    outside the sinks and the recent window, the earliest unscored goes), which makes a step
-    about ``N`` times cheaper (docs/policies.md gives the cost in quality). The first ``sink`` tokens are always kept. While the cache holds
+    "expected_attention"``, :func:`kvpolicy.statistics.expected_attention`). Backends compute
+    the scores after a prompt and at every ``refresh``-th decode step (64 by default, as
+    kvpress's ``DecodingPress`` compresses every ``compression_interval`` steps; attention is
+    never captured): in between the held tokens keep the scores of the last scoring, and a token
+    appended since scores :data:`~kvpolicy.statistics.UNSCORED` (kept before every scored token;
+    when none is left outside the sinks and the recent window, the earliest unscored goes).
+    ``refresh=1`` is the paper's rule at every step, rescoring every held token in float64 (the
+    statistics move with every query): about 2-4x slower to decode, and worse on the stream and
+    perplexity tasks (docs/policies.md measures both). The first ``sink`` tokens are always kept. While the cache holds
     more than ``size`` tokens, the lowest score outside the newest ``recent`` goes (ties: the
     earliest position): one token per decode step; after a prompt longer than ``size``, the
     ``size`` highest scores in one decision: kvpress's ``ExpectedAttentionPress`` (whose defaults
@@ -44,8 +45,8 @@ class ExpectedAttention(KeepHighest):
         epsilon: added to the expected attention before the value norm multiplies it (0.0).
         covariance: use the queries' covariance, not only their mean (True).
         value_norm: multiply by the value's L2 norm (True).
-        refresh: decode steps between two scorings (>= 1; default 1: every step, the paper's and
-            kvpress's rule).
+        refresh: decode steps between two scorings (>= 1; default 64; 1: every step, the
+            paper's rule, which kvpress applies to a prompt).
         selection: ``"per_head"`` (default): every KV head keeps its own tokens;
             ``"shared"``: scores summed over the heads of the layer, the same tokens on every head.
 
@@ -54,8 +55,8 @@ class ExpectedAttention(KeepHighest):
         >>> p = ExpectedAttention(size=64)
         >>> p.capacity, p.sink, p.future, p.captures_attention
         (65, 4, 512, False)
-        >>> ExpectedAttention(size=64, refresh=8)
-        ExpectedAttention(size=64, recent=0, sink=4, future=512, refresh=8)
+        >>> p.refresh, ExpectedAttention(size=64, refresh=1)
+        (64, ExpectedAttention(size=64, recent=0, sink=4, future=512, refresh=1))
     """
 
     name = "expected_attention"
@@ -70,7 +71,9 @@ class ExpectedAttention(KeepHighest):
     epsilon = Param(float, 0.0, minimum=0.0, high_open=True, shown="non-default", doc="added to the expected attention before the value norm")
     covariance = Param(bool, True, shown="non-default", doc="use the queries' covariance, not only their mean")
     value_norm = Param(bool, True, shown="non-default", doc="multiply by the value's L2 norm")
-    refresh = Param(int, 1, minimum=1, shown="non-default", doc="decode steps between two scorings (1: every step)")
+    # (64: the paper's every-step rule rescores every held token in float64 at every decode step,
+    # 20-50% of the limit; kvpress's DecodingPress also compresses every N steps; docs/policies.md)
+    refresh = Param(int, 64, minimum=1, shown="non-default", doc="decode steps between two scorings (1: every step, the paper's rule)")
 
     min_size = 5  # the default sink (4) and one token to evict
 

@@ -38,8 +38,8 @@ POLICIES = [
     KeyDiff(11, recent=2),
     KeyDiff(12, selection="shared"),
     KeyDiff(12, refresh=3),  # scored every 3rd step, without query moments
-    ExpectedAttention(12, sink=2, future=32),  # scores from keys, values and the queries' running moments
-    ExpectedAttention(11, recent=2, selection="shared"),
+    ExpectedAttention(12, sink=2, future=32, refresh=1),  # scores from keys, values and the queries' running moments
+    ExpectedAttention(11, recent=2, selection="shared", refresh=1),
     ExpectedAttention(12, sink=2, future=32, refresh=3),  # scored every 3rd step: the rows' seen differ, the steps not
     AdaKV(ExpectedAttention(11, sink=2, future=16, refresh=4), 0.2),
     AdaKV(H2O(6, 6), 0.2),  # head-wise budgets: heads hold different numbers of tokens

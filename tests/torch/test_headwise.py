@@ -221,7 +221,7 @@ def test_over_expected_attention() -> None:
     from kvpolicy.testing import example_inputs
 
     logits = np.random.default_rng(0).normal(size=(30, 3, 30))
-    ea = ExpectedAttention(8, sink=2, future=16)
+    ea = ExpectedAttention(8, sink=2, future=16, refresh=1)
     for alpha in (0.2, 1.0):
         policy = AdaKV(ea, alpha)
         inputs = example_inputs(policy, logits)

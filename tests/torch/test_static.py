@@ -47,7 +47,7 @@ POLICIES = {
     "keydiff": lambda: KeyDiff(size=24),
     "keydiff_refresh": lambda: KeyDiff(size=24, refresh=3),  # a refresh interval without query moments
     "knorm": lambda: Knorm(size=24),  # a token-local score, given when the token is written on the device
-    "expected_attention": lambda: ExpectedAttention(size=24, future=64),  # running query moments on the device
+    "expected_attention": lambda: ExpectedAttention(size=24, future=64, refresh=1),  # running query moments on the device
     "expected_attention_refresh": lambda: ExpectedAttention(size=24, future=64, refresh=3),  # torch.cond in the graph
 }
 

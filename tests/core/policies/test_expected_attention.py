@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import kvpolicy_numpy
 from kvpolicy import ExpectedAttention, compose, make_policy
-from kvpolicy.statistics import SCORE_BITS, UNSCORED, QueryMoments, Rotary, average_rotation, expected_attention, query_moments
+from kvpolicy.statistics import SCORE_BITS, UNSCORED, QueryMoments, Rotary, average_rotation, expected_attention, query_moments, refresh_interval
 from oracle import keep_highest_oracle, refresh_oracle as literal_refresh
 from strategies import expected_attention_policies, logits_arrays, prompt_lengths
 
@@ -140,7 +140,7 @@ def test_a_near_tie_goes_to_the_earliest() -> None:
     """A group of two query heads whose softmaxes saturate on different tokens scores them
     ``0.5 + 7.8e-15`` and ``0.5 - 7.7e-15`` (kvpress's procedure in float64): a tie at
     ``SCORE_BITS``, so the earlier token goes (hypothesis found it; unrounded, the oracle kept it)."""
-    policy = ExpectedAttention(size=1, sink=0, future=1, value_norm=False)
+    policy = ExpectedAttention(size=1, sink=0, future=1, value_norm=False, refresh=1)
     keys = np.array([[3.2, 5.3], [-7.7, -0.4], [3.0, 4.1]])[:, None]  # [steps, heads, d]
     queries = np.array([[[2.0, 4.5], [0.9, 1.7]], [[0.5, -3.2], [-2.5, 1.1]], [[-1.7, 3.8], [3.9, 5.4]]])[:, None]
     values, logits = np.ones((3, 1, 3)), np.zeros((3, 1, 3))
@@ -196,7 +196,7 @@ def test_a_refresh_interval_changes_what_is_kept_and_keeps_sinks() -> None:
     keys, values, queries = rng.normal(size=(steps, heads, d)), rng.normal(size=(steps, heads, 3)), rng.normal(size=(steps, heads, d))
     kw = dict(values=values, keys=keys, queries=queries)
     logits = np.zeros((steps, heads, steps))
-    every = kvpolicy_numpy.replay(ExpectedAttention(size=8, sink=2), logits, 10, **kw)
+    every = kvpolicy_numpy.replay(ExpectedAttention(size=8, sink=2, refresh=1), logits, 10, **kw)
     sparse = kvpolicy_numpy.replay(ExpectedAttention(size=8, sink=2, refresh=4), logits, 10, **kw)
     assert any(a.tolist() != b.tolist() for a, b in zip(every.kept[10:], sparse.kept[10:]))
     assert all({0, 1} <= set(k[0].tolist()) for k in sparse.kept[9:])
@@ -294,8 +294,9 @@ def _layer0(model, tokens):
 
 @pytest.mark.parametrize(
     "policy",
-    [ExpectedAttention(12, sink=2, future=16), ExpectedAttention(10, recent=2, selection="shared"),
-     ExpectedAttention(11, sink=0, epsilon=0.01, covariance=False), ExpectedAttention(12, sink=2, future=16, refresh=5)],
+    [ExpectedAttention(12, sink=2, future=16, refresh=1), ExpectedAttention(10, recent=2, selection="shared", refresh=1),
+     ExpectedAttention(11, sink=0, epsilon=0.01, covariance=False, refresh=1), ExpectedAttention(12, sink=2, future=16, refresh=5),
+     ExpectedAttention(12, sink=2, future=16)],  # (the last: the default refresh interval, 64)
     ids=repr,
 )
 def test_evicting_cache_keeps_what_the_reference_keeps_on_layer0(policy, no_score_capture) -> None:
@@ -388,7 +389,7 @@ def test_docs_worked_example() -> None:
     text = DOC.read_text(encoding="utf-8")
     ns = setup(text, "expected-attention-setup")
     policy, keys, values, queries, logits = ns["policy"], ns["keys"], ns["values"], ns["queries"], ns["logits"]
-    assert policy == ExpectedAttention(size=3, sink=1) and keys.shape == values.shape == queries.shape == (7, 1, 2)
+    assert policy == ExpectedAttention(size=3, sink=1, refresh=1) and keys.shape == values.shape == queries.shape == (7, 1, 2)
     inputs = {"keys": keys, "values": values, "queries": queries}
     trace = kvpolicy_numpy.replay(policy, logits, **inputs)
     lit = oracle(policy, keys, values, queries[:, :, None], 0)
@@ -427,3 +428,26 @@ def test_future_is_bounded(future) -> None:
     with pytest.raises(ValueError, match=rf"future must be >= 1 and <= 65536, got {future}"):
         ExpectedAttention(size=8, future=future)
     assert ExpectedAttention(size=8, future=65536).future == 65536
+
+
+def test_the_default_scores_every_64th_decode_step_and_keeps_the_sinks() -> None:
+    """The default refresh interval is 64 (the every-step rule is ``refresh=1``): on one sequence
+    (random keys, 150 steps, size 16) the default keeps what ``refresh=64`` keeps, not what the
+    every-step rule keeps, and always the sinks; CriticalKV over it keeps the sinks too (a sink's
+    ``+inf`` stays, also once the unscored tokens outrank the first stage)."""
+    from kvpolicy import CriticalKV
+
+    assert ExpectedAttention(size=8).refresh == 64 and refresh_interval(ExpectedAttention(size=8)) == 64
+    rng = np.random.default_rng(3)
+    steps, heads, d = 150, 1, 8
+    kw = dict(keys=rng.normal(size=(steps, heads, d)), values=rng.normal(size=(steps, heads, 3)),
+              queries=rng.normal(size=(steps, heads, d)))
+    logits = np.zeros((steps, heads, steps))
+    default = kvpolicy_numpy.replay(ExpectedAttention(size=16, sink=2), logits, 20, **kw)
+    same = kvpolicy_numpy.replay(ExpectedAttention(size=16, sink=2, refresh=64), logits, 20, **kw)
+    every = kvpolicy_numpy.replay(ExpectedAttention(size=16, sink=2, refresh=1), logits, 20, **kw)
+    assert all(a.tolist() == b.tolist() for a, b in zip(default.kept[19:], same.kept[19:]))
+    assert any(a.tolist() != b.tolist() for a, b in zip(default.kept[19:], every.kept[19:]))
+    assert all({0, 1} <= set(k[0].tolist()) for k in default.kept[19:])
+    critical = kvpolicy_numpy.replay(CriticalKV(ExpectedAttention(size=6, sink=2, value_norm=False)), logits, 20, **kw)
+    assert all({0, 1} <= set(k[0].tolist()) for k in critical.kept[19:])

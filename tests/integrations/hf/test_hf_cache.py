@@ -25,7 +25,7 @@ from kvpolicy_integrations.hf import EvictingCache, cache_kwargs, greedy_decode 
 
 COVERING = [FullCache(), BUZZ(4, 64, 5, 300), H2O(100, 100), StreamingLLM(4, 100), LocalWindow(100)]
 EVICTING = [BUZZ(2, 6, 3, 10), BUZZ(2, 6, 4, 12, log_n=True, log_base=8.0), H2O(8, 8), StreamingLLM(2, 10), LocalWindow(12), TOVA(12),
-            Scissorhands(14, history=6, drop=0.25, recent=3), ExpectedAttention(12, sink=2, future=32)]
+            Scissorhands(14, history=6, drop=0.25, recent=3), ExpectedAttention(12, sink=2, future=32, refresh=1)]
 
 from hf_cases import EDGE_SEED as SEED, edge_ids as _edge_ids, greedy as _greedy, token_ids as _ids  # noqa: E402
 from layer0 import layer0_logits as _layer0_logits  # noqa: E402
