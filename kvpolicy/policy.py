@@ -818,6 +818,20 @@ class EvictionPolicy(ABC):
         :class:`WrappingPolicy` wraps (an :class:`~kvpolicy.AdaKV` scorer)."""
         return self
 
+    @property
+    def rule_policy(self) -> "EvictionPolicy":
+        """The policy whose rule this one applies to its scores (``select``, ``ranking``,
+        ``head_budget``, ``decode_eviction``): itself, or for a policy that changes only the scores
+        and hands the rest to a scorer (:class:`~kvpolicy.CriticalKV`) that scorer's. AdaKV reads
+        it to know whether its head-wise decode rule holds over a scorer.
+
+        Example:
+            >>> from kvpolicy import CriticalKV, Knorm
+            >>> Knorm(size=8).rule_policy, CriticalKV(Knorm(size=8)).rule_policy
+            (Knorm(size=8, recent=0), Knorm(size=8, recent=0))
+        """
+        return self
+
     #: For a key statistic (:data:`KEY_STATISTICS`): the newest tokens that are no candidates of
     #: the statistic (KeyDiff's anchor is the mean over the candidates' keys only). ``0``: all.
     key_recent: int = 0

@@ -200,7 +200,9 @@ class AdaKV(WrappingPolicy):
         the layer's ``H`` lowest outside the floors and the recent window, applied by backends as
         a masked write) over a scorer that evicts its lowest score one token a step and ranks by
         it (:class:`~kvpolicy.policies.lowest.KeepAtMost` with ``victim="lowest"``: H2O, TOVA,
-        Knorm, KeyDiff, Expected Attention); ``None`` over any other (SnapKV: no decode eviction).
+        Knorm, KeyDiff, Expected Attention, and CriticalKV over one of them, whose rule is its
+        scorer's: :attr:`~kvpolicy.EvictionPolicy.rule_policy`); ``None`` over any other (SnapKV:
+        no decode eviction).
 
         Example:
             >>> from kvpolicy import H2O, SnapKV
@@ -209,8 +211,8 @@ class AdaKV(WrappingPolicy):
             >>> AdaKV(SnapKV(size=40)).headwise_eviction is None
             True
         """
-        scorer = self.scorer
-        rule = scorer.decode_eviction
+        scorer = self.scorer.rule_policy  # (CriticalKV: its scorer's rule on CriticalKV's scores)
+        rule = self.scorer.decode_eviction
         cls = type(scorer)
         if (
             not isinstance(scorer, KeepAtMost) or rule is None or rule.victim != "lowest"

@@ -155,6 +155,10 @@ class CriticalKV(WrappingPolicy):
         return critical_scores(scores, weights, tokens.positions, self.first_stage, self.epsilon)
 
     # ---------------------------------------------------------------- the rule: the scorer's, on these scores
+    @property
+    def rule_policy(self) -> EvictionPolicy:
+        return self.scorer.rule_policy  # (select, ranking, head_budget and the decode rule below are the scorer's)
+
     def select(self, view: CacheView) -> Array | None:
         return self.scorer.select(view)
 

@@ -323,9 +323,16 @@ def test_the_declared_decode_rule_keeps_what_select_keeps(case) -> None:
 def test_the_rule_is_declared_over_one_token_scorers_only() -> None:
     from kvpolicy import ExpectedAttention, HeadwiseEviction
 
-    for scorer in (H2O(4, 2), TOVA(size=6, selection="per_head"), Knorm(size=6), KeyDiff(size=6, recent=1), ExpectedAttention(size=6)):
+    for scorer in (H2O(4, 2), TOVA(size=6, selection="per_head"), Knorm(size=6), KeyDiff(size=6, recent=1, refresh=1), ExpectedAttention(size=6)):
         rule = AdaKV(scorer, 0.5).headwise_eviction
         assert rule == HeadwiseEviction(limit=scorer.rule.limit, recent=scorer.rule.recent, floor=3)
+    # CriticalKV changes the scores only: AdaKV over it applies its scorer's rule (rule_policy), on
+    # CriticalKV's scores (the kit holds it to select: test_critical's AdaKV replays)
+    from kvpolicy import CriticalKV
+
+    for scorer in (Knorm(size=6), ExpectedAttention(size=6)):
+        critical = AdaKV(CriticalKV(scorer), 0.5)
+        assert critical.headwise_eviction == HeadwiseEviction(limit=6, recent=0, floor=3) == AdaKV(scorer, 0.5).headwise_eviction
     assert AdaKV(SnapKV(size=40)).headwise_eviction is None
     assert AdaKV(H2O(4, 2)).decode_eviction is None  # (the one-token rule per head does not describe AdaKV)
     for bad, match in [({"limit": 0}, "limit"), ({"limit": 3, "recent": 3}, "recent"), ({"limit": 3, "floor": 4}, "floor")]:
