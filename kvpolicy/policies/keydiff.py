@@ -46,23 +46,25 @@ class KeyDiff(KeepHighest):
     A token's score is minus the cosine similarity of its cached key with the anchor, the mean of
     the candidates' L2-normalised keys (``score_statistic = "key_diff"``,
     :func:`kvpolicy.statistics.key_scores`); the candidates are the cached tokens outside the
-    newest ``recent``. Backends recompute the scores from the keys they hold before every eviction
-    decision (the anchor moves as tokens come and go), so attention is never captured. While the
-    cache holds more than ``size`` tokens, the candidate most similar to the anchor goes (the
-    lowest score; ties: the earliest position): one token per decode step, the paper's decode
-    rule; after a prompt longer than ``size``, the ``size`` least similar keys (the newest
+    newest ``recent``. Backends compute the scores from the keys they hold after a prompt and at
+    every ``refresh``-th decode step (64 by default; ``refresh=1``: before every eviction decision,
+    the paper's decode rule, as the anchor moves with every token that comes and goes), so
+    attention is never captured. While the cache holds more than ``size`` tokens, the candidate
+    most similar to the anchor goes (the lowest score; ties: the earliest position): one token per
+    decode step; after a prompt longer than ``size``, the ``size`` least similar keys (the newest
     ``recent`` among them) are kept in one decision, kvpress's ``KeyDiffPress`` when ``recent=0``.
 
     Parameters:
         size: tokens kept between steps (>= 1).
         recent: newest tokens never evicted and not in the anchor (0 to ``size - 1``; default 0,
             the paper's rule).
-        refresh: decode steps between two scorings (>= 1; default 1: every step, the paper's
+        refresh: decode steps between two scorings (>= 1; default 64; 1: every step, the paper's
             rule). With ``N > 1`` the keys are scored after a prompt and at every ``N``-th decode
             step (as kvpress's ``DecodingPress`` compresses every ``N`` steps); in between the held
             tokens keep their scores and a token appended since scores
             :data:`~kvpolicy.statistics.UNSCORED` (kept before every scored one), as Expected
-            Attention's ``refresh``: a decode step no longer rescores every held key.
+            Attention's ``refresh``: a decode step no longer rescores every held key (faster, and
+            on the embedded model better: docs/policies.md, KeyDiff).
         selection: ``"per_head"`` (default): every KV head keeps its own tokens (its own anchor);
             ``"shared"``: scores summed over the heads of the layer, the same tokens on every head.
 
@@ -71,8 +73,8 @@ class KeyDiff(KeepHighest):
         >>> p = KeyDiff(size=64, recent=4)
         >>> p.capacity, p.key_recent, p.captures_attention
         (65, 4, False)
-        >>> KeyDiff(size=64, refresh=8)
-        KeyDiff(size=64, recent=0, refresh=8)
+        >>> p.refresh, KeyDiff(size=64, refresh=1)
+        (64, KeyDiff(size=64, recent=0, refresh=1))
     """
 
     name = "keydiff"
@@ -81,7 +83,9 @@ class KeyDiff(KeepHighest):
 
     recent = Param(int, 0, minimum=0, maximum=lambda p: p.size - 1,
                    doc="most recent tokens always kept, outside the anchor (0: the paper's rule)")
-    refresh = Param(int, 1, minimum=1, shown="non-default", doc="decode steps between two scorings (1: every step)")
+    # (64: the paper's every-step rule rescores every held key at every decode step, 60-80% of
+    # the limit, and evicts the newest keys as readily as any; docs/policies.md measures both)
+    refresh = Param(int, 64, minimum=1, shown="non-default", doc="decode steps between two scorings (1: every step, the paper's rule)")
 
     @property  # type: ignore[override]
     def key_recent(self) -> int:

@@ -156,10 +156,14 @@ def tova_policies(draw: st.DrawFn, **fixed: Any) -> TOVA:
 @st.composite
 def key_policies(draw: st.DrawFn, kind: type = Knorm, **fixed: Any) -> EvictionPolicy:
     """:class:`~kvpolicy.Knorm` or :class:`~kvpolicy.KeyDiff` (``kind``), scores from keys, with
-    size 1-12, recent 0 half the time (else 0 to size - 1), both selections."""
+    size 1-12, recent 0 half the time (else 0 to size - 1), both selections; KeyDiff scored at
+    every step (``refresh=1``, the paper's rule) unless ``refresh`` is fixed."""
     size = fixed.get("size", draw(st.integers(1, 12)))
     recent = draw(st.one_of(st.just(0), st.integers(0, size - 1)))
-    return _build(kind, {"size": size, "recent": recent, "selection": draw(selections)}, fixed)  # type: ignore[arg-type]
+    params = {"size": size, "recent": recent, "selection": draw(selections)}
+    if kind is KeyDiff:
+        params["refresh"] = 1
+    return _build(kind, params, fixed)  # type: ignore[arg-type]
 
 
 @st.composite

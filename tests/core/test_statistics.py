@@ -68,12 +68,12 @@ def key_cases(draw):
 
 @settings(max_examples=150, deadline=None)
 @given(key_cases())
-@example((KeyDiff(size=1), np.array([[[3.0, 1.0, 0.5]], [[0.0, 0.0, -2.0]], [[-2.0, -2.0, -2.0]]]),
+@example((KeyDiff(size=1, refresh=1), np.array([[[3.0, 1.0, 0.5]], [[0.0, 0.0, -2.0]], [[-2.0, -2.0, -2.0]]]),
           np.array([[[0.00012573]], [[-0.0001321]], [[0.00064042]]]), 0))  # opposite 1-d keys: an anchor of exactly 0
 # candidates whose unit keys cancel in pairs (head 0 at step 12: [2, -2] and [-1, 1], [-2, -1] and
 # [2, 1], and a zero key): the mean is 0, and the float rounding the NumPy and torch sums left of
 # it (~1e-17, each its own) chose different victims before ANCHOR_EPS (hypothesis, 2026-11-28)
-@example((KeyDiff(size=4), np.zeros((13, 3, 13)), np.array(
+@example((KeyDiff(size=4, refresh=1), np.zeros((13, 3, 13)), np.array(
     [[[2, 1], [0, -1], [-1, -2]], [[-2, -2], [-2, 2], [1, 2]], [[0, 1], [2, 1], [1, 0]], [[0, 2], [-1, 2], [1, -2]],
      [[-1, 2], [0, -2], [1, 1]], [[2, -2], [-2, 2], [-2, 0]], [[-2, -1], [0, 0], [0, -2]], [[-2, -2], [-2, 1], [0, 1]],
      [[-1, 1], [1, -1], [0, 2]], [[2, 2], [-1, 1], [2, 1]], [[2, 1], [1, -1], [2, -2]], [[0, 1], [2, 0], [-1, -1]],
@@ -143,7 +143,7 @@ def test_layer_cache_ignores_attention_and_scores_from_the_held_keys() -> None:
     accumulate_query), the other none, keep the same tokens with the same scores (float64); a
     Knorm score is minus the held key's norm."""
     g = torch.Generator().manual_seed(0)
-    for policy in (Knorm(5, recent=1), KeyDiff(5, recent=2), KeyDiff(4, selection="shared")):
+    for policy in (Knorm(5, recent=1), KeyDiff(5, recent=2, refresh=1), KeyDiff(4, selection="shared", refresh=1)):
         fed, plain = kvpolicy_torch.LayerCache(policy), kvpolicy_torch.LayerCache(policy)
         for step in range(8):
             q = 9 if step == 0 else 1
@@ -193,7 +193,7 @@ def _greedy(model, ids, cache, n):
 
 
 @pytest.mark.parametrize(
-    "policy", [Knorm(12), Knorm(9, recent=2, selection="shared"), KeyDiff(12), KeyDiff(10, recent=3), KeyDiff(11, selection="shared")],
+    "policy", [Knorm(12), Knorm(9, recent=2, selection="shared"), KeyDiff(12, refresh=1), KeyDiff(10, recent=3, refresh=1), KeyDiff(11, selection="shared", refresh=1)],
     ids=repr,
 )
 def test_evicting_cache_keeps_what_the_reference_keeps_on_layer0_keys(policy, no_score_capture) -> None:
@@ -217,7 +217,7 @@ def test_docs_worked_example() -> None:
     text = DOC.read_text(encoding="utf-8")
     ns = setup(text, "keydiff-setup")
     policy, keys, logits = ns["policy"], ns["keys"], ns["logits"]
-    assert policy == KeyDiff(size=3) and keys.shape == (7, 1, 2)
+    assert policy == KeyDiff(size=3, refresh=1) and keys.shape == (7, 1, 2)
     trace = kvpolicy_numpy.replay(policy, logits, keys=keys)
     knorm = kvpolicy_numpy.replay(Knorm(size=3), logits, keys=keys)
     lit = oracle(policy, keys, 0)

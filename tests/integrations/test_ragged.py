@@ -35,15 +35,15 @@ POLICIES = [
     Scissorhands(12, history=6, drop=0.25, recent=2),
     Scissorhands(10, history=3, drop=0.5, recent=0),
     Knorm(12),  # scores from keys: no score capture
-    KeyDiff(11, recent=2),
-    KeyDiff(12, selection="shared"),
+    KeyDiff(11, recent=2, refresh=1),
+    KeyDiff(12, selection="shared", refresh=1),
     KeyDiff(12, refresh=3),  # scored every 3rd step, without query moments
     ExpectedAttention(12, sink=2, future=32, refresh=1),  # scores from keys, values and the queries' running moments
     ExpectedAttention(11, recent=2, selection="shared", refresh=1),
     ExpectedAttention(12, sink=2, future=32, refresh=3),  # scored every 3rd step: the rows' seen differ, the steps not
     AdaKV(ExpectedAttention(11, sink=2, future=16, refresh=4), 0.2),
     AdaKV(H2O(6, 6), 0.2),  # head-wise budgets: heads hold different numbers of tokens
-    AdaKV(KeyDiff(11, recent=2), 0.0),
+    AdaKV(KeyDiff(11, recent=2, refresh=1), 0.0),
     AdaKV(SnapKV(12, window=4), 0.5),
 ]
 LENGTHS = (9, 14, 20, 27)  # four prompts, all different

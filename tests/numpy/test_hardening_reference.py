@@ -122,7 +122,7 @@ def test_ordinary_input_reports_nothing() -> None:
     assert trace.nonfinite == []
 
 
-@pytest.mark.parametrize("policy", [Knorm(size=4), KeyDiff(size=4)], ids=repr)
+@pytest.mark.parametrize("policy", [Knorm(size=4), KeyDiff(size=4, refresh=1)], ids=repr)
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_non_finite_keys_of_a_key_scored_policy_are_refused(policy, bad) -> None:
     """Knorm and KeyDiff score tokens from their keys: a NaN or infinite key would decide by the NaN

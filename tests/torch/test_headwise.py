@@ -70,7 +70,7 @@ def _layer(policy, heads=3, prompt=40, decode=25, seed=0):
     return layer
 
 
-@pytest.mark.parametrize("policy", [AdaKV(H2O(8, 4), 0.2), AdaKV(H2O(8, 4), 0.0), AdaKV(KeyDiff(12), 0.2)], ids=repr)
+@pytest.mark.parametrize("policy", [AdaKV(H2O(8, 4), 0.2), AdaKV(H2O(8, 4), 0.0), AdaKV(KeyDiff(12, refresh=1), 0.2)], ids=repr)
 def test_kept_bytes_are_the_budget_and_storage_the_widest_head(policy) -> None:
     heads = 3
     layer = _layer(policy, heads)
@@ -136,7 +136,7 @@ def _layer0(model, tokens):
 
 
 @pytest.mark.parametrize(
-    "policy", [AdaKV(H2O(6, 4), 0.2), AdaKV(KeyDiff(10, recent=2), 0.0), AdaKV(SnapKV(12, window=4), 0.5)], ids=repr
+    "policy", [AdaKV(H2O(6, 4), 0.2), AdaKV(KeyDiff(10, recent=2, refresh=1), 0.0), AdaKV(SnapKV(12, window=4), 0.5)], ids=repr
 )
 def test_evicting_cache_keeps_what_the_reference_keeps_on_layer0(policy) -> None:
     """Layer 0 of an evicting greedy generation (prefill of 30, 20 decode steps; 4 heads, no GQA)

@@ -57,7 +57,7 @@ def test_torch_keeps_what_the_reference_keeps(size, recent, kind, seed) -> None:
     prompt = int(rng.integers(0, steps // 2))
     keys = rng.normal(size=(steps, heads, 8)) if kind == "normal" else rng.integers(-2, 3, size=(steps, heads, 8)).astype(np.float64)
     logits = rng.normal(size=(steps, heads, steps))
-    policy = KeyDiff(size=size, recent=recent)
+    policy = KeyDiff(size=size, recent=recent, refresh=1)
     want = kvpolicy_numpy.replay(policy, logits, prompt, keys=keys)
     got = kvpolicy_torch.replay(policy, logits, prompt, keys=keys)
     same_kept(want.kept, got.kept)
@@ -71,7 +71,7 @@ def test_headwise_budgets_keep_what_the_reference_keeps(size, alpha, heads, seed
     steps = size + 40
     keys = rng.normal(size=(steps, heads, 8))
     logits = rng.normal(size=(steps, heads, steps))
-    policy = AdaKV(KeyDiff(size=size), alpha)
+    policy = AdaKV(KeyDiff(size=size, refresh=1), alpha)
     want = kvpolicy_numpy.replay(policy, logits, 4, keys=keys)
     got = kvpolicy_torch.replay(policy, logits, 4, keys=keys)
     same_kept(want.kept, got.kept)
@@ -81,7 +81,7 @@ def test_a_decode_run_keeps_the_sum_and_rescores_a_few() -> None:
     # 200 decode steps past the limit: the sum is taken afresh at the first step and every RESUM
     # updates (and after compactions), not at every step
     g = torch.Generator().manual_seed(0)
-    layer = LayerCache(KeyDiff(size=64))
+    layer = LayerCache(KeyDiff(size=64, refresh=1))
     layer.append(k := torch.randn(1, 3, 80, 16, generator=g), k.clone())
     layer.evict()
     for _ in range(200):
@@ -224,7 +224,7 @@ def test_the_kit_refuses_a_declaration_that_is_not_the_score(parts, match) -> No
     keys = np.random.default_rng(0).normal(size=(1, 2, 6, 4))
     positions = np.arange(6)[None, None].repeat(2, 1)
     scores = policy.cache_score(CachedTokens(keys, None, positions, 6))
-    check_candidate_sum(KeyDiff(size=2), keys, positions, 6, scores)
+    check_candidate_sum(KeyDiff(size=2, refresh=1), keys, positions, 6, scores)
     with pytest.raises(ContractViolation, match=match):
         check_candidate_sum(policy, keys, positions, 6, scores)
 

@@ -44,7 +44,7 @@ POLICIES = {
     "local": lambda: LocalWindow(window=24),
     "pyramid_h2o": lambda: make_policy("pyramid_h2o", 0.1, context_length=PROMPT + STEPS, layers=2),  # tiny_llama: 2 layers
     "buzz": lambda: BUZZ(sink=2, window=12, stride=3),
-    "keydiff": lambda: KeyDiff(size=24),
+    "keydiff": lambda: KeyDiff(size=24, refresh=1),
     "keydiff_refresh": lambda: KeyDiff(size=24, refresh=3),  # a refresh interval without query moments
     "knorm": lambda: Knorm(size=24),  # a token-local score, given when the token is written on the device
     "expected_attention": lambda: ExpectedAttention(size=24, future=64, refresh=1),  # running query moments on the device

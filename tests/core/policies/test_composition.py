@@ -197,7 +197,7 @@ def test_numpy_and_torch_follow_the_prefill_policy_statistic(seed, prompt_len, p
     steps, heads = prompt_len + 6, 2
     logits = rng.normal(size=(steps, heads, steps)) * 2
     keys = rng.normal(size=(steps, heads, 4))
-    prefill = {"knorm": Knorm(size=3), "keydiff": KeyDiff(size=3, recent=1), "tova": TOVA(size=3, selection="per_head"),
+    prefill = {"knorm": Knorm(size=3), "keydiff": KeyDiff(size=3, recent=1, refresh=1), "tova": TOVA(size=3, selection="per_head"),
                "h2o": H2O(heavy=2, recent=1)}[prefill_name]
     decode = {"full": FullCache(), "streaming": StreamingLLM(sink=1, window=2), "local": LocalWindow(3)}[decode_name]
     p = compose(prefill=prefill, decode=decode)

@@ -82,7 +82,7 @@ def test_wrapped_and_wrapping_the_torch_replay_keeps_what_the_reference_keeps(se
     rng = np.random.default_rng(seed)
     steps, heads = prompt_len + 6, 2
     keys, values, queries = (rng.normal(size=(steps, heads, 4)) for _ in range(3))
-    policy = {"adakv": AdaKV(CriticalKV(KeyDiff(size=5)), 0.2),
+    policy = {"adakv": AdaKV(CriticalKV(KeyDiff(size=5, refresh=1)), 0.2),
               "expected_attention": CriticalKV(ExpectedAttention(size=6, sink=2, value_norm=False, refresh=1)),
               "prefill_only": prefill_only(CriticalKV(Knorm(size=prompt_len // 2)), 0.5)}[kind]
     logits = np.zeros((steps, heads, steps))

@@ -47,9 +47,24 @@ def test_a_refresh_interval_changes_what_is_kept() -> None:
     rng = np.random.default_rng(3)
     steps, keys = 40, rng.normal(size=(40, 1, 8))
     logits = np.zeros((steps, 1, steps))
-    every = kvpolicy_numpy.replay(KeyDiff(size=6), logits, 10, keys=keys)
+    every = kvpolicy_numpy.replay(KeyDiff(size=6, refresh=1), logits, 10, keys=keys)
     sparse = kvpolicy_numpy.replay(KeyDiff(size=6, refresh=4), logits, 10, keys=keys)
     assert any(a.tolist() != b.tolist() for a, b in zip(every.kept[10:], sparse.kept[10:]))
+
+
+def test_the_default_scores_every_64th_decode_step() -> None:
+    """The default refresh interval is 64 (the paper's every-step rule is ``refresh=1``): on one
+    sequence (random keys, 150 steps, size 16) the default keeps what ``refresh=64`` keeps, not
+    what the every-step rule keeps."""
+    assert KeyDiff(size=8).refresh == 64
+    rng = np.random.default_rng(3)
+    steps, keys = 150, rng.normal(size=(150, 1, 8))
+    logits = np.zeros((steps, 1, steps))
+    default = kvpolicy_numpy.replay(KeyDiff(size=16), logits, 20, keys=keys)
+    same = kvpolicy_numpy.replay(KeyDiff(size=16, refresh=64), logits, 20, keys=keys)
+    every = kvpolicy_numpy.replay(KeyDiff(size=16, refresh=1), logits, 20, keys=keys)
+    assert all(a.tolist() == b.tolist() for a, b in zip(default.kept[19:], same.kept[19:]))
+    assert any(a.tolist() != b.tolist() for a, b in zip(default.kept[19:], every.kept[19:]))
 
 
 def test_the_kit_holds_torch_to_the_reference_with_a_refresh_interval() -> None:

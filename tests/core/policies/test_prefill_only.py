@@ -27,7 +27,7 @@ def _scorer_at(name: str, k: int):
     if name == "knorm":
         return Knorm(size=k), Knorm(size=1)
     if name == "keydiff":
-        return KeyDiff(size=max(k, 2), recent=1), KeyDiff(size=2, recent=1)
+        return KeyDiff(size=max(k, 2), recent=1), KeyDiff(size=2, recent=1, refresh=1)
     if name == "h2o":
         return H2O(heavy=max(k - 1, 0), recent=1), H2O(heavy=3, recent=1)
     if name == "tova":
