@@ -685,13 +685,13 @@ class LayerCache(LayerReads):
     @property
     def candidate_sums(self) -> CandidateSums | None:
         """The sum over the candidates a score declared as one keeps between eager decode steps
-        (:class:`~kvpolicy.CandidateSum`: KeyDiff's anchor; ``None`` for other scores, static
-        shapes, scores summed over heads): a diagnostic (its ``full_sums`` counts the sums taken
-        afresh).
+        (:class:`~kvpolicy.CandidateSum`: KeyDiff's anchor at every step, ``refresh=1``; ``None``
+        for other scores, a refresh interval, static shapes, scores summed over heads): a
+        diagnostic (its ``full_sums`` counts the sums taken afresh).
 
         Example:
             >>> from kvpolicy import H2O, KeyDiff
-            >>> LayerCache(KeyDiff(size=4)).candidate_sums is not None, LayerCache(H2O(heavy=2, recent=2)).candidate_sums
+            >>> LayerCache(KeyDiff(size=4, refresh=1)).candidate_sums is not None, LayerCache(KeyDiff(size=4)).candidate_sums
             (True, None)
         """
         return self._eviction.sums
