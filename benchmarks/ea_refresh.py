@@ -9,8 +9,9 @@ Speed, as ``module:factory`` policies planned per budget like the built-ins::
         --steps 4 --decode-rounds 3 --policy h2o --policy expected_attention \\
         --policy ea_refresh:ea_refresh16 --policy ea_refresh:ea_refresh64 --no-unfused
 
-Quality: this script registers ``expected_attention_r4``, ``_r16`` and ``_r64`` as presets, then
-runs ``kvpolicy compare`` with the arguments given::
+Quality: this script registers ``expected_attention_r1``, ``_r4``, ``_r16`` and ``_r64`` as presets
+(``_r1``: the every-step rule; the registered ``expected_attention`` and ``keydiff`` score every
+64th step since 2026-11-28), then runs ``kvpolicy compare`` with the arguments given::
 
     PYTHONPATH=.:integrations .venv/bin/python benchmarks/ea_refresh.py --tasks stream --budgets none \\
         --cache-sizes 64 --stream-tokens 192 --samples 2 --equalise mean --threads 1 \\
@@ -47,7 +48,7 @@ lagkv_refresh4, lagkv_refresh16, lagkv_refresh64 = (planned(n, LagKV, "lagkv_ref
 def main(argv: list[str]) -> int:
     from kvpolicy_tools.eval.compare import main as compare  # here: the bench imports this module too
 
-    for n in REFRESH:
+    for n in (1, *REFRESH):  # (r1: the every-step rule, no longer KeyDiff's and Expected Attention's default)
         register_policy(ExpectedAttention, name=f"expected_attention_r{n}", preset={"refresh": n})
         register_policy(KeyDiff, name=f"keydiff_r{n}", preset={"refresh": n})
         register_policy(LagKV, name=f"lagkv_r{n}", preset={"refresh": n})
