@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
-from kvpolicy.statistics import UNSCORED, refresh_interval, refresh_sink, scored_once
+from kvpolicy.statistics import refresh_interval, refresh_sink, scored_once
 
 from .allocation import SlotAllocator
 from .general import declines, select_rounds
@@ -219,12 +219,12 @@ class HostEviction:
         seen_rows = layout.rows.seen
         seen: Any = seen_rows[0]
         if running is not None and self.refresh > 1 and layout.extra is None and layout.phase == "decode" \
-                and seen_rows.count(seen) == len(seen_rows) and running.unscored_since(self.refresh, seen, self.refresh_sink):
+                and seen_rows.count(seen) == len(seen_rows):
             # between two scorings, the step before marked the tokens since: the newest alone is
             # marked, on the storage itself (its slots past the frontier hold no such position)
             store = layout.storage()
-            store.scores.masked_fill_(store.positions == seen - 1, UNSCORED)
-            return
+            if running.mark_newest(store.scores, store.positions, self.refresh, seen, self.refresh_sink):
+                return
         working = layout.working()
         if any(s != seen for s in seen_rows):
             seen = torch.tensor(seen_rows, device=working.positions.device).view(-1, 1, 1)

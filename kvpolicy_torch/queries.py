@@ -288,23 +288,28 @@ class RunningMoments:
         moments.total.view(b * hq, d).add_(weighted)
         moments.outer.view(b * hq, d, d).baddbmm_(weighted[:, :, None], q64[:, None, :])
 
-    def unscored_since(self, refresh: int, seen: int, sink: int) -> bool:
-        """Eager, under a refresh interval: whether this decode step, every row having seen
-        ``seen`` tokens, falls between two scorings decided on the host and the step before it
-        marked the tokens appended since the last scoring, so that only the newest (position
-        ``seen - 1``, not a sink) is left to mark :data:`~kvpolicy.statistics.UNSCORED`; the
-        bookkeeping then counts it marked. ``False``: :func:`held_scores` decides the step.
+    def mark_newest(self, scores: torch.Tensor, positions: torch.Tensor, refresh: int, seen: int, sink: int) -> bool:
+        """Eager, under a refresh interval: if this decode step, every row having seen ``seen``
+        tokens, falls between two scorings decided on the host and the step before it marked the
+        tokens appended since the last scoring, only the newest (position ``seen - 1``, not a sink)
+        is left to mark: it scores :data:`~kvpolicy.statistics.UNSCORED` in ``scores`` (in place,
+        two kernels; ``positions`` alongside, any slots) and ``True``. ``False``: nothing written,
+        :func:`held_scores` decides the step.
 
         Example:
             >>> running = RunningMoments(sink=0)
             >>> running.scored_host = running.marked_host = 10  # scored, then marked, at 10 seen
-            >>> running.unscored_since(4, 11, 0), running.unscored_since(4, 12, 0), running.unscored_since(4, 14, 0)
-            (True, True, False)
+            >>> scores, positions = torch.zeros(1, 1, 3, dtype=torch.float64), torch.tensor([[[8, 9, 10]]])
+            >>> running.mark_newest(scores, positions, 4, 11, 0), scores[0, 0].tolist() == [0.0, 0.0, UNSCORED]
+            (True, True)
+            >>> running.mark_newest(scores, positions, 4, 14, 0)  # due: a scoring
+            False
         """
         scored = self.scored_host
         if scored is None or self.marked_host not in (seen - 1, seen) or refresh_due(refresh, seen, scored) or seen - 1 < max(sink, scored):
             return False
         self.marked_host = seen
+        scores.masked_fill_(positions == seen - 1, UNSCORED)
         return True
 
     def select(self, index: torch.Tensor) -> None:
@@ -404,10 +409,9 @@ def held_scores(policy: EvictionPolicy, running: RunningMoments | None, slots: S
         return mark_unscored(slots.scores, positions, last.view(-1, 1, 1), sink)
 
     if not compiling and seen_max is not None and running.scored_host is not None:  # eager: host ints decide
-        if isinstance(seen, int) and running.unscored_since(refresh, seen, sink):
+        if isinstance(seen, int) and running.mark_newest(slots.scores, positions, refresh, seen, sink):
             # The last step came here too, so the tokens appended since the last scoring were
-            # marked at their own steps: only the newest is new (two kernels, in place, not O(n) several)
-            slots.scores.masked_fill_(positions == seen - 1, UNSCORED)
+            # marked at their own steps: only the newest is new (in place, not O(n) several kernels)
             return slots.scores
         if not refresh_due(refresh, seen_max, running.scored_host):
             running.marked_host = seen_max
