@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# --------------------------------------------------------------------------- worker threads
+# Under pytest-xdist (`make test` runs `-n auto`), each worker process takes its share of the cores
+# for torch's threads, set before anything imports torch: N workers each running a thread per core
+# would oversubscribe the cores N times. An OMP_NUM_THREADS the caller set is kept.
+_WORKERS = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+if _WORKERS and "OMP_NUM_THREADS" not in os.environ:
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _CORES // int(_WORKERS)))
 
 # --------------------------------------------------------------------------- hypothesis profiles
 # The kit's profiles (kvpolicy/testing/profiles.py); KVPOLICY_HYPOTHESIS_PROFILE selects one of:
