@@ -176,14 +176,14 @@ class HostEviction:
         if front.count(front[0]) == len(front):
             # every head holds its newest `recent` tokens at the slots just below the frontier
             # (never victims, always appended there): the candidates are the slots before them
-            candidates = scores[:, :, : front[0] - rule.recent]
+            candidates, candidate_positions = scores[:, :, : front[0] - rule.recent], pos[:, :, : front[0] - rule.recent]
         else:
-            candidates = torch.where(pos < seen - rule.recent, scores, math.inf)
+            candidates, candidate_positions = torch.where(pos < seen - rule.recent, scores, math.inf), pos
         counts = layout.head_counts
         if counts is None:  # (after slots moved: counted again, one host read)
             counts = layout.head_counts = (layout.returned_positions() >= 0).sum(-1).tolist()
-        found = likely_victims(candidates, [counts[r] for r in due], rule)
-        if found is None:  # a tie on a cut, a NaN, or a read too short: the exact search
+        found = likely_victims(candidates, [counts[r] for r in due], rule, positions=candidate_positions)
+        if found is None:  # a NaN, or a read too short: the exact search
             head, slot = headwise_victims(pos, scores, seen, rule)
             victims = [list(zip(h, j)) for h, j in zip(head.tolist(), slot.tolist())]
             for r, row in zip(due, victims):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from typing import Any
 
 import torch
 
@@ -148,8 +149,8 @@ def headwise_victims(positions: torch.Tensor, scores: torch.Tensor, seen: int | 
 HOST_MERGE_HEADS = 8
 
 
-def likely_victims(candidates: torch.Tensor, counts: list[list[int]],
-                   rule: HeadwiseEviction) -> list[tuple[list[tuple[int, int]], list[int]]] | None:
+def likely_victims(candidates: torch.Tensor, counts: list[list[int]], rule: HeadwiseEviction,
+                   positions: torch.Tensor | None = None) -> list[tuple[list[tuple[int, int]], list[int]]] | None:
     """:func:`headwise_victims` in two kernels and a host read, where it is sure: per row, its
     victims ``(head, slot)`` and its heads' tokens after the eviction; ``None`` where it is not
     sure for some row (the caller then asks :func:`headwise_victims`).
@@ -164,6 +165,13 @@ def likely_victims(candidates: torch.Tensor, counts: list[list[int]],
     and no victim scores ``-inf`` (a NaN, or a hole's score that a NaN step left NaN) or
     ``+inf`` (holes and the recent window stand there).
 
+    ``positions`` (``[rows, kv_heads, m]``, the candidate slots' positions; optional) settles a tie
+    on a cut instead of giving up: each head's lowest are then taken by a stable sort, in (score,
+    slot) order, which is (score, position) order (below a frontier a head's slots hold its
+    positions in order), and merged over the heads by (score, position, head), the declared rule's
+    order. Ties are common under a refresh interval: a head whose scored tokens ran out between two
+    scorings loses its earliest :data:`~kvpolicy.statistics.UNSCORED` ones, all of one score.
+
     Example:
         >>> from kvpolicy import HeadwiseEviction
         >>> scores = torch.tensor([[[0.1, 0.2, 0.3, 9], [5, 6, 7, 0]]])[..., :3]  # (slot 3: the recent window)
@@ -171,34 +179,63 @@ def likely_victims(candidates: torch.Tensor, counts: list[list[int]],
         [([(0, 0), (0, 1)], [2, 4])]
         >>> likely_victims(scores, [[4, 4]], HeadwiseEviction(limit=3, recent=1, floor=3))  # head 0 keeps 3: head 1 loses its lowest
         [([(0, 0), (1, 0)], [3, 3])]
+        >>> tied = torch.tensor([[[0.1, 5, 5], [5, 5, 5]]])  # ties on both cuts: settled by position
+        >>> likely_victims(tied, [[4, 4]], HeadwiseEviction(limit=3, recent=1, floor=1)) is None
+        True
+        >>> likely_victims(tied, [[4, 4]], HeadwiseEviction(limit=3, recent=1, floor=1), positions=torch.tensor([[[0, 2, 3], [0, 1, 2]]]))
+        [([(0, 0), (1, 0)], [3, 3])]
     """
     rows, heads, m = candidates.shape
     k = min(heads + 1, m)
-    values, index = torch.nan_to_num(candidates, nan=-math.inf).topk(k, dim=-1, largest=False, sorted=True)
+    keyed = torch.nan_to_num(candidates, nan=-math.inf)
+    values, index = keyed.topk(k, dim=-1, largest=False, sorted=True)
     keeps = max(rule.floor, rule.recent)
     if heads > HOST_MERGE_HEADS:
         return _merged_on_device(values, index, counts, keeps)
+    found = _merged_on_host(values.tolist(), index.tolist(), None, counts, keeps)
+    if found is _TIED and positions is not None:
+        # (a tie on a cut: each head's lowest in (score, slot) order, a stable sort, with their positions)
+        values, index = keyed.sort(dim=-1, stable=True)
+        values, index = values[..., :k], index[..., :k]
+        found = _merged_on_host(values.tolist(), index.tolist(), positions.gather(-1, index).tolist(), counts, keeps)
+    return None if found is _TIED else found
+
+
+#: What :func:`_merged_on_host` answers where a tie falls on a cut and no positions settle it.
+_TIED = object()
+
+
+def _merged_on_host(scored: list[list[list[float]]], slots: list[list[list[int]]], positions: list[list[list[int]]] | None,
+                    counts: list[list[int]], keeps: int) -> Any:
+    """:func:`likely_victims`' merge of each head's lowest (``scored``, ``slots``: ``[rows, H,
+    k]``, ascending) on the host: without ``positions``, :data:`_TIED` where a tie falls on a cut;
+    with them (the lowest in (score, slot) order), the merge by (score, position, head). ``None``
+    where the exact search must decide (a victim at ``+-inf``, too few slots read)."""
     out = []
-    for scored, slots, count in zip(values.tolist(), index.tolist(), counts):
+    for r, (row_scores, row_slots, count) in enumerate(zip(scored, slots, counts)):
+        heads, k = len(row_scores), len(row_scores[0])
         losable = []
         for h in range(heads):
             q = min(count[h] - keeps, heads)
             if q <= 0:
                 continue
-            if q >= k or scored[h][q - 1] == scored[h][q]:
-                return None  # (a tie at the head's cut, or too few slots read)
-            losable += [(scored[h][i], h, slots[h][i]) for i in range(q)]
+            if q >= k:
+                return None  # (too few slots read)
+            if positions is None and row_scores[h][q - 1] == row_scores[h][q]:
+                return _TIED  # (the tie order could matter at the head's cut)
+            where = positions[r][h] if positions is not None else row_slots[h]  # (ties settled above when None)
+            losable += [(row_scores[h][i], where[i], h, row_slots[h][i]) for i in range(q)]
         if len(losable) < heads:
             return None  # pragma: no cover - (AdaKV's budget leaves H losable: HeadwiseEviction)
         lowest = heapq.nsmallest(heads + 1, losable)
-        if (len(lowest) > heads and lowest[heads - 1][0] == lowest[heads][0]) or not (
-            -math.inf < lowest[0][0] and lowest[heads - 1][0] < math.inf
-        ):
+        if not (-math.inf < lowest[0][0] and lowest[heads - 1][0] < math.inf):
             return None
+        if positions is None and len(lowest) > heads and lowest[heads - 1][0] == lowest[heads][0]:
+            return _TIED
         count = list(count)
-        for _, h, _ in lowest[:heads]:
+        for _, _, h, _ in lowest[:heads]:
             count[h] -= 1
-        out.append(([(h, j) for _, h, j in lowest[:heads]], count))
+        out.append(([(h, j) for _, _, h, j in lowest[:heads]], count))
     return out
 
 
