@@ -176,7 +176,8 @@ class HostEviction:
         if front.count(front[0]) == len(front):
             # every head holds its newest `recent` tokens at the slots just below the frontier
             # (never victims, always appended there): the candidates are the slots before them
-            candidates, candidate_positions = scores[:, :, : front[0] - rule.recent], pos[:, :, : front[0] - rule.recent]
+            below = front[0] - rule.recent
+            candidates, candidate_positions = scores[:, :, :below], pos[:, :, :below]
         else:
             candidates, candidate_positions = torch.where(pos < seen - rule.recent, scores, math.inf), pos
         counts = layout.head_counts

@@ -170,7 +170,9 @@ def likely_victims(candidates: torch.Tensor, counts: list[list[int]], rule: Head
     slot) order, which is (score, position) order (below a frontier a head's slots hold its
     positions in order), and merged over the heads by (score, position, head), the declared rule's
     order. Ties are common under a refresh interval: a head whose scored tokens ran out between two
-    scorings loses its earliest :data:`~kvpolicy.statistics.UNSCORED` ones, all of one score.
+    scorings loses its earliest :data:`~kvpolicy.statistics.UNSCORED` ones, all of one score. (Only
+    where the heads' lowest are merged on the host, up to :data:`HOST_MERGE_HEADS` KV heads; the
+    device merge still leaves a tie to :func:`headwise_victims`.)
 
     Example:
         >>> from kvpolicy import HeadwiseEviction
