@@ -25,8 +25,8 @@ step); a prompt chunk and a policy's general ``select`` run on the host in both.
 * :func:`replay`: the reference contract of :func:`kvpolicy_numpy.replay`, through LayerCache.
 """
 
-from .attention import decode_attention, grouped_decode, rope_matrix, rope_rotate
-from .posshift import ShiftMatrices
+from .attention import decode_attention, grouped_decode
+from .posshift import ShiftMatrices, rope_matrix, rope_rotate
 from .group import LayerGroup
 from .layer import LayerCache, LayerSnapshot, PrefixShift
 from .ops import first_argmin

@@ -7,9 +7,10 @@ parts of LayerCache"):
   attention bias; a hole has position ``-1``) and how many are allocated (:class:`SlotPlan`);
 * :mod:`~kvpolicy_torch.allocation`: the first allocation, growth, and room for the next append;
 * :mod:`~kvpolicy_torch.layout`: the eager layout: the storage, per-row host bookkeeping
-  (:mod:`~kvpolicy_torch.rows`), what the last append returned, ordered reads and compaction;
-* :mod:`~kvpolicy_torch.update`: where a decode token and a prompt chunk are written;
-* :mod:`~kvpolicy_torch.step`: the eager decode step's attention and score accumulation;
+  (:mod:`~kvpolicy_torch.rows`), what the last append returned, where a decode token and a prompt
+  chunk are written, ordered reads and compaction;
+* :mod:`~kvpolicy_torch.attention`: the eager decode step's attention over the slots and its score
+  accumulation (``attend_slots``), beside the attention kernels;
 * :mod:`~kvpolicy_torch.eviction`: which rule decides after a step (one token, nothing, general);
 * :mod:`~kvpolicy_torch.victims`: the one-token victim search by lowest score;
 * :mod:`~kvpolicy_torch.general`: a policy's general ``select``, applied by compaction;
@@ -44,6 +45,7 @@ from .checks import (
     check_append, check_batch_index, check_layer, check_like, check_query, check_received, check_step_kv, checked_valid,
 )
 from .allocation import SlotAllocator
+from .attention import add_received, attend_slots, query_record
 from .eviction import HostEviction
 from .group import LayerGroup
 from .layout import SlotLayout
@@ -52,7 +54,6 @@ from .queries import CandidateSums, RunningMoments, token_scores
 from .reads import LayerReads
 from .rows import LayerSnapshot
 from .static import StaticSteps, StepOptions
-from .step import add_received, attend_slots, query_record
 from .storage import SlotPlan, Storage
 from .victims import CandidateSearch, OneTokenEviction
 
@@ -402,7 +403,7 @@ class LayerCache(LayerReads):
     ) -> torch.Tensor:
         """A decode step's attention over the slots the last (one-token) :meth:`append` returned,
         holes masked, with what each slot received added to the scores (:meth:`accumulate_query`)
-        when the policy uses them, in one pass over the keys (:mod:`kvpolicy_torch.step`). Then
+        when the policy uses them, in one pass over the keys (:func:`~kvpolicy_torch.attention.attend_slots`). Then
         call :meth:`evict`.
 
         Args:

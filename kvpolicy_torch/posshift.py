@@ -6,6 +6,9 @@ eviction (StreamingLLM) the tokens after the sinks are contiguous up to the newe
 sinks move, all by the same amount: a :class:`PrefixShift`. :class:`SinkShift` then holds the
 sinks' keys already rotated in the storage (kept aside as originals), so a decode step's attention
 is plain SDPA; :func:`slot_shifts` gives the per-slot shift of any other layout.
+
+RoPE's rotations by a number of positions live here (:func:`rope_rotate`, :func:`rope_matrix`):
+the pos-shift, Expected Attention's queries rotated back and the static step use them.
 """
 
 from __future__ import annotations
@@ -14,10 +17,116 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from .attention import rope_matrix, rope_rotate
 from .storage import Storage
 
-__all__ = ["KeyShift", "PrefixShift", "RopeShift", "ShiftMatrices", "SinkShift", "slot_shifts"]
+__all__ = ["KeyShift", "PrefixShift", "RopeShift", "ShiftMatrices", "SinkShift", "rope_matrix", "rope_rotate", "slot_shifts"]
+
+
+def rope_rotate(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    inv_freq: torch.Tensor,
+    *,
+    style: str = "half",
+    rotary_dim: int | None = None,
+) -> torch.Tensor:
+    """Rotate ``x`` ``[..., head_dim]`` by ``delta`` positions with RoPE; ``delta`` broadcasts
+    against ``x[..., 0]``.
+
+    Args:
+        style: ``"half"`` (Llama's ``rotate_half``, pairs ``(i, i + rotary_dim / 2)``) or
+            ``"interleaved"`` (pairs ``(2i, 2i + 1)``: Cohere, GLM, GPT-J).
+        rotary_dim: the leading dimensions rotated (partial rotary: GPT-NeoX, Phi, StableLM,
+            GLM); the rest pass through. Default ``head_dim``; must be ``2 * len(inv_freq)``.
+
+    RoPE scores depend only on the difference of the query's and the key's positions, so moving a
+    key by ``delta`` or its query by ``-delta`` gives the same score. Angles are computed as
+    transformers computes them (``float32(delta) * inv_freq``), in float32 (float64 for float64
+    inputs). Scaled variants (linear, NTK, llama3, YaRN, LongRoPE) differ only in ``inv_freq``
+    and in a magnitude factor that a key already carries, so rotating by angles alone is exact.
+
+    Example:
+        >>> x = torch.tensor([[1.0, 0.0]])
+        >>> y = rope_rotate(rope_rotate(x, torch.tensor([3]), torch.tensor([0.5])), torch.tensor([-3]), torch.tensor([0.5]))
+        >>> bool(torch.allclose(y, x, atol=1e-6))
+        True
+        >>> rope_rotate(torch.tensor([[1.0, 0.0, 0.0, 0.0, 2.0]]), torch.tensor([1]), torch.tensor([1.0, 0.0]),
+        ...             style="interleaved", rotary_dim=4)
+        tensor([[0.5403, 0.8415, 0.0000, 0.0000, 2.0000]])
+    """
+    if style not in ("half", "interleaved"):
+        raise ValueError(f"style must be 'half' or 'interleaved', got {style!r}")
+    dim = x.shape[-1] if rotary_dim is None else rotary_dim
+    if dim != 2 * inv_freq.shape[-1] or dim > x.shape[-1]:
+        raise ValueError(
+            f"RoPE needs rotary_dim = 2 * len(inv_freq) <= head_dim, got rotary_dim {dim}, "
+            f"{inv_freq.shape[-1]} frequencies, head_dim {x.shape[-1]}"
+        )
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    angles = delta.to(torch.float32)[..., None] * inv_freq.to(device=x.device, dtype=torch.float32)
+    cos, sin = angles.cos().to(work), angles.sin().to(work)
+    xf = x.to(work)
+    rot, rest = xf[..., :dim], xf[..., dim:]
+    if style == "half":
+        half = dim // 2
+        x1, x2 = rot[..., :half], rot[..., half:]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    if rest.shape[-1]:
+        rotated = torch.cat((rotated, rest), dim=-1)
+    return rotated.to(x.dtype)
+
+
+def rope_matrix(
+    delta: torch.Tensor,
+    inv_freq: torch.Tensor,
+    head_dim: int,
+    *,
+    style: str = "half",
+    rotary_dim: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``[len(delta), 1, head_dim, head_dim]`` matrices ``R`` such that ``x @ R`` rotates row ``r``
+    of ``x`` ``[batch, heads, s, head_dim]`` by ``delta[r]`` positions, as :func:`rope_rotate`.
+
+    For rotating many small tensors by the same shifts (StreamingLLM's sinks in every layer of a
+    model): the matrices are built once, and each rotation is then one matmul instead of a dozen
+    element-wise ops. Same angles as :func:`rope_rotate` (``float32(delta) * inv_freq``); the
+    product may round differently in the last bit.
+
+    Example:
+        >>> x, d, f = torch.randn(2, 3, 4, 8), torch.tensor([1, 5]), torch.rand(4)
+        >>> got = x @ rope_matrix(d, f, 8)
+        >>> bool(torch.allclose(got, rope_rotate(x, d.view(2, 1, 1), f), atol=1e-6))
+        True
+    """
+    if style not in ("half", "interleaved"):
+        raise ValueError(f"style must be 'half' or 'interleaved', got {style!r}")
+    dim = head_dim if rotary_dim is None else rotary_dim
+    if dim != 2 * inv_freq.shape[-1] or dim > head_dim:
+        raise ValueError(
+            f"RoPE needs rotary_dim = 2 * len(inv_freq) <= head_dim, got rotary_dim {dim}, "
+            f"{inv_freq.shape[-1]} frequencies, head_dim {head_dim}"
+        )
+    if delta.ndim != 1:
+        raise ValueError(f"delta must be 1-D (one shift per row), got shape {tuple(delta.shape)}")
+    dev = delta.device
+    angles = delta.to(torch.float32)[:, None] * inv_freq.to(device=dev, dtype=torch.float32)  # [b, dim/2]
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    half = dim // 2
+    i = torch.arange(half, device=dev)
+    # pairs (first, second) rotate as y_first = x_first cos - x_second sin, y_second = x_second cos + x_first sin
+    first, second = (i, i + half) if style == "half" else (2 * i, 2 * i + 1)
+    r = torch.zeros(delta.shape[0], head_dim, head_dim, dtype=dtype, device=dev)
+    r[:, first, first] = cos
+    r[:, second, second] = cos
+    r[:, second, first] = -sin
+    r[:, first, second] = sin
+    rest = torch.arange(dim, head_dim, device=dev)
+    r[:, rest, rest] = 1  # partial rotary: the other dimensions pass through
+    return r[:, None]
 
 #: ``key_shift(keys, delta)``: keys ``[batch, kv_heads, s, head_dim]`` rotated by ``delta`` positions
 #: (RoPE), ``delta`` one host int per row.

@@ -29,7 +29,7 @@ from kvpolicy.statistics import (
     refresh_sink,
 )
 
-from .attention import rope_matrix, rope_rotate
+from .posshift import rope_matrix, rope_rotate
 from .storage import Storage
 
 __all__ = ["CandidateSums", "PreRope", "RunningMoments", "held_scores", "token_scores", "unrotated"]

@@ -38,9 +38,10 @@ import torch
 from kvpolicy.policy import KEY_STATISTICS, DecodeEviction, EvictionPolicy
 from kvpolicy.statistics import low_attention, scored_once
 
-from .attention import rope_rotate, window_limit
+from .attention import window_limit
 from .compaction import sort_by_position
 from .layout import SlotLayout
+from .posshift import rope_rotate
 from .queries import RunningMoments, held_scores, token_scores
 from .rows import Rows
 from .scores import fold_received

@@ -44,8 +44,6 @@ EXCEPTIONS = {
     "kvpolicy_torch.layout": "through LayerCache: tests/torch/test_layer.py",
     "kvpolicy_torch.reads": "through LayerCache's reads: tests/torch/test_layer.py, tests/torch/test_victims.py",
     "kvpolicy_torch.rows": "through LayerCache and left-padded batches: tests/integrations/test_ragged.py",
-    "kvpolicy_torch.step": "through the compiled decode step: tests/torch/test_static.py, tests/torch/test_sync.py",
-    "kvpolicy_torch.update": "through LayerCache's appends: tests/torch/test_layer.py",
     "kvpolicy_torch.checks": "the hardening suite tests/torch/test_hardening_torch.py",
     # kvpolicy: policies whose rule is one line of a base class, held by the cross-cutting suites.
     "kvpolicy.policies.full": "tests/core/test_policy.py (full cache keeps everything), its doctests",

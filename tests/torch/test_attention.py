@@ -1,5 +1,5 @@
 """kvpolicy_torch/attention.py: the fused decode attention against SDPA plus the score product, and
-``rope_rotate`` against RoPE at the shifted position."""
+the window masks."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvpolicy_tools.models import tiny_llama  # noqa: E402
-from kvpolicy_torch import decode_attention, received_attention, rope_rotate  # noqa: E402
+from kvpolicy_torch import decode_attention, received_attention  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -36,24 +35,6 @@ def test_decode_attention_equals_sdpa_plus_score_product(dtype, holes) -> None:
     else:
         assert torch.all(received[0, 0, :4] == 0) and received[1, 1, 7] == 0
         torch.testing.assert_close(received.sum(-1), torch.full((2, 2), 3.0, dtype=received.dtype))
-
-
-def test_rope_rotate_equals_rope_at_the_shifted_position() -> None:
-    """Rotating a key RoPE'd at p by delta equals RoPE applied at p + delta (transformers' own)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    model = tiny_llama(num_layers=1, heads=4, kv_heads=2, head_dim=16, seed=0)
-    rotary = model.model.rotary_emb
-    raw = torch.randn(1, 2, 30, 16, generator=torch.Generator().manual_seed(1))
-    pos = torch.arange(30)
-    delta = torch.randint(-25, 40, (1, 2, 30), generator=torch.Generator().manual_seed(2))
-    cos, sin = rotary(raw, pos[None])
-    at_p, _ = apply_rotary_pos_emb(raw, raw, cos, sin)
-    got = rope_rotate(at_p, delta, rotary.inv_freq)
-    for h in range(2):
-        c, s = rotary(raw, (pos + delta[0, h])[None])
-        want, _ = apply_rotary_pos_emb(raw[:, h : h + 1], raw[:, h : h + 1], c, s)
-        torch.testing.assert_close(got[:, h : h + 1], want, rtol=1e-5, atol=1e-5)
 
 
 @settings(max_examples=300, deadline=None)

@@ -5,7 +5,8 @@ a view of those slots made once; a storage that grew while the sinks were held s
 the shifted keys) gets a view of its own, and ``undo`` puts the originals back in whatever storage
 the layer holds then. The rotation here is a stand-in (a multiplication by ``1 + delta``: any map of
 keys and shift will do, since SinkShift only stores what ``key_shift`` returns); the RoPE rotation
-itself is held to transformers' in tests/integrations/test_families.py. ``ShiftMatrices`` (the sinks
+itself is held to transformers' here (``rope_rotate`` at a shifted position, a tiny random-weight
+Llama's rotary embedding) and in tests/integrations/test_families.py. ``ShiftMatrices`` (the sinks
 of every layer rotated in one batch) is held to ``rope_rotate`` one layer at a time.
 """
 
@@ -155,3 +156,25 @@ def test_rope_shift_reads_the_frequencies_at_each_use() -> None:
         want = rope_rotate(keys, torch.tensor([3]).view(-1, 1, 1), module.inv_freq)
         assert torch.allclose(shift(keys, [3]), want, atol=1e-5)
         assert torch.allclose(shift.rotate(keys, torch.tensor([3]).view(-1, 1, 1)), want, atol=1e-6)
+
+
+def test_rope_rotate_equals_rope_at_the_shifted_position() -> None:
+    """Rotating a key RoPE'd at p by delta equals RoPE applied at p + delta (transformers' own)."""
+    pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from kvpolicy_torch import rope_rotate
+    from kvpolicy_tools.models import tiny_llama
+
+    model = tiny_llama(num_layers=1, heads=4, kv_heads=2, head_dim=16, seed=0)
+    rotary = model.model.rotary_emb
+    raw = torch.randn(1, 2, 30, 16, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(30)
+    delta = torch.randint(-25, 40, (1, 2, 30), generator=torch.Generator().manual_seed(2))
+    cos, sin = rotary(raw, pos[None])
+    at_p, _ = apply_rotary_pos_emb(raw, raw, cos, sin)
+    got = rope_rotate(at_p, delta, rotary.inv_freq)
+    for h in range(2):
+        c, s = rotary(raw, (pos + delta[0, h])[None])
+        want, _ = apply_rotary_pos_emb(raw[:, h : h + 1], raw[:, h : h + 1], c, s)
+        torch.testing.assert_close(got[:, h : h + 1], want, rtol=1e-5, atol=1e-5)

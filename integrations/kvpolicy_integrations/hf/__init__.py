@@ -32,11 +32,12 @@ distances between query and keys are distances between cache slots).
 Modules, one per role (import from this package, or ``kvpolicy.hf``; the modules are where the code
 lives):
 
-* :mod:`.attention`: the ``"kvpolicy_sdpa"`` attention function, the scoped implementation an
-  :class:`EvictingCache`'s forwards run under, their registration in transformers
+* :mod:`.attention`: the registration of kvpolicy's attention functions in transformers
   (:func:`register_attention`, run at import) and :func:`use_kvpolicy_attention`;
 * :mod:`.layer`: one cache layer, :class:`EvictingLayer` (append, attention, eviction, pos-shift,
-  sliding windows), and what the layers of one cache share (:class:`Padding`, :class:`ShiftMatrices`);
+  sliding windows), the attention functions that hand a step to it (``"kvpolicy_sdpa"`` and the
+  scoped implementation an :class:`EvictingCache`'s forwards run under), and what the layers of one
+  cache share (:class:`Padding`, :class:`ShiftMatrices`);
 * :mod:`.cache`: the whole cache, :class:`EvictingCache` (its checks of each forward, reset, sizes,
   non-finite reports), the forward hooks of :func:`scope_attention`, and :func:`output_projections`;
 * :mod:`.generation`: :func:`generate`, :func:`greedy_decode` and :func:`compile_decode_step`.

@@ -8,6 +8,7 @@ right after it.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
@@ -24,9 +25,72 @@ from kvpolicy_torch.queries import PreRope
 from kvpolicy_torch.static import StepOptions, device_flag
 
 from ..capabilities import LayerAttention, RopeLayout
-from .attention import ATTENTION_NAME, LAYER_KWARG
 
 PositionsMode = Literal["original", "cache"]
+
+ATTENTION_NAME = "kvpolicy_sdpa"
+#: The attention implementation a model runs under while (and only while) a forward is given an
+#: :class:`EvictingCache`: see :func:`scope_attention`.
+SCOPED_ATTENTION_NAME = "kvpolicy_evicting"
+#: The keyword :meth:`EvictingLayer.update` adds to the attention call's kwargs: the layer itself.
+#: transformers hands the attention module's kwargs to ``cache.update(..., kwargs=kwargs)`` and
+#: then unpacks the same dict into the attention function, so the attention finds its layer
+#: without any global state (and a compiled step traces it as a plain argument).
+LAYER_KWARG = "kvpolicy_layer"
+#: attention modules (those with a ``layer_idx``) -> their model's scope (the forward hooks of
+#: :func:`kvpolicy_integrations.hf.scope_attention`, which fills it), for models whose attention does
+#: not pass its kwargs to ``cache.update`` (see :func:`scoped_attention`): the scoped attention reads the
+#: scope's ``check_thread()`` and ``cache`` (the cache of the forward in flight)
+ATTENTION_SCOPES: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
+def kvpolicy_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The ``"kvpolicy_sdpa"`` attention: an :class:`EvictingLayer`'s attention when the cache
+    handed it over (:attr:`LAYER_KWARG`), else transformers' SDPA (a model loaded with
+    ``attn_implementation="kvpolicy_sdpa"`` serves any other cache as an SDPA model would)."""
+    layer = kwargs.pop(LAYER_KWARG, None)
+    if layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return layer.attention(module, query, key, value, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def scoped_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The attention a model runs under during a forward given an :class:`EvictingCache`."""
+    layer = kwargs.pop(LAYER_KWARG, None)
+    if layer is None:
+        # a model whose attention does not pass its kwargs to cache.update (GPT-NeoX and a few
+        # others): the layer of the same index in the cache of the forward in flight
+        scope = ATTENTION_SCOPES.get(module)
+        index = getattr(module, "layer_idx", None)
+        if scope is not None:
+            scope.check_thread()  # (another thread's forward without our cache, under our switch)
+        if scope is not None and scope.cache is not None and isinstance(index, int) and index < len(scope.cache.layers):
+            layer = scope.cache.layers[index]
+    if layer is None:
+        raise RuntimeError(
+            f"layer {getattr(module, 'layer_idx', '?')}: an EvictingCache is in use but this attention was not handed "
+            f"its cache layer: the model's attention does not pass its kwargs to cache.update(..., kwargs=kwargs), "
+            f"as transformers' decoder models do; kvpolicy cannot serve this model"
+        )
+    return layer.attention(module, query, key, value, dropout=dropout, scaling=scaling, **kwargs)
 
 
 #: What SDPA takes and :func:`~kvpolicy_torch.decode_attention` does not (see :func:`_fusable`).
