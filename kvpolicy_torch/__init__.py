@@ -11,11 +11,12 @@ step); a prompt chunk and a policy's general ``select`` run on the host in both.
 
 * :class:`LayerCache`: one layer's evicting KV store, preallocated to the policy's capacity; its
   parts are modules of their own: ``reads`` (every read of its state), ``layout`` (the eager
-  layout: storage, rows, compaction), ``storage`` (the slots, and how many), ``allocation``
-  (allocation, growth, room for an append), ``rows`` (per-row bookkeeping), ``update`` (where
-  new tokens go), ``eviction`` (which rule decides after a step), ``step`` (the eager decode attention),
-  ``scores`` (received attention and how it becomes a score), ``victims`` (the one-token victim
-  search), ``general`` (a policy's own ``select``), ``compaction``, ``posshift``, ``group``,
+  layout: storage, rows, where new tokens go, compaction), ``storage`` (the slots, and how
+  many), ``allocation`` (allocation, growth, room for an append), ``rows`` (per-row bookkeeping),
+  ``eviction`` (which rule decides after a step), ``attention`` (the decode attention kernels and
+  the eager step's attention over the slots), ``scores`` (received attention and how it becomes a
+  score), ``victims`` (the one-token victim search, in one layer or every layer of a cache),
+  ``general`` (a policy's own ``select``), ``compaction``, ``posshift`` (and RoPE's rotations),
   ``static`` (the device layout), ``queries``, ``headwise`` and ``checks`` (docs/design.md, "The
   parts of LayerCache").
 * :class:`LayerGroup`: the layers of one cache, whose one-token evictions are searched together.
@@ -27,11 +28,10 @@ step); a prompt chunk and a policy's general ``select`` run on the host in both.
 
 from .attention import decode_attention, grouped_decode
 from .posshift import ShiftMatrices, rope_matrix, rope_rotate
-from .group import LayerGroup
 from .layer import LayerCache, LayerSnapshot, PrefixShift
-from .ops import first_argmin
 from .replay import replay
 from .scores import group_query_heads, prefill_attention, received_attention
+from .victims import LayerGroup, first_argmin
 
 __all__ = [
     "LayerCache",

@@ -4,7 +4,7 @@ A layer allocates once, at its first append, as its :class:`~kvpolicy_torch.stor
 says (the policy's capacity plus spare slots, or what ``reserve`` says the run needs), and grows
 only while the plan allows (an unbounded policy; a bounded one sized for fewer tokens than came;
 the widest head under head-wise budgets). Growth allocates a new storage and carries the kept
-slots over; the old one is freed. A layer of a :class:`~kvpolicy_torch.group.LayerGroup` starts
+slots over; the old one is freed. A layer of a :class:`~kvpolicy_torch.victims.LayerGroup` starts
 as a view of the group's tensors and takes a shape of its own when it grows.
 
 Before an append writes, each row needs room: a decode token needs a slot at or after the
@@ -19,7 +19,7 @@ import torch
 
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
 
-from .group import LayerGroup
+from .victims import LayerGroup
 from .layout import SlotLayout
 from .rows import Rows
 from .static import StaticSteps

@@ -18,7 +18,7 @@ import torch
 from kvpolicy.validation import check_bool, check_int
 from kvpolicy.policy import DecodeEviction, EvictionPolicy
 
-from .group import LayerGroup
+from .victims import LayerGroup
 
 __all__ = [
     "available_bytes", "check_append", "check_batch_index", "check_capacity", "check_kv", "check_layer", "check_like", "check_memory",

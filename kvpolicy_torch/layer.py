@@ -12,10 +12,10 @@ parts of LayerCache"):
 * :mod:`~kvpolicy_torch.attention`: the eager decode step's attention over the slots and its score
   accumulation (``attend_slots``), beside the attention kernels;
 * :mod:`~kvpolicy_torch.eviction`: which rule decides after a step (one token, nothing, general);
-* :mod:`~kvpolicy_torch.victims`: the one-token victim search by lowest score;
+* :mod:`~kvpolicy_torch.victims`: the one-token victim search by lowest score, in one layer or in
+  every layer of a cache (:class:`~kvpolicy_torch.victims.LayerGroup`);
 * :mod:`~kvpolicy_torch.general`: a policy's general ``select``, applied by compaction;
 * :mod:`~kvpolicy_torch.posshift`: StreamingLLM's pos-shift of the sinks' keys;
-* :mod:`~kvpolicy_torch.group`: the layers of one cache, whose victims are searched together;
 * :mod:`~kvpolicy_torch.static`: the same decode step with its bookkeeping on the device (one graph);
 * :mod:`~kvpolicy_torch.queries` and :mod:`~kvpolicy_torch.headwise`: Expected Attention's query
   moments and AdaKV's head-wise budgets.
@@ -47,7 +47,6 @@ from .checks import (
 from .allocation import SlotAllocator
 from .attention import add_received, attend_slots, query_record
 from .eviction import HostEviction
-from .group import LayerGroup
 from .layout import SlotLayout
 from .posshift import KeyShift, PrefixShift, SinkShift
 from .queries import CandidateSums, RunningMoments, token_scores
@@ -55,7 +54,7 @@ from .reads import LayerReads
 from .rows import LayerSnapshot
 from .static import StaticSteps, StepOptions
 from .storage import SlotPlan, Storage
-from .victims import CandidateSearch, OneTokenEviction
+from .victims import CandidateSearch, LayerGroup, OneTokenEviction
 
 __all__ = ["LayerCache", "LayerSnapshot", "PrefixShift"]
 

@@ -35,7 +35,7 @@ def fold_received(
     kept by a NaN. Holes (``positions`` ``-1``; ``positions`` is needed by the last two rules
     only) keep ``+inf``, except under ``"accumulate"`` at a step whose attention is NaN throughout
     (the holes' share too: ``+inf - inf`` is NaN), which is why victim searches rank holes by their
-    position (:func:`~kvpolicy_torch.ops.eviction_ranks`). A statistic from keys
+    position (:func:`~kvpolicy_torch.victims.eviction_ranks`). A statistic from keys
     (:data:`kvpolicy.KEY_STATISTICS`) and a reconstruction (KVzip) ignore it. One rule for the eager and the static (compiled)
     step alike.
 

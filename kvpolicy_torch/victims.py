@@ -1,31 +1,352 @@
-"""The victim search of a one-token eviction by lowest score (H2O, TOVA, Knorm, KeyDiff).
+"""The victims of a one-token eviction by lowest score (H2O, TOVA, Knorm, KeyDiff): the rule, the
+search in one layer, and the search of every layer of a cache at once.
 
-A row's victim is its lowest score outside the newest ``recent`` tokens, the earliest position of
-a tie; a hole is never picked (it holds ``+inf``; accumulated scores, whose hole a NaN step can turn
-NaN, are ranked by position: :func:`~kvpolicy_torch.ops.eviction_ranks`). :func:`lowest_victims` is
-the plain scan; above a size (:class:`CandidateSearch`) a CPU layer finds it among a candidate set
-instead, which reads ``O(candidates)`` scores a step rather than all of them
-(``tests/torch/test_victims.py`` holds it to the plain scan, ``kvpolicy bench --what complexity``
-measures it).
+**The rule.** A row's victim is its lowest score outside the newest ``recent`` tokens, the earliest
+position of a tie; a hole is never picked (it holds ``+inf``; accumulated scores, whose hole a NaN
+step can turn NaN, are ranked by position: :func:`eviction_ranks`); :func:`first_argmin` is the
+first index of the lowest, exact and free of host-device syncs.
+
+**One layer.** :func:`lowest_victims` is the plain scan; above a size (:class:`CandidateSearch`) a
+CPU layer finds it among a candidate set instead, which reads ``O(candidates)`` scores a step
+rather than all of them (``tests/torch/test_victims.py`` holds it to the plain scan, ``kvpolicy
+bench --what complexity`` measures it); :class:`OneTokenEviction` is a layer's one-token eviction.
+
+**The layers of one cache** (:class:`LayerGroup`). A one-token eviction by lowest score (H2O,
+TOVA) costs each layer a victim search and three writes per decode step, a handful of tiny ops
+whose fixed cost (a few microseconds each, more with the model's weights streaming through the
+caches) adds up over a model's layers. Yet a layer's
+victim only has to be gone before that layer attends again, at the next step, and every layer of a
+cache holds as many tokens at the same slots. So the layers of a :class:`LayerGroup` keep their
+positions, scores and bias as slices of one tensor ``[layers, batch, kv_heads, slots]``; a layer's
+:meth:`LayerCache.evict` does its host bookkeeping at once and leaves the victim to the group, and
+the last layer's eviction of the step finds every layer's victim with one search and frees them
+with one write per tensor. Any read of a layer before then (its next append, a property, a
+snapshot) makes the group finish first, layer by layer where it must, so the deferral is never
+visible: each layer's kept tokens are exactly those of its own eviction. (The eager layout's
+optimisation: a static-shaped layer evicts on the device, :mod:`kvpolicy_torch.static`.)
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from kvpolicy.policy import DecodeEviction
 
-from .group import LayerGroup, mark_holes
-from .ops import eviction_ranks, first_argmin
 from .rows import Rows
-from .storage import Storage
+from .storage import Storage, hole_bookkeeping
 
-__all__ = ["CandidateSearch", "OneTokenEviction", "free_victims", "lowest_victims"]
+__all__ = ["CandidateSearch", "LayerGroup", "OneTokenEviction", "PendingVictims", "eviction_ranks", "first_argmin",
+           "free_victims", "lowest_victims", "mark_holes"]
 
 
+# ---------------------------------------------------------------------- the rule
+#: Blocks of :func:`first_argmin`'s CPU path: 1,024 elements, then 32 inside the chosen block.
+_BLOCK, _SUB = 1024, 32
+#: Up to this many elements ``torch.argmin`` itself is the faster choice on CPU.
+_DIRECT = 1 << 16
+
+
+def first_argmin(x: torch.Tensor) -> torch.Tensor:
+    """Index of the first minimum along the last axis (``torch.argmin``'s documented tie rule).
+
+    On CUDA, and for small inputs, this is ``torch.argmin``. On CPU ``torch.argmin`` is a scalar
+    loop (930 us for ``[8, 65536]`` float32 on one core) while ``amin`` is vectorised (46 us), so
+    a large input is searched in three levels: the minimum of each block of 1,024 (``amin``), the
+    first block that holds the smallest, the first of its 32 sub-blocks that does, and the first
+    position inside that one, then the last partial block on its own; the same answer (each level
+    keeps the *first* minimum). ``[1, 8, 65536]`` on one core: about 110 us against argmin's 770.
+
+    Args:
+        x: ``[..., n]`` floating point, ``n >= 1``, no NaN (callers map NaN to ``-inf`` first).
+
+    Returns:
+        ``[...]`` int64 indices.
+
+    Example:
+        >>> first_argmin(torch.tensor([[3.0, 1.0, 2.0, 1.0]])).tolist()
+        [1]
+    """
+    if x.device.type != "cpu" or x.numel() <= _DIRECT:
+        return torch.argmin(x, dim=-1)
+    n = x.shape[-1]
+    whole = n - n % _BLOCK
+    if whole == 0:
+        return torch.argmin(x, dim=-1)
+    # the whole blocks are searched in place (a view, whatever x's strides): padding x to a
+    # multiple of the block would copy all of it, which costs more than the search
+    blocks = x[..., :whole].unflatten(-1, (whole // _BLOCK, _BLOCK))
+    minima = blocks.amin(dim=-1)  # [..., blocks]
+    first = torch.argmin(minima, dim=-1, keepdim=True)  # [..., 1]
+    lead = first.shape[:-1]
+    block = torch.gather(blocks, -2, first[..., None].expand(*lead, 1, _BLOCK)).squeeze(-2)  # [..., BLOCK]
+    subs = block.unflatten(-1, (_BLOCK // _SUB, _SUB))
+    second = torch.argmin(subs.amin(dim=-1), dim=-1, keepdim=True)
+    inner = torch.gather(subs, -2, second[..., None].expand(*lead, 1, _SUB)).squeeze(-2)  # [..., SUB]
+    third = torch.argmin(inner, dim=-1, keepdim=True)
+    found = (first * _BLOCK + second * _SUB + third).squeeze(-1)
+    if whole == n:
+        return found
+    # the last partial block: it wins only with a strictly smaller value (a tie goes to the
+    # earlier position, in the whole blocks)
+    tail = x[..., whole:]
+    best = torch.gather(minima, -1, first).squeeze(-1)
+    return torch.where(tail.amin(dim=-1) < best, torch.argmin(tail, dim=-1) + whole, found)
+
+
+def eviction_ranks(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``scores`` as a lowest-score victim search ranks them (a new tensor, same shape): a NaN as
+    ``-inf`` (the NaN rule: that token goes first), and a hole (``positions`` ``-1``) as ``+inf``
+    whatever its score, so a hole is never a victim.
+
+    A hole's score is ``+inf`` when it is made, but a decode step whose attention is NaN
+    throughout (a NaN query, an overflow upstream, NaN reaches the holes' probabilities too) folds
+    ``-inf`` into every score, and ``+inf - inf`` is NaN: ranked by its score, the hole would be
+    "evicted" in place of a token, which would stay attended while the counts said it was gone.
+
+    Example:
+        >>> inf, nan = float("inf"), float("nan")
+        >>> eviction_ranks(torch.tensor([[0.5, nan, nan, -inf]]), torch.tensor([[0, 1, -1, 3]])).tolist()
+        [[0.5, -inf, inf, -inf]]
+    """
+    return torch.nan_to_num(scores, nan=-math.inf, posinf=math.inf, neginf=-math.inf).masked_fill_(positions < 0, math.inf)
+
+
+# ---------------------------------------------------------------------- the layers of one cache
+class PendingVictims(NamedTuple):
+    """One layer's victims of a decode step, waiting for the group (:meth:`LayerGroup.defer`)."""
+
+    index: int  #: the layer's index in the group
+    hi: int  #: the eligible slots, ``[0, hi)``
+    free_alone: Callable[[], None]  #: frees them the layer's own way (the group could not search them with the others')
+    freed: Callable[[], None]  #: tells the layer the group freed them
+    shared: bool  #: one victim for all heads, by the scores summed over the heads
+    holes_by_position: bool  #: holes ranked ``+inf`` by their position (accumulated scores)
+
+
+def mark_holes(pos: torch.Tensor, scores: torch.Tensor, bias: torch.Tensor, dim: int, index: torch.Tensor) -> None:
+    """The slots ``index`` along ``dim`` become holes: position ``-1``, score ``+inf`` (never a
+    victim again), bias ``-inf`` (never attended).
+
+    Example:
+        >>> pos, scores, bias = torch.tensor([[3, 4]]), torch.zeros(1, 2), torch.zeros(1, 2)
+        >>> mark_holes(pos, scores, bias, 1, torch.tensor([[1]]))
+        >>> pos.tolist(), scores.tolist(), bias.tolist()
+        ([[3, -1]], [[0.0, inf]], [[0.0, -inf]])
+    """
+    pos.scatter_(dim, index, -1)
+    scores.scatter_(dim, index, math.inf)
+    bias.scatter_(dim, index, -math.inf)
+
+
+class LayerGroup:
+    """Storage and deferred one-token evictions shared by the ``layers`` layers of one cache.
+
+    Pass the same group to every layer's :class:`~kvpolicy_torch.LayerCache` (``group=``), in
+    layer order. The first layer to allocate fixes the shape ``[batch, kv_heads, slots]``; a layer
+    whose storage differs (another capacity, e.g. PyramidKV, or a growing full cache) keeps its own
+    tensors and evicts alone, and then so does every layer (the group's search needs all of them).
+
+    Args:
+        layers: how many layers will join.
+
+    Example:
+        >>> import torch
+        >>> from kvpolicy import H2O
+        >>> from kvpolicy_torch import LayerCache
+        >>> group = LayerGroup(2)
+        >>> stack = [LayerCache(H2O(heavy=2, recent=2), group=group) for _ in range(2)]
+        >>> for t in range(8):
+        ...     for layer in stack:
+        ...         K, V = layer.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
+        ...         layer.accumulate(torch.rand(1, 1, K.shape[2]))
+        ...         rounds = layer.evict()
+        >>> group.batched_evictions > 0, [layer.length for layer in stack]
+        (True, [4, 4])
+    """
+
+    def __init__(self, layers: int) -> None:
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ValueError(f"layers must be an integer >= 1, got {layers!r}")
+        self.layers = layers
+        self._joined = 0  # layers registered so far
+        self._members: set[int] = set()  # indices whose storage is a slice of the group's tensors
+        self._members_changed()
+        self._pending: list[PendingVictims] = []  # layers whose victims wait for the group, in layer order
+        self._pos: torch.Tensor | None = None  # [layers, batch, kv_heads, slots]
+        self._scores: torch.Tensor | None = None
+        self._bias: torch.Tensor | None = None
+        # layers moving to tensors of another shape together (:meth:`move`), and those tensors:
+        # they become the group's when the last layer has left the old ones
+        self._moved: set[int] = set()
+        self._next: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        #: Decode steps whose victims the group found for every layer at once (a diagnostic).
+        self.batched_evictions = 0
+
+    def register(self) -> int:
+        """A layer joins (its constructor calls this): its index in the group."""
+        if self._joined >= self.layers:
+            raise ValueError(f"this LayerGroup was made for {self.layers} layers; a layer more joined it")
+        self._joined += 1
+        return self._joined - 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the positions, scores and bias the group holds for its layers."""
+        return sum(t.numel() * t.element_size() for t in (self._pos, self._scores, self._bias) if t is not None)
+
+    def _members_changed(self) -> None:
+        #: Whether every layer keeps its positions, scores and bias in the group's tensors (an
+        #: attribute, kept here whenever the members change: every decode step of every layer reads it)
+        self.complete = len(self._members) == self.layers
+
+    def storage(
+        self, index: int, shape: tuple[int, int, int], score_dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Layer ``index``'s positions, scores and bias ``[batch, kv_heads, slots]`` (``-1``,
+        ``+inf``, ``-inf``: all holes) as slices of the group's tensors, or ``None`` when they
+        cannot be (another shape, dtype or device than the group's)."""
+        if self._pos is None or not self._members - {index}:  # the first layer (again) fixes the shape
+            full = (self.layers, *shape)
+            self._pos, self._scores, self._bias = hole_bookkeeping(full, score_dtype, device)
+        assert self._scores is not None and self._bias is not None
+        if tuple(self._pos.shape[1:]) != shape or self._scores.dtype != score_dtype or self._pos.device != device:
+            self.leave(index)
+            return None
+        pos, scores, bias = self._pos[index], self._scores[index], self._bias[index]
+        pos.fill_(-1)
+        scores.fill_(math.inf)
+        bias.fill_(-math.inf)
+        self._members.add(index)
+        self._members_changed()
+        return pos, scores, bias
+
+    def move(
+        self, index: int, shape: tuple[int, int, int], score_dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``index`` reallocates to ``shape`` ``[batch, kv_heads, slots]`` while the others
+        will follow (every layer giving back a chunked prefill's room at its first decode step):
+        its positions, scores and bias (all holes) as slices of the group's next tensors, which
+        become the group's when no layer is left in the old ones; the group stays whole, where
+        :meth:`storage` after :meth:`leave` would leave every layer on its own.
+
+        Example:
+            >>> group, cpu = LayerGroup(2), torch.device("cpu")
+            >>> views = [group.storage(i, (1, 1, 4), torch.float32, cpu) for i in range(2)]
+            >>> moved = [group.move(i, (1, 1, 2), torch.float32, cpu) for i in range(2)]
+            >>> group.complete, tuple(group.views(1)[0].shape)
+            (True, (1, 1, 2))
+        """
+        self._members.discard(index)
+        self._members_changed()
+        self._pending = [p for p in self._pending if p.index != index]
+        nxt = self._next
+        if nxt is None or tuple(nxt[0].shape[1:]) != shape or nxt[1].dtype != score_dtype or nxt[0].device != device:
+            full = (self.layers, *shape)
+            nxt = self._next = hole_bookkeeping(full, score_dtype, device)
+            self._moved = set()
+        self._moved.add(index)
+        views = nxt[0][index], nxt[1][index], nxt[2][index]
+        self._promote()
+        return views
+
+    def _promote(self) -> None:
+        """The next tensors become the group's once no layer is left in the current ones."""
+        if self._next is not None and not self._members:
+            self._pos, self._scores, self._bias = self._next
+            self._members, self._moved, self._next = self._moved, set(), None
+            self._members_changed()
+
+    def views(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Layer ``index``'s positions, scores and bias as the slices of the group's tensors it
+        keeps them in, or ``None`` when it keeps its own (a restored copy re-links to them)."""
+        if index in self._moved and self._next is not None:
+            return self._next[0][index], self._next[1][index], self._next[2][index]
+        if index not in self._members or self._pos is None or self._scores is None or self._bias is None:
+            return None
+        return self._pos[index], self._scores[index], self._bias[index]
+
+    def relink(self, index: int, storage: Storage) -> Storage:
+        """``storage`` of a copied layer ``index`` (deepcopy, pickle) with its positions, scores and
+        bias back in this group's tensors: a copy holds them apart, and the group's one search
+        must see the layer's writes. Unchanged when the layer keeps its own tensors.
+
+        Example:
+            >>> group = LayerGroup(1)
+            >>> pos, scores, bias = group.storage(0, (1, 1, 2), torch.float32, torch.device("cpu"))
+            >>> apart = Storage(torch.zeros(1, 1, 2, 1), torch.zeros(1, 1, 2, 1), pos.clone().fill_(7), scores.clone(), bias.clone())
+            >>> linked = group.relink(0, apart)
+            >>> linked.positions is apart.positions, group.views(0)[0].tolist()
+            (False, [[[7, 7]]])
+        """
+        views = self.views(index)
+        if views is None:
+            return storage
+        for mine, theirs in zip(storage.bookkeeping(), views):
+            theirs.copy_(mine)
+        return Storage(storage.keys, storage.values, *views)
+
+    def leave(self, index: int) -> None:
+        """Layer ``index`` no longer keeps its storage in the group (it reallocated or was reset)."""
+        self._members.discard(index)
+        self._members_changed()
+        self._moved.discard(index)
+        self._pending = [p for p in self._pending if p.index != index]
+        if not self._members:  # nobody's storage any more: free it (the next layer to allocate sets a new one)
+            self._pos = self._scores = self._bias = None
+            self._promote()
+
+    def defer(self, index: int, hi: int, free_alone: Callable[[], None], freed: Callable[[], None],
+              shared: bool = False, holes_by_position: bool = True) -> None:
+        """Take layer ``index``'s victims of this step: the lowest score of slots ``[0, hi)`` per
+        row and head (``shared``: per row, by the scores summed over the heads, one victim for all
+        heads; ``holes_by_position``: holes ranked ``+inf`` by their position, as
+        :func:`~kvpolicy_torch.victims.lowest_victims` ranks accumulated scores). ``free_alone()``
+        frees them the layer's own way; ``freed()`` tells it the group did. Once every layer has
+        deferred, they are all found at once."""
+        if self._pending and self._pending[-1].index >= index:
+            # layers defer in layer order: what waits is an earlier step's (a layer that deferred
+            # while the others freed alone, as in the step the group moved to new tensors): free it
+            # now, or every later step would wait for a layer one step behind and never search at once
+            self.flush()
+        self._pending.append(PendingVictims(index, hi, free_alone, freed, shared, holes_by_position))
+        if len(self._pending) == self.layers:
+            self.flush()
+
+    def flush(self) -> None:
+        """Free every pending layer's victims: with one search and one write per tensor when all
+        layers wait with the same eligible slots, else layer by layer."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        hi, shared = pending[0].hi, pending[0].shared
+        # (a loop, no generator: the last layer of every decode step asks; a generator is a call each)
+        alike, by_position = len(pending) == self.layers and self.complete, False
+        for p in pending:
+            alike = alike and p.hi == hi and p.shared == shared
+            by_position = by_position or p.holes_by_position
+        if alike:
+            assert self._pos is not None and self._scores is not None and self._bias is not None
+            # each layer's plain scan (victims.lowest_victims), for every layer at once: the same answer
+            window = self._scores.narrow(3, 0, hi)
+            if by_position:
+                window = eviction_ranks(window, self._pos.narrow(3, 0, hi))
+            if shared:  # the heads' scores summed as each layer sums them, one victim for all heads
+                victims = first_argmin(window.sum(dim=2, keepdim=True)).unsqueeze(-1).expand(-1, -1, window.shape[2], -1)
+            else:
+                victims = first_argmin(window).unsqueeze(-1)  # [layers, batch, heads, 1]
+            mark_holes(self._pos, self._scores, self._bias, 3, victims)
+            for p in pending:
+                p.freed()
+            self.batched_evictions += 1
+            return
+        for p in pending:
+            p.free_alone()
+
+
+# ---------------------------------------------------------------------- one layer
 def lowest_victims(
     scores: torch.Tensor,
     front: list[int],
@@ -40,7 +361,7 @@ def lowest_victims(
     earliest slot (below a frontier, slot order is position order). ``shared``: one victim for
     all heads, by the scores summed over the heads (then ``reduce_scores``, e.g. over
     tensor-parallel ranks). ``positions``: given, a hole ranks ``+inf`` by its position and a NaN
-    as ``-inf`` (:func:`~kvpolicy_torch.ops.eviction_ranks`), which accumulated scores need (a
+    as ``-inf`` (:func:`eviction_ranks`), which accumulated scores need (a
     step whose attention is NaN throughout turns a hole's ``+inf`` into NaN); without, the scores
     are ranked as they are (a statistic that rewrites every score puts ``+inf`` at holes itself).
 
