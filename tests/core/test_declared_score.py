@@ -3,15 +3,17 @@
 score. Without an edit to any other module it passes the conformance kit (the NumPy reference
 equals the torch backend), keeps in the transformers cache what the reference keeps (eager, and
 compiled to one graph with the eager tokens), and runs sharded over two DeepSpeed ranks as in one
-process. The models are tiny random-weight Llamas (wiring and numerics, not language).
+process: :func:`ds_cases` hands it to the DeepSpeed launches of
+tests/integrations/test_deepspeed_multi.py (``--extra-cases``, as a user's own policy would join),
+whose ``test_a_declared_score_kind_keeps_per_head_what_one_process_keeps`` holds it there (one
+launch for every DeepSpeed check, not one more of its own). The models here are tiny random-weight
+Llamas (wiring and numerics, not language).
 
 The score: each token's value L2 norm (keep the tokens whose values are largest), a heuristic
 from the value-norm literature; nothing in kvpolicy computes it.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,7 +36,8 @@ class ValueNorm(KeepHighest):
 
 
 def ds_cases(prompt_length: int, new_tokens: int) -> dict[str, object]:
-    """The DeepSpeed worker's cases (tests/ds_worker.py --extra-cases)."""
+    """The DeepSpeed worker's cases (tests/ds_worker.py --extra-cases; tests/integrations/test_deepspeed_multi.py
+    passes this function)."""
     return {"valuenorm": ValueNorm(size=max(2, prompt_length // 3))}
 
 
@@ -143,26 +146,3 @@ def test_the_transformers_cache_keeps_what_the_reference_keeps_eager_and_compile
     static = EvictingCache(policy, model32, static_shapes=True, max_tokens=ids.shape[1] + 25)
     got = greedy_decode(model32, ids, static, 24, step=compile_decode_step(model32, backend="eager"))
     assert torch.equal(got, want)
-
-
-@pytest.mark.slow
-@pytest.mark.deepspeed
-def test_two_deepspeed_ranks_keep_what_one_process_keeps(tmp_path: Path) -> None:
-    pytest.importorskip("deepspeed")
-    from ds_launch import free_port, run_worker
-
-    proc = run_worker(tmp_path, 2, free_port(), "--models", "tiny", "--extra-cases", f"{__file__}::ds_cases", "--only-extra")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    with np.load(tmp_path / "tiny_valuenorm_ref.npz") as f:
-        ref = dict(f)
-    covered = []
-    for rank in range(2):
-        with np.load(tmp_path / f"tiny_valuenorm_tp2_rank{rank}.npz") as f:
-            got = dict(f)
-        np.testing.assert_array_equal(got["tokens"], ref["tokens"])
-        lo, hi = int(got["kv_start"]), int(got["kv_stop"])
-        covered.extend(range(lo, hi))
-        for i in range(2):
-            np.testing.assert_array_equal(got[f"layer{i}"], ref[f"layer{i}"][:, lo:hi], err_msg=f"rank {rank} layer {i}")
-    assert covered == list(range(ref["layer0"].shape[1]))
-    assert ref["layer0"].shape[-1] < ref["tokens"].shape[1] - 1  # it did evict

@@ -17,7 +17,10 @@ real SmolLM2-135M (9 query / 3 KV heads, split 6+3 / 2+1 by AutoTP). For each, w
   ranks split): each rank keeps, per head, the positions the single process keeps (its rows as
   wide as its widest head), the gathered positions equal the single process's, and the heads
   do hold different numbers of tokens; AdaKV on each rank's heads alone (negative control)
-  keeps other positions; a batch of two is refused on every rank.
+  keeps other positions; a batch of two is refused on every rank;
+* a score kind the library does not ship, declared in tests/core/test_declared_score.py alone
+  (issue 43): its policy joins both launches through the worker's ``--extra-cases``, as a user's
+  own policy would, and each rank keeps what the single process keeps for its heads.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ MODELS = ["tiny", "smollm2"] if HAS_SMOLLM else ["tiny"]
 CASES = ["full", "buzz30", "h2o30", "h2o30shared", "buzz30module", "pyramid30", "knorm30", "keydiff30", "ea30"]
 ADAKV_CASES = ["adakv_h2o30", "adakv_keydiff30", "adakv_snapkv30"]  # head-wise budgets: rows as wide as a rank's widest head
 TPS = [1, 2]
+#: The declared score's cases (tests/core/test_declared_score.py's ``ds_cases``), run by both launches.
+DECLARED = ("--extra-cases", f"{Path(__file__).resolve().parents[1] / 'core' / 'test_declared_score.py'}::ds_cases")
 
 
 def _launch(out: Path, tp: int, *extra: str) -> float:
@@ -66,8 +71,8 @@ def _launch(out: Path, tp: int, *extra: str) -> float:
 def runs(tmp_path_factory):
     """Run the worker for tp=2 (with the single-process reference) and tp=1 into one folder."""
     out = tmp_path_factory.mktemp("deepspeed")
-    timings = {2: _launch(out, 2)}
-    timings[1] = _launch(out, 1, "--no-reference")
+    timings = {2: _launch(out, 2, *DECLARED)}
+    timings[1] = _launch(out, 1, "--no-reference", *DECLARED)
     print(f"\ndeepspeed launches: " + ", ".join(f"tp={tp}: {s:.0f} s" for tp, s in timings.items()))
     return out
 
@@ -114,6 +119,19 @@ def test_kept_positions_per_head_equal_single_process(runs, model, tp, case):
         for i, (mine, theirs) in enumerate(zip(_layers(got), _layers(ref), strict=True)):
             np.testing.assert_array_equal(mine, theirs[:, lo:hi], err_msg=f"rank {rank} layer {i}")
         assert _layers(got)[0].shape[-1] < ref["tokens"].shape[1] - 1  # the policy did evict
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("model", MODELS)
+def test_a_declared_score_kind_keeps_per_head_what_one_process_keeps(runs, model, tp):
+    """tests/core/test_declared_score.py's ``ValueNorm`` (a score the library does not ship,
+    declared in that file alone): sharded over the ranks' KV heads, each rank keeps the single
+    process's positions for its heads, with its tokens."""
+    ref = _load(runs, f"{model}_valuenorm_ref")
+    for rank, got, lo, hi in _ranks(runs, model, "valuenorm", tp, ref):
+        for i, (mine, theirs) in enumerate(zip(_layers(got), _layers(ref), strict=True)):
+            np.testing.assert_array_equal(mine, theirs[:, lo:hi], err_msg=f"rank {rank} layer {i}")
+    assert ref["layer0"].shape[-1] < ref["tokens"].shape[1] - 1  # it did evict
 
 
 @pytest.mark.parametrize("tp", TPS)
