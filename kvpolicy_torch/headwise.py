@@ -170,9 +170,9 @@ def likely_victims(candidates: torch.Tensor, counts: list[list[int]], rule: Head
     slot) order, which is (score, position) order (below a frontier a head's slots hold its
     positions in order), and merged over the heads by (score, position, head), the declared rule's
     order. Ties are common under a refresh interval: a head whose scored tokens ran out between two
-    scorings loses its earliest :data:`~kvpolicy.statistics.UNSCORED` ones, all of one score. (Only
-    where the heads' lowest are merged on the host, up to :data:`HOST_MERGE_HEADS` KV heads; the
-    device merge still leaves a tie to :func:`headwise_victims`.)
+    scorings loses its earliest :data:`~kvpolicy.statistics.UNSCORED` ones, all of one score. (On
+    the host up to :data:`HOST_MERGE_HEADS` KV heads; above, the device merges by two stable sorts,
+    by position and then by score, over the heads' losable lowest in head order.)
 
     Example:
         >>> from kvpolicy import HeadwiseEviction
@@ -192,14 +192,16 @@ def likely_victims(candidates: torch.Tensor, counts: list[list[int]], rule: Head
     keyed = torch.nan_to_num(candidates, nan=-math.inf)
     values, index = keyed.topk(k, dim=-1, largest=False, sorted=True)
     keeps = max(rule.floor, rule.recent)
-    if heads > HOST_MERGE_HEADS:
-        return _merged_on_device(values, index, counts, keeps)
-    found = _merged_on_host(values.tolist(), index.tolist(), None, counts, keeps)
+    device = heads > HOST_MERGE_HEADS
+    found = (_merged_on_device(values, index, None, counts, keeps) if device
+             else _merged_on_host(values.tolist(), index.tolist(), None, counts, keeps))
     if found is _TIED and positions is not None:
         # (a tie on a cut: each head's lowest in (score, slot) order, a stable sort, with their positions)
         values, index = keyed.sort(dim=-1, stable=True)
         values, index = values[..., :k], index[..., :k]
-        found = _merged_on_host(values.tolist(), index.tolist(), positions.gather(-1, index).tolist(), counts, keeps)
+        at = positions.gather(-1, index)
+        found = (_merged_on_device(values, index, at, counts, keeps) if device
+                 else _merged_on_host(values.tolist(), index.tolist(), at.tolist(), counts, keeps))
     return None if found is _TIED else found
 
 
@@ -241,26 +243,38 @@ def _merged_on_host(scored: list[list[list[float]]], slots: list[list[list[int]]
     return out
 
 
-def _merged_on_device(values: torch.Tensor, index: torch.Tensor, counts: list[list[int]],
-                      keeps: int) -> list[tuple[list[tuple[int, int]], list[int]]] | None:
+def _merged_on_device(values: torch.Tensor, index: torch.Tensor, positions: torch.Tensor | None, counts: list[list[int]],
+                      keeps: int) -> Any:
     """:func:`likely_victims`' merge of each head's lowest (``values``, ``index``: ``[rows, H,
     k]``, ascending) on the device: a head's ``q`` losable, the ``H`` lowest of them over the
-    heads by one ``topk``; the same checks, on what is read back."""
+    heads by one ``topk``; the same checks, on what is read back: :data:`_TIED` where a tie falls
+    on a cut. With ``positions`` (``[rows, H, k]``: those slots' positions, the lowest taken in
+    (score, slot) order) the merge is by (score, position, head) instead, two stable sorts over
+    the losable in head order, and a tie is no obstacle. ``None`` where the exact search must
+    decide (a victim at ``+-inf``, too few slots read)."""
     rows, heads, k = values.shape
     quota = [[min(c - keeps, heads) for c in count] for count in counts]
     if any(q >= k for row in quota for q in row):
         return None  # (too few slots read)
     q = torch.tensor(quota, device=values.device)[..., None]  # [rows, H, 1]
     losable = torch.arange(k, device=values.device) < q
-    low, at = values.masked_fill(~losable, math.inf).view(rows, heads * k).topk(heads + 1, dim=-1, largest=False, sorted=True)
-    q = q.clamp(min=1)
-    cuts = torch.cat([values.gather(-1, q - 1), values.gather(-1, q)], -1)  # each head's q-th and next
-    slot = index.view(rows, heads * k).gather(-1, at[:, :heads])
+    flat = values.masked_fill(~losable, math.inf).reshape(rows, heads * k)
+    if positions is None:
+        low, at = flat.topk(heads + 1, dim=-1, largest=False, sorted=True)
+        q = q.clamp(min=1)
+        cuts = torch.cat([values.gather(-1, q - 1), values.gather(-1, q)], -1).tolist()  # each head's q-th and next
+    else:
+        # (score, position, head): stable by position over the head-major order, then stable by score
+        by_position = positions.reshape(rows, heads * k).argsort(dim=-1, stable=True)
+        by_score = flat.gather(-1, by_position).argsort(dim=-1, stable=True)
+        at = by_position.gather(-1, by_score[:, : heads + 1])
+        low, cuts = flat.gather(-1, at), None
+    slot = index.reshape(rows, heads * k).gather(-1, at[:, :heads])
     out = []
-    for lows, ats, slots, cut, count, quotas in zip(low.tolist(), at.tolist(), slot.tolist(), cuts.tolist(), counts, quota):
-        if any(qh > 0 and c[0] == c[1] for qh, c in zip(quotas, cut)):
-            return None  # (a tie at a head's cut)
-        if lows[heads - 1] == lows[heads] or not -math.inf < lows[0] <= lows[heads - 1] < math.inf:
+    for r, (lows, ats, slots, count, quotas) in enumerate(zip(low.tolist(), at.tolist(), slot.tolist(), counts, quota)):
+        if cuts is not None and (any(qh > 0 and c[0] == c[1] for qh, c in zip(quotas, cuts[r])) or lows[heads - 1] == lows[heads]):
+            return _TIED  # (a tie at a head's cut, or at the layer's)
+        if not -math.inf < lows[0] <= lows[heads - 1] < math.inf:
             return None
         count = list(count)
         victims = []

@@ -276,32 +276,38 @@ def test_the_victim_search_frees_what_the_declared_rule_drops(case, slot_window,
         assert after == (np.asarray(want) >= 0).sum(-1)[0].tolist()
 
 
-def test_ties_on_a_cut_are_settled_by_position_not_left_to_the_exact_search() -> None:
+@pytest.mark.parametrize("host_merge_heads", [8, 0])
+def test_ties_on_a_cut_are_settled_by_position_not_left_to_the_exact_search(host_merge_heads) -> None:
     """Under a refresh interval a narrow head's scored tokens run out between two scorings and it
     loses its earliest UNSCORED ones, all of one score: likely_victims, given the candidates'
     positions, settles those ties as the declared rule does (by position, then head) instead of
-    answering None (the exact search, ~20 kernels a layer); a NaN still goes to the exact search."""
+    answering None (the exact search, ~20 kernels a layer); a NaN still goes to the exact search.
+    The heads' lowest merged on the host (few KV heads) and on the device (``HOST_MERGE_HEADS``
+    patched to 0: what a model with more than 8 KV heads takes)."""
+    from unittest import mock
+
     from kvpolicy import HeadwiseEviction
     from kvpolicy.statistics import UNSCORED
     from kvpolicy_torch.headwise import headwise_victims, likely_victims
 
-    rule = HeadwiseEviction(limit=5, recent=0, floor=2)
-    # head 0: one scored token then the UNSCORED newest; head 1: scored low; head 2: scored high
-    positions = torch.tensor([[[3, 6, 7, 8, 9, 10], [0, 1, 2, 8, 9, 10], [4, 5, 7, 8, 9, 10]]])
-    u = float(UNSCORED)
-    scores = torch.tensor([[[1.0, u, u, u, u, u], [0.5, 2.0, u, u, u, u], [9.0, 9.5, u, u, u, u]]], dtype=torch.float64)
-    counts = [[6, 6, 6]]
-    assert likely_victims(scores, counts, rule) is None  # (a tie on head 0's cut)
-    (victims, after), = likely_victims(scores, counts, rule, positions=positions)
-    head, slot = headwise_victims(positions, scores, 11, rule)
-    assert sorted(victims) == sorted(zip(head[0].tolist(), slot[0].tolist())) == [(0, 0), (1, 0), (1, 1)]
-    assert after == [5, 4, 6]
-    # a tie at the layer's cut, across heads: the earlier position goes, then the lower head
-    scores = torch.tensor([[[u] * 6, [u] * 6, [u] * 6]], dtype=torch.float64)
-    (victims, _), = likely_victims(scores, counts, rule, positions=positions)
-    head, slot = headwise_victims(positions, scores, 11, rule)
-    assert sorted(victims) == sorted(zip(head[0].tolist(), slot[0].tolist())) == [(1, 0), (1, 1), (1, 2)]
-    assert likely_victims(scores.index_fill(-1, torch.tensor([1]), float("nan")), counts, rule, positions=positions) is None
+    with mock.patch.object(kvpolicy_torch.headwise, "HOST_MERGE_HEADS", host_merge_heads):
+        rule = HeadwiseEviction(limit=5, recent=0, floor=2)
+        # head 0: one scored token then the UNSCORED newest; head 1: scored low; head 2: scored high
+        positions = torch.tensor([[[3, 6, 7, 8, 9, 10], [0, 1, 2, 8, 9, 10], [4, 5, 7, 8, 9, 10]]])
+        u = float(UNSCORED)
+        scores = torch.tensor([[[1.0, u, u, u, u, u], [0.5, 2.0, u, u, u, u], [9.0, 9.5, u, u, u, u]]], dtype=torch.float64)
+        counts = [[6, 6, 6]]
+        assert likely_victims(scores, counts, rule) is None  # (a tie on head 0's cut)
+        (victims, after), = likely_victims(scores, counts, rule, positions=positions)
+        head, slot = headwise_victims(positions, scores, 11, rule)
+        assert sorted(victims) == sorted(zip(head[0].tolist(), slot[0].tolist())) == [(0, 0), (1, 0), (1, 1)]
+        assert after == [5, 4, 6]
+        # a tie at the layer's cut, across heads: the earlier position goes, then the lower head
+        scores = torch.tensor([[[u] * 6, [u] * 6, [u] * 6]], dtype=torch.float64)
+        (victims, _), = likely_victims(scores, counts, rule, positions=positions)
+        head, slot = headwise_victims(positions, scores, 11, rule)
+        assert sorted(victims) == sorted(zip(head[0].tolist(), slot[0].tolist())) == [(1, 0), (1, 1), (1, 2)]
+        assert likely_victims(scores.index_fill(-1, torch.tensor([1]), float("nan")), counts, rule, positions=positions) is None
 
 
 def test_a_decode_step_frees_its_victims_in_place() -> None:
