@@ -47,7 +47,7 @@ from .rows import Rows
 from .scores import fold_received
 from .storage import Storage, fixed_addresses
 
-__all__ = ["DecodeState", "StaticSteps", "StepOptions", "device_flag"]
+__all__ = ["DecodeState", "StaticSteps", "StepOptions", "device_total"]
 
 #: Larger than any position: where(mask, positions, _FAR).argmin() is "the smallest position where mask".
 _FAR = torch.iinfo(torch.int64).max
@@ -365,16 +365,21 @@ class StaticSteps:
         layout.phase = "decode"
 
 
-def device_flag(device: torch.device) -> torch.Tensor:
-    """A ``[]`` bool tensor on ``device``, ``False``, for a compiled step to raise in place
-    (``flag.logical_or_(...)``) and the host to read when it reads anyway: allocated once at a
-    fixed address, as :class:`DecodeState`'s tensors (CUDA graphs replay on the same memory).
+def device_total(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A ``[]`` tensor of ``dtype`` on ``device``, 0, for a step to add each output's sum to in
+    place (``total.add_(out.sum(dtype=total.dtype))``, two kernels where a bool flag raised by
+    ``~isfinite(out).all()`` takes four): it stays finite while every output was (a NaN or an
+    infinity stays, and ``inf - inf`` is NaN), for the host to read when it reads anyway.
+    Allocated once at a fixed address, as :class:`DecodeState`'s tensors (CUDA graphs replay on
+    the same memory).
 
     Example:
-        >>> flag = device_flag(torch.device("cpu"))
-        >>> bool(flag.logical_or_(torch.tensor(True)))
+        >>> total = device_total(torch.device("cpu"))
+        >>> _ = total.add_(torch.tensor([1.0, 2.0]).sum()); bool(total.isfinite())
         True
+        >>> _ = total.add_(torch.tensor([float("nan")]).sum()); _ = total.add_(torch.tensor(3.0)); bool(total.isfinite())
+        False
     """
-    flag = torch.zeros((), dtype=torch.bool, device=device)
-    fixed_addresses(flag)
-    return flag
+    total = torch.zeros((), dtype=dtype, device=device)
+    fixed_addresses(total)
+    return total

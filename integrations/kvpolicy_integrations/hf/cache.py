@@ -8,6 +8,7 @@ cache they check for and hand the forward's padding to.
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 import weakref
@@ -467,7 +468,7 @@ class EvictingCache(Cache):
         if not present:
             return []
         values = torch.stack([flags[i].to("cpu", non_blocking=False) for i in present]).tolist()
-        bad = [i for i, v in zip(present, values) if v]
+        bad = [i for i, v in zip(present, values) if not math.isfinite(v)]  # (the layers' totals: device_total)
         new = [i for i in bad if i not in self._reported]
         if new:
             self._reported.update(new)

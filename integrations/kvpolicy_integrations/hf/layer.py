@@ -22,7 +22,7 @@ from kvpolicy_torch import LayerCache, LayerGroup, PrefixShift, prefill_attentio
 from kvpolicy_torch.attention import window_bias, window_chunk_mask, window_limit
 from kvpolicy_torch.posshift import RopeShift, ShiftMatrices
 from kvpolicy_torch.queries import PreRope
-from kvpolicy_torch.static import StepOptions, device_flag
+from kvpolicy_torch.static import StepOptions, device_total
 
 from ..capabilities import LayerAttention, RopeLayout
 
@@ -192,8 +192,9 @@ class EvictingLayer(DynamicLayer):
         #: What a static-shaped decode step of this layer adds to plain attention (fixed for the
         #: layer's life, so a compiled step traces it as constants).
         self.step_options: StepOptions = self._make_step_options()
-        #: a ``[]`` bool device flag: some attention output of a log-n policy was not finite since
-        #: the last reset (see :meth:`EvictingCache.report_nonfinite`); ``None`` before the first
+        #: a ``[]`` device total of a log-n policy's attention outputs since the last reset, not
+        #: finite where some output was not (see :meth:`EvictingCache.report_nonfinite`); ``None``
+        #: before the first
         self.nonfinite: torch.Tensor | None = None
 
     # transformers' base classes assign self.keys / self.values; they live in the store here.
@@ -415,8 +416,11 @@ class EvictingLayer(DynamicLayer):
         the probabilities NaN (their scores then rank lowest, the NaN rule): flagged on the device
         (no host read in the decode path), reported by EvictingCache.report_nonfinite."""
         if self.nonfinite is None:
-            self.nonfinite = device_flag(out.device)
-        self.nonfinite.logical_or_(~torch.isfinite(out).all())
+            # (float32 for 16-bit outputs, whose sum would overflow; float64 for float64 ones)
+            self.nonfinite = device_total(out.device, torch.float64 if out.dtype == torch.float64 else torch.float32)
+        # (a sum: 2 small kernels a layer and step where isfinite-all-not-or took 4; an output is
+        # a convex combination of the values, whose sum does not overflow where they are finite)
+        self.nonfinite.add_(out.sum(dtype=self.nonfinite.dtype))
         return out
 
     def observe_queries(self, query: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
