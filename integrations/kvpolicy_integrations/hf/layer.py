@@ -1,9 +1,11 @@
 """One layer of the evicting cache: :class:`EvictingLayer`, a transformers cache layer backed by
 :class:`kvpolicy_torch.LayerCache`, with what the layers of one cache share (:class:`Padding`;
-:class:`~kvpolicy_torch.posshift.ShiftMatrices`, re-exported) (a part of :mod:`kvpolicy_integrations.hf`, whose docstring describes the
-whole). A layer appends a step's keys and values (``update``), serves that step's attention
-(``attention``: SDPA, the fused decode path, or one blocked pass over a prompt chunk) and evicts
-right after it.
+:class:`~kvpolicy_torch.posshift.ShiftMatrices`, re-exported) (a part of
+:mod:`kvpolicy_integrations.hf`, whose docstring describes the whole). A layer appends a step's
+keys and values (``update``), serves that step's attention (``attention``: SDPA, the fused decode
+path, or one blocked pass over a prompt chunk) and evicts right after it. The attention functions
+transformers calls (:func:`kvpolicy_sdpa_attention`, :func:`scoped_attention`) live here too,
+beside the layer they hand the step to; :mod:`.attention` registers them.
 """
 
 from __future__ import annotations
