@@ -192,16 +192,18 @@ def likely_victims(candidates: torch.Tensor, counts: list[list[int]], rule: Head
     keyed = torch.nan_to_num(candidates, nan=-math.inf)
     values, index = keyed.topk(k, dim=-1, largest=False, sorted=True)
     keeps = max(rule.floor, rule.recent)
-    device = heads > HOST_MERGE_HEADS
-    found = (_merged_on_device(values, index, None, counts, keeps) if device
-             else _merged_on_host(values.tolist(), index.tolist(), None, counts, keeps))
+
+    def merged(values: torch.Tensor, index: torch.Tensor, at: torch.Tensor | None) -> Any:
+        if heads > HOST_MERGE_HEADS:
+            return _merged_on_device(values, index, at, counts, keeps)
+        return _merged_on_host(values.tolist(), index.tolist(), None if at is None else at.tolist(), counts, keeps)
+
+    found = merged(values, index, None)
     if found is _TIED and positions is not None:
         # (a tie on a cut: each head's lowest in (score, slot) order, a stable sort, with their positions)
         values, index = keyed.sort(dim=-1, stable=True)
         values, index = values[..., :k], index[..., :k]
-        at = positions.gather(-1, index)
-        found = (_merged_on_device(values, index, at, counts, keeps) if device
-                 else _merged_on_host(values.tolist(), index.tolist(), at.tolist(), counts, keeps))
+        found = merged(values, index, positions.gather(-1, index))
     return None if found is _TIED else found
 
 
