@@ -236,7 +236,9 @@ def attend_slots(
     store = layout.store if layout.store is not None else layout.storage()
     hi = layout.returned
     statistic = policy.score_statistic
-    plain = extra_bias is None and row_scale is None and prefix is None and query.dtype == store.keys.dtype
+    views = layout.views  # (None: the storage is a view of some slots; the general path serves it)
+    plain = (extra_bias is None and row_scale is None and prefix is None and query.dtype == store.keys.dtype
+             and views is not None)
     # (16-bit keys: grouped_decode's probabilities would be 16-bit too, where the general path
     # computes them in float32; the low events must be the reference's)
     if (plain and statistic == "low_history" and not layout.bias_needed and policy.uses_scores
@@ -255,8 +257,7 @@ def attend_slots(
         # output alone, its hole bias cast from the scores' dtype (float64 for a score from the
         # cache: ~1 us, where the general path cast the logits and summed the probabilities)
         b, hq, _, d = query.shape
-        views = store.range_views(hi)
-        bh = views.keys3t.shape[0]
+        bh = views.keys3t.shape[0]  # type: ignore[union-attr]  # (plain: views is not None)
         r = hq * b // bh
         bias3 = views.bias3 if layout.bias_needed else None
         if bias3 is not None and bias3.dtype != query.dtype:
@@ -291,10 +292,10 @@ def _attend_low_history(layout: SlotLayout, policy: EvictionPolicy, query: torch
     (:func:`kvpolicy.statistics.low_attention`), and a record shifted by one query is
     ``(score % 2 ** (history - 1)) * 2 + low`` (:func:`kvpolicy.statistics.shift_history`), exact in
     float64 for the finite records that slots without holes hold."""
-    store = layout.storage()
+    views = layout.views
+    assert views is not None  # (attend_slots' plain test)
     hi = layout.returned
     b, hq, _, d = query.shape
-    views = store.range_views(hi)
     bh = views.keys3t.shape[0]
     r = hq * b // bh
     out3, probs3 = grouped_decode(query.reshape(bh, r, d), views.keys3t, views.values3, scaling)

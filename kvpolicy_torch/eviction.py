@@ -95,6 +95,14 @@ class HostEviction:
         self.size_rule = policy.decode_size_rule() if self.rule is None else None
         #: head-wise budgets' decode eviction (AdaKV over H2O, TOVA, ...): victims freed in place
         self.headwise = policy.headwise_eviction
+        #: the one-token eviction when it decides a decode step alone (no head-wise budgets, no
+        #: score from the cache to compute first: H2O, TOVA, StreamingLLM, the local window, Knorm),
+        #: else ``None``: the layer hands such a step to it directly
+        #: (:meth:`~kvpolicy_torch.victims.OneTokenEviction.evict_due`), as :meth:`evict` does
+        self.one_token_alone = victims if (
+            victims is not None and self.headwise is None
+            and (policy.score_statistic not in KEY_STATISTICS or self.once)
+        ) else None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -132,16 +140,12 @@ class HostEviction:
             self.score_keys(layout, running, lowest_only=one_token)
         if not one_token:
             return [] if self.declines(layout) else self.general(layout, chunk_bytes=chunk_bytes)
-        over = rule.limit + 1  # type: ignore[union-attr]
-        batch = len(count)  # (rows.batch, without the property's call)
-        # (list.count: every decode step of every layer asks, and most batches have rows alike)
-        rows = list(range(batch)) if count.count(over) == batch else [r for r, c in enumerate(count) if c == over]
-        if len(rows) < batch and any(c > over for c in count):
-            return self.general(layout, chunk_bytes=chunk_bytes)  # (a padded row above the limit after its prompt)
-        if not rows or self.victims is None:
-            return []
-        self.victims.evict(layout.store, layout.rows, rows, candidates, min_scores)  # type: ignore[arg-type]
-        return [(over, over - 1)]
+        if self.victims is None:
+            over = rule.limit + 1  # type: ignore[union-attr]
+            return self.general(layout, chunk_bytes=chunk_bytes) if any(c > over for c in count) else []
+        rounds = self.victims.evict_due(layout.store, layout.rows, candidates, min_scores)  # type: ignore[arg-type]
+        # (None: a padded row above the limit after its prompt)
+        return self.general(layout, chunk_bytes=chunk_bytes) if rounds is None else rounds
 
     def evict_headwise(self, layout: SlotLayout, running: RunningMoments | None) -> list[tuple[int, int]] | None:
         """A decode step's head-wise eviction (:class:`~kvpolicy.HeadwiseEviction`), from host

@@ -338,7 +338,10 @@ class LayerCache(LayerReads):
         layout.phase = "prefill" if q > 1 else "decode"
         if layout.extra is not None:
             return layout.extra.keys, layout.extra.values
-        views = layout.store.range_views(layout.returned)  # type: ignore[union-attr]  # (made once per range: every decode step reads them)
+        views = layout.views  # (the layout's kept views of the returned range: every decode step reads them)
+        if views is None:
+            store = layout.storage()
+            return store.keys.narrow(2, 0, layout.returned), store.values.narrow(2, 0, layout.returned)
         return views.keys, views.values
 
     @property
@@ -473,8 +476,14 @@ class LayerCache(LayerReads):
         layout = self._layout
         if store is None or static is not None or (self._victims is not None and self._victims.deferred):
             layout = self.synced()  # (else it has nothing to do: inlined, as in attend)
-        rounds = self._eviction.evict(layout, self.running_queries, candidates=self.candidates,
-                                      min_scores=self.candidate_min_scores, chunk_bytes=self.compaction_chunk_bytes)
+        alone = self._eviction.one_token_alone
+        rounds = None
+        if alone is not None and layout.phase == "decode" and layout.extra is None and layout.store is not None:
+            # a decode step its one-token eviction decides alone: straight to it
+            rounds = alone.evict_due(layout.store, layout.rows, self.candidates, self.candidate_min_scores)
+        if rounds is None:
+            rounds = self._eviction.evict(layout, self.running_queries, candidates=self.candidates,
+                                          min_scores=self.candidate_min_scores, chunk_bytes=self.compaction_chunk_bytes)
         if static is not None:
             return self._evicted(rounds)
         layout.chunk = None  # (_evicted, without a device to hand the layer to)

@@ -30,7 +30,7 @@ from .compaction import keep_slots, slot_order, unwrap_ring
 from .headwise import mark_dropped
 from .posshift import SinkShift
 from .rows import LayerSnapshot, Rows
-from .storage import Storage
+from .storage import RangeViews, Storage
 from .victims import CandidateSearch
 
 __all__ = ["SlotLayout", "chunk_tokens", "ready_tail", "uniform", "write_token"]
@@ -68,6 +68,9 @@ class SlotLayout:
         bias_needed: whether a slot of the returned range is a hole for some row.
         tail_ready: one row, shapes not static: the slots from the frontier on hold the positions,
             scores and bias the next frontier writes give them (:func:`ready_tail`).
+        views: the views of the returned range (:class:`~kvpolicy_torch.storage.RangeViews`: what
+            a decode step returns and attends with), or ``None`` while the transient set holds it
+            or the storage is a view of some slots.
         search: the victim search's candidates (forgotten whenever slots move).
         sink_shift: StreamingLLM's sinks held at their shifted positions, or ``None``.
 
@@ -100,10 +103,32 @@ class SlotLayout:
         self.phase = "decode"
         self.bias_needed = False
         self.tail_ready = False
+        self.views: RangeViews | None = None
+        # the views of each range of the storage `_views_of`, made once (Storage.range_views) and
+        # kept: a view costs a few microseconds on a CPU, seven of them a layer and step, and the
+        # range of a decode step (the furthest frontier) takes few values between compactions
+        self._views_of: Storage | None = None
+        self._kept: dict[int, RangeViews] = {}
         self.search = search
         self.sink_shift = sink_shift
         if sink_shift is not None:
             sink_shift.undo(None)
+
+    #: Ranges whose views the layout keeps per storage (seven views, about 4 KB of host memory a
+    #: range): the furthest frontier of a one-token eviction by score takes one value per spare
+    #: slot between compactions, 64 of them up to 512 kept tokens; a ring's takes one.
+    kept_ranges = 64
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the kept views are derived: a copy makes its own, of its own storage's tensors
+        state = dict(self.__dict__)
+        state["views"], state["_views_of"], state["_kept"] = None, None, {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.extra is None and self.store is not None and self.returned:
+            self.views = self.keep_views(self.store, self.returned)
 
     # ------------------------------------------------------------------ the slots
     def storage(self) -> Storage:
@@ -128,7 +153,9 @@ class SlotLayout:
         return self.extra is None and not self.scattered and self.rows.dense()
 
     def moved(self) -> None:
-        """Slots moved (or new ones came): the candidates and the ready tail no longer hold."""
+        """Slots moved (or new ones came): the candidates, the ready tail and the returned range's
+        views no longer hold."""
+        self.views = None
         self.search.forget()
         self.drop_tail()
         self.head_counts = None
@@ -196,7 +223,10 @@ class SlotLayout:
         if self.head_counts is not None:  # (every head of every row gained the token)
             self.head_counts = [[c + 1 for c in row] for row in self.head_counts]
         self.chunk = None
-        self.returned = store.slots if self.static else max(rows.front)
+        hi = self.returned = store.slots if self.static else max(rows.front)
+        # (the kept views of the range inlined: every decode step of every layer reads them)
+        views = self._kept.get(hi) if store is self._views_of else None
+        self.views = views if views is not None else self.keep_views(store, hi)
         self.bias_needed = self.needs_bias()
 
     def write_chunk(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, real: list[int]) -> None:
@@ -213,6 +243,7 @@ class SlotLayout:
         else:  # the prompt exceeds the storage: attention needs all of it for this step
             self.extra = store.concat(chunk, start)
         self.returned = start + q  # a chunk ends the range (received_attention reads its keys as the last q)
+        self.views = None if self.extra is not None else self.keep_views(store, start + q)
         for r in range(rows.batch):
             rows.seen[r] += real[r]
             rows.count[r] += real[r]
@@ -220,6 +251,27 @@ class SlotLayout:
         rows.columns += q
         self.chunk = (start, q, valid)
         self.bias_needed = self.needs_bias()
+
+    def keep_views(self, store: Storage, hi: int) -> RangeViews | None:
+        """The views of slots ``[0, hi)`` of ``store`` (:meth:`Storage.range_views
+        <kvpolicy_torch.storage.Storage.range_views>`), kept for the storage's later steps (up to
+        :attr:`kept_ranges` ranges); ``None`` for a storage that is a view of some slots.
+
+        Example:
+            >>> layout = SlotLayout(CandidateSearch(), None)
+            >>> store = Storage.allocate(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), 3, torch.float32)
+            >>> views = layout.keep_views(store, 2)
+            >>> tuple(views.keys3t.shape), layout.keep_views(store, 2) is views
+            ((2, 4, 2), True)
+        """
+        if store is not self._views_of:  # another storage (allocated, grown, restored): views of its own
+            self._views_of, self._kept = store, {}
+        views = self._kept.get(hi)
+        if views is None and store.whole:
+            views = store.range_views(hi)
+            if len(self._kept) < self.kept_ranges:
+                self._kept[hi] = views
+        return views
 
     # ------------------------------------------------------------------ ordered views (inspection)
     def in_order(self, t: torch.Tensor, count: int) -> torch.Tensor:

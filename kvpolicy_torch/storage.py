@@ -245,13 +245,6 @@ class Storage:
     scores: torch.Tensor
     bias: torch.Tensor
     _grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(init=False, repr=False, compare=False)
-    _ranges: dict[int, RangeViews] = field(init=False, repr=False, compare=False)
-
-    #: Ranges whose views :meth:`range_views` keeps (seven views, about 4 KB of host memory a
-    #: range): the furthest frontier of a one-token eviction by score takes one value per spare
-    #: slot between compactions, 64 of them up to 512 kept tokens; a ring's takes one.
-    kept_ranges = 64
-
     def __post_init__(self) -> None:
         b, h, slots, d = self.keys.shape
         whole = self.keys.is_contiguous() and self.values.is_contiguous() and self.bias.is_contiguous()
@@ -260,7 +253,6 @@ class Storage:
             (self.keys.view(b * h, slots, d), self.values.view(b * h, slots, self.values.shape[3]), self.bias.view(b * h, 1, slots))
             if whole else None
         )
-        self._ranges = {}
         if self._grouped is not None:  # a storage's own tensors (not a view of some slots): fixed for a compiled step
             fixed_addresses(self.keys, self.values, self.positions, self.scores, self.bias)
 
@@ -273,29 +265,21 @@ class Storage:
     def range_views(self, hi: int) -> RangeViews:
         """Views of slots ``[0, hi)``: the keys and values a decode step returns, their grouped 3-D
         views that :func:`~kvpolicy_torch.grouped_decode` attends with, and the bias, scores and
-        positions it reads and updates. The views of a range are made once and kept (up to
-        :attr:`kept_ranges` ranges): a view costs a few microseconds on a CPU, seven of them per
-        layer and step, and the range of a decode step (the furthest frontier) takes few values
-        between compactions.
+        positions it reads and updates (seven views; the layout keeps them per range:
+        :meth:`SlotLayout.keep_views <kvpolicy_torch.layout.SlotLayout.keep_views>`).
 
         Example:
             >>> s = Storage.allocate(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), slots=3, score_dtype=torch.float32)
             >>> views = s.range_views(2)
-            >>> tuple(views.keys.shape), tuple(views.keys3t.shape), tuple(views.bias3.shape), s.range_views(2) is views
-            ((1, 2, 2, 4), (2, 4, 2), (2, 1, 2), True)
+            >>> tuple(views.keys.shape), tuple(views.keys3t.shape), tuple(views.bias3.shape)
+            ((1, 2, 2, 4), (2, 4, 2), (2, 1, 2))
         """
-        views = self._ranges.get(hi)
-        if views is not None:
-            return views
         if self._grouped is None:
             raise ValueError("range_views() needs a storage of whole tensors, not a view of some slots")
         k3, v3, bias3 = self._grouped
-        views = RangeViews(self.keys.narrow(2, 0, hi), self.values.narrow(2, 0, hi), k3.narrow(1, 0, hi).transpose(1, 2),
-                           v3.narrow(1, 0, hi), bias3.narrow(2, 0, hi), self.scores.narrow(2, 0, hi),
-                           self.positions.narrow(2, 0, hi))
-        if len(self._ranges) < self.kept_ranges:
-            self._ranges[hi] = views
-        return views
+        return RangeViews(self.keys.narrow(2, 0, hi), self.values.narrow(2, 0, hi), k3.narrow(1, 0, hi).transpose(1, 2),
+                          v3.narrow(1, 0, hi), bias3.narrow(2, 0, hi), self.scores.narrow(2, 0, hi),
+                          self.positions.narrow(2, 0, hi))
 
     @classmethod
     def allocate(

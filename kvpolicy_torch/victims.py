@@ -560,10 +560,43 @@ class OneTokenEviction:
         #: this step's victims are left to the group (never visible: any read of the layer flushes it)
         self.deferred = False
         self._pending: tuple[Storage, Rows] | None = None
+        self._every: list[int] = []  # (every row of the batch: evict_due's usual answer, kept)
 
     def uses_candidates(self, scores: torch.Tensor, hi: int, candidates: int, min_scores: int) -> bool:
         """Whether rows alike, with eligible slots ``[0, hi)``, search among candidates."""
         return CandidateSearch.applies(scores, hi, candidates, min_scores) and not self.shared and self.grows
+
+    def evict_due(self, store: Storage, rows: Rows, candidates: int, min_scores: int) -> list[tuple[int, int]] | None:
+        """After a decode step: free one slot in each row that holds ``limit + 1`` tokens
+        (:meth:`evict`); ``[(limit + 1, limit)]`` when some row did, ``[]`` when none holds that
+        many, ``None`` (nothing freed) when a row holds more: a padded row after its prompt, which
+        a general eviction serves (:class:`~kvpolicy_torch.eviction.HostEviction`).
+
+        Example:
+            >>> from kvpolicy import DecodeEviction
+            >>> from kvpolicy_torch.rows import Rows
+            >>> store = Storage.allocate(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), 4, torch.float32)
+            >>> _ = store.positions.copy_(torch.arange(4).view(1, 1, 4))
+            >>> rows = Rows([4], [4], [4], [{}], [None], [[]])
+            >>> OneTokenEviction(DecodeEviction(limit=3, victim="lowest", recent=1), shared=False, grows=True).evict_due(store, rows, 1, 1)
+            [(4, 3)]
+        """
+        count = rows.count
+        over = self.rule.limit + 1
+        batch = len(count)  # (rows.batch, without the property's call)
+        # (list.count: every decode step of every layer asks, and most batches have rows alike)
+        if count.count(over) == batch:
+            which = self._every
+            if len(which) != batch:
+                which = self._every = list(range(batch))
+        elif any(c > over for c in count):
+            return None
+        else:
+            which = [r for r, c in enumerate(count) if c == over]
+            if not which:
+                return []
+        self.evict(store, rows, which, candidates, min_scores)
+        return [(over, over - 1)]
 
     def evict(self, store: Storage, rows: Rows, which: list[int], candidates: int, min_scores: int) -> None:
         """Free one slot in each row of ``which`` (all heads): ``O(batch x heads)`` writes, nothing moves."""

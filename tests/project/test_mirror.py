@@ -41,7 +41,6 @@ EXCEPTIONS = {
     # kvpolicy_torch: the parts of LayerCache. Each is exercised through the layer (tests/torch/test_layer.py
     # and the differential suites); the refactoring that split them out of layer.py gives each its own file.
     "kvpolicy_torch.general": "through LayerCache's general eviction: tests/torch/test_layer.py, the differential suites",
-    "kvpolicy_torch.layout": "through LayerCache: tests/torch/test_layer.py",
     "kvpolicy_torch.reads": "through LayerCache's reads: tests/torch/test_layer.py, tests/torch/test_victims.py",
     "kvpolicy_torch.rows": "through LayerCache and left-padded batches: tests/integrations/test_ragged.py",
     "kvpolicy_torch.checks": "the hardening suite tests/torch/test_hardening_torch.py",
