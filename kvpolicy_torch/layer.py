@@ -99,6 +99,10 @@ class LayerCache(LayerReads):
             <kvpolicy_torch.allocation.SlotAllocator.release_room>`); ``None`` (default): no room (a chunk that
             does not fit is held transiently beside the storage). Not with ``static_shapes``
             (whose decode steps attend over every allocated slot).
+        pooled_capacity: where the layers of one cache differ in capacity (PyramidKV), the mean
+            of their capacities (rounded down): this layer takes that capacity's spare slots, the
+            memory bound holding over the layers together (:attr:`SlotPlan.pooled
+            <kvpolicy_torch.storage.SlotPlan.pooled>`); ``None`` (default): its own capacity's.
 
     Example:
         >>> import torch
@@ -135,9 +139,11 @@ class LayerCache(LayerReads):
         key_shift: KeyShift | None = None,
         group: LayerGroup | None = None,
         prompt_chunk: int | None = None,
+        pooled_capacity: int | None = None,
     ) -> None:
         check_layer(policy, static_shapes=static_shapes, key_shift=key_shift, group=group)
         self.prompt_chunk = None if prompt_chunk is None else check_int("prompt_chunk", prompt_chunk, minimum=1)
+        self.pooled_capacity = None if pooled_capacity is None else check_int("pooled_capacity", pooled_capacity, minimum=1)
         self.policy = policy
         self.reduce_scores = reduce_scores
         self.static_shapes = bool(static_shapes)
@@ -183,7 +189,8 @@ class LayerCache(LayerReads):
         # static shapes: a decode step's bookkeeping in device tensors (kvpolicy_torch.static)
         self._static = StaticSteps(policy, self.reduce_scores) if self.static_shapes else None
         plan = SlotPlan(policy.capacity, self.reserve, slack=rule is not None and rule.victim != "oldest" and not self.static_shapes,
-                        chunk=0 if self.static_shapes or self.prompt_chunk is None else self.prompt_chunk)
+                        chunk=0 if self.static_shapes or self.prompt_chunk is None else self.prompt_chunk,
+                        pooled=self.pooled_capacity)
         self._slots = SlotAllocator(policy, plan, group=self.group, index=self._group_index, static=self._static, ragged=self._ragged)
         # a score declared as a sum over the candidates (KeyDiff's anchor): kept between eager decode
         # steps, per head (not for scores summed over heads, keys rotated in place, or a refresh interval)

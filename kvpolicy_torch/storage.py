@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 
 __all__ = ["HOLE", "MEMORY_BOUND", "RangeViews", "SlotPlan", "Storage", "bookkeeping_bytes", "fixed_addresses", "grown_slots",
-           "hole_bookkeeping", "token_bytes"]
+           "hole_bookkeeping", "pooled_capacity", "token_bytes"]
 
 _MIN_GROWTH = 16  # slots an unbounded store grows by at least
 _MAX_GROWTH = 4096  # and at most (bounded chunks: a long run never doubles its allocation at once)
@@ -30,6 +30,20 @@ _MAX_GROWTH = 4096  # and at most (bounded chunks: a long run never doubles its 
 #: slots together) over the bytes of the keys and values its capacity holds, where the spare slots
 #: decide it (:meth:`SlotPlan.spare`): a one-token eviction by lowest score in the eager layout.
 MEMORY_BOUND = 1.1
+
+
+def pooled_capacity(capacities: Sequence[int | None]) -> int | None:
+    """The capacity whose spare slots every layer of one cache takes (:attr:`SlotPlan.pooled`):
+    the mean of the layers' ``capacities`` rounded down where they differ, else ``None`` (each
+    takes its own: equal capacities, an unbounded layer, or no layer).
+
+    Example:
+        >>> pooled_capacity([250, 129, 8]), pooled_capacity([129, 129]), pooled_capacity([129, None])
+        (129, None, None)
+    """
+    if not capacities or any(c is None for c in capacities) or len(set(capacities)) == 1:
+        return None
+    return sum(c for c in capacities if c is not None) // len(capacities)
 
 
 def grown_slots(slots: int, need: int = 0) -> int:
@@ -101,6 +115,14 @@ class SlotPlan:
     slack: bool
     planned: int = 0
     chunk: int = 0
+    #: the capacity whose spare slots the layer takes instead of its own's (``None``: its own):
+    #: where the layers of one cache differ in capacity (PyramidKV) the memory bound holds over
+    #: them together, and each takes the spare slots of their mean (rounded down), so a small
+    #: layer compacts as rarely as the mean one (alone, a layer of 8 tokens gets 1 spare slot and
+    #: compacts at every step: PyramidKV's 30 layers at 25% of 512 tokens compacted 9.2 times a
+    #: step, 4.3 pooled). The cache's spare slots are those of its layers' own, give or take one
+    #: per layer, so the whole stays within :data:`MEMORY_BOUND`.
+    pooled: int | None = None
     #: the slots the first allocation holds for a chunked prefill's next chunk (set by
     #: :meth:`first`), given back at the first decode step (:meth:`SlotAllocator.release_room
     #: <kvpolicy_torch.allocation.SlotAllocator.release_room>`); ``0`` once given back, or when none
@@ -118,13 +140,14 @@ class SlotPlan:
         # (128 slots: a floor of 0 / 32 / 64 ran H2O at 95.1 / 96.2 / 96.7% of the limit on
         # SmolLM2-135M, benchmarks/slack_sweep.py). One compaction chunk bounds it: allocated
         # bytes stay within capacity plus one chunk.
-        slack = max(self.capacity // 8, min(self.capacity // 2, min_slack))
+        capacity = self.capacity if self.pooled is None else self.pooled
+        slack = max(capacity // 8, min(capacity // 2, min_slack))
         # ... and the memory bound: the storage (keys, values, positions, scores, bias and the spare
         # slots) allocates at most MEMORY_BOUND x the bytes of the keys and values it holds between
         # two steps (capacity - 1 tokens: a one-token eviction has just freed one), what a
         # 64-dimensional head leaves: ~5% of the capacity
-        held = (self.capacity - 1) * per_slot
-        room = math.floor(MEMORY_BOUND * held / max(per_slot + bookkeeping, 1) + 1e-9) - self.capacity
+        held = (capacity - 1) * per_slot
+        room = math.floor(MEMORY_BOUND * held / max(per_slot + bookkeeping, 1) + 1e-9) - capacity
         slack = min(slack, room)
         return max(1, min(slack, chunk_bytes // max(per_slot, 1)))
 

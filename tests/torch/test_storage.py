@@ -71,3 +71,31 @@ def test_spare_slots_keep_the_storage_within_the_memory_bound(capacity, heads, h
         assert slots == capacity + 1
     # never more than the speed rule alone would take (capacity / 8, or min_slack up to half the capacity)
     assert slots - capacity <= max(1, max(capacity // 8, min(capacity // 2, min_slack)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(capacities=st.lists(st.integers(2, 4_000), min_size=2, max_size=40), heads=st.integers(1, 8),
+       head_dim=st.sampled_from([64, 80, 128, 256]), kv_itemsize=st.sampled_from([2, 4]),
+       score_itemsize=st.sampled_from([4, 8]), min_slack=st.integers(0, 128))
+def test_pooled_spare_slots_keep_the_cache_within_the_memory_bound(capacities, heads, head_dim, kv_itemsize,
+                                                                   score_itemsize, min_slack) -> None:
+    """Layers of different capacities (PyramidKV) take the spare slots of their mean capacity:
+    the cache as a whole (every layer's keys, values, bookkeeping and spare slots) stays within
+    MEMORY_BOUND x what it holds between steps, wherever the mean layer has room for a spare slot."""
+    from kvpolicy_torch.storage import pooled_capacity
+
+    per_slot = heads * 2 * head_dim * kv_itemsize
+    bookkeeping = heads * (8 + 2 * score_itemsize)
+    pooled = pooled_capacity(capacities)
+    if len(set(capacities)) == 1:
+        assert pooled is None
+        return
+    assert pooled == sum(capacities) // len(capacities)
+    slots = [SlotPlan(c, None, slack=True, pooled=pooled).first(1, per_slot, min_slack, 1 << 30, bookkeeping=bookkeeping)
+             for c in capacities]
+    spare = {s - c for s, c in zip(slots, capacities)}
+    assert len(spare) == 1  # every layer the same spare slots: the mean layer's
+    allocated = sum(slots) * (per_slot + bookkeeping)
+    held = sum(c - 1 for c in capacities) * per_slot
+    if (pooled + 1) * (per_slot + bookkeeping) <= MEMORY_BOUND * (pooled - 1) * per_slot:
+        assert allocated <= MEMORY_BOUND * held

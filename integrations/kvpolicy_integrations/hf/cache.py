@@ -23,6 +23,7 @@ from kvpolicy.policy import EvictionPolicy
 from kvpolicy.validation import check_bool, check_int
 from kvpolicy_torch import LayerGroup
 from kvpolicy_torch.queries import PreRope
+from kvpolicy_torch.storage import pooled_capacity
 
 from ..capabilities import ModelCapabilities, RopeLayout, detect, model_layers, query_rotations, rope_layouts, text_config
 from .attention import ATTENTION_NAME, ATTENTION_SCOPES, SCOPED_ATTENTION_NAME, register_attention, set_attention_implementation
@@ -318,14 +319,19 @@ class EvictingCache(Cache):
         # shared by the layers: one victim search a decode step for all (static shapes search on the
         # device, each layer in its own graph nodes)
         group = None if static_shapes else LayerGroup(n_layers)
+        per_layer = [policy.for_layer(i, n_layers) for i in range(n_layers)]
+        # layers of different capacities (PyramidKV) take the spare slots of their mean: the memory
+        # bound over the cache, not over each layer (a small layer would compact at every step)
+        pooled = pooled_capacity([p.capacity for p in per_layer])
         layers = [
             EvictingLayer(
-                policy.for_layer(i, n_layers), i, positions=positions, rope=ropes[i], attention=caps.layers[i], reduce_scores=reduce_scores,
+                per_layer[i], i, positions=positions, rope=ropes[i], attention=caps.layers[i], reduce_scores=reduce_scores,
                 fused_decode=fused_decode, static_shapes=static_shapes, reserve=max_tokens, padding=self.padding,
                 shift_matrices=shift_matrices, pre_rope=pre_rope, group=group,
                 prefill_chunk=None if prefill_chunk is None else check_int("prefill_chunk", prefill_chunk, minimum=1),
+                pooled_capacity=pooled,
             )
-            for i in range(len(caps.layers))
+            for i in range(n_layers)
         ]
         super().__init__(layers=layers)
 

@@ -156,6 +156,7 @@ class EvictingLayer(DynamicLayer):
         pre_rope: PreRope | None = None,
         group: LayerGroup | None = None,
         prefill_chunk: int | None = None,
+        pooled_capacity: int | None = None,
     ) -> None:
         super().__init__()
         self.policy = policy
@@ -178,6 +179,7 @@ class EvictingLayer(DynamicLayer):
         self.store = LayerCache(
             policy, reduce_scores=reduce_scores, static_shapes=static_shapes, reserve=reserve,
             key_shift=self.rope_shift if self.shifts else None, group=group, prompt_chunk=prefill_chunk,
+            pooled_capacity=pooled_capacity,
         )
         #: Expected Attention's queries rotated back to before RoPE (one rotation a step for all layers)
         self.pre_rope = pre_rope if pre_rope is not None else PreRope()
