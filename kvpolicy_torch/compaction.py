@@ -62,7 +62,18 @@ def keep_slots(storage: Storage, rows: list[int], keep: torch.Tensor, old_front:
     # [.., kept, head_dim] index is 7-17x slower on CPU).
     starts = ((row_t[:, None] * h + torch.arange(h, device=dev)) * slots)[..., None]  # [g, h, 1]
     src_rows = keep.to(device=dev, dtype=torch.int64) + starts
-    flat = [t.reshape(-1, t.shape[3]) if t.ndim == 4 else t.reshape(-1) for t in storage]
+    # a bookkeeping tensor that is a segment of a LayerGroup's flat one is not contiguous: it moves
+    # whole rows of slots (a few bytes a slot) instead; keys, values and every other one in place
+    apart = [t for t in storage.bookkeeping() if not t.is_contiguous()]
+    if apart:
+        rows_heads = starts.view(-1) // slots  # [g * h]: each row and head's index in [batch * kv_heads]
+        order = keep.to(device=dev, dtype=torch.int64).reshape(g * h, kept)
+        for t in apart:
+            by_row = t.view(batch * h, slots)  # (its rows and heads merge: Storage.whole)
+            part = by_row.index_select(0, rows_heads)
+            part[:, :kept] = part.gather(1, order)
+            by_row.index_copy_(0, rows_heads, part)
+    flat = [t.reshape(-1, t.shape[3]) if t.ndim == 4 else t.reshape(-1) for t in storage if t.is_contiguous() or t.ndim == 4]
     per_slot = g * h * sum(t.element_size() * (t.shape[-1] if t.ndim == 4 else 1) for t in storage)
     step = max(1, chunk_bytes // max(per_slot, 1))
     for j0 in range(0, kept, step):

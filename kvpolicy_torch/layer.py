@@ -331,6 +331,12 @@ class LayerCache(LayerReads):
         if q == 1:
             if self._slots.plan.room or layout.rows_at_end():  # (room_for_token's own tests: a step asks them here)
                 self._slots.room_for_token(layout, chunk_bytes=chunk_bytes)
+            group = self.group
+            if group is not None and group.assembling:  # layers of different sizes: into the group's flat tensors
+                joined = group.join(self._group_index, layout.storage())
+                if joined is not None:
+                    layout.store = joined
+                    layout.moved()
             # a score from the cache that is the token's own (Knorm): computed once, here
             score = token_scores(self.policy, keys, values, layout.rows.seen, layout.store.scores.dtype) if self._once else None
             layout.write_one(keys, values, score)

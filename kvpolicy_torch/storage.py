@@ -270,7 +270,9 @@ class Storage:
     _grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(init=False, repr=False, compare=False)
     def __post_init__(self) -> None:
         b, h, slots, d = self.keys.shape
-        whole = self.keys.is_contiguous() and self.values.is_contiguous() and self.bias.is_contiguous()
+        # (the bias may be a segment of a LayerGroup's flat tensor: its rows and heads still merge)
+        bias_rows = self.bias.stride(2) == 1 and (b == 1 or self.bias.stride(0) == h * self.bias.stride(1))
+        whole = self.keys.is_contiguous() and self.values.is_contiguous() and bias_rows
         self._grouped = (
             # (head dims spelled out: a view of no slots, e.g. an all-pad prompt's, has no -1 to infer)
             (self.keys.view(b * h, slots, d), self.values.view(b * h, slots, self.values.shape[3]), self.bias.view(b * h, 1, slots))
@@ -281,8 +283,9 @@ class Storage:
 
     @property
     def whole(self) -> bool:
-        """Whether keys, values and bias are contiguous (a storage's own tensors, not a view of some
-        of their slots): :meth:`range_views` serves it."""
+        """Whether keys and values are contiguous and the bias is rows of slots (a storage's own
+        tensors, not a view of some of their slots; its bookkeeping may be a segment of a
+        :class:`~kvpolicy_torch.LayerGroup`'s): :meth:`range_views` serves it."""
         return self._grouped is not None
 
     def range_views(self, hi: int) -> RangeViews:

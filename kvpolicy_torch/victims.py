@@ -145,9 +145,15 @@ class LayerGroup:
     """Storage and deferred one-token evictions shared by the ``layers`` layers of one cache.
 
     Pass the same group to every layer's :class:`~kvpolicy_torch.LayerCache` (``group=``), in
-    layer order. The first layer to allocate fixes the shape ``[batch, kv_heads, slots]``; a layer
-    whose storage differs (another capacity, e.g. PyramidKV, or a growing full cache) keeps its own
-    tensors and evicts alone, and then so does every layer (the group's search needs all of them).
+    layer order. The first layer to allocate fixes the shape ``[batch, kv_heads, slots]``, and the
+    layers keep their positions, scores and bias as slices of one tensor ``[layers, batch,
+    kv_heads, slots]``. Layers of different sizes (PyramidKV's capacities) are :attr:`ragged`:
+    each keeps its own tensors through the prompt, and at its decode steps asks to
+    :meth:`join`; once every layer has asked, their positions, scores and bias move into one
+    flat tensor ``[batch, kv_heads, total slots]``, each layer's slots a segment of it, and the
+    group searches every segment's victim at once again. A layer whose storage changes after
+    that (a growing full cache, AdaKV's widest head) keeps its own tensors and evicts alone, and
+    then so does every layer (the group's search needs all of them).
 
     Args:
         layers: how many layers will join.
@@ -182,6 +188,15 @@ class LayerGroup:
         # they become the group's when the last layer has left the old ones
         self._moved: set[int] = set()
         self._next: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        #: Whether the layers differ in slots (PyramidKV): their tensors, once every layer has
+        #: asked to :meth:`join`, are one flat ``[batch, kv_heads, total slots]``.
+        self.ragged = False
+        #: Whether a layer should ask to :meth:`join` at its decode step (ragged layers that are
+        #: not all in the flat tensors yet, none refused): read by every decode step, an attribute.
+        self.assembling = False
+        self._asked: dict[int, tuple[tuple[int, int, int], torch.dtype, torch.device]] = {}  # (join: the layers' shapes)
+        self._refused = False  # a layer's shape no longer matched its segment: the flat tensors are not completed
+        self._segments: _Segments | None = None  # (ragged: each layer's slots in the flat tensors)
         #: Decode steps whose victims the group found for every layer at once (a diagnostic).
         self.batched_evictions = 0
 
@@ -208,12 +223,17 @@ class LayerGroup:
         """Layer ``index``'s positions, scores and bias ``[batch, kv_heads, slots]`` (``-1``,
         ``+inf``, ``-inf``: all holes) as slices of the group's tensors, or ``None`` when they
         cannot be (another shape, dtype or device than the group's)."""
+        if self.ragged:
+            return None  # (its own tensors until every layer asks to join)
         if self._pos is None or not self._members - {index}:  # the first layer (again) fixes the shape
             full = (self.layers, *shape)
             self._pos, self._scores, self._bias = hole_bookkeeping(full, score_dtype, device)
         assert self._scores is not None and self._bias is not None
         if tuple(self._pos.shape[1:]) != shape or self._scores.dtype != score_dtype or self._pos.device != device:
-            self.leave(index)
+            if tuple(self._pos.shape[1:3]) == shape[:2] and self._scores.dtype == score_dtype and self._pos.device == device:
+                self._become_ragged()  # another size (PyramidKV): one flat tensor once every layer has allocated
+            else:
+                self.leave(index)
             return None
         pos, scores, bias = self._pos[index], self._scores[index], self._bias[index]
         pos.fill_(-1)
@@ -225,12 +245,13 @@ class LayerGroup:
 
     def move(
         self, index: int, shape: tuple[int, int, int], score_dtype: torch.dtype, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Layer ``index`` reallocates to ``shape`` ``[batch, kv_heads, slots]`` while the others
         will follow (every layer giving back a chunked prefill's room at its first decode step):
         its positions, scores and bias (all holes) as slices of the group's next tensors, which
         become the group's when no layer is left in the old ones; the group stays whole, where
-        :meth:`storage` after :meth:`leave` would leave every layer on its own.
+        :meth:`storage` after :meth:`leave` would leave every layer on its own. ``None`` for
+        :attr:`ragged` layers: the layer keeps its own tensors and asks to :meth:`join` again.
 
         Example:
             >>> group, cpu = LayerGroup(2), torch.device("cpu")
@@ -239,6 +260,9 @@ class LayerGroup:
             >>> group.complete, tuple(group.views(1)[0].shape)
             (True, (1, 1, 2))
         """
+        if self.ragged:  # (a flat segment does not move: the layer leaves, and asks to join with its new shape)
+            self.leave(index)
+            return None
         self._members.discard(index)
         self._members_changed()
         self._pending = [p for p in self._pending if p.index != index]
@@ -251,6 +275,57 @@ class LayerGroup:
         views = nxt[0][index], nxt[1][index], nxt[2][index]
         self._promote()
         return views
+
+    def _become_ragged(self) -> None:
+        """Layers of different sizes: the stacked tensors are given up (a layer that holds slices
+        of them keeps them alive until it joins the flat ones), every layer evicts alone until all
+        have asked to :meth:`join`."""
+        self.flush()
+        self.ragged = self.assembling = True
+        self._pos = self._scores = self._bias = self._next = None
+        self._members, self._moved = set(), set()
+        self._members_changed()
+
+    def join(self, index: int, storage: Storage) -> Storage | None:
+        """Ragged layers (:attr:`ragged`), at a decode step of layer ``index`` (while
+        :attr:`assembling`): ``storage`` with its positions, scores and bias moved into the
+        group's flat tensors (keys and values stay), or ``None`` while it keeps its own: not every
+        layer has asked yet (the flat tensors are laid out from every layer's storage as it stood
+        when it asked, after a chunked prefill gave its room back), or its storage no longer fits
+        its segment (then no layer joins until they all leave, e.g. at a reset).
+
+        Example:
+            >>> from kvpolicy_torch.storage import Storage
+            >>> group, cpu = LayerGroup(2), torch.device("cpu")
+            >>> first = group.storage(0, (1, 1, 4), torch.float32, cpu)
+            >>> group.storage(1, (1, 1, 2), torch.float32, cpu) is None, group.ragged
+            (True, True)
+            >>> stores = [Storage.allocate(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), n, torch.float32) for n in (4, 2)]
+            >>> group.join(0, stores[0]) is None  # layer 1 has not asked yet
+            True
+            >>> joined = [group.join(1, stores[1]), group.join(0, stores[0])]
+            >>> group.complete, tuple(joined[0].positions.shape), tuple(group.views(0)[0].shape)
+            (True, (1, 1, 2), (1, 1, 4))
+        """
+        b, h, slots = storage.positions.shape
+        asked = ((int(b), int(h), int(slots)), storage.scores.dtype, storage.positions.device)
+        if self._segments is None:
+            self._asked[index] = asked
+            if len(self._asked) < self.layers:
+                return None
+            shapes = [self._asked[i] for i in range(self.layers)]
+            if any(s[0][:2] != shapes[0][0][:2] or s[1:] != shapes[0][1:] for s in shapes):
+                self._refused, self.assembling = True, False  # (rows, heads, dtype or device differ: alone)
+                return None
+            self._segments = _Segments([s[0][2] for s in shapes], shapes[0][2])
+            self._pos, self._scores, self._bias = hole_bookkeeping((*shapes[0][0][:2], self._segments.total), shapes[0][1], shapes[0][2])
+        if asked != self._asked.get(index) or self._refused:
+            self._refused, self.assembling = True, False
+            return None
+        self._members.add(index)
+        self._members_changed()
+        self.assembling = not self.complete
+        return self.relink(index, storage)
 
     def _promote(self) -> None:
         """The next tensors become the group's once no layer is left in the current ones."""
@@ -266,6 +341,9 @@ class LayerGroup:
             return self._next[0][index], self._next[1][index], self._next[2][index]
         if index not in self._members or self._pos is None or self._scores is None or self._bias is None:
             return None
+        if self._segments is not None:  # (ragged: the layer's segment of the flat tensors)
+            lo, n = self._segments.offsets[index], self._segments.slots[index]
+            return self._pos.narrow(2, lo, n), self._scores.narrow(2, lo, n), self._bias.narrow(2, lo, n)
         return self._pos[index], self._scores[index], self._bias[index]
 
     def relink(self, index: int, storage: Storage) -> Storage:
@@ -294,8 +372,13 @@ class LayerGroup:
         self._members_changed()
         self._moved.discard(index)
         self._pending = [p for p in self._pending if p.index != index]
+        if self.ragged:
+            self._asked.pop(index, None)
+            self.assembling = self.assembling and self._segments is None  # (a member left: the flat tensors stay incomplete)
         if not self._members:  # nobody's storage any more: free it (the next layer to allocate sets a new one)
             self._pos = self._scores = self._bias = None
+            if self.ragged:  # (every layer left, e.g. a reset: they lay out new flat tensors when they all ask again)
+                self._segments, self._refused, self.assembling = None, False, True
             self._promote()
 
     def defer(self, index: int, hi: int, free_alone: Callable[[], None], freed: Callable[[], None],
@@ -323,10 +406,13 @@ class LayerGroup:
             return
         hi, shared = pending[0].hi, pending[0].shared
         # (a loop, no generator: the last layer of every decode step asks; a generator is a call each)
-        alike, by_position = len(pending) == self.layers and self.complete, False
+        alike, by_position, flat = len(pending) == self.layers and self.complete, False, self._segments is not None
         for p in pending:
-            alike = alike and p.hi == hi and p.shared == shared
+            alike = alike and (p.hi == hi or flat) and p.shared == shared
             by_position = by_position or p.holes_by_position
+        if alike and flat:
+            self._flush_segments(pending, shared, by_position)
+            return
         if alike:
             assert self._pos is not None and self._scores is not None and self._bias is not None
             # each layer's plain scan (victims.lowest_victims), for every layer at once: the same answer
@@ -344,6 +430,44 @@ class LayerGroup:
             return
         for p in pending:
             p.free_alone()
+
+    def _flush_segments(self, pending: list[PendingVictims], shared: bool, by_position: bool) -> None:
+        """:meth:`flush` of ragged layers: each segment's plain scan of its slots ``[0, hi)``, for
+        every segment at once. The segments are gathered into a grid ``[batch, kv_heads, layers,
+        widest]`` (a segment's columns past its own slots repeat its last one), the columns at or
+        past a layer's ``hi`` ranked ``+inf`` (after its eligible slots, so a tie of ``+inf``
+        still goes to the earliest eligible slot, as the layer's own scan has it)."""
+        pos, scores, bias, seg = self._pos, self._scores, self._bias, self._segments
+        assert pos is not None and scores is not None and bias is not None and seg is not None
+        ranks = eviction_ranks(scores, pos) if by_position else scores
+        b, h = ranks.shape[:2]
+        grid = ranks.index_select(2, seg.grid).view(b, h, self.layers, seg.widest)
+        his = torch.tensor([p.hi for p in pending], device=grid.device).view(-1, 1)  # (pending: in layer order)
+        grid.masked_fill_(seg.columns >= his, math.inf)
+        if shared:  # the heads' scores summed as each layer sums them, one victim for all heads
+            victims = first_argmin(grid.sum(dim=1, keepdim=True)).expand(b, h, self.layers)
+        else:
+            victims = first_argmin(grid)  # [batch, heads, layers]
+        mark_holes(pos, scores, bias, 2, victims + seg.starts)
+        for p in pending:
+            p.freed()
+        self.batched_evictions += 1
+
+
+class _Segments:
+    """Where each layer's slots lie in a :class:`LayerGroup`'s flat tensors (ragged layers)."""
+
+    def __init__(self, slots: list[int], device: torch.device) -> None:
+        self.slots = slots
+        self.offsets = [sum(slots[:i]) for i in range(len(slots))]
+        self.total = sum(slots)
+        self.widest = max(slots)
+        #: the flat column of each grid cell ``[layers * widest]``: a segment's columns past its
+        #: slots repeat its last slot (ranked ``+inf`` by the search: past every layer's ``hi``)
+        self.grid = torch.tensor([o + min(j, n - 1) for o, n in zip(self.offsets, slots) for j in range(self.widest)],
+                                 device=device)
+        self.columns = torch.arange(self.widest, device=device)  # a grid cell's column within its segment
+        self.starts = torch.tensor(self.offsets, device=device)  # [layers]: added to a segment's victim
 
 
 # ---------------------------------------------------------------------- one layer

@@ -213,13 +213,59 @@ def test_a_shared_selection_is_searched_by_the_group_on_the_heads_summed_scores(
     assert all(len({tuple(h) for h in layer.positions[r].tolist()}) == 1 for layer in stack for r in range(2))
 
 
-def test_layers_of_other_capacities_evict_alone() -> None:
-    """PyramidKV-like: one layer's storage differs, so no layer defers to the group."""
-    group = LayerGroup(2)
-    stack = [LayerCache(H2O(heavy=4, recent=4), group=group), LayerCache(H2O(heavy=2, recent=2), group=group)]
-    alone = [LayerCache(H2O(heavy=4, recent=4)), LayerCache(H2O(heavy=2, recent=2))]
-    _lockstep(stack, alone, torch.Generator().manual_seed(0), batch=1, steps=30)
-    assert not group.complete and group.batched_evictions == 0
+def test_layers_of_other_capacities_join_one_flat_tensor_and_are_searched_at_once() -> None:
+    """PyramidKV-like: the layers' storages differ in slots, so they keep their own tensors
+    through the prompt, move into the group's flat tensor at their decode steps, and from then on
+    the group searches them at once; the kept tokens stay each layer's own eviction's."""
+    group = LayerGroup(3)
+    sizes = [(4, 4), (2, 2), (3, 1)]
+    stack = [LayerCache(H2O(heavy=a, recent=b), group=group) for a, b in sizes]
+    alone = [LayerCache(H2O(heavy=a, recent=b)) for a, b in sizes]
+    _lockstep(stack, alone, torch.Generator().manual_seed(0), batch=2, steps=30)
+    assert group.ragged and group.complete and not group.assembling
+    assert group.batched_evictions > 20
+    # the group's tensors hold each layer's slots once (no stacked copy of the widest)
+    assert group.nbytes == sum(layer.slots for layer in stack) * 2 * HEADS * (8 + 4 + 4)
+    for layer in stack:  # a reset leaves the group; the layers join again at the next sequence's decode steps
+        layer.reset()
+    assert not group.complete and group.nbytes == 0
+    for layer in alone:
+        layer.reset()
+    _lockstep(stack, alone, torch.Generator().manual_seed(1), batch=1, steps=20)
+    assert group.complete
+
+
+@given(
+    policy=st.one_of(h2o_policies(), tova_policies()), extra=st.lists(st.integers(0, 6), min_size=1, max_size=4),
+    batch=st.integers(1, 2), prompt=st.integers(1, 20), steps=st.integers(1, 30), data=st.data(),
+)
+@settings(max_examples=100, deadline=None)
+def test_layers_of_other_sizes_evict_what_each_evicts_alone(policy, extra, batch, prompt, steps, data) -> None:
+    """Layers of different capacities (the same rule, each layer ``extra`` tokens larger, as
+    PyramidKV's budgets make them) in one group keep exactly what each keeps alone: through the
+    prompt, the move into the flat tensor, the search of every segment at once, compactions and
+    reads between the layers' evictions."""
+    rule = policy.decode_eviction
+    if isinstance(policy, H2O):
+        policies = [H2O(heavy=policy.heavy + e, recent=policy.recent, selection=policy.selection) for e in extra]
+    else:
+        policies = [TOVA(size=rule.limit + e, selection=policy.selection) for e in extra]
+    group = LayerGroup(len(policies))
+    grouped = [LayerCache(p, group=group) for p in policies]
+    alone = [LayerCache(p) for p in policies]
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    for t in range(steps + 1):
+        q = prompt if t == 0 else 1
+        kv = torch.randn(batch, HEADS, q, DIM, generator=g)
+        received = [torch.randint(0, 3, (batch, HEADS, 512), generator=g).float() for _ in policies]
+        peek = data.draw(st.none() | st.integers(0, len(policies) - 1))
+        peeked = _step(grouped, kv, received, peek)
+        _step(alone, kv, received, None)
+        if peek is not None:
+            assert peeked == alone[peek].positions.tolist(), t
+        for a, b in zip(grouped, alone):
+            assert _state(a) == _state(b), t
+            assert torch.equal(a.slot_positions, b.slot_positions)
 
 
 def test_ragged_rows_select_batch_and_reset_leave_the_group_correct() -> None:
