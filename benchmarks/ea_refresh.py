@@ -11,7 +11,7 @@ Speed, as ``module:factory`` policies planned per budget like the built-ins::
 
 Quality: this script registers ``expected_attention_r1``, ``_r4``, ``_r16`` and ``_r64`` as presets
 (``_r1``: the every-step rule; the registered ``expected_attention`` and ``keydiff`` score every
-64th step since 2026-11-28), then runs ``kvpolicy compare`` with the arguments given::
+64th step since 2026-11-28, ``lagkv`` since 2026-11-29), then runs ``kvpolicy compare`` with the arguments given::
 
     PYTHONPATH=.:integrations .venv/bin/python benchmarks/ea_refresh.py --tasks stream --budgets none \\
         --cache-sizes 64 --stream-tokens 192 --samples 2 --equalise mean --threads 1 \\
@@ -48,7 +48,7 @@ lagkv_refresh4, lagkv_refresh16, lagkv_refresh64 = (planned(n, LagKV, "lagkv_ref
 def main(argv: list[str]) -> int:
     from kvpolicy_tools.eval.compare import main as compare  # here: the bench imports this module too
 
-    for n in (1, *REFRESH):  # (r1: the every-step rule, no longer KeyDiff's and Expected Attention's default)
+    for n in (1, *REFRESH):  # (r1: the every-step rule, no longer KeyDiff's, Expected Attention's or LagKV's default)
         register_policy(ExpectedAttention, name=f"expected_attention_r{n}", preset={"refresh": n})
         register_policy(KeyDiff, name=f"keydiff_r{n}", preset={"refresh": n})
         register_policy(LagKV, name=f"lagkv_r{n}", preset={"refresh": n})

@@ -24,14 +24,15 @@ class LagKV(KeepHighest):
     of fewer than ``sink + 2 lag`` tokens keeps its sinks and then its newest tokens. While the
     cache holds more than ``size`` tokens, the lowest score outside the newest ``recent`` goes
     (ties, which ranks make common across partitions: the earliest position): one token per decode
-    step, the scores recomputed on the cache as it is then; after a prompt longer than ``size``,
-    the ``size`` highest in one decision: kvpress's ``LagKVPress`` (whose defaults these are), but
-    for its ties (``topk``'s order) and a channel whose lag has one value (0 here, NaN there).
-    Every eviction moves the partitions after it, so each decode step rescores the whole cache
-    (``O(n d)`` with a sort); ``refresh = N > 1`` rescores after a prompt and at every ``N``-th
-    decode step only, the tokens appended in between scoring
-    :data:`~kvpolicy.statistics.UNSCORED` (kept before every scored one), as KeyDiff's and
-    Expected Attention's ``refresh`` (as kvpress's ``DecodingPress`` compresses every ``N`` steps).
+    step; after a prompt longer than ``size``, the ``size`` highest in one decision: kvpress's
+    ``LagKVPress`` (whose defaults these are), but for its ties (``topk``'s order) and a channel
+    whose lag has one value (0 here, NaN there). The scores are computed after a prompt and at
+    every ``refresh``-th decode step (64 by default), held in between, the tokens appended since
+    scoring :data:`~kvpolicy.statistics.UNSCORED` (kept before every scored one), as KeyDiff's and
+    Expected Attention's ``refresh`` (as kvpress's ``DecodingPress`` compresses every ``N`` steps):
+    every eviction moves the partitions after it, so ``refresh=1``, rescoring the whole cache at
+    every decode step (``O(n d)`` with a sort), ran at 17-78% of the limit (docs/policies.md,
+    LagKV).
 
     Parameters:
         size: tokens kept between steps (>= 1).
@@ -39,7 +40,7 @@ class LagKV(KeepHighest):
         sink: first tokens always scored 1 (kvpress's ``n_sink``, 4).
         lag: tokens per partition (kvpress's ``lag_size``, 128).
         cross_scoring: compare the softmaxed scores across partitions instead of ranks (False).
-        refresh: decode steps between two scorings (>= 1; default 1: every step).
+        refresh: decode steps between two scorings (>= 1; default 64; 1: every step).
         selection: ``"per_head"`` (default) or ``"shared"`` (scores summed over a layer's heads).
 
     Example:
@@ -47,8 +48,8 @@ class LagKV(KeepHighest):
         >>> p = LagKV(size=64, lag=16)
         >>> p.capacity, p.sink, p.captures_attention
         (65, 4, False)
-        >>> LagKV(size=64, lag=16, refresh=16)
-        LagKV(size=64, recent=0, sink=4, lag=16, refresh=16)
+        >>> LagKV(size=64, lag=16).refresh, LagKV(size=64, lag=16, refresh=1)
+        (64, LagKV(size=64, recent=0, sink=4, lag=16, refresh=1))
     """
 
     name = "lagkv"
@@ -57,7 +58,7 @@ class LagKV(KeepHighest):
     sink = Param(int, 4, minimum=0, doc="first tokens always kept (n_sink)")
     lag = Param(int, 128, minimum=1, doc="tokens per partition, each scored against the next (lag_size)")
     cross_scoring = Param(bool, False, shown="non-default", doc="rank scores across partitions, not within")
-    refresh = Param(int, 1, minimum=1, shown="non-default", doc="decode steps between two scorings (1: every step)")
+    refresh = Param(int, 64, minimum=1, shown="non-default", doc="decode steps between two scorings (1: every step)")
 
     def cache_score(self, tokens: CachedTokens) -> Array:
         """Each token's lag-relative score (:func:`kvpolicy.statistics.lag_scores`)."""

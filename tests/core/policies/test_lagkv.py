@@ -61,8 +61,9 @@ def cases(draw):
     lag = draw(st.integers(1, 4))
     sink = draw(st.integers(0, 3))
     size = draw(st.integers(1, 12))
+    # (refresh=1: the every-step rule kvpress's scores are compared with; the default scores every 64th step)
     policy = LagKV(size=size, recent=draw(st.integers(0, min(2, size - 1))), sink=sink, lag=lag,
-                   cross_scoring=draw(st.booleans()), selection=draw(st.sampled_from(["per_head", "shared"])))
+                   cross_scoring=draw(st.booleans()), selection=draw(st.sampled_from(["per_head", "shared"])), refresh=1)
     steps = draw(st.integers(2, 30))
     heads = draw(st.integers(1, 3))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -117,7 +118,7 @@ def test_a_refresh_interval_changes_what_is_kept() -> None:
     rng = np.random.default_rng(1)
     keys, values = rng.normal(size=(60, 1, 4)), rng.normal(size=(60, 1, 4))
     logits = np.zeros((60, 1, 60))
-    every = kvpolicy_numpy.replay(LagKV(size=16, sink=2, lag=3), logits, 20, keys=keys, values=values)
+    every = kvpolicy_numpy.replay(LagKV(size=16, sink=2, lag=3, refresh=1), logits, 20, keys=keys, values=values)
     sparse = kvpolicy_numpy.replay(LagKV(size=16, sink=2, lag=3, refresh=5), logits, 20, keys=keys, values=values)
     assert any(a.tolist() != b.tolist() for a, b in zip(every.kept[20:], sparse.kept[20:]))
 
@@ -166,10 +167,12 @@ def test_parameters_and_plans() -> None:
 
 
 @pytest.mark.hf
-def test_the_transformers_cache_keeps_what_the_reference_keeps() -> None:
+@pytest.mark.parametrize("refresh", [1, 5])
+def test_the_transformers_cache_keeps_what_the_reference_keeps(refresh) -> None:
     """Layer 0 of a tiny random-weight Llama (float64): kept positions after a prompt and 16 greedy
     steps equal the reference replay's on the layer's keys and values (the O(1) decode eviction
-    reuses slots, so the cache scores tokens out of position order)."""
+    reuses slots, so the cache scores tokens out of position order), scored at every step and at
+    every 5th."""
     pytest.importorskip("transformers")
     from kvpolicy.hf import EvictingCache
     from kvpolicy_tools.models import tiny_llama
@@ -178,7 +181,7 @@ def test_the_transformers_cache_keeps_what_the_reference_keeps() -> None:
 
     model = tiny_llama(num_layers=2, heads=4, kv_heads=4, head_dim=8, vocab=96, seed=3).double()
     ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(5))
-    policy = LagKV(size=16, sink=2, lag=4)
+    policy = LagKV(size=16, sink=2, lag=4, refresh=refresh)
     cache = EvictingCache(policy, model)
     tokens = greedy_tokens(model, cache, ids, 16)
     logits, keys, values = layer0_cached_values(model, tokens, ids.shape[1])
