@@ -192,10 +192,10 @@ class LayerGroup:
         #: asked to :meth:`join`, are one flat ``[batch, kv_heads, total slots]``.
         self.ragged = False
         #: Whether a layer should ask to :meth:`join` at its decode step (ragged layers that are
-        #: not all in the flat tensors yet, none refused): read by every decode step, an attribute.
+        #: not all in the flat tensors yet, none refused: a refusal ends it until every layer has
+        #: left): read by every decode step, an attribute.
         self.assembling = False
         self._asked: dict[int, tuple[tuple[int, int, int], torch.dtype, torch.device]] = {}  # (join: the layers' shapes)
-        self._refused = False  # a layer's shape no longer matched its segment: the flat tensors are not completed
         self._segments: _Segments | None = None  # (ragged: each layer's slots in the flat tensors)
         #: Decode steps whose victims the group found for every layer at once (a diagnostic).
         self.batched_evictions = 0
@@ -315,12 +315,12 @@ class LayerGroup:
                 return None
             shapes = [self._asked[i] for i in range(self.layers)]
             if any(s[0][:2] != shapes[0][0][:2] or s[1:] != shapes[0][1:] for s in shapes):
-                self._refused, self.assembling = True, False  # (rows, heads, dtype or device differ: alone)
+                self.assembling = False  # (rows, heads, dtype or device differ: alone)
                 return None
             self._segments = _Segments([s[0][2] for s in shapes], shapes[0][2])
             self._pos, self._scores, self._bias = hole_bookkeeping((*shapes[0][0][:2], self._segments.total), shapes[0][1], shapes[0][2])
-        if asked != self._asked.get(index) or self._refused:
-            self._refused, self.assembling = True, False
+        if asked != self._asked.get(index) or not self.assembling:
+            self.assembling = False  # (its storage no longer fits its segment, or a layer's did not)
             return None
         self._members.add(index)
         self._members_changed()
@@ -378,7 +378,7 @@ class LayerGroup:
         if not self._members:  # nobody's storage any more: free it (the next layer to allocate sets a new one)
             self._pos = self._scores = self._bias = None
             if self.ragged:  # (every layer left, e.g. a reset: they lay out new flat tensors when they all ask again)
-                self._segments, self._refused, self.assembling = None, False, True
+                self._segments, self.assembling = None, True
             self._promote()
 
     def defer(self, index: int, hi: int, free_alone: Callable[[], None], freed: Callable[[], None],
