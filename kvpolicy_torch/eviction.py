@@ -95,6 +95,9 @@ class HostEviction:
         self.size_rule = policy.decode_size_rule() if self.rule is None else None
         #: head-wise budgets' decode eviction (AdaKV over H2O, TOVA, ...): victims freed in place
         self.headwise = policy.headwise_eviction
+        #: whether a decode step scores the held keys first (a statistic from the cache, not given
+        #: once to each token when cached): Knorm, KeyDiff, Expected Attention
+        self.rescores = policy.score_statistic in KEY_STATISTICS and not self.once
         #: the one-token eviction when it decides a decode step alone (no head-wise budgets, no
         #: score from the cache to compute first: H2O, TOVA, StreamingLLM, the local window, Knorm),
         #: else ``None``: the layer hands such a step to it directly
@@ -157,38 +160,43 @@ class HostEviction:
         policy's ``select`` decides, as for any other step."""
         rule, rows = self.headwise, layout.rows
         assert rule is not None  # (the caller checks)
+        count, seen_rows, states = rows.count, rows.seen, rows.states
         due = []
         for r in range(rows.batch):
-            mean = rule.mean_tokens(rows.count[r], rows.seen[r], rows.states[r])
+            mean = rule.mean_tokens(count[r], seen_rows[r], states[r])
             if mean == rule.limit + 1:
                 due.append(r)
             elif mean > rule.limit:
                 return None
-        if self.policy.score_statistic in KEY_STATISTICS and not self.once and (due or self.refresh > 1):
+        if self.rescores and (due or self.refresh > 1):
             self.score_keys(layout, running, lowest_only=True)  # (as a one-token rule: no scores read below the limit)
         if not due:
             return []
         store = layout.storage()
-        pos, scores = layout.returned_positions(), layout.returned_scores()  # (the slots up to the furthest frontier)
-        seen_rows, front = [rows.seen[r] for r in due], [rows.front[r] for r in due]
-        seen: int | torch.Tensor = seen_rows[0]
-        if len(due) < rows.batch:
-            index = torch.tensor(due, device=pos.device)
-            pos, scores = pos.index_select(0, index), scores.index_select(0, index)
-        if any(s != seen for s in seen_rows):
-            seen = torch.tensor(seen_rows, device=pos.device).view(-1, 1, 1)
-        if front.count(front[0]) == len(front):
+        front = [rows.front[r] for r in due]
+        seen: int | torch.Tensor = seen_rows[due[0]]
+        if any(seen_rows[r] != seen for r in due):
+            seen = torch.tensor([seen_rows[r] for r in due], device=store.positions.device).view(-1, 1, 1)
+        if len(due) == rows.batch and front.count(front[0]) == len(front):
             # every head holds its newest `recent` tokens at the slots just below the frontier
             # (never victims, always appended there): the candidates are the slots before them
+            # (the common case, every step of every layer: no position read, one slice)
             below = front[0] - rule.recent
-            candidates, candidate_positions = scores[:, :, :below], pos[:, :, :below]
+            candidates, candidate_positions = store.scores[:, :, :below], store.positions
+            pos = scores = None
         else:
+            pos, scores = layout.returned_positions(), layout.returned_scores()  # (the slots up to the furthest frontier)
+            if len(due) < rows.batch:
+                index = torch.tensor(due, device=pos.device)
+                pos, scores = pos.index_select(0, index), scores.index_select(0, index)
             candidates, candidate_positions = torch.where(pos < seen - rule.recent, scores, math.inf), pos
         counts = layout.head_counts
         if counts is None:  # (after slots moved: counted again, one host read)
             counts = layout.head_counts = (layout.returned_positions() >= 0).sum(-1).tolist()
         found = likely_victims(candidates, [counts[r] for r in due], rule, positions=candidate_positions)
         if found is None:  # a NaN, or a read too short: the exact search
+            if pos is None:
+                pos, scores = layout.returned_positions(), layout.returned_scores()
             head, slot = headwise_victims(pos, scores, seen, rule)
             victims = [list(zip(h, j)) for h, j in zip(head.tolist(), slot.tolist())]
             for r, row in zip(due, victims):

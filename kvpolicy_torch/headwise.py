@@ -165,7 +165,7 @@ def likely_victims(candidates: torch.Tensor, counts: list[list[int]], rule: Head
     and no victim scores ``-inf`` (a NaN, or a hole's score that a NaN step left NaN) or
     ``+inf`` (holes and the recent window stand there).
 
-    ``positions`` (``[rows, kv_heads, m]``, the candidate slots' positions; optional) settles a tie
+    ``positions`` (``[rows, kv_heads, >= m]``, the candidate slots' positions first; optional) settles a tie
     on a cut instead of giving up: each head's lowest are then taken by a stable sort, in (score,
     slot) order, which is (score, position) order (below a frontier a head's slots hold its
     positions in order), and merged over the heads by (score, position, head), the declared rule's
@@ -190,8 +190,14 @@ def likely_victims(candidates: torch.Tensor, counts: list[list[int]], rule: Head
     rows, heads, m = candidates.shape
     k = min(heads + 1, m)
     keyed = torch.nan_to_num(candidates, nan=-math.inf)
-    values, index = keyed.topk(k, dim=-1, largest=False, sorted=True)
     keeps = max(rule.floor, rule.recent)
+    if heads * m > heads and all(c - keeps >= heads for count in counts for c in count):
+        # no head's floor can bind (each may lose all H): the H lowest over the layer's flat slots
+        # (the common case: one topk, no merge of each head's lowest)
+        found = _lowest_over_heads(keyed, counts)
+        if found is not _TIED:
+            return found
+    values, index = keyed.topk(k, dim=-1, largest=False, sorted=True)
 
     def merged(values: torch.Tensor, index: torch.Tensor, at: torch.Tensor | None) -> Any:
         if heads > HOST_MERGE_HEADS:
@@ -209,6 +215,29 @@ def likely_victims(candidates: torch.Tensor, counts: list[list[int]], rule: Head
 
 #: What :func:`_merged_on_host` answers where a tie falls on a cut and no positions settle it.
 _TIED = object()
+
+
+def _lowest_over_heads(keyed: torch.Tensor, counts: list[list[int]]) -> Any:
+    """:func:`likely_victims` where every head may lose ``H`` tokens: the ``H`` lowest of each
+    row's ``keyed`` ``[rows, H, m]`` (NaN already ``-inf``) over its heads by one ``topk``, read
+    back once. :data:`_TIED` where a tie falls on the layer's cut (the order among equal scores
+    could matter there); ``None`` where the exact search must decide (a victim at ``+-inf``)."""
+    rows, heads, m = keyed.shape
+    values, index = keyed.reshape(rows, heads * m).topk(heads + 1, dim=-1, largest=False, sorted=True)
+    out = []
+    for lows, at, count in zip(values.tolist(), index.tolist(), counts):
+        if not -math.inf < lows[0] <= lows[heads - 1] < math.inf:
+            return None
+        if lows[heads - 1] == lows[heads]:
+            return _TIED
+        count = list(count)
+        victims = []
+        for i in at[:heads]:
+            h, j = divmod(i, m)
+            count[h] -= 1
+            victims.append((h, j))
+        out.append((victims, count))
+    return out
 
 
 def _merged_on_host(scored: list[list[list[float]]], slots: list[list[list[int]]], positions: list[list[list[int]]] | None,

@@ -269,7 +269,7 @@ def test_the_victim_search_frees_what_the_declared_rule_drops(case, slot_window,
     counts = (positions >= 0).sum(-1).tolist()
     with mock.patch.object(kvpolicy_torch.headwise, "HOST_MERGE_HEADS", host_merge_heads):  # (0: merged on the device)
         found = likely_victims(candidates, counts, rule,
-                               positions=positions[..., : candidates.shape[-1]] if settle_ties else None)
+                               positions=positions if settle_ties else None)  # (the slots past the candidates' too, as the layer passes them)
     if found is not None:
         (victims, after), = found
         np.testing.assert_array_equal(kept(victims), want)
@@ -297,13 +297,15 @@ def test_ties_on_a_cut_are_settled_by_position_not_left_to_the_exact_search(host
         u = float(UNSCORED)
         scores = torch.tensor([[[1.0, u, u, u, u, u], [0.5, 2.0, u, u, u, u], [9.0, 9.5, u, u, u, u]]], dtype=torch.float64)
         counts = [[6, 6, 6]]
-        assert likely_victims(scores, counts, rule) is None  # (a tie on head 0's cut)
+        # (a tie on head 0's cut, not on the layer's: the search over the layer's flat slots needs no tie order)
+        assert likely_victims(scores, counts, rule) == [([(1, 0), (0, 0), (1, 1)], [5, 4, 6])]
         (victims, after), = likely_victims(scores, counts, rule, positions=positions)
         head, slot = headwise_victims(positions, scores, 11, rule)
         assert sorted(victims) == sorted(zip(head[0].tolist(), slot[0].tolist())) == [(0, 0), (1, 0), (1, 1)]
         assert after == [5, 4, 6]
         # a tie at the layer's cut, across heads: the earlier position goes, then the lower head
         scores = torch.tensor([[[u] * 6, [u] * 6, [u] * 6]], dtype=torch.float64)
+        assert likely_victims(scores, counts, rule) is None  # (without positions the tie order is unknown)
         (victims, _), = likely_victims(scores, counts, rule, positions=positions)
         head, slot = headwise_victims(positions, scores, 11, rule)
         assert sorted(victims) == sorted(zip(head[0].tolist(), slot[0].tolist())) == [(1, 0), (1, 1), (1, 2)]
