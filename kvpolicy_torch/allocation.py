@@ -24,7 +24,7 @@ from .layout import SlotLayout
 from .rows import Rows
 from .static import StaticSteps
 from .headwise import fitted_slots
-from .storage import SlotPlan, Storage, bookkeeping_bytes, grown_slots, token_bytes
+from .storage import SlotPlan, Storage, bookkeeping_bytes, grown_slots, logits_dtype, token_bytes
 
 __all__ = ["SlotAllocator"]
 
@@ -79,7 +79,7 @@ class SlotAllocator:
         # the others' floors): allocated for the mean, grown to the widest head's need (kvpolicy.AdaKV)
         widest = policy.head_capacity(h) if self.ragged and policy.capacity is not None else 0  # type: ignore[attr-defined]
         slots = self.plan.first(q, token_bytes(keys, values), min_slack, chunk_bytes, widest,
-                                bookkeeping_bytes(h, self.score_dtype(keys)))
+                                bookkeeping_bytes(h, self.score_dtype(keys), logits_dtype(keys.dtype)))
         layout.rows = Rows.start(b, policy.init_state())
         self.allocate(layout, keys, values, slots)
 
@@ -94,9 +94,9 @@ class SlotAllocator:
         shared = None
         if self.group is not None:
             if layout.store is None:
-                shared = self.group.storage(self.index, (b, h, slots), score_dtype, dev)
+                shared = self.group.storage(self.index, (b, h, slots), score_dtype, dev, logits_dtype(like_k.dtype))
             elif move and self.group.views(self.index) is not None:
-                shared = self.group.move(self.index, (b, h, slots), score_dtype, dev)
+                shared = self.group.move(self.index, (b, h, slots), score_dtype, dev, logits_dtype(like_k.dtype))
             else:
                 self.group.leave(self.index)  # growth: a shape of its own
         grown = Storage.allocate(like_k, like_v, slots, score_dtype, shared)
@@ -108,7 +108,8 @@ class SlotAllocator:
             self.static.fit(b, h, dev)
 
     def score_dtype(self, like_k: torch.Tensor) -> torch.dtype:
-        """The dtype of the scores and bias of a storage for keys like ``like_k``."""
+        """The dtype of the scores of a storage for keys like ``like_k`` (its bias:
+        :func:`~kvpolicy_torch.storage.logits_dtype`)."""
         # float64 for float64 models, and for records of low-attention events (exact integers < 2**52)
         # (and for scores from keys: computed in float64, as the reference does)
         exact = like_k.dtype == torch.float64 or self.policy.score_statistic in ("low_history", *KEY_STATISTICS)

@@ -254,8 +254,7 @@ def attend_slots(
         # the common step on the storage's grouped views: grouped_decode, then (H2O, BUZZ, TOVA)
         # the probabilities summed per KV head into the scores. A policy that captures nothing
         # (Knorm, KeyDiff, Expected Attention: scores from the cache; the local window) takes the
-        # output alone, its hole bias cast from the scores' dtype (float64 for a score from the
-        # cache: ~1 us, where the general path cast the logits and summed the probabilities)
+        # output alone (its hole bias cast to a 16-bit query's dtype)
         b, hq, _, d = query.shape
         bh = views.keys3t.shape[0]  # type: ignore[union-attr]  # (plain: views is not None)
         r = hq * b // bh

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
-from kvpolicy.statistics import refresh_interval, refresh_sink, scored_once
+from kvpolicy.statistics import UNSCORED, refresh_interval, refresh_sink, scored_once
 
 from .allocation import SlotAllocator
 from .general import declines, select_rounds
@@ -234,9 +234,11 @@ class HostEviction:
         if running is not None and self.refresh > 1 and layout.extra is None and layout.phase == "decode" \
                 and seen_rows.count(seen) == len(seen_rows):
             # between two scorings, the step before marked the tokens since: the newest alone is
-            # marked, on the storage itself (its slots past the frontier hold no such position)
+            # marked, on the storage itself (its slots past the frontier hold no such position), or
+            # was cached unscored (the layout's fresh score)
             store = layout.storage()
-            if running.mark_newest(store.scores, store.positions, self.refresh, seen, self.refresh_sink):
+            if running.mark_newest(store.scores, store.positions, self.refresh, seen, self.refresh_sink,
+                                   written=layout.fresh_score == UNSCORED):
                 return
         working = layout.working()
         if any(s != seen for s in seen_rows):

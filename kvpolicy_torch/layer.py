@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvpolicy.policy import KEY_STATISTICS, EvictionPolicy
-from kvpolicy.statistics import Rotary, refresh_interval, refresh_sink, scored_once
+from kvpolicy.statistics import UNSCORED, Rotary, refresh_interval, refresh_sink, scored_once
 from kvpolicy.validation import check_int
 
 from .checks import (
@@ -184,8 +184,12 @@ class LayerCache(LayerReads):
             if self._key_shift is not None and rule is not None and rule.victim == "oldest" and rule.sink > 0
             and not self.static_shapes else None
         )
+        # a score from the cache under a refresh interval (Expected Attention, KeyDiff, LagKV):
+        # eager decode tokens are written unscored, as the steps between two scorings leave them
+        refreshes = policy.score_statistic in KEY_STATISTICS and refresh_interval(policy) > 1
         self._layout = SlotLayout(CandidateSearch() if self._victims is None else self._victims.search, sinks,
-                                  static=self.static_shapes, ragged=self._ragged)
+                                  static=self.static_shapes, ragged=self._ragged,
+                                  fresh_score=UNSCORED if refreshes and not self.static_shapes else 0.0)
         # static shapes: a decode step's bookkeeping in device tensors (kvpolicy_torch.static)
         self._static = StaticSteps(policy, self.reduce_scores) if self.static_shapes else None
         plan = SlotPlan(policy.capacity, self.reserve, slack=rule is not None and rule.victim != "oldest" and not self.static_shapes,
@@ -205,7 +209,6 @@ class LayerCache(LayerReads):
         self.reconstructed = False
         #: Expected Attention: the running moments of the queries seen (:meth:`observe_queries`)
         #: (and a refresh interval's bookkeeping for any score from the cache that declares one)
-        refreshes = policy.score_statistic in KEY_STATISTICS and refresh_interval(policy) > 1
         # (eager under a refresh interval, the decode queries are held until a scoring reads the sums)
         self.running_queries = RunningMoments(
             refresh_sink(policy), buffered=not self.static_shapes and refresh_interval(policy) > 1,

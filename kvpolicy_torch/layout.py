@@ -30,7 +30,7 @@ from .compaction import keep_slots, slot_order, unwrap_ring
 from .headwise import mark_dropped
 from .posshift import SinkShift
 from .rows import LayerSnapshot, Rows
-from .storage import RangeViews, Storage
+from .storage import RangeViews, Storage, logits_dtype
 from .victims import CandidateSearch
 
 __all__ = ["SlotLayout", "chunk_tokens", "ready_tail", "uniform", "write_token"]
@@ -73,6 +73,11 @@ class SlotLayout:
             or the storage is a view of some slots.
         search: the victim search's candidates (forgotten whenever slots move).
         sink_shift: StreamingLLM's sinks held at their shifted positions, or ``None``.
+        fresh_score: the score a decode token is written with: ``0`` (accumulated attention
+            starts there), or :data:`~kvpolicy.statistics.UNSCORED` for a score from the cache
+            under a refresh interval (between two scorings the newest token is unscored; at a
+            scoring every score is recomputed), so the eviction need not mark it
+            (:meth:`~kvpolicy_torch.queries.RunningMoments.mark_newest`).
 
     Example:
         >>> layout = SlotLayout(CandidateSearch(), None)
@@ -84,7 +89,8 @@ class SlotLayout:
     """
 
     def __init__(self, search: CandidateSearch, sink_shift: SinkShift | None, *, static: bool = False,
-                 ragged: bool = False) -> None:
+                 ragged: bool = False, fresh_score: float = 0.0) -> None:
+        self.fresh_score = fresh_score
         #: static shapes (attention over every slot) and head-wise budgets (heads with holes of
         #: their own): fixed for the layer's life; with either, the host cannot tell that the
         #: returned range has no hole, so the bias is always read
@@ -217,9 +223,9 @@ class SlotLayout:
         elif one and not self.tail_ready:
             # a frontier slot of one row: nothing reads past the frontier here, so the slots from it
             # on can hold their position, score and bias ahead of time (three writes fewer a step)
-            ready_tail(store, rows.front[0], rows.seen[0])
+            ready_tail(store, rows.front[0], rows.seen[0], self.fresh_score)
             self.tail_ready = True
-        write_token(store, rows, keys, values, tail_ready=one and self.tail_ready, score=score)
+        write_token(store, rows, keys, values, tail_ready=one and self.tail_ready, score=score, fresh=self.fresh_score)
         if self.head_counts is not None:  # (every head of every row gained the token)
             self.head_counts = [[c + 1 for c in row] for row in self.head_counts]
         self.chunk = None
@@ -418,13 +424,13 @@ class SlotLayout:
 # ---------------------------------------------------------------------- where new tokens are written
 
 def write_token(store: Storage, rows: Rows, keys: torch.Tensor, values: torch.Tensor, *, tail_ready: bool,
-                score: torch.Tensor | None = None) -> None:
+                score: torch.Tensor | None = None, fresh: float = 0.0) -> None:
     """Write one token per row ``[batch, kv_heads, 1, head_dim]`` at each row's target slot (its
-    last freed slot, else its frontier) and update ``rows``: key, value, position ``seen``, and
-    score and bias 0. Every row needs room (the caller grew or compacted the storage).
+    last freed slot, else its frontier) and update ``rows``: key, value, position ``seen``, score
+    ``fresh`` and bias 0. Every row needs room (the caller grew or compacted the storage).
 
-    ``score``: ``[batch, kv_heads, 1]``, the new token's score instead of 0 (a score the policy
-    computes once per token: :func:`kvpolicy.statistics.scored_once`).
+    ``score``: ``[batch, kv_heads, 1]``, the new token's score instead of ``fresh`` (a score the
+    policy computes once per token: :func:`kvpolicy.statistics.scored_once`).
 
     ``tail_ready``: one row whose slots from the frontier on already hold the position, score and
     bias a frontier write gives them (:func:`ready_tail`), so such a write stores only the key and
@@ -445,7 +451,7 @@ def write_token(store: Storage, rows: Rows, keys: torch.Tensor, values: torch.Te
         store.values.narrow(2, s, 1).copy_(values)
         if s != front[0] or not tail_ready:
             store.positions.select(2, s).fill_(seen[0])
-            store.scores.select(2, s).fill_(0)
+            store.scores.select(2, s).fill_(fresh)
             store.bias.select(2, s).fill_(0)
         if score is not None:
             store.scores.narrow(2, s, 1).copy_(score)
@@ -466,7 +472,7 @@ def write_token(store: Storage, rows: Rows, keys: torch.Tensor, values: torch.Te
         else:
             store.positions.select(2, s).copy_(torch.tensor(seen, device=store.positions.device)[:, None])
         if score is None:
-            store.scores.select(2, s).fill_(0)
+            store.scores.select(2, s).fill_(fresh)
         else:
             store.scores.narrow(2, s, 1).copy_(score)
         store.bias.select(2, s).fill_(0)
@@ -477,7 +483,7 @@ def write_token(store: Storage, rows: Rows, keys: torch.Tensor, values: torch.Te
         store.keys[index, :, at] = keys[:, :, 0]
         store.values[index, :, at] = values[:, :, 0]
         store.positions[index, :, at] = torch.tensor(seen, device=dev)[:, None]
-        store.scores[index, :, at] = 0 if score is None else score[:, :, 0].to(store.scores.dtype)
+        store.scores[index, :, at] = fresh if score is None else score[:, :, 0].to(store.scores.dtype)
         store.bias[index, :, at] = 0
     for r in range(rows.batch):
         if free[r]:
@@ -489,9 +495,9 @@ def write_token(store: Storage, rows: Rows, keys: torch.Tensor, values: torch.Te
     rows.columns += 1
 
 
-def ready_tail(store: Storage, front: int, seen: int) -> None:
+def ready_tail(store: Storage, front: int, seen: int, score: float = 0.0) -> None:
     """One row's slots from ``front`` on made ready for frontier writes (:func:`write_token`):
-    slot ``front + i`` gets position ``seen + i``, score 0 and bias 0, what the ``i``-th next
+    slot ``front + i`` gets position ``seen + i``, score ``score`` (the writes' ``fresh``) and bias 0, what the ``i``-th next
     frontier write gives it, so that write stores only the key and the value. (A decode step's
     every small kernel costs 15-45 us inside a model: ``benchmarks/micro.py decode-ops``.) The
     slots stay past the frontier, where nothing reads, until the writes reach them; the caller
@@ -508,7 +514,7 @@ def ready_tail(store: Storage, front: int, seen: int) -> None:
     if n <= 0:
         return
     store.positions[:, :, front:].copy_(torch.arange(seen, seen + n, device=store.positions.device))
-    store.scores[:, :, front:].fill_(0)
+    store.scores[:, :, front:].fill_(score)
     store.bias[:, :, front:].fill_(0)
 
 
@@ -516,7 +522,8 @@ def chunk_tokens(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor |
                  score_dtype: torch.dtype) -> Storage:
     """A prompt chunk ``[batch, kv_heads, q, head_dim]`` as slots: real tokens numbered from each
     row's ``seen``, pads (``valid`` False, ``[batch, q]``) at position ``-1`` with zero keys and
-    values (attended by nobody but themselves: finite), score ``+inf`` and bias ``-inf``.
+    values (attended by nobody but themselves: finite), score ``+inf`` and bias ``-inf`` (in
+    :func:`~kvpolicy_torch.storage.logits_dtype`, as a storage keeps it).
 
     Example:
         >>> chunk = chunk_tokens(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2),
@@ -536,4 +543,5 @@ def chunk_tokens(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor |
         values = values.masked_fill(~valid[:, None, :, None], 0)
     pos = pos[:, None, :].expand(b, h, q)
     zeros = torch.zeros((), dtype=score_dtype, device=dev)
-    return Storage(keys, values, pos, torch.where(pos >= 0, zeros, math.inf), torch.where(pos >= 0, zeros, -math.inf))
+    bias = torch.where(pos >= 0, torch.zeros((), dtype=logits_dtype(keys.dtype), device=dev), -math.inf)
+    return Storage(keys, values, pos, torch.where(pos >= 0, zeros, math.inf), bias)

@@ -288,13 +288,15 @@ class RunningMoments:
         moments.total.view(b * hq, d).add_(weighted)
         moments.outer.view(b * hq, d, d).baddbmm_(weighted[:, :, None], q64[:, None, :])
 
-    def mark_newest(self, scores: torch.Tensor, positions: torch.Tensor, refresh: int, seen: int, sink: int) -> bool:
+    def mark_newest(self, scores: torch.Tensor, positions: torch.Tensor, refresh: int, seen: int, sink: int,
+                    written: bool = False) -> bool:
         """Eager, under a refresh interval: if this decode step, every row having seen ``seen``
         tokens, falls between two scorings decided on the host and the step before it marked the
         tokens appended since the last scoring, only the newest (position ``seen - 1``, not a sink)
         is left to mark: it scores :data:`~kvpolicy.statistics.UNSCORED` in ``scores`` (in place,
-        two kernels; ``positions`` alongside, any slots) and ``True``. ``False``: nothing written,
-        :func:`held_scores` decides the step.
+        two kernels; ``positions`` alongside, any slots; none where ``written``: the token was
+        cached with that score, :attr:`SlotLayout.fresh_score <kvpolicy_torch.layout.SlotLayout>`)
+        and ``True``. ``False``: nothing written, :func:`held_scores` decides the step.
 
         Example:
             >>> running = RunningMoments(sink=0)
@@ -309,7 +311,8 @@ class RunningMoments:
         if scored is None or self.marked_host not in (seen - 1, seen) or refresh_due(refresh, seen, scored) or seen - 1 < max(sink, scored):
             return False
         self.marked_host = seen
-        scores.masked_fill_(positions == seen - 1, UNSCORED)
+        if not written:
+            scores.masked_fill_(positions == seen - 1, UNSCORED)
         return True
 
     def select(self, index: torch.Tensor) -> None:

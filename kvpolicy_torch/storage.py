@@ -9,7 +9,10 @@ would poison the row. Shapes:
 * ``positions`` ``[batch, kv_heads, slots]`` int64: the token's original position (``-1``: hole);
 * ``scores`` ``[batch, kv_heads, slots]``: float32 (float64 for float64 keys and for statistics
   that must stay exact);
-* ``bias`` ``[batch, kv_heads, slots]``: additive attention bias, ``0`` kept, ``-inf`` hole.
+* ``bias`` ``[batch, kv_heads, slots]``: additive attention bias, ``0`` kept, ``-inf`` hole, in
+  the dtype attention computes its logits in (:func:`logits_dtype`: float32, float64 for float64
+  keys), whatever the scores' (no cast a step, and a float64 score's bias costs no more than a
+  float32 one).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import torch
 
 __all__ = ["HOLE", "MEMORY_BOUND", "RangeViews", "SlotPlan", "Storage", "bookkeeping_bytes", "fixed_addresses", "grown_slots",
-           "hole_bookkeeping", "pooled_capacity", "token_bytes"]
+           "hole_bookkeeping", "logits_dtype", "pooled_capacity", "token_bytes"]
 
 _MIN_GROWTH = 16  # slots an unbounded store grows by at least
 _MAX_GROWTH = 4096  # and at most (bounded chunks: a long run never doubles its allocation at once)
@@ -59,15 +62,28 @@ def grown_slots(slots: int, need: int = 0) -> int:
     return max(need, slots + min(_MAX_GROWTH, max(_MIN_GROWTH, math.ceil(slots / 16))))
 
 
-def bookkeeping_bytes(heads: int, score_dtype: torch.dtype) -> int:
-    """Bytes of one slot's position (int64), score and bias (``score_dtype``) over ``heads`` KV
-    heads: what :meth:`Storage.allocate` adds to each slot's key and value.
+def logits_dtype(keys_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a storage's attention bias for keys of ``keys_dtype``: the one attention
+    computes its logits in (:func:`~kvpolicy_torch.decode_attention`: float64 for float64 keys,
+    else float32), so a decode step adds it as it is.
 
     Example:
-        >>> bookkeeping_bytes(3, torch.float32), bookkeeping_bytes(3, torch.float64)
-        (48, 72)
+        >>> logits_dtype(torch.bfloat16), logits_dtype(torch.float64)
+        (torch.float32, torch.float64)
     """
-    return heads * (torch.int64.itemsize + 2 * score_dtype.itemsize)
+    return torch.float64 if keys_dtype == torch.float64 else torch.float32
+
+
+def bookkeeping_bytes(heads: int, score_dtype: torch.dtype, bias_dtype: torch.dtype | None = None) -> int:
+    """Bytes of one slot's position (int64), score (``score_dtype``) and bias (``bias_dtype``:
+    :func:`logits_dtype` of the keys; ``None``: ``score_dtype``) over ``heads`` KV heads: what
+    :meth:`Storage.allocate` adds to each slot's key and value.
+
+    Example:
+        >>> bookkeeping_bytes(3, torch.float32), bookkeeping_bytes(3, torch.float64, torch.float32)
+        (48, 60)
+    """
+    return heads * (torch.int64.itemsize + score_dtype.itemsize + (bias_dtype or score_dtype).itemsize)
 
 
 def token_bytes(keys: torch.Tensor, values: torch.Tensor) -> int:
@@ -204,18 +220,19 @@ class SlotPlan:
 HOLE = (-1, math.inf, -math.inf)
 
 
-def hole_bookkeeping(shape: tuple[int, ...], score_dtype: torch.dtype,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Positions (int64), scores and bias (``score_dtype``) of ``shape`` slots, every one a hole
-    (:data:`HOLE`): a new storage's, or a :class:`~kvpolicy_torch.LayerGroup`'s for its layers.
+def hole_bookkeeping(shape: tuple[int, ...], score_dtype: torch.dtype, device: torch.device,
+                     bias_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Positions (int64), scores (``score_dtype``) and bias (``bias_dtype``; ``None``:
+    ``score_dtype``) of ``shape`` slots, every one a hole (:data:`HOLE`): a new storage's, or a
+    :class:`~kvpolicy_torch.LayerGroup`'s for its layers.
 
     Example:
-        >>> pos, scores, bias = hole_bookkeeping((1, 2), torch.float32, torch.device("cpu"))
-        >>> pos.tolist(), scores.tolist(), bias.tolist()
-        ([[-1, -1]], [[inf, inf]], [[-inf, -inf]])
+        >>> pos, scores, bias = hole_bookkeeping((1, 2), torch.float64, torch.device("cpu"), torch.float32)
+        >>> pos.tolist(), scores.tolist(), bias.tolist(), bias.dtype
+        ([[-1, -1]], [[inf, inf]], [[-inf, -inf]], torch.float32)
     """
     return tuple(torch.full(shape, fill, dtype=dtype, device=device)  # type: ignore[return-value]
-                 for fill, dtype in zip(HOLE, (torch.int64, score_dtype, score_dtype)))
+                 for fill, dtype in zip(HOLE, (torch.int64, score_dtype, bias_dtype or score_dtype)))
 
 
 def fixed_addresses(*tensors: torch.Tensor) -> None:
@@ -323,7 +340,7 @@ class Storage:
         keys = torch.zeros(b, h, slots, d, dtype=like_k.dtype, device=dev)
         values = torch.zeros(b, h, slots, like_v.shape[-1], dtype=like_v.dtype, device=dev)
         if bookkeeping is None:
-            bookkeeping = hole_bookkeeping((b, h, slots), score_dtype, dev)
+            bookkeeping = hole_bookkeeping((b, h, slots), score_dtype, dev, logits_dtype(like_k.dtype))
         return cls(keys, values, *bookkeeping)
 
     # ------------------------------------------------------------------ copies

@@ -218,19 +218,23 @@ class LayerGroup:
         self.complete = len(self._members) == self.layers
 
     def storage(
-        self, index: int, shape: tuple[int, int, int], score_dtype: torch.dtype, device: torch.device
+        self, index: int, shape: tuple[int, int, int], score_dtype: torch.dtype, device: torch.device,
+        bias_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Layer ``index``'s positions, scores and bias ``[batch, kv_heads, slots]`` (``-1``,
-        ``+inf``, ``-inf``: all holes) as slices of the group's tensors, or ``None`` when they
-        cannot be (another shape, dtype or device than the group's)."""
+        ``+inf``, ``-inf``: all holes; the bias in ``bias_dtype``, ``None``: ``score_dtype``) as
+        slices of the group's tensors, or ``None`` when they cannot be (another shape, dtype or
+        device than the group's)."""
         if self.ragged:
             return None  # (its own tensors until every layer asks to join)
+        bias_dtype = bias_dtype or score_dtype
         if self._pos is None or not self._members - {index}:  # the first layer (again) fixes the shape
             full = (self.layers, *shape)
-            self._pos, self._scores, self._bias = hole_bookkeeping(full, score_dtype, device)
+            self._pos, self._scores, self._bias = hole_bookkeeping(full, score_dtype, device, bias_dtype)
         assert self._scores is not None and self._bias is not None
-        if tuple(self._pos.shape[1:]) != shape or self._scores.dtype != score_dtype or self._pos.device != device:
-            if tuple(self._pos.shape[1:3]) == shape[:2] and self._scores.dtype == score_dtype and self._pos.device == device:
+        alike = self._scores.dtype == score_dtype and self._bias.dtype == bias_dtype and self._pos.device == device
+        if tuple(self._pos.shape[1:]) != shape or not alike:
+            if tuple(self._pos.shape[1:3]) == shape[:2] and alike:
                 self._become_ragged()  # another size (PyramidKV): one flat tensor once every layer has allocated
             else:
                 self.leave(index)
@@ -244,7 +248,8 @@ class LayerGroup:
         return pos, scores, bias
 
     def move(
-        self, index: int, shape: tuple[int, int, int], score_dtype: torch.dtype, device: torch.device
+        self, index: int, shape: tuple[int, int, int], score_dtype: torch.dtype, device: torch.device,
+        bias_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Layer ``index`` reallocates to ``shape`` ``[batch, kv_heads, slots]`` while the others
         will follow (every layer giving back a chunked prefill's room at its first decode step):
@@ -266,10 +271,11 @@ class LayerGroup:
         self._members.discard(index)
         self._members_changed()
         self._pending = [p for p in self._pending if p.index != index]
-        nxt = self._next
-        if nxt is None or tuple(nxt[0].shape[1:]) != shape or nxt[1].dtype != score_dtype or nxt[0].device != device:
+        nxt, bias_dtype = self._next, bias_dtype or score_dtype
+        if (nxt is None or tuple(nxt[0].shape[1:]) != shape or nxt[1].dtype != score_dtype or nxt[2].dtype != bias_dtype
+                or nxt[0].device != device):
             full = (self.layers, *shape)
-            nxt = self._next = hole_bookkeeping(full, score_dtype, device)
+            nxt = self._next = hole_bookkeeping(full, score_dtype, device, bias_dtype)
             self._moved = set()
         self._moved.add(index)
         views = nxt[0][index], nxt[1][index], nxt[2][index]
@@ -308,7 +314,7 @@ class LayerGroup:
             (True, (1, 1, 2), (1, 1, 4))
         """
         b, h, slots = storage.positions.shape
-        asked = ((int(b), int(h), int(slots)), storage.scores.dtype, storage.positions.device)
+        asked = ((int(b), int(h), int(slots)), storage.scores.dtype, storage.positions.device, storage.bias.dtype)
         if self._segments is None:
             self._asked[index] = asked
             if len(self._asked) < self.layers:
@@ -318,7 +324,7 @@ class LayerGroup:
                 self.assembling = False  # (rows, heads, dtype or device differ: alone)
                 return None
             self._segments = _Segments([s[0][2] for s in shapes], shapes[0][2])
-            self._pos, self._scores, self._bias = hole_bookkeeping((*shapes[0][0][:2], self._segments.total), shapes[0][1], shapes[0][2])
+            self._pos, self._scores, self._bias = hole_bookkeeping((*shapes[0][0][:2], self._segments.total), *shapes[0][1:])
         if asked != self._asked.get(index) or not self.assembling:
             self.assembling = False  # (its storage no longer fits its segment, or a layer's did not)
             return None

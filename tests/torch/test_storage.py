@@ -68,3 +68,47 @@ def test_pooled_spare_slots_keep_the_cache_within_the_memory_bound(capacities, h
     held = sum(c - 1 for c in capacities) * per_slot
     if (pooled + 1) * (per_slot + bookkeeping) <= MEMORY_BOUND * (pooled - 1) * per_slot:
         assert allocated <= MEMORY_BOUND * held
+
+
+@pytest.mark.parametrize("keys_dtype, want", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                              (torch.float64, torch.float64)])
+def test_the_bias_is_in_the_dtype_attention_adds_it_in(keys_dtype, want) -> None:
+    """The bias is added to the logits, which attention computes in float32 (float64 for float64
+    keys): kept in that dtype whatever the scores' (float64 for a score from the cache), a decode
+    step adds it without a cast, and its bytes count as such under the memory bound. A layer of
+    Knorm (float64 scores) attends, with holes, exactly as attention over its kept tokens."""
+    from kvpolicy import Knorm
+    from kvpolicy_torch import LayerCache
+    from kvpolicy_torch.layout import chunk_tokens
+    from kvpolicy_torch.storage import bookkeeping_bytes, logits_dtype
+
+    assert logits_dtype(keys_dtype) == want
+    store = Storage.allocate(torch.zeros(1, 2, 1, 4, dtype=keys_dtype), torch.zeros(1, 2, 1, 4, dtype=keys_dtype), 5,
+                             torch.float64)
+    assert (store.scores.dtype, store.bias.dtype) == (torch.float64, want)
+    assert bookkeeping_bytes(2, torch.float64, want) == 2 * (8 + 8 + want.itemsize)
+    chunk = chunk_tokens(torch.ones(1, 2, 3, 4, dtype=keys_dtype), torch.ones(1, 2, 3, 4, dtype=keys_dtype),
+                         torch.tensor([[False, True, True]]), [0], torch.float64)
+    assert chunk.bias.dtype == want and chunk.bias[0, 0].tolist() == [float("-inf"), 0.0, 0.0]
+
+    gen = torch.Generator().manual_seed(0)
+    layer = LayerCache(Knorm(size=6))
+    layer.append(torch.randn(1, 2, 10, 8, generator=gen), torch.randn(1, 2, 10, 8, generator=gen))
+    layer.evict()
+    holes = 0
+    for _ in range(4):
+        k, v = torch.randn(1, 2, 1, 8, generator=gen), torch.randn(1, 2, 1, 8, generator=gen)
+        K, V = layer.append(k, v)
+        bias = layer.bias  # (None while the returned slots hold no hole: the first step after the prompt)
+        if bias is None:
+            bias = torch.zeros(K.shape[:3])
+        else:
+            assert bias.dtype == torch.float32
+            holes += int(torch.isinf(bias).sum())
+        q = torch.randn(1, 2, 1, 8, generator=gen)
+        out = torch.softmax(q @ K.transpose(-1, -2) / 8**0.5 + bias[:, :, None, :], -1) @ V
+        kept_k, kept_v = layer.keys, layer.values  # (the kept tokens alone, in position order)
+        want_out = torch.softmax(q @ kept_k.transpose(-1, -2) / 8**0.5, -1) @ kept_v
+        torch.testing.assert_close(out, want_out)
+        layer.evict()
+    assert holes > 0

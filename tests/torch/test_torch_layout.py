@@ -93,3 +93,34 @@ def test_a_copy_reads_its_own_tensors(copier) -> None:
     _same(twin.views, twin.store, 6)
     twin.views.scores.fill_(7.0)  # the copy's writes stay in the copy
     assert not torch.equal(layout.store.scores[:, :, :6], twin.store.scores[:, :, :6])
+
+
+def test_a_refresh_interval_caches_decode_tokens_unscored() -> None:
+    """Under a refresh interval a decode token scores UNSCORED until the next scoring (the rule the
+    reference and the kit hold the backend to): the layout writes it so when caching it (its fresh
+    score), so the eviction has nothing to mark; every other policy's tokens start at 0."""
+    from kvpolicy import H2O, ExpectedAttention
+    from kvpolicy.statistics import UNSCORED
+    from kvpolicy_torch import LayerCache
+
+    gen = torch.Generator().manual_seed(0)
+    layer = LayerCache(ExpectedAttention(size=6, sink=1, refresh=8))
+    layer.append(torch.randn(1, 1, 12, 4, generator=gen), torch.randn(1, 1, 12, 4, generator=gen))
+    layer.observe_queries(torch.randn(1, 2, 12, 4, generator=gen))
+    layer.evict()
+    unscored = []
+    for step in range(12):
+        layer.append(torch.randn(1, 1, 1, 4, generator=gen), torch.randn(1, 1, 1, 4, generator=gen))
+        assert layer.scores[0, 0, -1].item() == UNSCORED  # (the newest, as cached)
+        layer.observe_queries(torch.randn(1, 2, 1, 4, generator=gen))
+        layer.evict()
+        unscored.append(int((layer.scores == UNSCORED).sum()))
+    # the tokens since the last scoring (at 12 + 8 seen) are unscored after each eviction, as many as are kept
+    assert unscored[:7] == [1, 2, 3, 4, 5, 5, 5] and unscored[7] == 0 and unscored[8:] == [1, 2, 3, 4]
+
+    h2o = LayerCache(H2O(heavy=2, recent=2))
+    h2o.append(torch.randn(1, 1, 6, 4, generator=gen), torch.randn(1, 1, 6, 4, generator=gen))
+    h2o.accumulate(torch.ones(1, 1, 6))
+    h2o.evict()
+    h2o.append(torch.randn(1, 1, 1, 4, generator=gen), torch.randn(1, 1, 1, 4, generator=gen))
+    assert h2o.scores[0, 0, -1].item() == 0.0
