@@ -102,10 +102,7 @@ class HostEviction:
         #: score from the cache to compute first: H2O, TOVA, StreamingLLM, the local window, Knorm),
         #: else ``None``: the layer hands such a step to it directly
         #: (:meth:`~kvpolicy_torch.victims.OneTokenEviction.evict_due`), as :meth:`evict` does
-        self.one_token_alone = victims if (
-            victims is not None and self.headwise is None
-            and (policy.score_statistic not in KEY_STATISTICS or self.once)
-        ) else None
+        self.one_token_alone = victims if victims is not None and self.headwise is None and not self.rescores else None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

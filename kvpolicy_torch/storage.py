@@ -74,16 +74,16 @@ def logits_dtype(keys_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if keys_dtype == torch.float64 else torch.float32
 
 
-def bookkeeping_bytes(heads: int, score_dtype: torch.dtype, bias_dtype: torch.dtype | None = None) -> int:
+def bookkeeping_bytes(heads: int, score_dtype: torch.dtype, bias_dtype: torch.dtype) -> int:
     """Bytes of one slot's position (int64), score (``score_dtype``) and bias (``bias_dtype``:
-    :func:`logits_dtype` of the keys; ``None``: ``score_dtype``) over ``heads`` KV heads: what
-    :meth:`Storage.allocate` adds to each slot's key and value.
+    :func:`logits_dtype` of the keys) over ``heads`` KV heads: what :meth:`Storage.allocate` adds
+    to each slot's key and value.
 
     Example:
-        >>> bookkeeping_bytes(3, torch.float32), bookkeeping_bytes(3, torch.float64, torch.float32)
+        >>> bookkeeping_bytes(3, torch.float32, torch.float32), bookkeeping_bytes(3, torch.float64, torch.float32)
         (48, 60)
     """
-    return heads * (torch.int64.itemsize + score_dtype.itemsize + (bias_dtype or score_dtype).itemsize)
+    return heads * (torch.int64.itemsize + score_dtype.itemsize + bias_dtype.itemsize)
 
 
 def token_bytes(keys: torch.Tensor, values: torch.Tensor) -> int:
@@ -221,9 +221,9 @@ HOLE = (-1, math.inf, -math.inf)
 
 
 def hole_bookkeeping(shape: tuple[int, ...], score_dtype: torch.dtype, device: torch.device,
-                     bias_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Positions (int64), scores (``score_dtype``) and bias (``bias_dtype``; ``None``:
-    ``score_dtype``) of ``shape`` slots, every one a hole (:data:`HOLE`): a new storage's, or a
+                     bias_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Positions (int64), scores (``score_dtype``) and bias (``bias_dtype``: :func:`logits_dtype`
+    of the keys) of ``shape`` slots, every one a hole (:data:`HOLE`): a new storage's, or a
     :class:`~kvpolicy_torch.LayerGroup`'s for its layers.
 
     Example:
@@ -232,7 +232,7 @@ def hole_bookkeeping(shape: tuple[int, ...], score_dtype: torch.dtype, device: t
         ([[-1, -1]], [[inf, inf]], [[-inf, -inf]], torch.float32)
     """
     return tuple(torch.full(shape, fill, dtype=dtype, device=device)  # type: ignore[return-value]
-                 for fill, dtype in zip(HOLE, (torch.int64, score_dtype, bias_dtype or score_dtype)))
+                 for fill, dtype in zip(HOLE, (torch.int64, score_dtype, bias_dtype)))
 
 
 def fixed_addresses(*tensors: torch.Tensor) -> None:

@@ -195,7 +195,7 @@ class LayerGroup:
         #: not all in the flat tensors yet, none refused: a refusal ends it until every layer has
         #: left): read by every decode step, an attribute.
         self.assembling = False
-        self._asked: dict[int, tuple[tuple[int, int, int], torch.dtype, torch.device]] = {}  # (join: the layers' shapes)
+        self._asked: dict[int, tuple[tuple[int, int, int], torch.dtype, torch.device, torch.dtype]] = {}  # (join: the layers' shapes, dtypes, device)
         self._segments: _Segments | None = None  # (ragged: each layer's slots in the flat tensors)
         #: Decode steps whose victims the group found for every layer at once (a diagnostic).
         self.batched_evictions = 0
@@ -219,15 +219,13 @@ class LayerGroup:
 
     def storage(
         self, index: int, shape: tuple[int, int, int], score_dtype: torch.dtype, device: torch.device,
-        bias_dtype: torch.dtype | None = None,
+        bias_dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Layer ``index``'s positions, scores and bias ``[batch, kv_heads, slots]`` (``-1``,
-        ``+inf``, ``-inf``: all holes; the bias in ``bias_dtype``, ``None``: ``score_dtype``) as
-        slices of the group's tensors, or ``None`` when they cannot be (another shape, dtype or
-        device than the group's)."""
+        ``+inf``, ``-inf``: all holes; the bias in ``bias_dtype``) as slices of the group's
+        tensors, or ``None`` when they cannot be (another shape, dtype or device than the group's)."""
         if self.ragged:
             return None  # (its own tensors until every layer asks to join)
-        bias_dtype = bias_dtype or score_dtype
         if self._pos is None or not self._members - {index}:  # the first layer (again) fixes the shape
             full = (self.layers, *shape)
             self._pos, self._scores, self._bias = hole_bookkeeping(full, score_dtype, device, bias_dtype)
@@ -249,7 +247,7 @@ class LayerGroup:
 
     def move(
         self, index: int, shape: tuple[int, int, int], score_dtype: torch.dtype, device: torch.device,
-        bias_dtype: torch.dtype | None = None,
+        bias_dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Layer ``index`` reallocates to ``shape`` ``[batch, kv_heads, slots]`` while the others
         will follow (every layer giving back a chunked prefill's room at its first decode step):
@@ -260,8 +258,8 @@ class LayerGroup:
 
         Example:
             >>> group, cpu = LayerGroup(2), torch.device("cpu")
-            >>> views = [group.storage(i, (1, 1, 4), torch.float32, cpu) for i in range(2)]
-            >>> moved = [group.move(i, (1, 1, 2), torch.float32, cpu) for i in range(2)]
+            >>> views = [group.storage(i, (1, 1, 4), torch.float32, cpu, torch.float32) for i in range(2)]
+            >>> moved = [group.move(i, (1, 1, 2), torch.float32, cpu, torch.float32) for i in range(2)]
             >>> group.complete, tuple(group.views(1)[0].shape)
             (True, (1, 1, 2))
         """
@@ -271,7 +269,7 @@ class LayerGroup:
         self._members.discard(index)
         self._members_changed()
         self._pending = [p for p in self._pending if p.index != index]
-        nxt, bias_dtype = self._next, bias_dtype or score_dtype
+        nxt = self._next
         if (nxt is None or tuple(nxt[0].shape[1:]) != shape or nxt[1].dtype != score_dtype or nxt[2].dtype != bias_dtype
                 or nxt[0].device != device):
             full = (self.layers, *shape)
@@ -303,8 +301,8 @@ class LayerGroup:
         Example:
             >>> from kvpolicy_torch.storage import Storage
             >>> group, cpu = LayerGroup(2), torch.device("cpu")
-            >>> first = group.storage(0, (1, 1, 4), torch.float32, cpu)
-            >>> group.storage(1, (1, 1, 2), torch.float32, cpu) is None, group.ragged
+            >>> first = group.storage(0, (1, 1, 4), torch.float32, cpu, torch.float32)
+            >>> group.storage(1, (1, 1, 2), torch.float32, cpu, torch.float32) is None, group.ragged
             (True, True)
             >>> stores = [Storage.allocate(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), n, torch.float32) for n in (4, 2)]
             >>> group.join(0, stores[0]) is None  # layer 1 has not asked yet
@@ -359,7 +357,7 @@ class LayerGroup:
 
         Example:
             >>> group = LayerGroup(1)
-            >>> pos, scores, bias = group.storage(0, (1, 1, 2), torch.float32, torch.device("cpu"))
+            >>> pos, scores, bias = group.storage(0, (1, 1, 2), torch.float32, torch.device("cpu"), torch.float32)
             >>> apart = Storage(torch.zeros(1, 1, 2, 1), torch.zeros(1, 1, 2, 1), pos.clone().fill_(7), scores.clone(), bias.clone())
             >>> linked = group.relink(0, apart)
             >>> linked.positions is apart.positions, group.views(0)[0].tolist()
