@@ -71,10 +71,9 @@ def _traced_step(policy: Any, layers: int, static: bool) -> list[tuple[str, str]
 
 
 def _last_layer(calls: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The calls of the forward's last layer: from its cache update (``EvictingCache.update``, the
-    last ``update`` in the integration that another ``update`` follows) to the hooks' ``after``."""
-    starts = [i for i, (m, f) in enumerate(calls) if f == "update" and m.startswith("hf/")
-              and i + 1 < len(calls) and calls[i + 1][1] == "update"]
+    """The calls of the forward's last layer: from its cache update (``EvictingLayer.update``, which
+    transformers' ``Cache.update`` hands the call to) to the hooks' ``after``."""
+    starts = [i for i, (m, f) in enumerate(calls) if f == "update" and m == "hf/layer.py"]
     end = next(i for i, (m, f) in enumerate(calls) if f == "after" and i > starts[-1])
     return calls[starts[-1]:end]
 

@@ -8,14 +8,17 @@ hf/layer.py, the attention function in hf/attention.py) where they were in one. 
 H2O eager 20 calls in 13 modules, static 18 in 6; Knorm 26 in 17 and 21 in 9, 25 in 16 and 20 in 8
 once its declared score was its own three ops (the checks a step
 repeats answered by one tuple comparison, accessors read as attributes, synced() and the group's
-generators inlined where they had nothing to do, the settle answer kept per storage)."""
+generators inlined where they had nothing to do, the settle answer kept per storage). 2026-11-29
+09:20: H2O eager 17 calls in 5 modules, static 17 in 4; Knorm 22 in 8 and 19 in 6, once
+transformers' own ``Cache.update`` handed each call to the layer (``EvictingCache.update`` and its
+module left the step; the layer tells a forward's call from one by hand, ``ForwardScope``)."""
 
 from __future__ import annotations
 
 import pytest
 
 #: The most calls and modules one layer's decode step may take (today's counts).
-CEILINGS = {("h2o", False): (18, 6), ("h2o", True): (18, 5), ("knorm", False): (23, 9), ("knorm", True): (20, 7)}
+CEILINGS = {("h2o", False): (17, 5), ("h2o", True): (17, 4), ("knorm", False): (22, 8), ("knorm", True): (19, 6)}
 
 
 @pytest.mark.parametrize("policy,static", sorted(CEILINGS))
@@ -24,8 +27,9 @@ def test_one_layers_decode_step_stays_within_its_count(benchmark_module, policy:
     calls, modules = CEILINGS[(policy, static)]
     assert 0 < row["calls_per_layer"] <= calls, row["layer_calls"]
     assert 0 < row["modules_per_layer"] <= modules, row["modules"]
-    # the layer's segment is its own: its cache update first, its eviction's work inside
-    assert row["layer_calls"][:2] == ["update", "update"]
+    # the layer's segment is its own: its update first (transformers' Cache.update hands it the
+    # call: no project code between), its eviction's work inside
+    assert row["layer_calls"][:2] == ["update", "append"]
 
 
 def test_the_script_prints_a_row_per_policy_and_layout(benchmark_module, capsys: pytest.CaptureFixture[str]) -> None:

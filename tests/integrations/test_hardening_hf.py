@@ -97,10 +97,15 @@ def test_a_new_prompt_through_generate_without_reset_is_refused(model):
 
 
 def test_a_layer_it_was_not_built_for_is_refused(model):
+    """transformers' ``Cache.update`` hands each call to the cache's layer of that index: a cache of
+    2 layers has no layer 2 (IndexError, nothing appended), and a layer called by hand is refused."""
     cache = EvictingCache(H2O(8, 8), model)
     k = torch.zeros(1, 2, 3, 16)
-    with pytest.raises(ValueError, match="layer_idx 2 is out of range.*2 layers"):
+    with pytest.raises(IndexError):
         cache.update(k, k, 2)
+    with pytest.raises(RuntimeError, match="layer 1: update\\(\\) was called by hand"):
+        cache.update(k, k, 1)
+    assert not any(layer.store.is_initialized for layer in cache.layers)
 
 
 def test_one_cache_in_two_forwards_at_once_is_refused(model):

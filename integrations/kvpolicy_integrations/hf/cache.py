@@ -27,7 +27,7 @@ from kvpolicy_torch.storage import pooled_capacity
 
 from ..capabilities import ModelCapabilities, RopeLayout, detect, model_layers, query_rotations, rope_layouts, text_config
 from .attention import ATTENTION_NAME, ATTENTION_SCOPES, SCOPED_ATTENTION_NAME, register_attention, set_attention_implementation
-from .layer import EvictingLayer, Padding, PositionsMode, ShiftMatrices
+from .layer import EvictingLayer, ForwardScope, Padding, PositionsMode, ShiftMatrices
 
 #: Tokens per forward when :func:`generate` and :func:`greedy_decode` prefill a longer prompt
 #: (their ``prefill_chunk``; ``None`` or ``0``: the whole prompt in one forward). An
@@ -301,16 +301,17 @@ class EvictingCache(Cache):
                 )
         if isinstance(model, torch.nn.Module):
             scope_attention(model)
-        #: the model this cache serves (a weak reference; ``None`` when built from a config, or in a
-        #: copy: pickle and deepcopy drop it, so a restored cache serves a model of the same shape)
-        self.built_for: weakref.ref[torch.nn.Module] | None = weakref.ref(model) if isinstance(model, torch.nn.Module) else None
+        #: the forward using this cache and the model it serves (a weak reference; none when built
+        #: from a config, or in a copy: pickle and deepcopy drop it, so a restored cache serves a
+        #: model of the same shape), shared with the layers: transformers' ``Cache.update`` hands
+        #: each call to a layer, which tells a forward's from one made by hand
+        self.scope = ForwardScope(model if isinstance(model, torch.nn.Module) else None)
         self.policy = policy
         #: whether a decode step keeps its shapes (the cache :func:`compile_decode_step` serves)
         self.static_shapes = static_shapes
         self.positions_mode = positions
         self.capabilities: ModelCapabilities = caps
         self.padding = Padding()  # shared by the layers: the padding of the forward in flight
-        self._busy = threading.Lock()  # one forward at a time (enter / leave)
         self._reported: set[int] = set()  # layers report_nonfinite has warned about since the last reset
         self._interrupted: str | None = None  # what ended a forward mid-step (interrupted), until reset()
         shift_matrices = ShiftMatrices()  # shared by the layers: pos-shift rotations, built once a step
@@ -329,7 +330,7 @@ class EvictingCache(Cache):
                 fused_decode=fused_decode, static_shapes=static_shapes, reserve=max_tokens, padding=self.padding,
                 shift_matrices=shift_matrices, pre_rope=pre_rope, group=group,
                 prefill_chunk=None if prefill_chunk is None else check_int("prefill_chunk", prefill_chunk, minimum=1),
-                pooled_capacity=pooled,
+                pooled_capacity=pooled, scope=self.scope,
             )
             for i in range(n_layers)
         ]
@@ -353,9 +354,9 @@ class EvictingCache(Cache):
         """Refuse a forward of ``model`` (a model or its base model, whose hooks call this) when it
         is not the model this cache was built for (its keys, values and layers are that model's):
         ``ValueError`` naming both."""
-        if self.built_for is None:
+        if not self.scope.for_model:
             return  # built from a config, or a copy
-        mine = self.built_for()  # (None: that model is gone, so this one is another)
+        mine = self.scope.built_for  # (None: that model is gone, so this one is another)
         if model is not mine and getattr(mine, "base_model", None) is not model \
                 and getattr(model, "base_model", None) is not mine:
             raise ValueError(
@@ -438,16 +439,11 @@ class EvictingCache(Cache):
 
     def enter(self) -> None:
         """A forward starts using this cache (its hooks call this): one at a time."""
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError(
-                "this EvictingCache is already in use by another forward (another thread?): a cache holds one "
-                "sequence's state; give each thread its own cache"
-            )
+        self.scope.enter()
 
     def leave(self) -> None:
         """The forward that :meth:`enter`-ed has ended."""
-        if self._busy.locked():
-            self._busy.release()
+        self.scope.leave()
 
     def report_nonfinite(self) -> list[int]:
         """The layers whose attention output was not finite (NaN or infinite) since the last
@@ -488,46 +484,6 @@ class EvictingCache(Cache):
                 stacklevel=2,
             )
         return bad
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        del state["_busy"]  # a lock: a copy gets its own
-        state["built_for"] = None  # a weak reference (pickle cannot hold one)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._busy = threading.Lock()
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """transformers' entry point: layer ``layer_idx`` appends (see :meth:`EvictingLayer.update`)."""
-        if not 0 <= layer_idx < len(self.layers):
-            raise ValueError(f"layer_idx {layer_idx} is out of range: this EvictingCache was built for {len(self.layers)} layers")
-        outside = not torch.compiler.is_compiling() and not self._busy.locked()  # (no hooked forward holds it)
-        if outside and kwargs.get("kwargs") is None:
-            # transformers' attention passes its kwargs (the attention function finds its layer there): a call
-            # without them, outside a forward the hooks saw, is a direct one
-            raise RuntimeError(
-                f"layer {layer_idx}: EvictingCache.update() was called outside a model's forward, which is not "
-                "supported: an evicting cache appends a step's keys and values and then evicts by that step's "
-                "attention, which only the model's forward computes (update() is transformers' entry point for a "
-                "model's attention). Run the model with the cache (model(ids, cache=cache) or model.generate(..., "
-                "cache=cache)); to append keys and values by hand, use transformers' DynamicCache. (A model whose "
-                "attention calls cache.update() without kwargs=, as GPT-NeoX's does, is served when the cache is given "
-                "the model itself: EvictingCache(policy, model))"
-            )
-        if outside and self.built_for is not None:
-            mine = self.built_for()
-            raise RuntimeError(
-                f"layer {layer_idx}: a forward that did not go through the hooks of the model this EvictingCache was "
-                f"built for ({type(mine).__name__ if mine is not None else 'a model that is gone'}) updates it: a cache "
-                "serves the model it was built for (make one per model: EvictingCache(policy, model)), given as "
-                "cache= or past_key_values= (a cache passed positionally is not seen by the hooks)"
-            )
-        if kwargs.get("kwargs") is None:  # a model whose attention passes none (GPT-NeoX): the layer is found by index
-            kwargs = {**kwargs, "kwargs": {}}
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def note_padding(self, attention_mask: torch.Tensor | None, q_length: int) -> None:
         """Record the padding of the forward about to run (``attention_mask``: the 2-D mask of all

@@ -10,6 +10,7 @@ beside the layer they hand the step to; :mod:`.attention` registers them.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
@@ -131,6 +132,67 @@ class Padding:
     serial: int = 0
 
 
+class ForwardScope:
+    """Whether a model's forward is using the layers of one :class:`EvictingCache` (its hooks
+    :meth:`enter` and :meth:`leave`), and the model the cache was built for, shared by the cache and
+    its layers: a layer's ``update`` (transformers' ``Cache.update`` hands it the call) tells a call
+    from inside a forward from one made by hand, without reaching back into the cache.
+
+    Args:
+        built_for: the model the cache serves (a weak reference is kept; ``None``: built from a
+            config, or a copy).
+
+    Example:
+        >>> scope = ForwardScope()
+        >>> scope.enter(); inside = scope.inside; scope.leave()
+        >>> inside, scope.inside
+        (True, False)
+    """
+
+    def __init__(self, built_for: torch.nn.Module | None = None) -> None:
+        self._busy = threading.Lock()  # one forward at a time
+        self._built_for = weakref.ref(built_for) if built_for is not None else None
+        #: a hooked forward holds the layers (an attribute: every layer's update reads it)
+        self.active = False
+
+    @property
+    def for_model(self) -> bool:
+        """Whether the cache was built for a model (not from a config, not a copy)."""
+        return self._built_for is not None
+
+    @property
+    def built_for(self) -> torch.nn.Module | None:
+        """The model the cache was built for (``None``: none, or that model is gone)."""
+        return None if self._built_for is None else self._built_for()
+
+    @property
+    def inside(self) -> bool:
+        """A hooked forward holds the layers (:attr:`active`), or a compiled step runs (its hooks
+        do not run)."""
+        return self.active or torch.compiler.is_compiling()
+
+    def enter(self) -> None:
+        """A forward starts using the layers: one at a time (``RuntimeError`` otherwise)."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                "this EvictingCache is already in use by another forward (another thread?): a cache holds one "
+                "sequence's state; give each thread its own cache"
+            )
+        self.active = True
+
+    def leave(self) -> None:
+        """The forward that :meth:`enter`-ed has ended."""
+        if self._busy.locked():
+            self.active = False
+            self._busy.release()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}  # a lock and a weak reference: a copy is free and serves a model of the same shape
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
+
 class EvictingLayer(DynamicLayer):
     """One transformers cache layer backed by :class:`kvpolicy_torch.LayerCache`."""
 
@@ -157,10 +219,13 @@ class EvictingLayer(DynamicLayer):
         group: LayerGroup | None = None,
         prefill_chunk: int | None = None,
         pooled_capacity: int | None = None,
+        scope: ForwardScope | None = None,
     ) -> None:
         super().__init__()
         self.policy = policy
         self.layer_idx = layer_idx
+        #: the forward using this layer's cache (shared by its layers): who may call update
+        self.scope = scope if scope is not None else ForwardScope()
         self.positions_mode = positions
         self.shift_matrices = shift_matrices if shift_matrices is not None else ShiftMatrices()
         #: this layer's RoPE, the one description of it (pos-shift rotations, Expected Attention's
@@ -256,23 +321,19 @@ class EvictingLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``[batch, kv_heads, q, head_dim]`` keys/values; return the slots the queries attend.
 
-        ``kwargs``: the attention module's keyword arguments, which transformers then unpacks into
-        the attention function: this layer adds itself there (:data:`LAYER_KWARG`), so that
-        :meth:`attention` serves the call that follows. A call without them is one made by hand,
-        outside a model's forward, and is refused (``RuntimeError``, nothing appended): the layer
-        evicts only after the step's attention, so such an append would hold the keys past the
-        policy's capacity. (:meth:`EvictingCache.update` hands them, an empty dict for a model
-        whose attention passes none; a caller that runs the attention itself passes
-        ``kwargs={}``, then calls :meth:`attention` or :meth:`finish_received`.)"""
-        if kwargs is None:
-            raise RuntimeError(
-                f"layer {self.layer_idx}: EvictingLayer.update() was called by hand, outside a model's forward, which is "
-                f"not supported: an evicting layer appends a step's keys and values and evicts by that step's attention, "
-                f"which only the model's forward computes (an append without it holds the keys past the policy's "
-                f"capacity). Run the model with the cache (model(ids, cache=cache) or model.generate(..., cache=cache)); to "
-                f"append keys and values by hand, use transformers' DynamicCache. (To drive a layer by hand: "
-                f"update(keys, values, kwargs={{}}), then attention(module, query, keys, values) or finish_received(scores).)"
-            )
+        transformers' ``Cache.update`` hands each call of a model's attention here. ``kwargs``: the
+        attention module's keyword arguments, which transformers then unpacks into the attention
+        function: this layer adds itself there (:data:`LAYER_KWARG`), so that :meth:`attention`
+        serves the call that follows (inside a forward the cache's hooks saw, a model whose
+        attention passes none, GPT-NeoX's, gets an empty dict). A call without them outside such a
+        forward is one made by hand, and is refused (``RuntimeError``, nothing appended): the
+        layer evicts only after the step's attention, so such an append would hold the keys past
+        the policy's capacity; so is a forward of another model than the one the cache was built
+        for (:attr:`scope`). A caller that runs the attention itself, on a layer not built for a
+        model (standalone, or a cache made from a config), passes ``kwargs={}``, then calls
+        :meth:`attention` or :meth:`finish_received`."""
+        if kwargs is None or not (self.scope.active or torch.compiler.is_compiling()):
+            kwargs = self._outside_forward(kwargs)
         kwargs[LAYER_KWARG] = self
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -307,6 +368,34 @@ class EvictingLayer(DynamicLayer):
             self.pending = True
             return keys, values
         return self._finish_update(keys, values)
+
+    def _outside_forward(self, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        """:meth:`update` without kwargs or outside a hooked forward: the kwargs to go on with, or
+        ``RuntimeError`` (nothing appended) for a call made by hand."""
+        scope = self.scope
+        if scope.inside:  # a model whose attention passes no kwargs (GPT-NeoX): its layer is found by index
+            return {}
+        if kwargs is None:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: update() was called by hand, outside a model's forward, which is "
+                f"not supported: an evicting layer appends a step's keys and values and evicts by that step's attention, "
+                f"which only the model's forward computes (an append without it holds the keys past the policy's "
+                f"capacity). Run the model with the cache (model(ids, cache=cache) or model.generate(..., cache=cache)); to "
+                f"append keys and values by hand, use transformers' DynamicCache. (To drive a layer by hand: "
+                f"cache.layers[i].update(keys, values, kwargs={{}}) on a cache made from a config, then attention(module, "
+                f"query, keys, values) or finish_received(scores). A model whose attention calls cache.update() without "
+                f"kwargs=, as GPT-NeoX's does, is served when the cache is given the model itself: EvictingCache(policy, "
+                f"model).)"
+            )
+        if scope.for_model:
+            mine = scope.built_for
+            raise RuntimeError(
+                f"layer {self.layer_idx}: a forward that did not go through the hooks of the model this EvictingCache was "
+                f"built for ({type(mine).__name__ if mine is not None else 'a model that is gone'}) updates it: a cache "
+                "serves the model it was built for (make one per model: EvictingCache(policy, model)), given as "
+                "cache= or past_key_values= (a cache passed positionally is not seen by the hooks)"
+            )
+        return kwargs
 
     def _finish_update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.shifts and not self.store.keys_shifted:  # (keys_shifted: the store moved the sinks already)

@@ -222,7 +222,7 @@ def test_update_outside_a_forward_is_refused_plainly(edge_model, built_from):
     the cache is left untouched."""
     cache = EvictingCache(FullCache(), edge_model if built_from == "model" else edge_model.config)
     k = torch.randn(1, 2, 3, 16)
-    with pytest.raises(RuntimeError, match=r"layer 0: EvictingCache.update\(\) was called outside a model's forward, "
+    with pytest.raises(RuntimeError, match=r"layer 0: update\(\) was called by hand, outside a model's forward, "
                                            r"which is not supported"):
         cache.update(k, k, 0)
     assert not cache.layers[0].store.is_initialized

@@ -125,6 +125,7 @@ def test_cache_positions_mode_scores_keys_at_their_slots(model, policy):
     cos, sin = rotary(raw, pos)
     rotated, _ = apply_rotary_pos_emb(raw, raw, cos, sin)
     queries, _ = apply_rotary_pos_emb(rq, rq, cos, sin)
+    cache.enter()  # (what a forward's hooks do: a cache built for a model takes updates inside its forwards)
     for t in range(20):
         keys, values = layer.update(rotated[:, :, t : t + 1], rotated[:, :, t : t + 1], kwargs={})
         q = queries[:, :, t : t + 1]
@@ -141,6 +142,7 @@ def test_cache_positions_mode_scores_keys_at_their_slots(model, policy):
         want = torch.stack(want, dim=1)
         torch.testing.assert_close(layer.store.to_slots(want), received, rtol=1e-5, atol=1e-5)
         layer.finish_received(received)
+    cache.leave()
     if isinstance(policy, StreamingLLM):
         assert layer.store.positions[0, 0].tolist() == [0, 1, 15, 16, 17, 18, 19]
 
@@ -263,7 +265,7 @@ def test_a_layer_updated_by_hand_is_refused_at_the_first_call(edge_model, policy
     (tests/integrations/test_families.py)."""
     cache = EvictingCache(policy, edge_model)
     k = torch.randn(1, 2, 10, 16)
-    with pytest.raises(RuntimeError, match=r"^layer 1: EvictingLayer.update\(\) was called by hand, outside a model's "
+    with pytest.raises(RuntimeError, match=r"^layer 1: update\(\) was called by hand, outside a model's "
                                            r"forward, which is not supported: .*DynamicCache"):
         cache.layers[1].update(k, k)
     assert not cache.layers[1].store.is_initialized and not cache.layers[1].is_initialized
