@@ -100,10 +100,17 @@ class DecodeState:
         #: ``[]``: columns appended (pads included) minus row 0's ``seen``, fixed between loads (a
         #: decode step adds one to both): see :meth:`sequence_length`
         self.column_offset = torch.zeros((), dtype=torch.int64, device=device)
+        #: ``[batch, kv_heads]``: each cell's row and head, never written: with a slot per row and
+        #: head they index one slot of each (``t[row_of, head_of, slot]``); a step writes there by
+        #: ``index_put_``, which inductor writes in place, where a ``scatter_`` into a step's input
+        #: became a copy of the whole storage, the write and a copy back (the keys' and values'
+        #: bytes four times a layer and step)
+        self.row_of = torch.arange(batch, device=device).view(batch, 1).expand(batch, kv_heads).contiguous()
+        self.head_of = torch.arange(kv_heads, device=device).view(1, kv_heads).expand(batch, kv_heads).contiguous()
         self._mark_static()
 
     def _mark_static(self) -> None:
-        fixed_addresses(self.seen, self.count, self.free, self.overflow, self.column_offset)
+        fixed_addresses(self.seen, self.count, self.free, self.overflow, self.column_offset, self.row_of, self.head_of)
 
     def __setstate__(self, state: dict[str, torch.Tensor]) -> None:
         # a copy (deepcopy, pickle) holds new tensors: a compiled step must find them static too
@@ -174,11 +181,12 @@ class DecodeState:
         slots = k.shape[2]  # (storage.slots, without the property's call)
         if may_overflow:
             self.overflow |= (self.free >= slots).any()
-        at = self.free.clamp(max=slots - 1)[..., None]  # [b, h, 1]
-        k.scatter_(2, at[..., None].expand(*at.shape, k.shape[-1]), keys)
-        v.scatter_(2, at[..., None].expand(*at.shape, v.shape[-1]), values)
-        pos.scatter_(2, at, self.seen[:, None, None].expand_as(at))
-        scores.scatter_(2, at, torch.zeros_like(at, dtype=scores.dtype) if score is None else score.to(scores.dtype))
+        at = self.row_of, self.head_of, self.free.clamp(max=slots - 1)  # (index writes: see row_of)
+        k.index_put_(at, keys.squeeze(2))
+        v.index_put_(at, values.squeeze(2))
+        pos.index_put_(at, self.seen[:, None].expand_as(self.free))
+        scores.index_put_(at, torch.zeros((), dtype=scores.dtype, device=scores.device).expand(self.free.shape)
+                          if score is None else score.squeeze(2).to(scores.dtype))
         self.seen += 1
         self.count += 1
         self.free += 1  # the next free slot, unless an eviction frees one (evict sets it)
@@ -257,9 +265,9 @@ class DecodeState:
             tied = candidate & (ranked == low)
             victim = torch.where(tied, pos[:, : tied.shape[1]], _FAR).argmin(dim=-1).expand_as(self.free)
         over = (self.count > rule.limit)[:, None]  # [b, 1]
-        at = victim[..., None]
-        pos.scatter_(2, at, torch.where(over[..., None], -1, pos.gather(2, at)))
-        scores.scatter_(2, at, torch.where(over[..., None], math.inf, scores.gather(2, at)))
+        at = self.row_of, self.head_of, victim  # (index writes: see row_of)
+        pos.index_put_(at, torch.where(over, -1, pos[at]))
+        scores.index_put_(at, torch.where(over, math.inf, scores[at]))
         self.count -= over[:, 0].to(torch.int64)
         self.free.copy_(torch.where(over, victim, self.free))
 
