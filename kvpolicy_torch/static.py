@@ -185,8 +185,7 @@ class DecodeState:
         k.index_put_(at, keys.squeeze(2))
         v.index_put_(at, values.squeeze(2))
         pos.index_put_(at, self.seen[:, None].expand_as(self.free))
-        scores.index_put_(at, torch.zeros((), dtype=scores.dtype, device=scores.device).expand(self.free.shape)
-                          if score is None else score.squeeze(2).to(scores.dtype))
+        scores.index_put_(at, scores.new_zeros(()) if score is None else score.squeeze(2).to(scores.dtype))
         self.seen += 1
         self.count += 1
         self.free += 1  # the next free slot, unless an eviction frees one (evict sets it)

@@ -617,8 +617,9 @@ class ShardedEvictingCache(EvictingCache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """transformers' ``Cache.update`` (each call to the layer of that index), refusing a batch of several sequences under head-wise
-        budgets split over ranks (every rank refuses alike, before any exchange: no rank waits)."""
+        """transformers' ``Cache.update`` (each call to the layer of that index), refusing a batch of
+        several sequences under head-wise budgets split over ranks (every rank refuses alike, before
+        any exchange: no rank waits)."""
         if self.headwise_split and key_states.shape[0] > 1:
             raise ValueError(
                 f"{self.requested_policy!r} over {self.tp_size} tensor-parallel ranks serves one sequence at a time "

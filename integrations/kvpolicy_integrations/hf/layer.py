@@ -332,7 +332,7 @@ class EvictingLayer(DynamicLayer):
         for (:attr:`scope`). A caller that runs the attention itself, on a layer not built for a
         model (standalone, or a cache made from a config), passes ``kwargs={}``, then calls
         :meth:`attention` or :meth:`finish_received`."""
-        if kwargs is None or not (self.scope.active or torch.compiler.is_compiling()):
+        if kwargs is None or not self.scope.active:  # (compiled: traced once, _outside_forward lets it by)
             kwargs = self._outside_forward(kwargs)
         kwargs[LAYER_KWARG] = self
         if not self.is_initialized:
@@ -373,8 +373,8 @@ class EvictingLayer(DynamicLayer):
         """:meth:`update` without kwargs or outside a hooked forward: the kwargs to go on with, or
         ``RuntimeError`` (nothing appended) for a call made by hand."""
         scope = self.scope
-        if scope.inside:  # a model whose attention passes no kwargs (GPT-NeoX): its layer is found by index
-            return {}
+        if scope.inside:  # (kwargs None: a model whose attention passes none, GPT-NeoX: its layer is found by index)
+            return {} if kwargs is None else kwargs
         if kwargs is None:
             raise RuntimeError(
                 f"layer {self.layer_idx}: update() was called by hand, outside a model's forward, which is "
