@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m", help="'smollm2-135m' (the embedded model) or 'tiny'")
     p.add_argument("--contexts", default="512,2048,8192")
     p.add_argument("--budget", type=float, default=0.25)
-    p.add_argument("--policies", default="h2o,streaming_llm,local,tova,buzz", help="comma-separated names, or 'all' (every registered policy that evicts during decode and runs with static shapes: not AdaKV's head-wise budgets)")
+    p.add_argument("--policies", default="h2o,streaming_llm,local,tova,buzz", help="comma-separated names, or 'all' (every registered policy that evicts during decode and runs with static shapes: AdaKV's head-wise budgets where their decode eviction is declared)")
     p.add_argument("--steps", type=int, default=16, help="decode steps per candidate and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         names = decoding_policy_names() if args.policies == "all" else args.policies.split(",")
         for name in names:
             policy = plan_policy(name, args.budget, context_length=context + total, prompt_length=context).policy
-            if policy.ragged_heads and args.policies == "all":  # (a named one fails loudly instead)
-                print(f"{name}: head-wise budgets run with static_shapes=False only: not compiled, skipped")
+            if policy.ragged_heads and policy.headwise_eviction is None and args.policies == "all":  # (a named one fails loudly instead)
+                print(f"{name}: head-wise budgets without a declared decode eviction run with static_shapes=False only: not compiled, skipped")
                 continue
             cache = build_cache(model, Candidate(name, policy=policy, cache_options={"static_shapes": True}), pre)
             assert isinstance(cache, EvictingCache)

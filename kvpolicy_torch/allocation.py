@@ -80,6 +80,10 @@ class SlotAllocator:
         widest = policy.head_capacity(h) if self.ragged and policy.capacity is not None else 0  # type: ignore[attr-defined]
         slots = self.plan.first(q, token_bytes(keys, values), min_slack, chunk_bytes, widest,
                                 bookkeeping_bytes(h, self.score_dtype(keys), logits_dtype(keys.dtype)))
+        if self.static is not None and widest:
+            # static shapes: the widest a head may grow from the start, never resized (a compiled
+            # step's storage keeps its shape; the head-wise step writes into each head's holes)
+            slots = self.plan.planned = max(slots, widest)
         layout.rows = Rows.start(b, policy.init_state())
         self.allocate(layout, keys, values, slots)
 

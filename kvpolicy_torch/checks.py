@@ -132,16 +132,17 @@ def check_layer(policy: Any, *, static_shapes: Any, key_shift: Any, group: Any) 
     """What :class:`~kvpolicy_torch.LayerCache` checks when it is built: a policy with a valid
     capacity (:func:`check_capacity`) whose ``decode_eviction`` is a
     :class:`~kvpolicy.DecodeEviction` (or ``None``) that fits in it, ``static_shapes`` a bool
-    (and not with head-wise budgets, which need the eager layout), ``key_shift`` callable or
-    ``None``, ``group`` a :class:`~kvpolicy_torch.LayerGroup` or ``None``.
+    (with head-wise budgets only where their decode eviction is declared, a
+    :class:`~kvpolicy.HeadwiseEviction`, which a static step applies on the device), ``key_shift``
+    callable or ``None``, ``group`` a :class:`~kvpolicy_torch.LayerGroup` or ``None``.
 
     Example:
-        >>> from kvpolicy import AdaKV, H2O
-        >>> check_layer(H2O(heavy=2, recent=2), static_shapes=True, key_shift=None, group=None)
+        >>> from kvpolicy import AdaKV, H2O, SnapKV
         >>> check_layer(AdaKV(H2O(heavy=2, recent=2)), static_shapes=True, key_shift=None, group=None)
+        >>> check_layer(AdaKV(SnapKV(size=40)), static_shapes=True, key_shift=None, group=None)
         Traceback (most recent call last):
         ...
-        ValueError: AdaKV(scorer=H2O(heavy=2, recent=2), alpha_safeguard=0.2) (head-wise budgets) runs with static_shapes=False only (the eager layout)
+        ValueError: AdaKV(scorer=SnapKV(size=40, window=32, kernel=5, pooling='avg'), alpha_safeguard=0.2) (head-wise budgets without a declared decode eviction, HeadwiseEviction) runs with static_shapes=False only (the eager layout)
     """
     if not isinstance(policy, EvictionPolicy):
         raise ValueError(f"policy must be an EvictionPolicy, got {policy!r}")
@@ -152,8 +153,11 @@ def check_layer(policy: Any, *, static_shapes: Any, key_shift: Any, group: Any) 
         raise ValueError(f"{policy!r}.decode_eviction must be a DecodeEviction or None, got {rule!r}")
     if rule is not None and policy.capacity is not None and policy.capacity < rule.limit + 1:
         raise ValueError(f"{policy!r} declares capacity {policy.capacity} below its decode eviction's limit + 1")
-    if policy.ragged_heads and static_shapes:
-        raise ValueError(f"{policy!r} (head-wise budgets) runs with static_shapes=False only (the eager layout)")
+    if policy.ragged_heads and static_shapes and policy.headwise_eviction is None:
+        raise ValueError(
+            f"{policy!r} (head-wise budgets without a declared decode eviction, HeadwiseEviction) runs with "
+            "static_shapes=False only (the eager layout)"
+        )
     if key_shift is not None and not callable(key_shift):
         raise ValueError(f"key_shift must be callable (keys, delta) -> keys, got {key_shift!r}")
     if group is not None and not isinstance(group, LayerGroup):

@@ -87,20 +87,29 @@ def keep_slots(storage: Storage, rows: list[int], keep: torch.Tensor, old_front:
         storage.clear_from(kept, old_front, None if len(rows) == batch else row_t)
 
 
-def sort_by_position(storage: Storage) -> None:
+def sort_by_position(storage: Storage, lead: torch.Tensor | None = None) -> None:
     """Every row's slots in position order, holes last (after static-shaped decode steps, which
-    write each new token into its victim's slot): in place.
+    write each new token into its victim's slot): in place. ``lead`` ``[batch, kv_heads]``: the
+    holes each head puts first instead (head-wise budgets: a head holding fewer tokens than its
+    row's widest starts with as many holes, so every head's tokens end at the same slot).
 
     Example:
-        >>> s = Storage.allocate(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), 3, torch.float32)
-        >>> s.positions.copy_(torch.tensor([[[4, -1, 2]]]))[0, 0].tolist()
-        [4, -1, 2]
-        >>> sort_by_position(s)
-        >>> s.positions[0, 0].tolist()
-        [2, 4, -1]
+        >>> s = Storage.allocate(torch.zeros(1, 2, 1, 2), torch.zeros(1, 2, 1, 2), 4, torch.float32)
+        >>> _ = s.positions.copy_(torch.tensor([[[4, -1, 2, 6], [-1, 5, -1, 3]]]))
+        >>> sort_by_position(s); s.positions[0].tolist()
+        [[2, 4, 6, -1], [3, 5, -1, -1]]
+        >>> _ = s.positions.copy_(torch.tensor([[[4, -1, 2, 6], [-1, 5, -1, 3]]]))
+        >>> sort_by_position(s, lead=torch.tensor([[0, 1]])); s.positions[0].tolist()
+        [[2, 4, 6, -1], [-1, 3, 5, -1]]
     """
     pos = storage.positions
-    order = torch.argsort(pos.masked_fill(pos < 0, torch.iinfo(torch.int64).max), dim=-1)
+    far = torch.iinfo(torch.int64).max
+    hole = pos < 0
+    if lead is None:
+        key = pos.masked_fill(hole, far)
+    else:  # (the first `lead` holes of a head sort before its tokens, the rest after)
+        key = torch.where(hole, torch.where(hole.cumsum(-1) <= lead[..., None], -1, far), pos)
+    order = torch.argsort(key, dim=-1, stable=True)
     for t in (storage.keys, storage.values):
         t.copy_(torch.gather(t, 2, order[..., None].expand_as(t)))
     for t in (storage.positions, storage.scores):

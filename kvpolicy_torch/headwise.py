@@ -31,6 +31,9 @@ from kvpolicy.policy import HeadwiseEviction
 
 from .storage import HOLE, Storage, grown_slots
 
+#: Larger than any position: the key of a slot that is not a tie (or not chosen) in a ``topk`` of positions.
+_FAR = torch.iinfo(torch.int64).max
+
 __all__ = ["HOST_MERGE_HEADS", "fitted_slots", "free_slots", "headwise_victims", "held_tokens", "likely_victims", "mark_dropped"]
 
 
@@ -94,14 +97,16 @@ def headwise_victims(positions: torch.Tensor, scores: torch.Tensor, seen: int | 
     position, head), NaN as ``-inf``, outside the newest ``rule.recent`` positions (``seen``: tokens
     seen, an int or ``[rows, 1, 1]``) and each head's ``rule.floor`` best.
 
-    A constant number of kernels whatever the heads, no sort of the layer: each head's ``H``
-    lowest candidates (one ``topk`` for the ``H``-th lowest score, the ties at it taken in slot
-    order, a second for their slots), in its order (a sort of ``H``), of which the head may lose
-    those outside its floor; then the ``H`` lowest of those ``H x H`` over the heads (three stable
-    sorts). Below a frontier slot order is position order, and every head holds the newest
-    ``recent`` positions (they are never victims), so they are the newest ``recent`` slots that
-    :class:`~kvpolicy.CacheView` ``.lowest_first`` protects. (:func:`likely_victims` is the
-    common case in fewer kernels.)
+    A constant number of kernels whatever the heads, no sort of the layer and no host read (a
+    compiled decode step runs it: :mod:`kvpolicy_torch.static`): each head's ``H`` lowest
+    candidates by (score, position) (one ``topk`` for the ``H``-th lowest score, a second for the
+    earliest positions tied at it, a third for their slots), in that order (two stable sorts of
+    ``H``), of which the head may lose those outside its floor; then the ``H`` lowest of those
+    ``H x H`` over the heads (three stable sorts). Only positions order tokens, never slots, so the
+    slots may hold them in any order (a static step writes a token into a victim's slot). Every
+    head holds the newest ``recent`` positions (they are never victims), so they are the newest
+    ``recent`` slots that :class:`~kvpolicy.CacheView` ``.lowest_first`` protects in position
+    order. (:func:`likely_victims` is the eager layout's common case in fewer kernels.)
 
     Example (head 0's two lowest go, unless its floor of 3 keeps one: then head 1's lowest):
         >>> from kvpolicy import HeadwiseEviction
@@ -123,17 +128,22 @@ def headwise_victims(positions: torch.Tensor, scores: torch.Tensor, seen: int | 
     inf = torch.tensor(math.inf, dtype=key.dtype, device=key.device)
     threshold = torch.where(candidate, key, inf).topk(k, dim=-1, largest=False, sorted=True).values[..., k - 1 :]
     below = candidate & (key < threshold)
-    at = candidate & (key == threshold)  # (ties at the k-th lowest: the earliest slots)
-    pick = below | (at & (at.cumsum(-1) <= k - below.sum(-1, keepdim=True)))
+    at = candidate & (key == threshold)  # (ties at the k-th lowest: the earliest positions)
+    need = k - below.sum(-1, keepdim=True)
+    tied = torch.where(at, positions, _FAR).topk(k, dim=-1, largest=False, sorted=True).values
+    pick = below | (at & (positions <= tied.gather(-1, (need - 1).clamp(min=0))) & (need > 0))
     chosen = torch.where(pick, torch.arange(m, device=key.device), m).topk(k, dim=-1, largest=False, sorted=True).values
     valid = chosen < m
     chosen = chosen.clamp(max=m - 1)
     chosen_key = key.gather(-1, chosen).masked_fill(~valid, math.inf)
-    order = chosen_key.sort(dim=-1, stable=True).indices  # the head's order: (score, slot); fillers last
-    chosen, chosen_key, valid = chosen.gather(-1, order), chosen_key.gather(-1, order), valid.gather(-1, order)
+    chosen_pos = positions.gather(-1, chosen).masked_fill(~valid, _FAR)
+    # the head's order: (score, position), fillers last: stable by position, then stable by score
+    order = chosen_pos.sort(dim=-1, stable=True).indices
+    order = order.gather(-1, chosen_key.gather(-1, order).sort(dim=-1, stable=True).indices)
+    chosen, chosen_key, chosen_pos, valid = (x.gather(-1, order) for x in (chosen, chosen_key, chosen_pos, valid))
     losable = valid & (torch.arange(k, device=key.device) < may_lose)
     # the H lowest losable over the heads: by score, then position, then head (flattened head by head)
-    flat = [x.reshape(rows, heads * k) for x in (positions.gather(-1, chosen), chosen_key, (~losable).to(torch.int8))]
+    flat = [x.reshape(rows, heads * k) for x in (chosen_pos, chosen_key, (~losable).to(torch.int8))]
     over = None
     for x in flat:
         x = x if over is None else x.gather(-1, over)

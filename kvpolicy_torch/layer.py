@@ -626,7 +626,7 @@ class LayerCache(LayerReads):
         if state is None or layout.extra is not None or layout.store is None:
             return
         self._slots.ready_for_device(layout, chunk_bytes=self.compaction_chunk_bytes)
-        state.load(layout.rows.seen, layout.rows.count, layout.rows.columns)
+        self._static.load(layout)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ Expected Attention
     def observe_queries(self, queries: torch.Tensor, positions: torch.Tensor | list[int] | None = None,

@@ -13,18 +13,25 @@ step's four parts written without a Python branch on data:
 
 * ``seen`` ``[batch]``: real tokens appended per row; the newest token's original position is
   ``seen - 1``;
-* ``count`` ``[batch]``: kept tokens per row (every head holds as many);
+* ``count`` ``[batch]``: kept tokens per row (every head holds as many; under head-wise budgets,
+  :class:`~kvpolicy.AdaKV`, the mean over the heads, which every step raises by one);
 * ``free`` ``[batch, kv_heads]``: the slot the next token is written to. After a host-side
   compaction the kept tokens stand at ``[0, count)`` and ``free = count``; a one-token eviction
   turns its victim into a hole and the next token is written *there*, so a full layer never needs
   compacting while it decodes (slot order stops being position order; nothing reads it: attention
-  is order-free, and victims are chosen by position, never by slot);
+  is order-free, and victims are chosen by position, never by slot). Under head-wise budgets a
+  head may lose two tokens at a step and another none, so the next token goes to each head's first
+  hole (one reduction at the append);
 * ``overflow`` ``[]`` bool: set when a row was asked to write past its last slot (a policy without
   a one-token eviction, whose host-side eviction was not run in time); checked on the host.
 
 The one-token eviction (:class:`~kvpolicy.DecodeEviction`, ``"lowest"`` or ``"oldest"``) is a
 masked write that always runs: the victim is searched in every row and freed only where the row
-holds ``limit + 1`` tokens, so a step does the same work whether or not the cache is full.
+holds ``limit + 1`` tokens, so a step does the same work whether or not the cache is full. So is
+head-wise budgets' decode eviction (:class:`~kvpolicy.HeadwiseEviction`: the layer's ``H``
+lowest outside the floors, :func:`~kvpolicy_torch.headwise.headwise_victims`), where the heads hold
+``limit + 1`` tokens on average; its storage holds the widest a head may grow
+(:meth:`~kvpolicy.AdaKV.head_capacity`), so it never grows or compacts between steps.
 Everything else (prompt chunks, a policy's general ``select``, compaction) changes shapes or asks
 the policy on the host; it runs between compiled steps (see ``LayerCache.settle``).
 """
@@ -35,11 +42,12 @@ import math
 
 import torch
 
-from kvpolicy.policy import KEY_STATISTICS, DecodeEviction, EvictionPolicy
+from kvpolicy.policy import KEY_STATISTICS, DecodeEviction, EvictionPolicy, HeadwiseEviction
 from kvpolicy.statistics import low_attention, scored_once
 
 from .attention import window_limit
 from .compaction import sort_by_position
+from .headwise import headwise_victims
 from .layout import SlotLayout
 from .posshift import rope_rotate
 from .queries import RunningMoments, held_scores, token_scores
@@ -126,13 +134,17 @@ class DecodeState:
         self.overflow.fill_(False)
         self.column_offset.fill_(columns - seen[0])
 
-    def to_host(self, layout: SlotLayout, *, scattered: bool, settled: bool, what: str) -> None:
+    def to_host(self, layout: SlotLayout, *, scattered: bool, settled: bool, what: str,
+                headwise: HeadwiseEviction | None = None) -> None:
         """Hand the decode steps the device ran to the host (one read): ``layout``'s rows take the
         device's counts and each row's kept tokens are put back at ``[0, count)`` in position order
         (``scattered``: one-token evictions wrote into their victims' slots), holes masked, so host
         code sees the layout it expects; the device state is reloaded from them. ``settled``: the
         host must have settled after every step (a general eviction may be due at each); ``what``
-        names the policy in errors."""
+        names the policy in errors. ``headwise``: head-wise budgets' rule, whose heads hold
+        different numbers: each head's tokens then end at its row's widest head's count, a
+        narrower head's holes first (the eager head-wise layout), and the policy's state says
+        the mean the device counted (:meth:`~kvpolicy.HeadwiseEviction.mean_tokens`)."""
         store = layout.storage()
         seen, count, columns, overflow = self.read()
         if overflow:
@@ -148,14 +160,26 @@ class DecodeState:
                 f"call settle() (EvictingCache.settle) after every compiled decode step while needs_settle is True "
                 f"(kvpolicy.hf.greedy_decode does)"
             )
-        if scattered:
+        states = layout.rows.states
+        kept = count  # (every head holds as many)
+        if headwise is not None:
+            held = (store.positions >= 0).sum(-1)  # [batch, kv_heads]
+            sort_by_position(store, lead=held.amax(-1, keepdim=True) - held)
+            per_head = held.tolist()
+            kept = [max(row) for row in per_head]
+            # after a device eviction the state says the mean the device counts (it equals the
+            # widest head's count only while every head holds as many)
+            states = [s if s["kept"] == 0 and mean == widest else {**s, **headwise.state_after(n - (mean - headwise.limit))}
+                      for s, n, mean, widest in zip(states, seen, count, kept)]
+        elif scattered:
             sort_by_position(store)
         store.bias.copy_(torch.where(store.positions >= 0, 0.0, -math.inf).to(store.bias.dtype))
-        states = layout.rows.states
-        layout.rows = Rows(seen, count, list(count), states, [None] * len(count), [[] for _ in count], columns)
+        layout.rows = Rows(seen, kept, list(kept), states, [None] * len(count), [[] for _ in count], columns)
         layout.returned = store.slots
         layout.bias_needed = True
         layout.moved()
+        if headwise is not None:
+            layout.head_counts = per_head
         self.load(seen, count, columns)
 
     def sequence_length(self) -> torch.Tensor:
@@ -170,16 +194,22 @@ class DecodeState:
 
     # ------------------------------------------------------------------ update
     def append(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor,
-               may_overflow: bool = True, score: torch.Tensor | None = None) -> None:
+               may_overflow: bool = True, score: torch.Tensor | None = None, first_hole: bool = False) -> None:
         """Write one token per row ``[batch, kv_heads, 1, head_dim]`` at each row's free slot:
         key, value, position ``seen``; score 0 (a first statistic for every rule), or ``score``
         ``[batch, kv_heads, 1]`` (a score the policy gives each token once, when it is cached).
         ``may_overflow=False``: the layer knows no row can run out of slots (a one-token eviction
         frees one at every step from ``limit + 1`` tokens on, and the storage holds more), so the
-        check is left out of the step."""
+        check is left out of the step. ``first_hole``: each head's free slot is its first hole
+        (head-wise budgets, whose heads lose different numbers at a step); a head without one
+        raises the overflow flag."""
         k, v, pos, scores = storage.keys, storage.values, storage.positions, storage.scores
         slots = k.shape[2]  # (storage.slots, without the property's call)
-        if may_overflow:
+        if first_hole:
+            hole = pos < 0
+            self.free.copy_(hole.to(torch.int8).argmax(dim=-1))
+            self.overflow |= ~hole.any(dim=-1).all()
+        elif may_overflow:
             self.overflow |= (self.free >= slots).any()
         at = self.row_of, self.head_of, self.free.clamp(max=slots - 1)  # (index writes: see row_of)
         k.index_put_(at, keys.squeeze(2))
@@ -270,6 +300,19 @@ class DecodeState:
         self.count -= over[:, 0].to(torch.int64)
         self.free.copy_(torch.where(over, victim, self.free))
 
+    def evict_headwise(self, storage: Storage, rule: HeadwiseEviction) -> None:
+        """Head-wise budgets' decode eviction as a masked write: in each row whose heads hold
+        ``limit + 1`` tokens on average (``count``), the layer's ``H`` lowest outside the floors
+        and the recent window (:func:`~kvpolicy_torch.headwise.headwise_victims`) become holes;
+        other rows are left as they are. The next append finds each head's first hole."""
+        pos, scores = storage.positions, storage.scores
+        head, slot = headwise_victims(pos, scores, self.seen.view(-1, 1, 1), rule)  # [b, H] each
+        over = (self.count > rule.limit)[:, None]  # [b, 1]
+        at = self.row_of, head, slot
+        pos.index_put_(at, torch.where(over, -1, pos[at]))
+        scores.index_put_(at, torch.where(over, math.inf, scores[at]))
+        self.count -= over[:, 0].to(torch.int64)
+
 
 class StaticSteps:
     """The decode steps of one static-shaped layer: its :class:`DecodeState` (``None`` before the
@@ -299,6 +342,9 @@ class StaticSteps:
     def __init__(self, policy: EvictionPolicy, reduce_scores=None) -> None:  # type: ignore[no-untyped-def]
         self.policy = policy
         self.rule = policy.decode_eviction
+        #: head-wise budgets' decode eviction (AdaKV over H2O, TOVA, Knorm, KeyDiff, Expected
+        #: Attention): the layer's H lowest freed on the device, as a one-token rule's victim
+        self.headwise = policy.headwise_eviction
         self.once = scored_once(policy)  # decode tokens scored when cached (Knorm), never rescored
         self.captures = policy.captures_attention  # (read at every step)
         self.reduce_scores = reduce_scores
@@ -308,9 +354,9 @@ class StaticSteps:
 
     @property
     def needs_settle(self) -> bool:
-        """A bounded policy without a one-token decode eviction (BUZZ, Scissorhands) evicts on the
-        host, between compiled steps."""
-        return self.rule is None and self.policy.capacity is not None
+        """A bounded policy without a one-token or head-wise decode eviction (BUZZ, Scissorhands)
+        evicts on the host, between compiled steps."""
+        return self.rule is None and self.headwise is None and self.policy.capacity is not None
 
     def fit(self, batch: int, kv_heads: int, device: torch.device, *, fresh: bool = False) -> None:
         """A state for ``batch`` rows of ``kv_heads`` heads: the one held while its shape fits (a
@@ -330,8 +376,17 @@ class StaticSteps:
         score = token_scores(self.policy, keys, values, state.seen.view(-1, 1, 1), store.scores.dtype) if self.once else None
         # a one-token eviction keeps every row at or below limit + 1 tokens: no overflow while the
         # storage holds more than the limit
-        state.append(store, keys, values, may_overflow=self.rule is None or store.keys.shape[2] <= self.rule.limit, score=score)
+        state.append(store, keys, values, may_overflow=self.rule is None or store.keys.shape[2] <= self.rule.limit, score=score,
+                     first_hole=self.headwise is not None)
         self.newer = True
+
+    def load(self, layout: SlotLayout) -> None:
+        """Hand ``layout``'s rows to the device (:meth:`DecodeState.load`), after host code changed
+        them: under head-wise budgets the count the device keeps is the heads' mean
+        (:meth:`~kvpolicy.HeadwiseEviction.mean_tokens`), not the widest head's."""
+        rows, rule = layout.rows, self.headwise
+        count = rows.count if rule is None else [rule.mean_tokens(*r) for r in zip(rows.count, rows.seen, rows.states)]
+        self.state.load(rows.seen, count, rows.columns)  # type: ignore[union-attr]
 
     def attend(self, store: Storage, query: torch.Tensor, scaling: float, options: StepOptions) -> torch.Tensor:
         """The step's attention over every slot, what each slot received folded into the scores
@@ -344,14 +399,18 @@ class StaticSteps:
         return out
 
     def evict(self, store: Storage, running: RunningMoments | None) -> bool:
-        """The one-token eviction as a masked write (scores from the cache recomputed first for a
-        key statistic); ``False`` when the policy has none (its eviction is the host's: settle)."""
-        if self.rule is None:
+        """The one-token or head-wise eviction as a masked write (scores from the cache recomputed
+        first for a key statistic); ``False`` when the policy has none (its eviction is the host's:
+        settle)."""
+        if self.rule is None and self.headwise is None:
             return False
         policy = self.policy
         if policy.score_statistic in KEY_STATISTICS and not self.once:  # scores from the cache (KeyDiff, Expected Attention)
             store.scores.copy_(held_scores(policy, running, store, self.state.seen.view(-1, 1, 1), "decode"))  # type: ignore[union-attr]
-        self.state.evict(store, self.rule, policy.selection == "shared", self.reduce_scores)  # type: ignore[union-attr]
+        if self.headwise is not None:
+            self.state.evict_headwise(store, self.headwise)  # type: ignore[union-attr]
+        else:
+            self.state.evict(store, self.rule, policy.selection == "shared", self.reduce_scores)  # type: ignore[union-attr,arg-type]
         return True
 
     def to_host(self, layout: SlotLayout, *, settled: bool) -> None:
@@ -359,7 +418,8 @@ class StaticSteps:
         ``settled``: the host followed every step (the layer's ``needs_settle``)."""
         if self.newer and self.state is not None:
             self.newer = False
-            self.state.to_host(layout, scattered=self.rule is not None, settled=settled, what=repr(self.policy))
+            self.state.to_host(layout, scattered=self.rule is not None, settled=settled, what=repr(self.policy),
+                               headwise=self.headwise)
 
     @staticmethod
     def follow(layout: SlotLayout) -> None:

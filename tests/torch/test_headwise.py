@@ -105,13 +105,61 @@ def test_attention_never_reads_a_hole() -> None:
         torch.testing.assert_close(out[0, 0, h] if out.ndim == 4 and out.shape[1] == 1 else out[0, h, 0], w @ V[0, h][held])
 
 
-def test_static_shapes_are_refused_and_a_chunk_after_a_headwise_eviction_is_masked_per_head() -> None:
-    """Head-wise budgets need the eager layout (static_shapes refused by name). A prompt chunk after
+HEADWISE_SCORERS = st.one_of(
+    st.builds(H2O, heavy=st.integers(1, 6), recent=st.integers(1, 4)),
+    st.builds(TOVA, size=st.integers(2, 8), selection=st.just("per_head")),
+    st.builds(Knorm, size=st.integers(2, 8)),
+    st.builds(KeyDiff, size=st.integers(2, 8), recent=st.integers(0, 1), refresh=st.integers(1, 3)),
+)
+
+
+@given(HEADWISE_SCORERS, st.sampled_from([0.0, 0.2, 0.6, 1.0]), st.integers(1, 4), st.integers(1, 14),
+       st.integers(1, 30), st.data())
+@settings(max_examples=40, deadline=None)
+def test_static_steps_keep_what_the_eager_layout_keeps(scorer, alpha, heads, prompt, steps, data) -> None:
+    """Head-wise budgets with static shapes (the decode eviction a masked write on the device,
+    :func:`~kvpolicy_torch.headwise.headwise_victims`; each head's token written into its first
+    hole) keep, head by head, the positions the eager layout keeps, and attend alike; the host
+    reads the device's steps once in the middle (its layout: each head's tokens ending at the
+    widest head's, holes first) and hands them back."""
+    policy = AdaKV(scorer, alpha)
+    assert policy.headwise_eviction is not None
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    middle = data.draw(st.integers(0, steps))
+    layers = LayerCache(policy), LayerCache(policy, static_shapes=True)
+    k = torch.randn(1, heads, prompt, 8, generator=g, dtype=torch.float64)
+    received = torch.softmax(torch.randn(1, heads, prompt, generator=g, dtype=torch.float64) * 3, -1)
+    for layer in layers:
+        K, _ = layer.append(k, -k)  # (static shapes: every slot of the storage, the prompt's first)
+        layer.accumulate(torch.nn.functional.pad(received, (0, K.shape[2] - prompt)))
+        layer.evict()
+
+    def held(layer) -> list:
+        return [sorted(p for p in head if p >= 0) for head in layer.positions[0].tolist()]
+
+    for t in range(steps):
+        k = torch.randn(1, heads, 1, 8, generator=g, dtype=torch.float64)
+        q = torch.randn(1, 2 * heads, 1, 8, generator=g, dtype=torch.float64)  # (GQA: two query heads a KV head)
+        outs = []
+        for layer in layers:
+            layer.append(k, -k)
+            outs.append(layer.attend(q, 0.7))
+            layer.evict()
+        torch.testing.assert_close(outs[1], outs[0])
+        if t == middle:
+            assert held(layers[1]) == held(layers[0])  # (a read: the device's steps handed to the host)
+    assert held(layers[1]) == held(layers[0])
+    assert layers[1].slots <= policy.head_capacity(heads)  # (static: the widest a head may grow, fixed)
+
+
+def test_static_shapes_are_refused_without_a_declared_headwise_eviction_and_a_chunk_after_one_is_masked_per_head() -> None:
+    """Head-wise budgets without a declared decode eviction need the eager layout (static_shapes
+    refused by name: AdaKV over SnapKV). A prompt chunk after
     a head-wise eviction (heads holding different tokens) gets a mask per KV head: each head's
     queries see that head's kept tokens and the chunk, causally (it raised NotImplementedError
     before 2026-11-28; the transformers differentials in tests/integrations/hf hold the attention)."""
     with pytest.raises(ValueError, match="static_shapes"):
-        LayerCache(AdaKV(H2O(4, 2)), static_shapes=True)
+        LayerCache(AdaKV(SnapKV(size=40)), static_shapes=True)
     layer = _layer(AdaKV(H2O(6, 3), 0.0), heads=3, decode=5)
     k = torch.randn(1, 3, 4, 8, dtype=torch.float64)
     layer.append(k, k.clone())

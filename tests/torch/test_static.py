@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from kvpolicy import BUZZ, H2O, TOVA, ExpectedAttention, FullCache, KeyDiff, Knorm, LocalWindow, SnapKV, StreamingLLM, make_policy
+from kvpolicy import BUZZ, H2O, TOVA, AdaKV, ExpectedAttention, FullCache, KeyDiff, Knorm, LocalWindow, SnapKV, StreamingLLM, make_policy
 from kvpolicy.hf import EvictingCache, cache_kwargs, compile_decode_step, greedy_decode
 from kvpolicy_tools.models import tiny_llama
 
@@ -49,6 +49,12 @@ POLICIES = {
     "knorm": lambda: Knorm(size=24),  # a token-local score, given when the token is written on the device
     "expected_attention": lambda: ExpectedAttention(size=24, future=64, refresh=1),  # running query moments on the device
     "expected_attention_refresh": lambda: ExpectedAttention(size=24, future=64, refresh=3),  # torch.cond in the graph
+    # head-wise budgets: the layer's H lowest outside the floors freed on the device (headwise_victims)
+    "adakv_h2o": lambda: AdaKV(H2O(heavy=12, recent=12)),
+    "adakv_tova": lambda: AdaKV(TOVA(size=24, selection="per_head"), alpha_safeguard=0.5),
+    "adakv_keydiff": lambda: AdaKV(KeyDiff(size=24, refresh=1)),
+    "adakv_knorm": lambda: AdaKV(Knorm(size=24)),
+    "adakv_expected_attention": lambda: AdaKV(ExpectedAttention(size=24, future=64, refresh=1)),
 }
 
 
@@ -74,8 +80,38 @@ def test_compiled_step_is_one_graph_and_equals_eager(model, name):
     assert 1 <= graphs <= 2, graphs
     assert torch.equal(got, want)
     if policy.capacity is not None:  # it did evict, and stays within its capacity
-        assert max(cache.lengths()) <= max(layer.store.policy.capacity for layer in cache.layers)
+        heads = model.config.num_key_value_heads
+        # (head-wise budgets: capacity is per head on average; one head holds up to head_capacity)
+        most = max(p.head_capacity(heads) if p.ragged_heads else p.capacity for p in (layer.store.policy for layer in cache.layers))
+        assert max(cache.lengths()) <= most
         assert sum(cache.layers[0].store.seen) == PROMPT + STEPS - 1
+
+
+def _held(cache) -> list:
+    """Each layer's, row's and head's held positions, sorted (slots order nothing in a static step)."""
+    return [[[sorted(p for p in head if p >= 0) for head in row] for row in layer.store.positions.tolist()] for layer in cache.layers]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make, differ", [(lambda: AdaKV(H2O(heavy=12, recent=4), alpha_safeguard=0.0), False),
+                                          (lambda: AdaKV(KeyDiff(size=24, refresh=3)), True),
+                                          (lambda: AdaKV(ExpectedAttention(size=24, future=64, refresh=3)), True)],
+                         ids=["h2o", "keydiff_refresh", "expected_attention_refresh"])
+def test_compiled_headwise_budgets_keep_eagers_tokens_in_every_head(model, make, differ):
+    """AdaKV compiled: a left-padded batch of two keeps, in every layer, row and head, the
+    positions the eager layout keeps (heads hold different numbers: the widest head's storage,
+    each head's victims freed where they stand), and decodes the same tokens in one graph."""
+    mask = torch.ones(2, PROMPT, dtype=torch.long)
+    mask[1, :9] = 0  # row 1: a left-padded, shorter prompt
+    got, want, graphs, cache = _compiled_run(model, make(), batch=2, mask=mask)
+    assert graphs <= 2 and torch.equal(got, want)
+    ids = _prompt(model, 2).masked_fill(mask == 0, 0)
+    eager = EvictingCache(make(), model)
+    greedy_decode(model, ids, eager, STEPS, attention_mask=mask)
+    assert _held(cache) == _held(eager)
+    counts = [[len(h) for h in row] for layer in _held(cache) for row in layer]
+    if differ:  # (the heads did come to differ; H2O's stay even on this random-weight model)
+        assert any(len(set(row)) > 1 for row in counts), counts
 
 
 def test_one_compiled_step_serves_a_second_cache_without_a_new_graph(model):
