@@ -26,6 +26,11 @@ step); a prompt chunk and a policy's general ``select`` run on the host in both.
 * :func:`replay`: the reference contract of :func:`kvpolicy_numpy.replay`, through LayerCache.
 """
 
+import array_api_compat.torch as _xp
+import torch as _torch
+
+from kvpolicy.policy import register_namespace as _register_namespace
+
 from .attention import decode_attention, grouped_decode
 from .posshift import ShiftMatrices, rope_matrix, rope_rotate
 from .layer import LayerCache, LayerSnapshot, PrefixShift
@@ -49,3 +54,7 @@ __all__ = [
     "rope_matrix",
     "rope_rotate",
 ]
+
+# a declared score asks array_namespace once a layer or more at every decode step: one dict read
+_register_namespace(_torch.Tensor, _xp)
+

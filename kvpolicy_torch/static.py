@@ -29,7 +29,7 @@ The one-token eviction (:class:`~kvpolicy.DecodeEviction`, ``"lowest"`` or ``"ol
 masked write that always runs: the victim is searched in every row and freed only where the row
 holds ``limit + 1`` tokens, so a step does the same work whether or not the cache is full. So is
 head-wise budgets' decode eviction (:class:`~kvpolicy.HeadwiseEviction`: the layer's ``H``
-lowest outside the floors, :func:`~kvpolicy_torch.headwise.headwise_victims`), where the heads hold
+lowest outside the floors, :func:`~kvpolicy_torch.headwise.step_victims`), where the heads hold
 ``limit + 1`` tokens on average; its storage holds the widest a head may grow
 (:meth:`~kvpolicy.AdaKV.head_capacity`), so it never grows or compacts between steps.
 Everything else (prompt chunks, a policy's general ``select``, compaction) changes shapes or asks
@@ -47,7 +47,7 @@ from kvpolicy.statistics import low_attention, scored_once
 
 from .attention import window_limit
 from .compaction import sort_by_position
-from .headwise import headwise_victims
+from .headwise import step_victims
 from .layout import SlotLayout
 from .posshift import rope_rotate
 from .queries import RunningMoments, held_scores, token_scores
@@ -303,11 +303,11 @@ class DecodeState:
     def evict_headwise(self, storage: Storage, rule: HeadwiseEviction) -> None:
         """Head-wise budgets' decode eviction as a masked write: in each row whose heads hold
         ``limit + 1`` tokens on average (``count``), the layer's ``H`` lowest outside the floors
-        and the recent window (:func:`~kvpolicy_torch.headwise.headwise_victims`) become holes;
+        and the recent window (:func:`~kvpolicy_torch.headwise.step_victims`) become holes;
         other rows are left as they are. The next append finds each head's first hole."""
         pos, scores = storage.positions, storage.scores
-        head, slot = headwise_victims(pos, scores, self.seen.view(-1, 1, 1), rule)  # [b, H] each
         over = (self.count > rule.limit)[:, None]  # [b, 1]
+        head, slot = step_victims(pos, scores, self.seen.view(-1, 1, 1), rule, over[:, 0])  # [b, H] each
         at = self.row_of, head, slot
         pos.index_put_(at, torch.where(over, -1, pos[at]))
         scores.index_put_(at, torch.where(over, math.inf, scores[at]))

@@ -285,7 +285,8 @@ def test_over_expected_attention() -> None:
 @given(decode_steps(), st.booleans(), st.sampled_from([0, 8]), st.booleans())
 @settings(max_examples=400, deadline=None)
 def test_the_victim_search_frees_what_the_declared_rule_drops(case, slot_window, host_merge_heads, settle_ties) -> None:
-    """headwise_victims (exact, a constant number of kernels) and likely_victims (fewer, where it is
+    """headwise_victims (exact, a constant number of kernels), step_victims (a static step's: one
+    topk where it is sure, slots in any order) and likely_victims (fewer, where it is
     sure) free the tokens AdaKV's HeadwiseEviction drops, which the kit holds to select(): ties
     across heads and within, NaN, floors that bind, 1 to 4 heads; the candidates cut either at the
     recent window's slots (rows alike) or by position (rows on other frontiers); the heads' lowest
@@ -293,7 +294,7 @@ def test_the_victim_search_frees_what_the_declared_rule_drops(case, slot_window,
     positions (``settle_ties``) or left to the exact search."""
     from unittest import mock
 
-    from kvpolicy_torch.headwise import headwise_victims, likely_victims
+    from kvpolicy_torch.headwise import headwise_victims, likely_victims, step_victims
 
     policy, view = case
     rule = policy.headwise_eviction
@@ -310,6 +311,15 @@ def test_the_victim_search_frees_what_the_declared_rule_drops(case, slot_window,
 
     head, slot = headwise_victims(positions, scores, view.n_seen, rule)
     np.testing.assert_array_equal(kept(zip(head[0].tolist(), slot[0].tolist())), want)
+    # a static step's search (one topk where sure), on the slots as laid out and reversed (a static
+    # step leaves slot order anything: only positions order the tokens)
+    due = torch.tensor([True])
+    head, slot = step_victims(positions, scores, view.n_seen, rule, due)
+    np.testing.assert_array_equal(kept(zip(head[0].tolist(), slot[0].tolist())), want)
+    head, slot = step_victims(positions.flip(-1), scores.flip(-1), view.n_seen, rule, due)
+    np.testing.assert_array_equal(kept(zip(head[0].tolist(), (n - 1 - slot[0]).tolist())), want)
+    head, slot = headwise_victims(positions.flip(-1), scores.flip(-1), view.n_seen, rule)
+    np.testing.assert_array_equal(kept(zip(head[0].tolist(), (n - 1 - slot[0]).tolist())), want)
     if slot_window:
         candidates = scores[:, :, : n - rule.recent]
     else:
