@@ -57,4 +57,3 @@ __all__ = [
 
 # a declared score asks array_namespace once a layer or more at every decode step: one dict read
 _register_namespace(_torch.Tensor, _xp)
-

@@ -163,8 +163,9 @@ def step_victims(positions: torch.Tensor, scores: torch.Tensor, seen: int | torc
     Where it is sure, one ``topk`` over each row's flat slots: every head may lose ``H`` tokens
     (no floor binds), the ``H``-th lowest candidate is finite and no candidate ties it (the tie
     order could matter there); the victims are then the ``H`` lowest of the layer, whatever their
-    order. Else :func:`headwise_victims` (three ``topk`` and five sorts a layer: compiled, ~70 us a
-    layer and step on one CPU core at 512 tokens, the common case ~15). Compiled, both are in the
+    order. Else :func:`headwise_victims` (three ``topk`` and five sorts a layer, with their clones:
+    ~4 ms of a 53 ms compiled step of the embedded model at 512 tokens, profiled, where this search
+    put AdaKV + H2O at 98% of the compiled limit: docs/performance.md). Compiled, both are in the
     step's graph (``torch.cond``); eager, one read of the flag.
 
     Example:
