@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvpolicy_tools.models import load, tiny_llama
     from kvpolicy_tools.perf.decode import Candidate, build_cache, hold_last, prefill
     from kvpolicy_tools.perf.bench import decoding_policy_names
+    from kvpolicy_torch.checks import check_layer
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="'smollm2-135m' (the embedded model) or 'tiny'")
@@ -104,9 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         names = decoding_policy_names() if args.policies == "all" else args.policies.split(",")
         for name in names:
             policy = plan_policy(name, args.budget, context_length=context + total, prompt_length=context).policy
-            if policy.ragged_heads and policy.headwise_eviction is None and args.policies == "all":  # (a named one fails loudly instead)
-                print(f"{name}: head-wise budgets without a declared decode eviction run with static_shapes=False only: not compiled, skipped")
-                continue
+            if args.policies == "all":  # (a named one fails loudly instead)
+                try:
+                    check_layer(policy, static_shapes=True, key_shift=None, group=None)  # (what a static layer refuses)
+                except ValueError as refused:
+                    print(f"{name}: not compiled, skipped: {refused}")
+                    continue
             cache = build_cache(model, Candidate(name, policy=policy, cache_options={"static_shapes": True}), pre)
             assert isinstance(cache, EvictingCache)
             runs[f"{name} (compiled)"] = stepper(cache, compiled, cache.needs_settle)

@@ -118,13 +118,7 @@ def headwise_victims(positions: torch.Tensor, scores: torch.Tensor, seen: int | 
         [[[0, 1]], [[0, 0]]]
     """
     rows, heads, m = positions.shape
-    held = positions >= 0
-    key = torch.nan_to_num(scores, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
-    protected = held & (positions >= seen - rule.recent)
-    candidate = held & ~protected
-    count = held.sum(-1, keepdim=True)
-    # a head may lose its lowest candidates down to max(floor, its protected tokens)
-    may_lose = count - protected.sum(-1, keepdim=True).clamp(min=rule.floor)
+    key, candidate, may_lose = _candidates(positions, scores, seen, rule)
     k = min(heads, m)
     inf = torch.tensor(math.inf, dtype=key.dtype, device=key.device)
     threshold = torch.where(candidate, key, inf).topk(k, dim=-1, largest=False, sorted=True).values[..., k - 1 :]
@@ -154,6 +148,18 @@ def headwise_victims(positions: torch.Tensor, scores: torch.Tensor, seen: int | 
     return torch.div(first, k, rounding_mode="floor"), chosen.reshape(rows, heads * k).gather(-1, first)
 
 
+def _candidates(positions: torch.Tensor, scores: torch.Tensor, seen: int | torch.Tensor,
+                rule: HeadwiseEviction) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What both searches read: the ranking key ``[rows, H, m]`` (NaN as ``-inf``), which slots are
+    candidates (held, outside the newest ``rule.recent`` positions) and ``[rows, H, 1]`` how many
+    each head may lose (down to ``max(floor, its protected tokens)``)."""
+    held = positions >= 0
+    key = torch.nan_to_num(scores, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+    protected = held & (positions >= seen - rule.recent)
+    may_lose = held.sum(-1, keepdim=True) - protected.sum(-1, keepdim=True).clamp(min=rule.floor)
+    return key, held & ~protected, may_lose
+
+
 def step_victims(positions: torch.Tensor, scores: torch.Tensor, seen: int | torch.Tensor, rule: HeadwiseEviction,
                  due: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`headwise_victims` for a decode step on the device (no host read when compiled): the
@@ -179,13 +185,10 @@ def step_victims(positions: torch.Tensor, scores: torch.Tensor, seen: int | torc
     rows, heads, m = positions.shape
     if heads * m <= heads:  # (no room for the cut's next: the exact search)
         return headwise_victims(positions, scores, seen, rule)
-    held = positions >= 0
-    protected = held & (positions >= seen - rule.recent)
-    candidate = held & ~protected
-    key = torch.where(candidate, torch.nan_to_num(scores, nan=-math.inf, posinf=math.inf, neginf=-math.inf), math.inf)
+    key, candidate, may_lose = _candidates(positions, scores, seen, rule)
+    key = torch.where(candidate, key, math.inf)
     low, at = key.view(rows, heads * m).topk(heads + 1, dim=-1, largest=False, sorted=True)
-    may_lose = held.sum(-1) - protected.sum(-1).clamp(min=rule.floor)  # [rows, H]
-    sure = ((may_lose >= heads).all(-1) & (low[:, heads - 1] < math.inf) & (low[:, heads - 1] != low[:, heads])) | ~due
+    sure = ((may_lose[..., 0] >= heads).all(-1) & (low[:, heads - 1] < math.inf) & (low[:, heads - 1] != low[:, heads])) | ~due
 
     def lowest() -> tuple[torch.Tensor, torch.Tensor]:
         first = at[:, :heads]
