@@ -265,7 +265,7 @@ class HostEviction:
             if widest > layout.storage().slots:
                 raise RuntimeError(f"{self.policy!r} left {widest} tokens but declared capacity {self.policy.capacity}")
             layout.put_back()
-        fit = fitted_slots(layout.storage().slots, max(layout.rows.front)) if slots.ragged and slots.static is None and rounds else None
-        if fit is not None:  # the storage follows the widest head (kvpolicy_torch.headwise; static shapes: fixed)
+        fit = fitted_slots(layout.storage().slots, max(layout.rows.front)) if slots.ragged and rounds else None
+        if fit is not None:  # the storage follows the widest head (kvpolicy_torch.headwise)
             slots.fit_widest(layout, fit)
         return rounds

@@ -559,9 +559,10 @@ class LayerCache(LayerReads):
     def needs_settle(self) -> bool:
         """Whether a compiled (static-shaped) decode step may leave work to :meth:`settle`: a
         bounded policy without a one-token decode eviction (BUZZ, Scissorhands) evicts on the
-        host, between steps; and a storage that may still grow (an unbounded policy, or one
-        sized for ``reserve`` tokens that may be given more) grows there, before a step would
-        find no free slot. Then call :meth:`settle` after every compiled step."""
+        host, between steps; and a storage that may still grow (an unbounded policy, one
+        sized for ``reserve`` tokens that may be given more, or head-wise budgets' storage sized
+        by the widest head held) grows there, before a step would find no free slot. Then call
+        :meth:`settle` after every compiled step."""
         static = self._static
         if static is None:
             return False

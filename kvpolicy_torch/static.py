@@ -30,8 +30,10 @@ masked write that always runs: the victim is searched in every row and freed onl
 holds ``limit + 1`` tokens, so a step does the same work whether or not the cache is full. So is
 head-wise budgets' decode eviction (:class:`~kvpolicy.HeadwiseEviction`: the layer's ``H``
 lowest outside the floors, :func:`~kvpolicy_torch.headwise.step_victims`), where the heads hold
-``limit + 1`` tokens on average; its storage holds the widest a head may grow
-(:meth:`~kvpolicy.AdaKV.head_capacity`), so it never grows or compacts between steps.
+``limit + 1`` tokens on average; its storage is sized by the widest head held plus a growth step,
+and grows between steps (``LayerCache.settle``) when the host's bound on the widest head (one
+more a step, no read) reaches its end, up to the widest a head may hold
+(:meth:`~kvpolicy.AdaKV.head_capacity`): each growth is a new shape, so a new graph.
 Everything else (prompt chunks, a policy's general ``select``, compaction) changes shapes or asks
 the policy on the host; it runs between compiled steps (see ``LayerCache.settle``).
 """

@@ -149,7 +149,58 @@ def test_static_steps_keep_what_the_eager_layout_keeps(scorer, alpha, heads, pro
         if t == middle:
             assert held(layers[1]) == held(layers[0])  # (a read: the device's steps handed to the host)
     assert held(layers[1]) == held(layers[0])
-    assert layers[1].slots <= policy.head_capacity(heads)  # (static: the widest a head may grow, fixed)
+    assert layers[1].slots <= policy.head_capacity(heads)  # (static: the widest a head may grow, at most)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_static_storage_follows_the_widest_head_and_grows_between_steps(compiled) -> None:
+    """A static-shaped head-wise layer starts with slots for its widest head (not the most any
+    head may hold, :meth:`~kvpolicy.AdaKV.head_capacity`); where one head keeps gaining (AdaKV over
+    TOVA: head 1's queries attend to its first token alone, so its others score 0 and are the
+    layer's victims, while head 0 gains a token a step) the storage grows between steps, when the
+    host's bound on the widest head reaches its end (``settle``), and keeps what the eager layout
+    keeps; compiled (``fullgraph``), each growth is one more graph and no step overflows."""
+    from torch._dynamo.utils import counters
+
+    policy = AdaKV(TOVA(size=48, selection="per_head"), alpha_safeguard=0.0)
+    heads, prompt = 2, 96
+    g = torch.Generator().manual_seed(0)
+    eager, static = LayerCache(policy), LayerCache(policy, static_shapes=True)
+    quiet = torch.tensor([0.0, 1e-2], dtype=torch.float64).view(1, heads, 1, 1)  # head 0's keys 0 (uniform), head 1's small...
+    k = torch.randn(1, heads, prompt, 8, generator=g, dtype=torch.float64) * quiet
+    k[0, 1, 0] = 3.0  # ...but its first: head 1's queries attend to it alone
+    received = torch.rand(1, heads, prompt, generator=g, dtype=torch.float64)
+    for layer in (eager, static):
+        K, _ = layer.append(k, -k)
+        layer.accumulate(torch.nn.functional.pad(received, (0, K.shape[2] - prompt)))
+        layer.evict()
+    first = static.slots
+    assert first < policy.head_capacity(heads)
+
+    def step(layer, k, q):
+        layer.append(k, -k)
+        out = layer.attend(q, 0.7)
+        layer.evict()
+        return out
+
+    torch._dynamo.reset()
+    counters.clear()
+    run = torch.compile(step, fullgraph=True, dynamic=False, backend="eager") if compiled else step
+    sizes = {first}
+    for _ in range(50):
+        k = torch.randn(1, heads, 1, 8, generator=g, dtype=torch.float64) * quiet
+        q = torch.ones(1, heads, 1, 8, dtype=torch.float64)
+        torch.testing.assert_close(run(static, k, q), step(eager, k, q))
+        static.settle()  # (an eager static step settles in evict(); a compiled one leaves it here)
+        sizes.add(static.slots)
+    held = [[sorted(p for p in head if p >= 0) for head in layer.positions[0].tolist()] for layer in (eager, static)]
+    assert held[1] == held[0]
+    widest = max(len(h) for h in held[0])
+    assert widest > first and len(sizes) > 1 and max(sizes) <= policy.head_capacity(heads)  # it grew, to at most head_capacity
+    if compiled:
+        # a graph for each storage size (and, as in tests/torch/test_static.py, at most one more:
+        # the first step's trace guards on the layer's first-step state)
+        assert len(sizes) <= counters["stats"]["unique_graphs"] <= len(sizes) + 1
 
 
 def test_static_shapes_are_refused_without_a_declared_headwise_eviction_and_a_chunk_after_one_is_masked_per_head() -> None:

@@ -340,7 +340,8 @@ class EvictingCache(Cache):
     def needs_settle(self) -> bool:
         """Whether compiled decode steps leave work to :meth:`settle` (static shapes, and a bounded
         policy without a one-token decode eviction, BUZZ, Scissorhands; or a storage that may
-        still grow: an unbounded policy, or one given a ``max_tokens`` below its capacity)."""
+        still grow: an unbounded policy, one given a ``max_tokens`` below its capacity, or AdaKV's
+        storage, sized by the widest head held)."""
         return any(layer.store.needs_settle for layer in self.layers)
 
     def settle(self) -> list[list[tuple[int, int]]]:
