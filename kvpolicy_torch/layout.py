@@ -233,7 +233,9 @@ class SlotLayout:
         # (the kept views of the range inlined: every decode step of every layer reads them)
         views = self._kept.get(hi) if store is self._views_of else None
         self.views = views if views is not None else self.keep_views(store, hi)
-        self.bias_needed = self.needs_bias()
+        # (needs_bias for one eager row, inlined: its range ends at its frontier, so a hole is one
+        # below it; every decode step of every layer asks)
+        self.bias_needed = rows.front[0] != rows.count[0] if one and self.extra is None and not self.ragged else self.needs_bias()
 
     def write_chunk(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, real: list[int]) -> None:
         """Write a prompt chunk ``[batch, kv_heads, q, head_dim]`` after the furthest frontier of

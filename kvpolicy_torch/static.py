@@ -262,17 +262,6 @@ class DecodeState:
         out = torch.bmm(probs.view(b * h, r, n).to(v.dtype), v.view(b * h, n, -1))
         return out.view(b, 1, hq, -1), probs.sum(dim=2)
 
-    # ------------------------------------------------------------------ accumulate
-    @staticmethod
-    def accumulate(storage: Storage, received: torch.Tensor, statistic: str, group: int,
-                   history: int | None) -> None:
-        """Fold one query's ``received`` into the scores (:func:`~kvpolicy_torch.scores.fold_received`,
-        the eager layer's rule), a ``"low_history"`` query's as its record of low attention."""
-        pos = storage.positions
-        if statistic == "low_history":
-            received = low_attention(received, group, kept=pos >= 0).to(torch.float64)
-        fold_received(storage.scores, pos, received, statistic, history=history)
-
     # ------------------------------------------------------------------ evict
     def evict(self, storage: Storage, rule: DecodeEviction, shared: bool,
               reduce_scores=None) -> None:  # type: ignore[no-untyped-def]
@@ -392,12 +381,17 @@ class StaticSteps:
 
     def attend(self, store: Storage, query: torch.Tensor, scaling: float, options: StepOptions) -> torch.Tensor:
         """The step's attention over every slot, what each slot received folded into the scores
-        when the policy uses them; returns ``[batch, 1, q_heads, head_dim]``."""
+        when the policy uses them (:func:`~kvpolicy_torch.scores.fold_received`, the eager layer's
+        rule; a ``"low_history"`` query's as its record of low attention); returns ``[batch, 1,
+        q_heads, head_dim]``."""
         policy = self.policy
         out, received = self.state.attend(store, query, scaling, options)  # type: ignore[union-attr]
         if self.captures:
-            history = policy.score_history if policy.score_statistic == "low_history" else None  # type: ignore[attr-defined]
-            DecodeState.accumulate(store, received, policy.score_statistic, query.shape[1] // store.keys.shape[1], history)
+            statistic, history, pos = policy.score_statistic, None, store.positions
+            if statistic == "low_history":
+                history = policy.score_history  # type: ignore[attr-defined]
+                received = low_attention(received, query.shape[1] // store.keys.shape[1], kept=pos >= 0).to(torch.float64)
+            fold_received(store.scores, pos, received, statistic, history=history)
         return out
 
     def evict(self, store: Storage, running: RunningMoments | None) -> bool:

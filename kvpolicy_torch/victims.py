@@ -120,8 +120,11 @@ class PendingVictims(NamedTuple):
 
     index: int  #: the layer's index in the group
     hi: int  #: the eligible slots, ``[0, hi)``
-    free_alone: Callable[[], None]  #: frees them the layer's own way (the group could not search them with the others')
-    freed: Callable[[], None]  #: tells the layer the group freed them
+    #: the layer's eviction: the group clears its ``deferred`` when it freed them, or hands them
+    #: back (``free_alone(store, rows)``) when it could not search them with the others'
+    eviction: OneTokenEviction
+    store: Storage  #: the layer's storage
+    rows: Rows  #: its rows
     shared: bool  #: one victim for all heads, by the scores summed over the heads
     holes_by_position: bool  #: holes ranked ``+inf`` by their position (accumulated scores)
 
@@ -385,20 +388,21 @@ class LayerGroup:
                 self._segments, self.assembling = None, True
             self._promote()
 
-    def defer(self, index: int, hi: int, free_alone: Callable[[], None], freed: Callable[[], None],
+    def defer(self, index: int, hi: int, eviction: OneTokenEviction, store: Storage, rows: Rows,
               shared: bool = False, holes_by_position: bool = True) -> None:
         """Take layer ``index``'s victims of this step: the lowest score of slots ``[0, hi)`` per
         row and head (``shared``: per row, by the scores summed over the heads, one victim for all
         heads; ``holes_by_position``: holes ranked ``+inf`` by their position, as
-        :func:`~kvpolicy_torch.victims.lowest_victims` ranks accumulated scores). ``free_alone()``
-        frees them the layer's own way; ``freed()`` tells it the group did. Once every layer has
-        deferred, they are all found at once."""
+        :func:`~kvpolicy_torch.victims.lowest_victims` ranks accumulated scores), in ``store``
+        by ``rows``. The group clears ``eviction.deferred`` once it freed them, or hands them back
+        to :meth:`OneTokenEviction.free_alone` when it cannot search them with the others'. Once
+        every layer has deferred, they are all found at once."""
         if self._pending and self._pending[-1].index >= index:
             # layers defer in layer order: what waits is an earlier step's (a layer that deferred
             # while the others freed alone, as in the step the group moved to new tensors): free it
             # now, or every later step would wait for a layer one step behind and never search at once
             self.flush()
-        self._pending.append(PendingVictims(index, hi, free_alone, freed, shared, holes_by_position))
+        self._pending.append(PendingVictims(index, hi, eviction, store, rows, shared, holes_by_position))
         if len(self._pending) == self.layers:
             self.flush()
 
@@ -429,11 +433,11 @@ class LayerGroup:
                 victims = first_argmin(window).unsqueeze(-1)  # [layers, batch, heads, 1]
             mark_holes(self._pos, self._scores, self._bias, 3, victims)
             for p in pending:
-                p.freed()
+                p.eviction.deferred = False  # (an attribute, no call a layer: every decode step)
             self.batched_evictions += 1
             return
         for p in pending:
-            p.free_alone()
+            p.eviction.free_alone(p.store, p.rows)
 
     def _flush_segments(self, pending: list[PendingVictims], shared: bool, by_position: bool) -> None:
         """:meth:`flush` of ragged layers: each segment's plain scan of its slots ``[0, hi)``, for
@@ -454,7 +458,7 @@ class LayerGroup:
             victims = first_argmin(grid)  # [batch, heads, layers]
         mark_holes(pos, scores, bias, 2, victims + seg.starts)
         for p in pending:
-            p.freed()
+            p.eviction.deferred = False
         self.batched_evictions += 1
 
 
@@ -687,7 +691,6 @@ class OneTokenEviction:
         self.search = CandidateSearch()
         #: this step's victims are left to the group (never visible: any read of the layer flushes it)
         self.deferred = False
-        self._pending: tuple[Storage, Rows] | None = None
         self._every: list[int] = []  # (every row of the batch: evict_due's usual answer, kept)
 
     def uses_candidates(self, scores: torch.Tensor, hi: int, candidates: int, min_scores: int) -> bool:
@@ -754,8 +757,7 @@ class OneTokenEviction:
         for r in which:
             rows.count[r] -= 1
         if self.deferred and self.group is not None:
-            self._pending = (store, rows)
-            self.group.defer(self.index, rows.front[0] - rule.recent, self._free_alone, self._freed, self.shared,
+            self.group.defer(self.index, rows.front[0] - rule.recent, self, store, rows, self.shared,
                              holes_by_position=self.grows)
 
     def _deferrable(self, store: Storage, rows: Rows, candidates: int, min_scores: int) -> bool:
@@ -776,14 +778,10 @@ class OneTokenEviction:
             self.search.forget()  # (as the plain scan would)
         return True
 
-    def _freed(self) -> None:
-        self.deferred, self._pending = False, None
-
-    def _free_alone(self) -> None:
-        """Free this step's victims here (the group could not search them with the others')."""
-        assert self._pending is not None  # (set with deferred)
-        store, rows = self._pending
-        self._freed()
+    def free_alone(self, store: Storage, rows: Rows) -> None:
+        """Free this step's victims, deferred to the group (:attr:`deferred`), here: the group
+        could not search them with the others' (:meth:`LayerGroup.flush`)."""
+        self.deferred = False
         every = list(range(rows.batch))
         free_victims(*store.bookkeeping(), lowest_victims(store.scores, rows.front, self.rule, self.shared,
                                                           self.reduce_scores, positions=self._holes(store)), every)

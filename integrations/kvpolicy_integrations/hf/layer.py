@@ -256,6 +256,9 @@ class EvictingLayer(DynamicLayer):
         self.observes, self.captures = policy.observes_queries, policy.captures_attention
         self.padding = padding if padding is not None else Padding()
         self.pending = False
+        #: the step :meth:`update` appended runs on the device (a static-shaped decode step): the
+        #: attention that follows takes it there, without asking the store again
+        self.device_step = False
         self._seen_serial = -1
         self._prefix: PrefixShift | None = None
         #: What a static-shaped decode step of this layer adds to plain attention (fixed for the
@@ -351,11 +354,13 @@ class EvictingLayer(DynamicLayer):
             # a static-shaped decode step: device bookkeeping only (kvpolicy_torch.static); the
             # first step after no prompt takes the host path inside append (on_device stays False)
             keys, values = self.store.append(key_states, value_states)
-            if self.store.on_device:
+            self.device_step = self.store.on_device
+            if self.device_step:
                 self.pending = True
                 return keys, values
             self._prefix = None  # (a first step without a prompt: the host path below)
             return self._finish_update(keys, values)
+        self.device_step = False
         pad = self.padding
         valid = real = None
         if q > 1 and pad.serial != self._seen_serial:  # the padding noted for this forward (once per layer)
@@ -440,7 +445,7 @@ class EvictingLayer(DynamicLayer):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         if self.observes:  # Expected Attention: the queries' running moments, before evict()
             self.observe_queries(query, kwargs.get("position_ids"))
-        if store.static_shapes and store.on_device:  # a static-shaped decode step: one graph (kvpolicy_torch.static)
+        if self.device_step:  # a static-shaped decode step: one graph (kvpolicy_torch.static)
             if dropout or (_SDPA_ONLY & kwargs.keys() and not _fusable(kwargs)):  # (asked only if given: every step traces this)
                 raise ValueError(_unfusable_message(module, dropout, kwargs))
             out = store.attend(query, scale, options=self.step_options)
@@ -624,7 +629,7 @@ class EvictingLayer(DynamicLayer):
 
     def reset(self) -> None:
         self.store.reset()
-        self.pending = False
+        self.pending = self.device_step = False
         self.is_initialized = False
         self.nonfinite = None
 
