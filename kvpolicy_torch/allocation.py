@@ -187,8 +187,8 @@ class SlotAllocator:
         rows = layout.rows
         layout.compact([r for r in full if rows.count[r] < rows.front[r]], sink=self.sink, chunk_bytes=chunk_bytes)
         slots, widest, front = layout.storage().slots, max(rows.count), max(rows.front)
-        fit = min(grown_slots(widest), self.plan.planned)
-        if slots - widest < (fit - widest) / 2 or front >= slots:
+        fit, short = self._widest_room(slots, widest)
+        if short or front >= slots:
             if fit <= front:
                 raise RuntimeError(f"{self.policy!r} holds {widest} tokens in a head, more than it may ({self.plan.planned - 1})")
             self.fit_widest(layout, fit)
@@ -196,6 +196,13 @@ class SlotAllocator:
             shrunk = fitted_slots(slots, widest)
             if shrunk is not None and front < shrunk:
                 self.fit_widest(layout, shrunk)
+
+    def _widest_room(self, slots: int, widest: int) -> tuple[int, bool]:
+        """Head-wise budgets' growth rule, for a storage of ``slots`` whose widest head holds
+        ``widest``: the slots to fit it to (one growth step above the widest head, at most
+        :attr:`SlotPlan.planned`), and whether it is short of room (less than half a step left)."""
+        fit = min(grown_slots(widest), self.plan.planned)
+        return fit, slots - widest < (fit - widest) / 2
 
     def room_for_chunk(self, layout: SlotLayout, q: int, *, chunk_bytes: int) -> None:
         """Dense rows (a chunk sees its row's kept tokens in position order) and, where the plan
@@ -219,8 +226,8 @@ class SlotAllocator:
             # device when it reaches the end), and each growth is a new shape (a new graph when
             # compiled), so it grows by a step, not a slot (measured on the embedded model, 2,048
             # tokens, 25%: the widest head of a layer moves by ~3 tokens in 128 steps)
-            fit = min(grown_slots(widest), self.plan.planned)
-            if slots - widest < (fit - widest) / 2 and fit > slots:
+            fit, short = self._widest_room(slots, widest)
+            if short and fit > slots:
                 self.fit_widest(layout, fit)
             return
         if self.plan.can_grow(slots) and widest >= slots:
